@@ -1,0 +1,71 @@
+"""Checks on a (model, batch) pair that a fake trace cannot make: they need real values."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["check_batch", "describe_batch_mismatch"]
+
+
+def _position_limit(config) -> int | None:
+    """Longest input the model's position embeddings allow, or None when unbounded."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is None or getattr(config, "position_embedding_type", "absolute") != "absolute":
+        return None
+    model_type = getattr(config, "model_type", "")
+    if "roberta" in model_type or model_type in ("camembert", "longformer"):
+        # positions start after the padding index (RoBERTa's create_position_ids_from_input_ids)
+        limit -= (getattr(config, "pad_token_id", 1) or 0) + 1
+    if getattr(config, "rope_theta", None) is not None or "llama" in model_type:
+        return None   # rotary positions: no table to index
+    return limit
+
+
+def check_batch(model: nn.Module, batch) -> None:
+    """Raise ``ValueError`` naming the fix when ``batch`` cannot be fed to ``model``."""
+    if not isinstance(batch, Mapping):
+        return
+    config = getattr(model, "config", None)
+    ids = batch.get("input_ids")
+    if config is not None and isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        limit = _position_limit(config)
+        if limit is not None and ids.shape[-1] > limit:
+            raise ValueError(
+                f"the batch's sequence length {ids.shape[-1]} exceeds what "
+                f"{type(model).__name__} can embed ({limit} positions): use --seq-len <= {limit}"
+            )
+        vocab = getattr(config, "vocab_size", None)
+        if vocab and ids.device.type != "meta" and not isinstance(ids, torch._subclasses.FakeTensor):
+            top = int(ids.max()) if ids.numel() else 0
+            if top >= vocab:
+                raise ValueError(f"the batch holds token id {top} but the model's vocabulary has "
+                                 f"{vocab} entries: make the batch with this model's tokenizer")
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        accepted = None
+    else:
+        accepted = set(sig.parameters)
+    if accepted is not None:
+        extra = sorted(set(batch) - accepted)
+        if extra:
+            raise ValueError(
+                f"{type(model).__name__}.forward takes no argument(s) {', '.join(extra)} "
+                f"(batch keys: {sorted(batch)}); it accepts: {', '.join(sig.parameters)}"
+            )
+
+
+def describe_batch_mismatch(model: nn.Module, batch, error: Exception) -> ValueError:
+    """A ValueError for a shape error raised while running ``model(**batch)``."""
+    shapes = {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)} \
+        if isinstance(batch, Mapping) else type(batch).__name__
+    return ValueError(
+        f"the batch does not match {type(model).__name__}: {error} (batch: {shapes}). Make the "
+        "batch for this model (memfit.zoo specs have make_batch) or check its sizes"
+    )

@@ -1,0 +1,7 @@
+"""Real-run accounting (``track``): the lowest measuring layer."""
+
+from memfit.measure._ledger import CATEGORIES
+from memfit.measure._modules import ModuleRecord, find_blocks
+from memfit.measure.track import Tracker, track
+
+__all__ = ["CATEGORIES", "ModuleRecord", "Tracker", "find_blocks", "track"]

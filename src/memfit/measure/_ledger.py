@@ -1,0 +1,184 @@
+"""The ledger: every storage that is live during a tracked region, as an event log.
+
+Note 1 (what is counted). A *storage* is counted once, however many tensors view it, from the
+moment an op returns it (or, for a storage that was alive before the region, from the start of
+the region) until the storage dies. Death is observed through a weak reference to the
+``UntypedStorage`` object: PyTorch preserves that Python object for as long as the C++ storage
+lives (autograd's saved variables included), so the callback fires exactly when the bytes are
+released. Fake and meta storages behave the same way, which is what lets ``estimate`` and
+``track`` share this one counter.
+
+Note 2 (why an event log). Categories are only known late (a temporary becomes ``p.grad``; a
+state tensor is recognised after ``optimizer.step``), and tensors alive before the region may
+be discovered only when an op first reads them. So the ledger records events (+bytes at
+birth, -bytes at death) and resolves the timeline, the peak and the breakdown at the peak
+afterwards, with every storage's final category and entry storages counted from the start.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Categories, strongest first: a storage carries the strongest category it was ever marked with.
+CATEGORIES = ("params", "grads", "optimizer", "other", "inputs", "activations", "temporaries")
+PARAMS, GRADS, OPTIMIZER, OTHER, INPUTS, ACTIVATIONS, TEMPORARIES = range(len(CATEGORIES))
+
+
+def storages_of(t: torch.Tensor, device_type: str | None = None):
+    """The non-empty untyped storages behind ``t`` (the inner tensors of a wrapper subclass,
+    e.g. DTensor), only those of tensors on ``device_type`` when it is given.
+
+    The device is the tensor's: a fake tensor reports the device it stands for, while its
+    storage is a ``meta`` one.
+    """
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None and not isinstance(t, torch._subclasses.FakeTensor):
+        names, _ = flatten()
+        for name in names:
+            yield from storages_of(getattr(t, name), device_type)
+        return
+    if t.layout is not torch.strided or (device_type is not None and t.device.type != device_type):
+        return
+    st = t.untyped_storage()
+    if st.nbytes() > 0:
+        yield st
+
+
+@dataclass
+class Resolved:
+    """The ledger resolved after the region: all byte figures include entry storages."""
+
+    series: np.ndarray        # live bytes after each event (int64)
+    by_category: np.ndarray   # [events, categories] live bytes per category after each event
+    base_bytes: int           # live bytes at the start of the region
+    base_by_category: np.ndarray
+    peak_bytes: int
+    peak_event: int           # index of the event at the peak; -1 = the start of the region
+
+    def at(self, event: int) -> int:
+        return int(self.base_bytes if event < 0 else self.series[event])
+
+    def breakdown_at(self, event: int) -> dict[str, int]:
+        row = self.base_by_category if event < 0 else self.by_category[event]
+        return {name: int(row[i]) for i, name in enumerate(CATEGORIES)}
+
+    def max_between(self, start: int, end: int) -> int:
+        """Peak live bytes over events ``start..end`` (inclusive), with the value just before."""
+        before = self.at(start - 1)
+        if end < start:
+            return before
+        return max(before, int(self.series[start:end + 1].max()))
+
+
+class Ledger:
+    """Registers storages, records their births and deaths, and resolves the timeline."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self.current_bytes = 0          # live bytes known so far (online; for budgets)
+        self._sid_of: dict[int, int] = {}   # storage C pointer -> storage id
+        self._nbytes: list[int] = []        # per storage id
+        self._category: list[int] = []      # per storage id
+        self._refs: list[weakref.ref | None] = []
+        self._entry: dict[int, int] = {}    # storage id alive before the region -> its bytes then
+        self._ev_sid: list[int] = []        # event log: storage id
+        self._ev_delta: list[int] = []      # event log: +bytes at birth, -bytes at death
+        self.open = True
+
+    # -- registration -----------------------------------------------------------------------
+    def sid(self, storage) -> int | None:
+        return self._sid_of.get(storage._cdata)
+
+    def add(self, storage, category: int, *, entry: bool) -> int:
+        """Start counting ``storage``: born now, or (``entry``) alive since the region began."""
+        key = storage._cdata
+        sid = len(self._nbytes)
+        nbytes = storage.nbytes()
+        self._sid_of[key] = sid
+        self._nbytes.append(nbytes)
+        self._category.append(category)
+        self._refs.append(weakref.ref(storage, lambda _, sid=sid, key=key: self._died(sid, key)))
+        self.current_bytes += nbytes
+        if entry:
+            self._entry[sid] = nbytes
+        else:
+            self._ev_sid.append(sid)
+            self._ev_delta.append(nbytes)
+        return sid
+
+    def mark(self, storage, category: int) -> None:
+        sid = self._sid_of.get(storage._cdata)
+        if sid is not None and category < self._category[sid]:
+            self._category[sid] = category
+
+    def mark_tensor(self, t, category: int, *, entry: bool = False) -> None:
+        """Mark every storage of ``t``, registering it first (as entry-alive if ``entry``)."""
+        if not isinstance(t, torch.Tensor):
+            return
+        for st in storages_of(t, self.device_type):
+            if self.sid(st) is None:
+                self.add(st, category, entry=entry)
+            else:
+                self.mark(st, category)
+
+    def resize(self, storage) -> None:
+        """A storage changed size in place (``resize_``/``set_``): record the difference."""
+        sid = self._sid_of.get(storage._cdata)
+        if sid is None:
+            return
+        delta = storage.nbytes() - self._nbytes[sid]
+        if delta:
+            self._nbytes[sid] += delta
+            self.current_bytes += delta
+            self._ev_sid.append(sid)
+            self._ev_delta.append(delta)
+
+    def _died(self, sid: int, key: int) -> None:
+        if not self.open:
+            return
+        if self._sid_of.get(key) == sid:
+            del self._sid_of[key]
+        self.current_bytes -= self._nbytes[sid]
+        self._ev_sid.append(sid)
+        self._ev_delta.append(-self._nbytes[sid])
+
+    def close(self) -> None:
+        """Stop listening for deaths (storages that outlive the region stay counted live)."""
+        self.open = False
+
+    # -- queries ----------------------------------------------------------------------------
+    @property
+    def num_events(self) -> int:
+        return len(self._ev_delta)
+
+    def category_of(self, storage) -> int | None:
+        sid = self._sid_of.get(storage._cdata)
+        return None if sid is None else self._category[sid]
+
+    def nbytes_of_sid(self, sid: int) -> int:
+        return self._nbytes[sid]
+
+    def resolve(self) -> Resolved:
+        ncat = len(CATEGORIES)
+        cats = np.asarray(self._category, dtype=np.int64)
+        base_by_cat = np.zeros(ncat, dtype=np.int64)
+        for sid, nbytes in self._entry.items():
+            base_by_cat[cats[sid]] += nbytes
+        sids = np.asarray(self._ev_sid, dtype=np.int64)
+        deltas = np.asarray(self._ev_delta, dtype=np.int64)
+        per_cat = np.zeros((len(deltas), ncat), dtype=np.int64)
+        if len(deltas):
+            per_cat[np.arange(len(deltas)), cats[sids]] = deltas
+        by_cat = base_by_cat + np.cumsum(per_cat, axis=0)
+        base = int(base_by_cat.sum())
+        series = base + np.cumsum(deltas)
+        if len(series) and series.max() > base:
+            peak_event = int(series.argmax())
+            peak = int(series[peak_event])
+        else:
+            peak_event, peak = -1, base
+        return Resolved(series, by_cat, base, base_by_cat, peak, peak_event)

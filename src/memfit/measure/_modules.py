@@ -1,0 +1,171 @@
+"""Which module is running: forward and backward windows, innermost module, per-module records.
+
+Forward is followed with per-module hooks on the tracked model (``with_kwargs`` so that keyword
+inputs count as inputs); backward with PyTorch's ``ModTracker``, which places multi-grad hooks
+on module outputs and inputs and so adds no tensors and changes no memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils._pytree import tree_flatten
+
+from memfit.measure._ledger import storages_of
+
+
+@dataclass
+class ModuleRecord:
+    """What one module did during the tracked region. Bytes are storage bytes on the device."""
+
+    name: str                 # qualified name in the model ("" for the root)
+    type: str                 # class name
+    order: int                # position of its first forward call among all modules
+    calls: int = 0            # forward calls
+    param_bytes: int = 0      # its parameters (and sub-modules'), each storage once
+    input_bytes: int = 0      # tensor inputs of its first forward call (what a checkpoint keeps)
+    saved_bytes: int = 0      # bytes autograd saved for backward inside it (each storage once)
+    fw_flops: int = 0         # forward FLOPs inside it (matmul/conv/attention, FlopCounter rules)
+    bw_flops: int = 0         # backward FLOPs inside it
+    fw_peak_bytes: int = 0    # live bytes peak while its forward ran (whole device, not only its own)
+    bw_peak_bytes: int = 0    # live bytes peak while its backward ran
+    is_block: bool = False    # one of the model's repeated layers (see ``find_blocks``)
+    _saved: set = field(default_factory=set, repr=False)
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """Qualified names of the model's repeated layers.
+
+    transformers' ``GradientCheckpointingLayer`` instances where present, else the children of
+    the largest ``ModuleList``/``Sequential`` whose children all have the same type.
+    """
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # older transformers
+        GradientCheckpointingLayer = None
+    if GradientCheckpointingLayer is not None:
+        names = [n for n, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+        # keep only the outermost ones
+        names = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+        if names:
+            return names
+    best: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > len(best):
+            kinds = {type(c) for c in m}
+            if len(kinds) == 1:
+                best = [f"{name}.{k}" if name else k for k, _ in m.named_children()]
+    return best
+
+
+class ModuleWatch:
+    """Keeps the stack of running modules and a record per module of the tracked model."""
+
+    def __init__(self, model: nn.Module | None, on_enter, on_exit):
+        self.model = model
+        self.records: dict[str, ModuleRecord] = {}
+        self.stack: list[str] = []      # running modules, outermost first
+        self._names: dict[int, str] = {}
+        self._on_enter = on_enter       # (name, phase) -> None; phase is "fw" or "bw"
+        self._on_exit = on_exit
+        self._handles = []
+        self._mod_tracker = ModTracker()
+        if model is not None:
+            for name, m in model.named_modules(remove_duplicate=False):
+                self._names.setdefault(id(m), name)
+
+    @property
+    def innermost(self) -> str | None:
+        return self.stack[-1] if self.stack else None
+
+    def name_of(self, m: nn.Module | None) -> str | None:
+        return None if m is None else self._names.get(id(m))
+
+    def __enter__(self):
+        if self.model is None:
+            return self
+        blocks = set(find_blocks(self.model))
+        for name, m in self.model.named_modules():
+            self._handles.append(m.register_forward_pre_hook(self._pre_fw, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post_fw, always_call=True))
+            rec = self.records.setdefault(name, ModuleRecord(name, type(m).__name__, order=-1))
+            rec.is_block = name in blocks
+            rec.param_bytes = _unique_bytes(m.parameters())
+        self._mod_tracker.register_user_hooks(pre_bw_hook=self._pre_bw, post_bw_hook=self._post_bw)
+        self._mod_tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.model is None:
+            return
+        self._mod_tracker.__exit__(*exc)
+        self._mod_tracker.clear_user_hooks()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # forward: hooks on the tracked model's own modules
+    def _pre_fw(self, m, args, kwargs):
+        name = self._names.get(id(m))
+        if name is None or torch._C._current_graph_task_id() != -1:
+            return
+        rec = self.records[name]
+        if rec.order < 0:
+            rec.order = sum(r.order >= 0 for r in self.records.values())
+            rec.input_bytes = _unique_bytes(tree_flatten((args, kwargs))[0])
+        rec.calls += 1
+        self.stack.append(name)
+        self._on_enter(name, "fw")
+
+    def _post_fw(self, m, args, output):
+        name = self._names.get(id(m))
+        if name is None or torch._C._current_graph_task_id() != -1:
+            return
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+            self._on_exit(name, "fw")
+
+    # backward: ModTracker's multi-grad hooks
+    def _pre_bw(self, m, grads):
+        name = self.name_of(m)
+        if name is not None:
+            self.stack.append(name)
+            self._on_enter(name, "bw")
+
+    def _post_bw(self, m, grads):
+        name = self.name_of(m)
+        if name is not None and name in self.stack:
+            # backward does not always nest cleanly: remove the latest entry of this module
+            idx = len(self.stack) - 1 - self.stack[::-1].index(name)
+            del self.stack[idx]
+            self._on_exit(name, "bw")
+
+    def saved(self, storage, sid: int, nbytes: int) -> None:
+        """Attribute a storage saved for backward to every module now running forward."""
+        for name in self.stack:
+            rec = self.records[name]
+            if sid not in rec._saved:
+                rec._saved.add(sid)
+                rec.saved_bytes += nbytes
+
+    def flops(self, n: int, backward: bool) -> None:
+        for name in self.stack:
+            rec = self.records[name]
+            if backward:
+                rec.bw_flops += n
+            else:
+                rec.fw_flops += n
+
+
+def _unique_bytes(items) -> int:
+    seen, total = set(), 0
+    for t in items:
+        if isinstance(t, torch.Tensor):
+            for st in storages_of(t):
+                if st._cdata not in seen:
+                    seen.add(st._cdata)
+                    total += st.nbytes()
+    return total

@@ -1,0 +1,372 @@
+"""``memfit.track``: exact accounting of a real (or fake) run, op by op.
+
+Note 1 (op boundaries). A ``TorchDispatchMode`` sees every aten op after autograd and
+composite decomposition. After each op the storages it returned are counted; storages die
+through the ledger's weak references (see ``_ledger`` Note 1). Bytes a kernel allocates and
+frees inside itself are not visible at op boundaries and are not counted, on any device.
+
+Note 2 (budgets). With a budget, an op whose new storages would take the live bytes past it
+has no effect: its outputs are dropped before anyone sees them, a random op's generator state
+is restored, and an op that both writes its inputs and allocates has those inputs restored
+from a copy taken before it ran. Then ``memfit.OutOfMemory`` is raised.
+
+Note 3 (categories). params and buffers of ``model``; grads (``p.grad``, seen by
+post-accumulate hooks and at exit); optimizer (state tensors and master weights of
+``optimizer``); inputs (storages alive before the region that are not model or optimizer
+state, found when an op first reads them); activations (saved for backward); temporaries
+(everything else born in the region). Buffers count as "other".
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from memfit.errors import OutOfMemory
+from memfit.measure import _ledger as L
+from memfit.measure._ledger import Ledger, storages_of
+from memfit.measure._modules import ModuleRecord, ModuleWatch
+from memfit.units import parse_bytes
+
+__all__ = ["Tracker", "track"]
+
+_aten = torch.ops.aten
+
+
+class _CountingMode(TorchDispatchMode):
+    """Counts the storages each op returns (and those it reads for the first time)."""
+
+    def __init__(self, tracker: "Tracker"):
+        super().__init__()
+        self.t = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t = self.t
+        kwargs = kwargs or {}
+        if func in _METADATA:    # queries that allocate nothing (asked often by fake tensors)
+            return func(*args, **kwargs)
+        flat_in, _ = tree_flatten((args, kwargs))
+        ledger = t.ledger
+        for x in flat_in:
+            if isinstance(x, torch.Tensor):
+                for st in storages_of(x, ledger.device_type):
+                    if ledger.sid(st) is None:
+                        ledger.add(st, L.INPUTS, entry=True)
+        t.ops += 1
+        t.last_op = func
+        if t.budget_bytes is None:
+            try:
+                out = func(*args, **kwargs)
+            except Exception as e:
+                t.note_failure(e, func)
+                raise
+            self._count(func, args, kwargs, out)
+            return out
+        with t.undo_on_oom(func, args):
+            out = func(*args, **kwargs)
+            self._count(func, args, kwargs, out)
+        return out
+
+    def _count(self, func, args, kwargs, out):
+        t = self.t
+        ledger = t.ledger
+        new = []
+        for x in tree_flatten(out)[0]:
+            if isinstance(x, torch.Tensor):
+                for st in storages_of(x, ledger.device_type):
+                    if ledger.sid(st) is None:
+                        if all(st._cdata != s._cdata for s in new):
+                            new.append(st)
+                    elif func in _RESIZING:
+                        ledger.resize(st)
+        requested = sum(st.nbytes() for st in new)
+        if t.budget_bytes is not None and ledger.current_bytes + requested > t.budget_bytes:
+            raise OutOfMemory(requested_bytes=requested, live_bytes=ledger.current_bytes,
+                              budget_bytes=t.budget_bytes, op=str(func), module=t.watch.innermost)
+        for st in new:
+            ledger.add(st, L.TEMPORARIES, entry=False)
+        if ledger.current_bytes > t.online_peak_bytes:
+            t.online_peak_bytes = ledger.current_bytes
+        t.op_events.append(ledger.num_events)
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            n = int(counter(*args, **kwargs, out_val=out))
+            backward = torch._C._current_graph_task_id() != -1
+            if backward:
+                t.bw_flops += n
+            else:
+                t.fw_flops += n
+            t.watch.flops(n, backward)
+
+
+_METADATA = {torch.ops.prim.device.default, _aten.sym_size.int, _aten.sym_stride.int,
+             _aten.sym_numel.default, _aten.sym_storage_offset.default,
+             _aten.is_contiguous.default, _aten.is_contiguous.memory_format}
+
+_RESIZING = {_aten.resize_.default, _aten.set_.source_Storage, _aten.set_.source_Tensor,
+             _aten.set_.source_Storage_storage_offset}
+
+
+class Tracker:
+    """Live-bytes accounting of everything run inside ``with track(...)``.
+
+    After the block: ``peak_bytes``, ``breakdown`` (category -> bytes at the peak),
+    ``timeline`` (live bytes after each op), ``timeline_by_category``, ``modules``
+    (qualified name -> ``ModuleRecord``), ``fw_flops``/``bw_flops``, and on CUDA
+    ``cuda_max_allocated_bytes``/``cuda_max_reserved_bytes`` from the caching allocator.
+    """
+
+    def __init__(self, model: nn.Module | None = None, optimizer=None, budget=None,
+                 device: str | torch.device | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.budget_bytes = None if budget is None else parse_bytes(budget)
+        self.device_type = _device_type(model, device)
+        self.ledger = Ledger(self.device_type)
+        self.watch = ModuleWatch(model, self._module_enter, self._module_exit)
+        self.ops = 0
+        self.op_events: list[int] = []      # ledger event count after each op
+        self.online_peak_bytes = 0
+        self.fw_flops = 0
+        self.bw_flops = 0
+        self.last_op = None
+        self.cuda_max_allocated_bytes: int | None = None
+        self.cuda_max_reserved_bytes: int | None = None
+        self._windows: list[tuple[str, str, int, int]] = []   # name, phase, start, end event
+        self._open: dict[tuple[str, str], list[int]] = {}
+        self._stack = contextlib.ExitStack()
+        self._resolved = None
+        self.failed_op: str | None = None       # op and module of an exception raised inside
+        self.failed_module: str | None = None
+
+    # -- context ----------------------------------------------------------------------------
+    def __enter__(self) -> "Tracker":
+        self._register_state(entry=True)
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        s = self._stack
+        try:
+            s.enter_context(self.watch)
+            s.callback(self._remove_hooks, self._add_hooks())
+            s.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+            s.enter_context(_CountingMode(self))
+        except BaseException:
+            s.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+        self._register_state(entry=False)
+        self.ledger.close()
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+            self.cuda_max_allocated_bytes = torch.cuda.max_memory_allocated()
+            self.cuda_max_reserved_bytes = torch.cuda.max_memory_reserved()
+        self._finish_modules()
+        return False
+
+    # -- results ----------------------------------------------------------------------------
+    @property
+    def resolved(self) -> L.Resolved:
+        if self._resolved is None or self.ledger.open:
+            self._resolved = self.ledger.resolve()
+        return self._resolved
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.resolved.peak_bytes
+
+    @property
+    def current_bytes(self) -> int:
+        r = self.resolved
+        return r.at(self.ledger.num_events - 1)
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        r = self.resolved
+        return r.breakdown_at(r.peak_event)
+
+    @property
+    def timeline(self) -> list[int]:
+        """Live bytes after each op, in order (frees before the next op included)."""
+        r = self.resolved
+        return [r.at(e - 1) for e in self.op_events]
+
+    @property
+    def timeline_by_category(self) -> dict[str, list[int]]:
+        r = self.resolved
+        out = {c: [] for c in L.CATEGORIES}
+        for e in self.op_events:
+            for name, v in r.breakdown_at(e - 1).items():
+                out[name].append(v)
+        return out
+
+    @property
+    def modules(self) -> dict[str, ModuleRecord]:
+        return self.watch.records
+
+    # -- internals --------------------------------------------------------------------------
+    def _register_state(self, entry: bool) -> None:
+        """Count (at entry) or classify (at exit) the model's and optimizer's tensors."""
+        led = self.ledger
+        if self.model is not None:
+            for p in self.model.parameters():
+                led.mark_tensor(p, L.PARAMS, entry=entry)
+                if p.grad is not None:
+                    led.mark_tensor(p.grad, L.GRADS, entry=entry)
+            for b in self.model.buffers():
+                led.mark_tensor(b, L.OTHER, entry=entry)
+        if self.optimizer is not None:
+            self._mark_optimizer(entry)
+
+    def _mark_optimizer(self, entry: bool, *_):
+        led = self.ledger
+        model_params = set()
+        if self.model is not None:
+            model_params = {id(p) for p in self.model.parameters()}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in model_params:          # e.g. fp32 master weights
+                    led.mark_tensor(p, L.OPTIMIZER, entry=entry)
+                    if p.grad is not None:
+                        led.mark_tensor(p.grad, L.GRADS, entry=entry)
+        for state in self.optimizer.state.values():
+            for v in tree_flatten(state)[0]:
+                led.mark_tensor(v, L.OPTIMIZER, entry=entry)
+
+    def _add_hooks(self) -> list:
+        handles = []
+        if self.model is not None:
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        if self.optimizer is not None and hasattr(self.optimizer, "register_step_post_hook"):
+            handles.append(self.optimizer.register_step_post_hook(
+                lambda *a: self._mark_optimizer(False)))
+        return handles
+
+    @staticmethod
+    def _remove_hooks(handles) -> None:
+        for h in handles:
+            h.remove()
+
+    def _grad_ready(self, p) -> None:
+        if p.grad is not None:
+            self.ledger.mark_tensor(p.grad, L.GRADS)
+
+    def _pack(self, x):
+        """Mark what autograd saves as activations and charge it to the running modules.
+
+        A storage not yet counted here can only come from outside the region (an op's outputs
+        are counted before autograd saves them), so it is counted as an entry input.
+        """
+        if isinstance(x, torch.Tensor):
+            led = self.ledger
+            for st in storages_of(x, led.device_type):
+                sid = led.sid(st)
+                if sid is None:
+                    sid = led.add(st, L.INPUTS, entry=True)
+                led.mark(st, L.ACTIVATIONS)
+                if self.watch.stack and led.category_of(st) not in (L.PARAMS, L.OTHER):
+                    self.watch.saved(st, sid, led.nbytes_of_sid(sid))
+        return x
+
+    def _module_enter(self, name: str, phase: str) -> None:
+        self._open.setdefault((name, phase), []).append(self.ledger.num_events)
+
+    def _module_exit(self, name: str, phase: str) -> None:
+        starts = self._open.get((name, phase))
+        if starts:
+            self._windows.append((name, phase, starts.pop(), self.ledger.num_events - 1))
+
+    def _finish_modules(self) -> None:
+        end = self.ledger.num_events - 1
+        for (name, phase), starts in self._open.items():     # windows still open at exit
+            for s in starts:
+                self._windows.append((name, phase, s, end))
+        self._open.clear()
+        r = self.resolved
+        for name, phase, start, stop in self._windows:
+            rec = self.watch.records.get(name)
+            if rec is None:
+                continue
+            peak = r.max_between(start, stop)
+            if phase == "fw":
+                rec.fw_peak_bytes = max(rec.fw_peak_bytes, peak)
+            else:
+                rec.bw_peak_bytes = max(rec.bw_peak_bytes, peak)
+
+    @contextlib.contextmanager
+    def undo_on_oom(self, func, args):
+        """Run one op so that, if it raises ``OutOfMemory``, it leaves no trace (Note 2)."""
+        rng = torch.get_rng_state() if torch.Tag.nondeterministic_seeded in func.tags else None
+        written = _written_args(func, args) if _allocates_and_writes(func) else []
+        backup = [w.detach().clone() for w in written]
+        try:
+            yield
+        except OutOfMemory:
+            with torch.utils._python_dispatch._disable_current_modes():
+                for w, b in zip(written, backup):
+                    w.detach().copy_(b)
+                if rng is not None:
+                    torch.set_rng_state(rng)
+            raise
+        except Exception as e:
+            self.note_failure(e, func)
+            raise
+
+    def note_failure(self, e: Exception, func) -> None:
+        """Say, on the exception, which op and module raised it (once)."""
+        if hasattr(e, "add_note") and not getattr(e, "_memfit_noted", False):
+            where = self.watch.innermost
+            e.add_note(f"memfit: raised by {func}" + (f" in module '{where}'" if where else ""))
+            e._memfit_noted = True
+        self.failed_op = str(func)
+        self.failed_module = self.watch.innermost
+
+
+def _unpack(x):
+    return x
+
+
+def _allocates_and_writes(func) -> bool:
+    schema = func._schema
+    if not schema.is_mutable:
+        return False
+    return any(r.alias_info is None for r in schema.returns)
+
+
+def _written_args(func, args) -> list[torch.Tensor]:
+    out = []
+    for a, x in zip(func._schema.arguments, args):
+        if a.alias_info is not None and a.alias_info.is_write and isinstance(x, torch.Tensor):
+            out.append(x)
+    return out
+
+
+def _device_type(model, device) -> str:
+    if device is not None:
+        return torch.device(device).type
+    if model is not None:
+        for p in model.parameters():
+            return p.device.type
+    return "cpu"
+
+
+def track(model: nn.Module | None = None, optimizer=None, budget=None,
+          device: str | torch.device | None = None) -> Tracker:
+    """Measure the live tensor bytes of the code run inside ``with track(...) as t:``.
+
+    ``model``/``optimizer`` let memfit count their tensors from the start and sort bytes into
+    categories; ``budget`` (bytes, or a string like ``"11GiB"``) makes the op that would cross
+    it raise ``memfit.OutOfMemory`` without effect; ``device`` picks the device whose bytes
+    count (default: where the model is, else the CPU).
+    """
+    return Tracker(model=model, optimizer=optimizer, budget=budget, device=device)

@@ -1,0 +1,103 @@
+"""``profile_step``: one canonical step on fakes, counted by the same ``Tracker`` as real runs.
+
+Note 1 (steady state). Peak is defined over a steady-state step (step >= 2): the optimizer
+state exists and the previous step's gradients are still alive when the step begins (the
+step's first act, ``zero_grad(set_to_none=True)``, frees them). Before the counted step we
+therefore give every trainable parameter a gradient and run one untracked ``optimizer.step``,
+which creates the state exactly as the real first step does.
+
+Note 2 (mode order). The fake mode is entered first and the counting mode on top of it, so the
+counter sees each op once, as the real run does, and not the decompositions the fake mode may
+run underneath.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from memfit.errors import TraceError
+from memfit.measure import ModuleRecord, Tracker
+from memfit.trace.fake import FakeCopier
+
+__all__ = ["StepProfile", "profile_step", "warm_up_optimizer"]
+
+
+@dataclass
+class StepProfile:
+    """What one traced step does with memory. Bytes are storage bytes on the device."""
+
+    peak_bytes: int
+    breakdown: dict[str, int]                 # category -> bytes at the peak
+    timeline: list[int]                       # live bytes after each op
+    timeline_by_category: dict[str, list[int]]
+    phases: dict[str, int]                    # phase name -> index of its first op
+    modules: dict[str, ModuleRecord]          # qualified name -> record, in execution order
+    fw_flops: int                             # forward FLOPs of the step
+    bw_flops: int                             # backward FLOPs of the step
+    num_ops: int
+    trace_seconds: float                      # wall time of the traced step
+    blocks: list[str] = field(default_factory=list)
+
+
+def warm_up_optimizer(model: nn.Module, optimizer) -> None:
+    """Create optimizer state and leave gradients alive, as after a first step (Note 1)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p in params:           # the previous step's gradients, alive at the next step's start
+        p.grad = torch.zeros_like(p)
+
+
+def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier: FakeCopier,
+                 model: nn.Module, optimizer, warm_up: bool = True) -> StepProfile:
+    """Trace ``run_step(on_phase)`` on fakes made by ``copier`` and count it.
+
+    ``model`` and ``optimizer`` are the fake ones the step uses; they are counted from the start
+    (parameters, gradients, optimizer state) and sort the bytes into categories.
+    """
+    with copier.mode:
+        if warm_up:
+            warm_up_optimizer(model, optimizer)
+        tracker = Tracker(model=model, optimizer=optimizer, device=copier.device)
+        phases: dict[str, int] = {}
+        start = time.perf_counter()
+        try:
+            with tracker:
+                run_step(lambda name: phases.setdefault(name, tracker.ops))
+        except (torch._subclasses.fake_tensor.DataDependentOutputException,
+                torch._subclasses.fake_tensor.UnsupportedOperatorException,
+                torch._subclasses.fake_tensor.DynamicOutputShapeException, NotImplementedError) as e:
+            raise _trace_error(e, tracker) from e
+        seconds = time.perf_counter() - start
+    records = sorted((r for r in tracker.modules.values() if r.order >= 0), key=lambda r: r.order)
+    return StepProfile(
+        peak_bytes=tracker.peak_bytes,
+        breakdown=tracker.breakdown,
+        timeline=tracker.timeline,
+        timeline_by_category=tracker.timeline_by_category,
+        phases=phases,
+        modules={r.name: r for r in records},
+        fw_flops=tracker.fw_flops,
+        bw_flops=tracker.bw_flops,
+        num_ops=tracker.ops,
+        trace_seconds=seconds,
+        blocks=[r.name for r in records if r.is_block],
+    )
+
+
+def _trace_error(e: Exception, tracker: Tracker) -> TraceError:
+    op, module = tracker.failed_op, tracker.failed_module
+    where = f" in module '{module}'" if module else ""
+    return TraceError(
+        f"the fake trace cannot run {op or 'an op'}{where}: {type(e).__name__}: {e}. "
+        "This op needs real data (a data-dependent shape or a Python value read from a "
+        "tensor) or has no fake implementation; pass loss_fn to avoid it, or measure the real "
+        "step with memfit.track instead.",
+        op=op, module=module,
+    )
