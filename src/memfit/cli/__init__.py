@@ -1,0 +1,37 @@
+"""``memfit`` command line: one module per subcommand, each a thin shell over the API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from memfit.cli import estimate as _estimate
+
+__all__ = ["main"]
+
+_COMMANDS = {"estimate": _estimate}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="memfit",
+        description="Make a PyTorch training step fit the GPU memory you have. With no "
+                    "subcommand, runs `memfit estimate` on its built-in default.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in _COMMANDS.items():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["estimate", *argv]
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except ValueError as e:     # bad input: say what and how to fix, without a traceback
+        print(f"memfit: error: {e}", file=sys.stderr)
+        return 2
