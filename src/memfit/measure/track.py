@@ -93,6 +93,7 @@ class _CountingMode(TorchDispatchMode):
         if ledger.current_bytes > t.online_peak_bytes:
             t.online_peak_bytes = ledger.current_bytes
         t.op_events.append(ledger.num_events)
+        t.op_log.append(func)
         counter = flop_registry.get(func._overloadpacket)
         if counter is not None:
             n = int(counter(*args, **kwargs, out_val=out))
@@ -131,6 +132,7 @@ class Tracker:
         self.watch = ModuleWatch(model, self._module_enter, self._module_exit)
         self.ops = 0
         self.op_events: list[int] = []      # ledger event count after each op
+        self.op_log: list = []              # the aten op of each counted op, in order
         self.online_peak_bytes = 0
         self.fw_flops = 0
         self.bw_flops = 0

@@ -1,0 +1,164 @@
+"""The built-in models: real configs copied from the hub's config.json files, found by name.
+
+Note 1 (what is copied). Each ``config_values`` dict copies the fields of the hub config.json
+named in ``source`` that shape the model or its numerics (sizes, vocabulary, positions, norm
+epsilons, dropouts, activation, special ids, tying, RoPE). Left out: ``architectures`` (the
+``architectures`` map replaces it), ``model_type`` (the config class), ``torch_dtype`` (memfit
+builds in float32 unless told), ``transformers_version``, label names (``num_labels`` keeps
+their count) and generation-only ``task_specific_params``.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from transformers import (BertConfig, GPT2Config, LlamaConfig, ResNetConfig, RobertaConfig, T5Config,
+                          ViTConfig, XLMRobertaConfig)
+
+from memfit.zoo._spec import ModelSpec
+
+__all__ = ["get", "names"]
+
+
+def _encoder_tasks(prefix: str) -> dict[str, str]:
+    return {"sequence-classification": f"{prefix}ForSequenceClassification",
+            "token-classification": f"{prefix}ForTokenClassification",
+            "masked-lm": f"{prefix}ForMaskedLM"}
+
+
+# --- BERT / RoBERTa / XLM-R: post-norm encoders --------------------------------------------------
+_BERT = dict(attention_probs_dropout_prob=0.1, hidden_act="gelu", hidden_dropout_prob=0.1, hidden_size=768,
+             initializer_range=0.02, intermediate_size=3072, layer_norm_eps=1e-12, max_position_embeddings=512,
+             num_attention_heads=12, num_hidden_layers=12, pad_token_id=0, position_embedding_type="absolute",
+             type_vocab_size=2, vocab_size=30522)
+_ROBERTA = dict(attention_probs_dropout_prob=0.1, bos_token_id=0, eos_token_id=2, hidden_act="gelu",
+                hidden_dropout_prob=0.1, hidden_size=768, initializer_range=0.02, intermediate_size=3072,
+                layer_norm_eps=1e-05, max_position_embeddings=514, num_attention_heads=12,
+                num_hidden_layers=12, pad_token_id=1, type_vocab_size=1, vocab_size=50265)
+_LARGE = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_hidden_layers=24)
+_TINY_ENCODER = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
+                     vocab_size=128, max_position_embeddings=128)
+# RoBERTa positions start at padding_idx + 1 = 2: 130 positions hold 128 tokens.
+_TINY_ROBERTA = {**_TINY_ENCODER, "max_position_embeddings": 130}
+
+# --- GPT-2: pre-norm decoder, learned positions, tied LM head ------------------------------------
+_GPT2 = dict(activation_function="gelu_new", attn_pdrop=0.1, bos_token_id=50256, embd_pdrop=0.1,
+             eos_token_id=50256, initializer_range=0.02, layer_norm_epsilon=1e-05, n_ctx=1024, n_embd=768,
+             n_head=12, n_layer=12, n_positions=1024, resid_pdrop=0.1, summary_activation=None,
+             summary_first_dropout=0.1, summary_proj_to_labels=True, summary_type="cls_index",
+             summary_use_proj=True, vocab_size=50257)
+_TINY_GPT2 = dict(n_embd=64, n_head=4, n_layer=2, n_positions=128, n_ctx=128, vocab_size=128, bos_token_id=127,
+                  eos_token_id=127)
+
+# --- Llama: RMSNorm, SwiGLU, RoPE ----------------------------------------------------------------
+_LLAMA_3_2_1B = dict(attention_bias=False, attention_dropout=0.0, bos_token_id=128000, eos_token_id=128001,
+                     head_dim=64, hidden_act="silu", hidden_size=2048, initializer_range=0.02,
+                     intermediate_size=8192, max_position_embeddings=131072, mlp_bias=False,
+                     num_attention_heads=32, num_hidden_layers=16, num_key_value_heads=8, pretraining_tp=1,
+                     rms_norm_eps=1e-05,
+                     rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                     rope_theta=500000.0, tie_word_embeddings=True, use_cache=True, vocab_size=128256)
+_LLAMA_2_7B = dict(bos_token_id=1, eos_token_id=2, hidden_act="silu", hidden_size=4096, initializer_range=0.02,
+                   intermediate_size=11008, max_position_embeddings=4096, num_attention_heads=32,
+                   num_hidden_layers=32, num_key_value_heads=32, pretraining_tp=1, rms_norm_eps=1e-05,
+                   rope_scaling=None, tie_word_embeddings=False, use_cache=True, vocab_size=32000)
+_TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                   num_hidden_layers=2, vocab_size=128, max_position_embeddings=128)
+_TINY_LLAMA_3 = {**_TINY_LLAMA, "num_key_value_heads": 2, "head_dim": 16, "bos_token_id": 1, "eos_token_id": 2,
+                 "rope_scaling": {**_LLAMA_3_2_1B["rope_scaling"], "original_max_position_embeddings": 32}}
+
+# --- T5 v1.0: encoder-decoder, relative position buckets, tied LM head ---------------------------
+_T5_BASE = dict(d_ff=3072, d_kv=64, d_model=768, decoder_start_token_id=0, dropout_rate=0.1, eos_token_id=1,
+                initializer_factor=1.0, is_encoder_decoder=True, layer_norm_epsilon=1e-06, n_positions=512,
+                num_heads=12, num_layers=12, output_past=True, pad_token_id=0,
+                relative_attention_num_buckets=32, vocab_size=32128)
+_TINY_T5 = dict(d_ff=128, d_kv=16, d_model=64, num_heads=4, num_layers=2, vocab_size=128)
+
+# --- Vision --------------------------------------------------------------------------------------
+_VIT = dict(attention_probs_dropout_prob=0.0, hidden_act="gelu", hidden_dropout_prob=0.0, hidden_size=768,
+            image_size=224, initializer_range=0.02, intermediate_size=3072, layer_norm_eps=1e-12,
+            num_attention_heads=12, num_channels=3, num_hidden_layers=12, num_labels=1000, patch_size=16,
+            qkv_bias=True)
+_TINY_VIT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
+                 image_size=32, patch_size=8, num_labels=10)
+_RESNET_50 = dict(depths=[3, 4, 6, 3], downsample_in_first_stage=False, embedding_size=64, hidden_act="relu",
+                  hidden_sizes=[256, 512, 1024, 2048], layer_type="bottleneck", num_channels=3, num_labels=1000)
+_TINY_RESNET = dict(depths=[1, 1, 1, 1], embedding_size=8, hidden_sizes=[16, 32, 64, 128], num_labels=10)
+
+
+def _builtin_specs() -> tuple[ModelSpec, ...]:
+    """Every built-in spec, in the order ``names()`` lists them."""
+    enc = "encoder"
+    return (
+        ModelSpec("bert-base", enc, BertConfig, _BERT, _encoder_tasks("Bert"), "sequence-classification",
+                  _TINY_ENCODER, ("bert-base-uncased", "google-bert/bert-base-uncased"),
+                  "google-bert/bert-base-uncased"),
+        ModelSpec("bert-large", enc, BertConfig, {**_BERT, **_LARGE}, _encoder_tasks("Bert"),
+                  "sequence-classification", _TINY_ENCODER,
+                  ("bert-large-uncased", "google-bert/bert-large-uncased"), "google-bert/bert-large-uncased"),
+        ModelSpec("roberta-base", enc, RobertaConfig, _ROBERTA, _encoder_tasks("Roberta"),
+                  "sequence-classification", _TINY_ROBERTA, ("FacebookAI/roberta-base",), "FacebookAI/roberta-base"),
+        ModelSpec("roberta-large", enc, RobertaConfig, {**_ROBERTA, **_LARGE}, _encoder_tasks("Roberta"),
+                  "sequence-classification", _TINY_ROBERTA, ("FacebookAI/roberta-large",),
+                  "FacebookAI/roberta-large"),
+        ModelSpec("xlm-roberta-base", enc, XLMRobertaConfig, {**_ROBERTA, "vocab_size": 250002, "output_past": True},
+                  _encoder_tasks("XLMRoberta"), "sequence-classification", _TINY_ROBERTA,
+                  ("FacebookAI/xlm-roberta-base", "xlmr-base"), "FacebookAI/xlm-roberta-base"),
+        ModelSpec("xlm-roberta-large", enc, XLMRobertaConfig,
+                  {**_ROBERTA, **_LARGE, "vocab_size": 250002, "output_past": True},
+                  _encoder_tasks("XLMRoberta"), "sequence-classification", _TINY_ROBERTA,
+                  ("FacebookAI/xlm-roberta-large", "xlmr-large"), "FacebookAI/xlm-roberta-large"),
+        *(_gpt2(name, size) for name, size in (("gpt2", {}), ("gpt2-medium", dict(n_embd=1024, n_head=16, n_layer=24)),
+                                               ("gpt2-large", dict(n_embd=1280, n_head=20, n_layer=36)),
+                                               ("gpt2-xl", dict(n_embd=1600, n_head=25, n_layer=48)))),
+        ModelSpec("llama-1b", "causal-lm", LlamaConfig, _LLAMA_3_2_1B, {"causal-lm": "LlamaForCausalLM"},
+                  "causal-lm", _TINY_LLAMA_3, ("meta-llama/Llama-3.2-1B", "llama-3.2-1b", "llama3.2-1b"),
+                  "meta-llama/Llama-3.2-1B"),
+        ModelSpec("llama-7b", "causal-lm", LlamaConfig, _LLAMA_2_7B, {"causal-lm": "LlamaForCausalLM"},
+                  "causal-lm", _TINY_LLAMA, ("meta-llama/Llama-2-7b-hf", "llama-2-7b", "llama2-7b"),
+                  "meta-llama/Llama-2-7b-hf"),
+        ModelSpec("t5-base", "seq2seq", T5Config, _T5_BASE, {"seq2seq-lm": "T5ForConditionalGeneration"},
+                  "seq2seq-lm", _TINY_T5, ("google-t5/t5-base",), "google-t5/t5-base"),
+        ModelSpec("vit-base", "vision", ViTConfig, _VIT, {"image-classification": "ViTForImageClassification"},
+                  "image-classification", _TINY_VIT, ("google/vit-base-patch16-224", "vit-base-patch16-224"),
+                  "google/vit-base-patch16-224"),
+        ModelSpec("vit-large", "vision", ViTConfig, {**_VIT, **_LARGE},
+                  {"image-classification": "ViTForImageClassification"}, "image-classification", _TINY_VIT,
+                  ("google/vit-large-patch16-224", "vit-large-patch16-224"), "google/vit-large-patch16-224"),
+        ModelSpec("resnet-50", "vision", ResNetConfig, _RESNET_50,
+                  {"image-classification": "ResNetForImageClassification"}, "image-classification", _TINY_RESNET,
+                  ("microsoft/resnet-50", "resnet50"), "microsoft/resnet-50"),
+    )
+
+
+def _gpt2(name: str, size: dict) -> ModelSpec:
+    hub = f"openai-community/{name}"
+    aliases = (hub, "gpt2-small") if name == "gpt2" else (hub,)
+    return ModelSpec(name, "causal-lm", GPT2Config, {**_GPT2, **size}, {"causal-lm": "GPT2LMHeadModel"},
+                     "causal-lm", _TINY_GPT2, aliases, hub)
+
+
+_SPECS = _builtin_specs()
+_BY_NAME = {key.lower(): spec for spec in _SPECS for key in (spec.name, *spec.aliases)}
+assert len(_BY_NAME) == sum(1 + len(s.aliases) for s in _SPECS), "a zoo name or alias is used twice"
+
+
+def names() -> list[str]:
+    """Canonical names of the built-in models."""
+    return [spec.name for spec in _SPECS]
+
+
+def get(name: str) -> ModelSpec:
+    """The built-in spec called ``name`` (canonical name or alias, case-insensitive)."""
+    key = str(name).strip().lower()
+    spec = _BY_NAME.get(key)
+    if spec is None:
+        close = difflib.get_close_matches(key, list(_BY_NAME), n=5, cutoff=0.5)
+        suggestions = list(dict.fromkeys(_BY_NAME[c].name for c in close))[:3]  # canonical, deduplicated
+        hint = f" Did you mean {', '.join(map(repr, suggestions))}?" if suggestions else ""
+        raise ValueError(
+            f"unknown model {name!r}.{hint} memfit.zoo.names() lists the built-in models; "
+            "memfit.zoo.from_config_file(path) reads any Hugging Face config.json."
+        )
+    return spec
