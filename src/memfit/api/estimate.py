@@ -30,6 +30,7 @@ class Estimate:
     reserved_bytes: int                # allocator reservation at the peak (== peak on CPU)
     breakdown: dict[str, int]          # category -> bytes at the peak
     timeline: list[int]                # live bytes after each op of the step
+    op_log: list[str]                  # the aten op behind each timeline point
     timeline_by_category: dict[str, list[int]]
     phases: dict[str, int]             # "forward"/"backward"/"optimizer" -> first op index
     modules: dict[str, ModuleRecord]   # per module, in execution order
@@ -127,6 +128,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     tech = Precision(Precision.Config(precision))
     with copier.mode:
         fake_model, fake_opt = tech.apply(fake_model, factory)
+        fake_batch = tech.prepare_batch(fake_batch)
     autocast = tech.autocast("cpu")
 
     def run(on_phase):
@@ -150,7 +152,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         notes.append("fp16: the GradScaler's few scalar bytes are not included")
     return Estimate(
         peak_bytes=prof.peak_bytes, reserved_bytes=prof.peak_bytes, breakdown=prof.breakdown,
-        timeline=prof.timeline, timeline_by_category=prof.timeline_by_category,
+        timeline=prof.timeline, op_log=prof.op_log, timeline_by_category=prof.timeline_by_category,
         phases=prof.phases, modules=prof.modules, blocks=prof.blocks, fw_flops=prof.fw_flops,
         bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=Knobs(precision),
         trace_seconds=prof.trace_seconds, notes=notes,

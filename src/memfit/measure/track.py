@@ -52,7 +52,7 @@ class _CountingMode(TorchDispatchMode):
             return func(*args, **kwargs)
         flat_in, _ = tree_flatten((args, kwargs))
         ledger = t.ledger
-        for x in flat_in:
+        for x in () if func in _LIFT else flat_in:
             if isinstance(x, torch.Tensor):
                 for st in storages_of(x, ledger.device_type):
                     if ledger.sid(st) is None:
@@ -104,6 +104,10 @@ class _CountingMode(TorchDispatchMode):
                 t.fw_flops += n
             t.watch.flops(n, backward)
 
+
+# ``torch.tensor(data)`` builds its tensor outside the dispatcher, then lifts it: the lift's
+# input is born here, not alive since the start, so it is counted as the lift's output.
+_LIFT = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default, _aten.lift.default}
 
 _METADATA = {torch.ops.prim.device.default, _aten.sym_size.int, _aten.sym_stride.int,
              _aten.sym_numel.default, _aten.sym_storage_offset.default,

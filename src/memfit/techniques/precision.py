@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from memfit.knobs import PRECISIONS
 
-__all__ = ["Precision", "MasterWeightsOptimizer"]
+__all__ = ["Precision", "MasterWeightsOptimizer", "cast_floating"]
 
 _AUTOCAST_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -26,9 +27,9 @@ _AUTOCAST_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class MasterWeightsOptimizer:
     """An optimizer over fp32 master copies of bf16 parameters (Note 1)."""
 
-    def __init__(self, params, factory: Callable):
-        self.params = [p for p in params if p.requires_grad]
-        self.masters = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
+    def __init__(self, params, masters, factory: Callable):
+        self.params = list(params)           # the model's bf16 parameters
+        self.masters = list(masters)         # their fp32 copies, in the same order
         self.inner = factory(self.masters)
 
     @property
@@ -93,10 +94,39 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type, dtype=dtype)
 
+    def prepare_batch(self, batch):
+        """bf16-pure: floating-point inputs become bf16 like the weights (others pass)."""
+        if self.config.mode != "bf16-pure":
+            return batch
+        return tree_map(lambda x: x.to(torch.bfloat16)
+                        if isinstance(x, torch.Tensor) and x.is_floating_point() else x, batch)
+
     def apply(self, model: nn.Module, optimizer_factory: Callable):
         """Return ``(model, optimizer)``; bf16-pure casts ``model`` in place (Note 1)."""
         if self.config.mode != "bf16-pure":
             return model, optimizer_factory(model.parameters())
-        opt = MasterWeightsOptimizer(model.parameters(), optimizer_factory)
-        model.to(torch.bfloat16)
-        return model, opt
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        masters = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in trainable]
+        new = cast_floating(model, torch.bfloat16)
+        return model, MasterWeightsOptimizer([new[id(p)] for p in trainable], masters,
+                                             optimizer_factory)
+
+
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """Replace every floating parameter and buffer of ``model`` by a ``dtype`` copy.
+
+    Tied parameters stay tied. Returns ``id(old) -> new``. (Not ``model.to(dtype)``: that swaps
+    tensor subclasses in place, which fake tensors refuse.)
+    """
+    new: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for slots in (m._parameters, m._buffers):
+            for name, t in slots.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                if id(t) not in new:
+                    data = t.detach().to(dtype)
+                    new[id(t)] = (nn.Parameter(data, requires_grad=t.requires_grad)
+                                  if isinstance(t, nn.Parameter) else data)
+                slots[name] = new[id(t)]
+    return new

@@ -6,9 +6,10 @@ step's first act, ``zero_grad(set_to_none=True)``, frees them). Before the count
 therefore give every trainable parameter a gradient and run one untracked ``optimizer.step``,
 which creates the state exactly as the real first step does.
 
-Note 2 (mode order). The fake mode is entered first and the counting mode on top of it, so the
-counter sees each op once, as the real run does, and not the decompositions the fake mode may
-run underneath.
+Note 2 (mode order). The fake mode is entered first, ``FidelityMode`` (fake outputs made to
+match real kernels) next, and the counting mode on top, so the counter sees each op once, as
+the real run does, with the outputs the real kernel would give, and not the decompositions the
+fake mode may run underneath.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 from memfit.errors import TraceError
 from memfit.measure import ModuleRecord, Tracker
 from memfit.trace.fake import FakeCopier
+from memfit.trace.fidelity import FidelityMode
 
 __all__ = ["StepProfile", "profile_step", "warm_up_optimizer"]
 
@@ -40,6 +42,7 @@ class StepProfile:
     fw_flops: int                             # forward FLOPs of the step
     bw_flops: int                             # backward FLOPs of the step
     num_ops: int
+    op_log: list[str]                         # the aten op behind each timeline point
     trace_seconds: float                      # wall time of the traced step
     blocks: list[str] = field(default_factory=list)
 
@@ -61,7 +64,7 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
     ``model`` and ``optimizer`` are the fake ones the step uses; they are counted from the start
     (parameters, gradients, optimizer state) and sort the bytes into categories.
     """
-    with copier.mode:
+    with copier.mode, FidelityMode():
         if warm_up:
             warm_up_optimizer(model, optimizer)
         tracker = Tracker(model=model, optimizer=optimizer, device=copier.device)
@@ -86,6 +89,7 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
         fw_flops=tracker.fw_flops,
         bw_flops=tracker.bw_flops,
         num_ops=tracker.ops,
+        op_log=[str(op) for op in tracker.op_log],
         trace_seconds=seconds,
         blocks=[r.name for r in records if r.is_block],
     )
