@@ -48,17 +48,16 @@ def check_batch(model: nn.Module, batch) -> None:
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):
         return
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        accepted = None
-    else:
-        accepted = set(sig.parameters)
-    if accepted is not None:
-        extra = sorted(set(batch) - accepted)
-        if extra:
-            raise ValueError(
-                f"{type(model).__name__}.forward takes no argument(s) {', '.join(extra)} "
-                f"(batch keys: {sorted(batch)}); it accepts: {', '.join(sig.parameters)}"
-            )
+    named = {n for n, p in sig.parameters.items()
+             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    # A tensor the forward does not name would vanish into **kwargs (transformers accepts
+    # and ignores them): almost always a batch made for another model.
+    extra = sorted(k for k, v in batch.items() if k not in named and isinstance(v, torch.Tensor))
+    if extra:
+        raise ValueError(
+            f"{type(model).__name__}.forward takes no input(s) {', '.join(extra)} (batch keys: "
+            f"{sorted(batch)}); its inputs are: {', '.join(sorted(named))}"
+        )
 
 
 def describe_batch_mismatch(model: nn.Module, batch, error: Exception) -> ValueError:
