@@ -227,3 +227,10 @@ def test_cuda_on_a_real_gpu():
     free, total = torch.cuda.mem_get_info()
     assert spec.usable_bytes == total
     assert isinstance(spec, DeviceSpec) and spec.kind == "cuda"
+
+
+def test_cublas_workspace_follows_pytorchs_default_config():
+    # getChosenWorkspaceSize: ":4096:8" from sm90, ":4096:2:16:8" before; + 1 MiB cuBLASLt
+    assert get_device("h100").cublas_workspace_bytes == 4096 * 1024 * 8 + 1024**2
+    assert get_device("a100").cublas_workspace_bytes == (4096 * 2 + 16 * 8) * 1024 + 1024**2
+    assert get_device("gtx-1080-ti").cuda_context_bytes > 0

@@ -20,6 +20,16 @@ fp16 rate (1/64 of fp32 on GP102). Where a card comes as SXM and PCIe, the entry
 
 Note 3: host link. ``host_link_bytes_per_s`` is a realistic one-direction pinned-memory copy rate,
 not the link's raw rate: PCIe 3.0 x16 ~12e9, 4.0 x16 ~25e9, 5.0 x16 ~50e9 B/s.
+
+Note 4: memory torch does not report as tensors. The CUDA context (driver state plus the
+kernels of the libraries loaded, with lazy module loading, the default since CUDA 11.7) is
+device memory that ``torch.cuda.memory_allocated`` never sees: ``cuda_context_bytes`` is a
+per-architecture figure (``_CONTEXT_BYTES``, approximate, checked by ``benchmarks/gpu_check.py``
+where a GPU is lent). The cuBLAS workspace *is* allocated through the caching allocator, at
+the first matmul, and kept: PyTorch's default ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8``
+(32 MiB) on sm90 and later and ``:4096:2:16:8`` (8 MiB + 128 KiB) before, plus a 1 MiB
+cuBLASLt workspace (``CUBLASLT_WORKSPACE_SIZE``); see ``getChosenWorkspaceSize`` in
+aten/src/ATen/cuda/CublasHandlePool.cpp.
 """
 
 from __future__ import annotations
@@ -67,6 +77,8 @@ class DeviceSpec:
     supports_bf16: bool  # whether bf16 matmuls run natively
     compute_capability: tuple[int, int]  # CUDA (major, minor); (0, 0) for the CPU
     architecture: str  # "pascal", "volta", "turing", "ampere", "ada", "hopper", ..., "cpu"
+    cuda_context_bytes: int = 0  # bytes the CUDA context and loaded kernels take (Note 4)
+    cublas_workspace_bytes: int = 0  # bytes of cuBLAS + cuBLASLt workspace, allocated once (Note 4)
 
     def __post_init__(self) -> None:
         where = f"DeviceSpec {self.name!r}"
@@ -112,6 +124,17 @@ class DeviceSpec:
                          "or torch.bfloat16")
 
 
+_CONTEXT_BYTES = {"pascal": 300 * MiB, "volta": 320 * MiB, "turing": 320 * MiB,
+                  "ampere": 420 * MiB, "ada": 420 * MiB, "hopper": 520 * MiB,
+                  "blackwell": 560 * MiB}   # Note 4: approximate, unvalidated
+
+
+def _cublas_workspace_bytes(cc: tuple[int, int]) -> int:
+    """Note 4: cuBLAS default workspace by compute capability, plus cuBLASLt's 1 MiB."""
+    cublas = 4096 * 1024 * 8 if cc[0] >= 9 else (4096 * 2 + 16 * 8) * 1024
+    return cublas + 1024 * 1024
+
+
 def _gpu(name: str, display_name: str, *, memory_bytes: int, usable_bytes: int, fp32: float,
          fp16: float, bf16: float, bandwidth: float, host_link: float,
          cc: tuple[int, int]) -> DeviceSpec:
@@ -120,7 +143,9 @@ def _gpu(name: str, display_name: str, *, memory_bytes: int, usable_bytes: int, 
                       usable_bytes=usable_bytes, peak_fp32_flops=fp32, peak_fp16_flops=fp16,
                       peak_bf16_flops=bf16, memory_bandwidth_bytes_per_s=bandwidth,
                       host_link_bytes_per_s=host_link, supports_bf16=bf16 > 0,
-                      compute_capability=cc, architecture=_ARCH_BY_CC[cc])
+                      compute_capability=cc, architecture=_ARCH_BY_CC[cc],
+                      cuda_context_bytes=_CONTEXT_BYTES[_ARCH_BY_CC[cc]],
+                      cublas_workspace_bytes=_cublas_workspace_bytes(cc))
 
 
 _TABLE = (
@@ -276,7 +301,9 @@ def _spec_from_cuda(device: torch.device) -> DeviceSpec:
                       peak_fp32_flops=fp32, peak_fp16_flops=fp16, peak_bf16_flops=bf16,
                       memory_bandwidth_bytes_per_s=500e9, host_link_bytes_per_s=link,
                       supports_bf16=bf16 > 0, compute_capability=cc,
-                      architecture=_ARCH_BY_CC.get(cc, f"sm_{cc[0]}{cc[1]}"))
+                      architecture=_ARCH_BY_CC.get(cc, f"sm_{cc[0]}{cc[1]}"),
+                      cuda_context_bytes=_CONTEXT_BYTES.get(_ARCH_BY_CC.get(cc), 400 * MiB),
+                      cublas_workspace_bytes=_cublas_workspace_bytes(cc))
 
 
 def get_device(name_or_spec: DeviceSpec | str | torch.device) -> DeviceSpec:

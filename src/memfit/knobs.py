@@ -1,31 +1,76 @@
-"""``Knobs``: the choices memfit can make for a training step (one dataclass for every front)."""
+"""``Knobs``: the choices memfit can make for a training step (one dataclass for every front).
+
+A keyword fixes a choice, ``None`` leaves it to memfit, and "off" is always explicit
+("none", ``False``). An unknown keyword is an error that names the valid ones.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
-__all__ = ["Knobs", "PRECISIONS"]
+__all__ = ["Knobs", "PRECISIONS", "NOT_YET"]
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure", "auto")
+_POLICY = re.compile(r"^(none|all|selective|every:[1-9][0-9]*)$")
+
+# Knobs this version accepts but cannot apply yet, with the issue that brings them.
+NOT_YET = {"checkpoint": "recompute (issue 5)", "offload": "activation offload (issue 5)",
+           "offload_optimizer": "optimizer-state offload (issue 5)", "remat": "DTR (issue 7)"}
+
+
+def _check_policy(name: str, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, str):
+        if not _POLICY.match(value):
+            raise ValueError(f"{name}={value!r}: use 'none', 'all', 'every:K' (K >= 1), "
+                             "'selective', or a tuple of block names")
+    elif not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+        raise ValueError(f"{name} must be a policy string or a tuple of block names, "
+                         f"got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
 class Knobs:
-    """A keyword fixes a choice; ``None`` leaves it to memfit.
+    """Every choice memfit can make; ``None`` means "memfit decides".
 
-    precision: "fp32" (the user's numerics, the API default), "fp16" (autocast with loss
-        scaling), "bf16" (autocast), "bf16-pure" (bf16 weights, fp32 master weights held for
-        the optimizer) or "auto" (memfit may pick; the CLI's default).
+    precision: "fp32" (the user's numerics; the API's default), "fp16" (autocast + GradScaler),
+        "bf16" (autocast), "bf16-pure" (bf16 weights, fp32 master weights held for the
+        optimizer), or "auto" (memfit may pick; the CLI's default).
+    micro_batch_size: samples per forward/backward; the effective batch is accumulated.
+    checkpoint: recompute policy per block: "none", "all", "every:K", "selective" or a tuple of
+        block names.
+    offload: the same shapes, for saving activations to host memory.
+    offload_optimizer: keep optimizer states in host memory.
+    remat: dynamic tensor rematerialization (DTR).
+    max_grad_norm: clip the global gradient norm to this (after unscaling), per effective batch.
     """
 
     precision: str | None = None
+    micro_batch_size: int | None = None
+    checkpoint: str | tuple[str, ...] | None = None
+    offload: str | tuple[str, ...] | None = None
+    offload_optimizer: bool | None = None
+    remat: bool | None = None
+    max_grad_norm: float | None = None
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISIONS:
-            raise ValueError(
-                f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}"
-            )
+            raise ValueError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        mbs = self.micro_batch_size
+        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
+            raise ValueError(f"micro_batch_size must be a positive int, got {mbs!r}")
+        _check_policy("checkpoint", self.checkpoint)
+        _check_policy("offload", self.offload)
+        for name in ("offload_optimizer", "remat"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name} must be True or False, got {v!r}")
+        g = self.max_grad_norm
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0):
+            raise ValueError(f"max_grad_norm must be a positive number, got {g!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "Knobs":
@@ -33,7 +78,19 @@ class Knobs:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
-            raise TypeError(
-                f"unknown knob(s) {', '.join(unknown)}; valid knobs: {', '.join(names)}"
-            )
+            raise TypeError(f"unknown knob(s) {', '.join(unknown)}; valid knobs: {', '.join(names)}")
         return cls(**kwargs)
+
+    def replace(self, **changes) -> "Knobs":
+        return dataclasses.replace(self, **changes)
+
+    def check_available(self) -> None:
+        """Refuse knobs this version cannot apply yet (set to anything but off)."""
+        for name, what in NOT_YET.items():
+            v = getattr(self, name)
+            if v not in (None, False, "none"):
+                raise ValueError(f"{name}={v!r} needs {what}, which this version of memfit does "
+                                 f"not have yet; leave {name} unset")
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -1,6 +1,7 @@
 """track() against an independent oracle: the CPU allocator's own events, as recorded by
 ``torch.profiler(profile_memory=True)``. A miss shared by track and estimate cannot hide here."""
 
+import gc
 import itertools
 from collections import Counter
 
@@ -23,11 +24,17 @@ def test_track_agrees_with_the_allocator_events(arch):
     batch = prepare_batch(batch)
     opt = torch.optim.AdamW(model.parameters())
     # Profile both steps so that every block freed in step 2 was allocated under the profiler
-    # (it cannot size frees of blocks it never saw allocated).
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        canonical_step(model, opt, batch)
-        with memfit.track(model, opt) as t:
+    # (it cannot size frees of blocks it never saw allocated). Collect and pause the garbage
+    # collector: earlier tests' objects must not be freed inside the window.
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             canonical_step(model, opt, batch)
+            with memfit.track(model, opt) as t:
+                canonical_step(model, opt, batch)
+    finally:
+        gc.enable()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
     deltas = [e.nbytes() for e in events]

@@ -97,8 +97,9 @@ class AllocatorConfig:
 
     def __post_init__(self) -> None:
         if self.max_split_size_bytes is not None and self.max_split_size_bytes <= K_LARGE_BUFFER:
-            raise ValueError(f"max_split_size_bytes must be > {K_LARGE_BUFFER} (20 MiB), as PyTorch "
-                             f"requires of max_split_size_mb; got {self.max_split_size_bytes}")
+            raise ValueError(f"max_split_size_bytes must be > {K_LARGE_BUFFER} (20 MiB), as "
+                             "PyTorch requires of max_split_size_mb; got "
+                             f"{self.max_split_size_bytes}")
         if self.capacity_bytes is not None and self.capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0 or None, got {self.capacity_bytes}")
 
@@ -129,7 +130,7 @@ class AllocatorOOM(MemoryError):
     """A request could not be met even after releasing the cache. All attributes are bytes."""
 
     def __init__(self, *, requested_bytes: int, segment_bytes: int, allocated_bytes: int,
-                 reserved_bytes: int, capacity_bytes: int):
+                 reserved_bytes: int, capacity_bytes: int | None):
         self.requested_bytes = requested_bytes
         self.segment_bytes = segment_bytes
         self.allocated_bytes = allocated_bytes
@@ -138,10 +139,10 @@ class AllocatorOOM(MemoryError):
         idle = reserved_bytes - allocated_bytes
         super().__init__(
             f"allocator model out of memory: a {requested_bytes} B block needs a new "
-            f"{segment_bytes} B segment but capacity is {capacity_bytes} B, with {allocated_bytes} B "
-            f"allocated and {reserved_bytes} B reserved ({idle} B reserved but stuck in split "
-            "segments). Lower the peak (smaller batch, checkpointing), or if the stuck part is "
-            "large, try expandable_segments=True.")
+            f"{segment_bytes} B segment; capacity {capacity_bytes} B, allocated "
+            f"{allocated_bytes} B, reserved {reserved_bytes} B ({idle} B of it cached in split "
+            "segments, so not releasable). Lower the peak (smaller batch, checkpointing) or, if "
+            "the cached part is large, try expandable_segments=True.")
 
 
 @dataclass(eq=False)
@@ -154,6 +155,8 @@ class _Segment:
 
 @dataclass(eq=False)
 class _Block:
+    """Bytes ``[addr, addr + size)`` of one segment (C++ ``Block``); unmapped only if expandable."""
+
     addr: int
     size: int
     pool: _Pool
@@ -257,8 +260,8 @@ class CachingAllocator:
             self._sample_idle()
             raise AllocatorOOM(requested_bytes=size, segment_bytes=segment_size(size),
                                allocated_bytes=self._allocated, reserved_bytes=self._reserved,
-                               capacity_bytes=self.config.capacity_bytes or _UNLIMITED)
-        if self._should_split(block, size):
+                               capacity_bytes=self.config.capacity_bytes)
+        if self._should_split(block, size):  # alloc_found_block (Note 2)
             rest = _Block(block.addr + size, block.size - size, pool, stream, block.segment)
             _splice(rest, block, block.next)
             block.size = size
@@ -363,7 +366,7 @@ class CachingAllocator:
 
     def _release_available_cached_blocks(self, pool: _Pool, size: int, stream: int) -> bool:
         if self.config.max_split_size_bytes is None or self.config.expandable_segments:
-            return False
+            return False  # (release_block cannot free an expandable block)
         key_size, blocks = max(size, self._max_split), pool.blocks
         i = blocks.lower_bound((stream, key_size, -1))
         if i < len(blocks) and blocks.at(i).stream == stream:
