@@ -20,7 +20,7 @@ from rich.table import Table  # noqa: E402
 
 import memfit  # noqa: E402
 from memfit import zoo  # noqa: E402
-from memfit.optimizers import optimizer_factory  # noqa: E402
+from memfit.optimizers import OptimizerRecipe  # noqa: E402
 from memfit.step import canonical_step, prepare_batch  # noqa: E402
 from memfit.techniques.precision import Precision  # noqa: E402
 
@@ -39,7 +39,7 @@ CASES = [
 
 def measure(model, batch, optimizer: str, precision: str):
     tech = Precision(Precision.Config(precision))
-    model, opt = tech.apply(model, optimizer_factory(optimizer))
+    model, opt = tech.apply(model, OptimizerRecipe(optimizer))
     batch = tech.prepare_batch(prepare_batch(batch))
     canonical_step(model, opt, batch, None, tech.autocast("cpu"))
     start = time.perf_counter()

@@ -1,13 +1,15 @@
 """memfit: make a PyTorch training step fit the GPU memory you have."""
 
-from memfit.api import Estimate, estimate
+from memfit.api import Estimate, estimate, fit
 from memfit.devices import DeviceSpec, get_device, list_devices
 from memfit.errors import BudgetTooSmall, OutOfMemory, TraceError
 from memfit.knobs import Knobs
 from memfit.measure import Tracker, track
+from memfit.planner import Plan
+from memfit.runtime import Runner, StepInfo
 from memfit.units import format_bytes, parse_bytes
 
-__all__ = ["BudgetTooSmall", "DeviceSpec", "Estimate", "Knobs", "OutOfMemory", "TraceError",
-           "Tracker", "estimate", "format_bytes", "get_device", "list_devices", "parse_bytes",
-           "track"]
+__all__ = ["BudgetTooSmall", "DeviceSpec", "Estimate", "Knobs", "OutOfMemory", "Plan", "Runner",
+           "StepInfo", "TraceError", "Tracker", "estimate", "fit", "format_bytes", "get_device",
+           "list_devices", "parse_bytes", "track"]
 __version__ = "0.1.0"

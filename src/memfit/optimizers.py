@@ -1,13 +1,15 @@
-"""Optimizers by name, and rebuilding a user's optimizer over other (e.g. fake) parameters."""
+"""Optimizers by name, and rebuilding a user's optimizer over other (fake, bf16-master, ...)
+parameters."""
 
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["OPTIMIZERS", "optimizer_factory", "rebuild_optimizer"]
+__all__ = ["OPTIMIZERS", "OptimizerRecipe", "rebuild_optimizer"]
 
 # name -> factory(params). Hyper-parameters are the usual fine-tuning ones; they do not change
 # memory, only the state each optimizer keeps does.
@@ -21,39 +23,57 @@ OPTIMIZERS: dict[str, Callable[[Iterable], torch.optim.Optimizer]] = {
 }
 
 
-def optimizer_factory(spec) -> Callable[[Iterable], torch.optim.Optimizer]:
-    """A factory ``params -> Optimizer`` from a name, a factory, or an optimizer instance."""
-    if isinstance(spec, str):
-        key = spec.lower()
-        if key not in OPTIMIZERS:
-            close = difflib.get_close_matches(key, OPTIMIZERS, n=3)
-            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise ValueError(f"unknown optimizer {spec!r}; known: {', '.join(OPTIMIZERS)}.{hint}")
-        return OPTIMIZERS[key]
-    if isinstance(spec, torch.optim.Optimizer):
-        return lambda params: rebuild_optimizer(spec, params)
-    if callable(spec):
-        return spec
-    raise ValueError(
-        f"optimizer must be a name ({', '.join(OPTIMIZERS)}), an optimizer instance or a "
-        f"factory params -> optimizer; got {type(spec).__name__}"
-    )
+class OptimizerRecipe:
+    """How to make the user's optimizer over new parameters.
 
-
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, params) -> torch.optim.Optimizer:
-    """The same optimizer class and hyper-parameters over ``params``.
-
-    ``params`` is a flat list matching the instance's parameters in group order, or a dict
-    mapping ``id(old_param)`` to the new one. State is not copied.
+    ``spec`` is a name (see ``OPTIMIZERS``), a factory ``params -> Optimizer``, or an optimizer
+    instance (rebuilt from its class, hyper-parameters and param groups; its state is not
+    copied). ``build(params, origin)`` makes one over ``params``, which replace ``origin``
+    one for one (the user's parameters, in the same order).
     """
-    params = list(params) if not isinstance(params, dict) else params
-    groups, i = [], 0
+
+    def __init__(self, spec):
+        self.instance = spec if isinstance(spec, torch.optim.Optimizer) else None
+        if isinstance(spec, str):
+            key = spec.lower()
+            if key not in OPTIMIZERS:
+                close = difflib.get_close_matches(key, OPTIMIZERS, n=3)
+                hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+                raise ValueError(f"unknown optimizer {spec!r}; known: {', '.join(OPTIMIZERS)}.{hint}")
+            self.factory = OPTIMIZERS[key]
+        elif self.instance is not None:
+            self.factory = None
+        elif callable(spec):
+            self.factory = spec
+        else:
+            raise ValueError(
+                f"optimizer must be a name ({', '.join(OPTIMIZERS)}), an optimizer instance or a "
+                f"factory params -> optimizer; got {type(spec).__name__}")
+
+    def build(self, params: list[torch.Tensor], origin: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if self.instance is None:
+            return self.factory(params)
+        return rebuild_optimizer(self.instance, {id(o): n for o, n in zip(origin, params)})
+
+    def check_params(self, model_params: list[torch.Tensor]) -> None:
+        """An instance must optimize only the model's parameters (else: a clear error)."""
+        if self.instance is None:
+            return
+        known = {id(p) for p in model_params}
+        stray = sum(id(p) not in known for g in self.instance.param_groups for p in g["params"])
+        if stray:
+            raise ValueError(f"the optimizer holds {stray} tensor(s) that are not trainable "
+                             "parameters of the model: build it from model.parameters()")
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, new_of: dict[int, torch.Tensor]):
+    """The same optimizer class and hyper-parameters, each param replaced by ``new_of[id(p)]``."""
+    groups = []
     for group in optimizer.param_groups:
         new = dict(group)
-        if isinstance(params, dict):
-            new["params"] = [params[id(p)] for p in group["params"]]
-        else:
-            new["params"] = params[i:i + len(group["params"])]
-            i += len(group["params"])
+        new["params"] = [new_of[id(p)] for p in group["params"]]
         groups.append(new)
-    return type(optimizer)(groups, **optimizer.defaults)
+    # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay);
+    # every group already carries them all
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})

@@ -71,6 +71,7 @@ def canonical_step(model: nn.Module, optimizer, batch, loss_fn: Callable | None 
         loss = compute_loss(model, batch, loss_fn)
     mark("backward")
     loss.backward()
+    loss = loss.detach()
     mark("optimizer")
     optimizer.step()
-    return loss.detach()
+    return loss

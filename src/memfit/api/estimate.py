@@ -5,18 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
+from memfit.api._setup import build_runner, resolve_device, resolve_precision
 from memfit.api._validate import check_batch, describe_batch_mismatch
-from memfit.devices import DeviceSpec, cpu_spec, get_device
+from memfit.devices import DeviceSpec
 from memfit.errors import TraceError
 from memfit.knobs import Knobs
 from memfit.measure import ModuleRecord
-from memfit.optimizers import optimizer_factory
-from memfit.step import canonical_step, prepare_batch
-from memfit.techniques.precision import Precision
+from memfit.optimizers import OptimizerRecipe
+from memfit.planner import Plan
+from memfit.step import prepare_batch
+from memfit.techniques.accumulation import batch_size_of
 from memfit.trace import FakeCopier, profile_step
+from memfit.trace.scaler import TraceGradScaler
 from memfit.units import parse_bytes
 
 __all__ = ["Estimate", "estimate"]
@@ -68,6 +70,7 @@ class Estimate:
             "headroom_bytes": self.headroom_bytes,
             "device": self.device.name,
             "precision": self.knobs.precision,
+            "micro_batch_size": self.knobs.micro_batch_size,
             "fw_flops": self.fw_flops,
             "bw_flops": self.bw_flops,
             "basis": self.basis,
@@ -84,18 +87,9 @@ class Estimate:
         }
 
 
-def _resolve_device(model: nn.Module, device) -> DeviceSpec:
-    if device is not None:
-        return get_device(device)
-    for p in model.parameters():
-        if p.device.type == "cuda":
-            return get_device(p.device)
-        break
-    return cpu_spec()
-
-
 def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
-             loss_fn: Callable | None = None, *, budget=None, **knobs) -> Estimate:
+             loss_fn: Callable | None = None, *, budget=None, count_fn: Callable | None = None,
+             **knobs) -> Estimate:
     """Predict the memory of one steady-state training step of ``model`` on ``batch``.
 
     Traces zero_grad -> forward -> loss -> backward -> optimizer.step on fake tensors (no real
@@ -103,39 +97,42 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     touched. ``optimizer``: a name ("adamw", "sgd", ...), an instance, or a factory
     ``params -> Optimizer``. ``device``: a GPU name ("gtx-1080-ti"), "cpu" or a ``DeviceSpec``
     (default: where the model is). ``budget`` (bytes or "11GiB") replaces the device's usable
-    memory as the limit ``fits`` checks. Knobs: ``precision``.
+    memory as the limit ``fits`` checks. Knobs: ``precision``, ``micro_batch_size`` (the peak
+    of the whole accumulated effective batch), ``max_grad_norm``; ``count_fn`` as in ``fit``.
     """
     k = Knobs.from_kwargs(**knobs)
-    precision = k.precision or "fp32"
-    if precision == "auto":
+    k.check_available()
+    if k.precision == "auto":
         raise ValueError("estimate needs a fixed precision (fp32, fp16, bf16, bf16-pure); "
                          "'auto' is for memfit.plan and memfit.fit")
-    spec = _resolve_device(model, device)
-    if precision.startswith("bf16") and not spec.supports_bf16:
-        raise ValueError(
-            f"precision {precision!r} needs bf16 support, which the {spec.display_name} "
-            f"({spec.architecture}) lacks: use precision='fp16' or 'fp32'"
-        )
+    spec = resolve_device(model, device)
+    k = k.replace(precision=resolve_precision(k.precision, spec))
+    precision = k.precision
     limit = parse_bytes(budget) if budget is not None else spec.usable_bytes
-    factory = optimizer_factory(optimizer)
+    recipe = OptimizerRecipe(optimizer)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    recipe.check_params(trainable)
     batch = prepare_batch(batch)
     check_batch(model, batch)
+    batch_size_of(batch)
 
     copier = FakeCopier("cpu")
     fake_model = copier.module(model)
     fake_model.train(model.training)
     fake_batch = copier.tree(batch)
-    tech = Precision(Precision.Config(precision))
     with copier.mode:
-        fake_model, fake_opt = tech.apply(fake_model, factory)
-        fake_batch = tech.prepare_batch(fake_batch)
-    autocast = tech.autocast("cpu")
+        runner = build_runner(fake_model, recipe, k, plan=Plan(k), origin=trainable,
+                              loss_fn=loss_fn, count_fn=count_fn, scaler_class=TraceGradScaler)
+        fake_batch = runner.precision.prepare_batch(fake_batch)
 
     def run(on_phase):
-        canonical_step(fake_model, fake_opt, fake_batch, loss_fn, autocast, on_phase)
+        runner.run(fake_batch, on_phase)
 
+    # steady state: optimizer state exists (and, under fp16, the scaler's scale)
+    warm_up = (lambda: runner.run(fake_batch)) if runner.scaler is not None else None
     try:
-        prof = profile_step(run, copier=copier, model=fake_model, optimizer=fake_opt)
+        prof = profile_step(run, copier=copier, model=runner.model, optimizer=runner.optimizer,
+                            warm_up=warm_up)
     except TypeError as e:
         if "argument" in str(e):
             raise ValueError(f"the batch does not match {type(model).__name__}.forward: {e}") from e
@@ -148,12 +145,10 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     if spec.kind == "cuda":
         notes.append("CPU trace: CUDA kernels, autocast rules and the caching allocator are "
                      "not modelled yet; figures are unvalidated for this GPU")
-    if precision == "fp16":
-        notes.append("fp16: the GradScaler's few scalar bytes are not included")
     return Estimate(
         peak_bytes=prof.peak_bytes, reserved_bytes=prof.peak_bytes, breakdown=prof.breakdown,
         timeline=prof.timeline, op_log=prof.op_log, timeline_by_category=prof.timeline_by_category,
         phases=prof.phases, modules=prof.modules, blocks=prof.blocks, fw_flops=prof.fw_flops,
-        bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=Knobs(precision),
+        bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=k,
         trace_seconds=prof.trace_seconds, notes=notes,
     )

@@ -10,7 +10,6 @@ is cast, so they start from the exact fp32 values.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +26,10 @@ _AUTOCAST_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class MasterWeightsOptimizer:
     """An optimizer over fp32 master copies of bf16 parameters (Note 1)."""
 
-    def __init__(self, params, masters, factory: Callable):
+    def __init__(self, params, masters, inner):
         self.params = list(params)           # the model's bf16 parameters
         self.masters = list(masters)         # their fp32 copies, in the same order
-        self.inner = factory(self.masters)
+        self.inner = inner                   # the user's optimizer, over the masters
 
     @property
     def param_groups(self):
@@ -101,15 +100,24 @@ class Precision:
         return tree_map(lambda x: x.to(torch.bfloat16)
                         if isinstance(x, torch.Tensor) and x.is_floating_point() else x, batch)
 
-    def apply(self, model: nn.Module, optimizer_factory: Callable):
-        """Return ``(model, optimizer)``; bf16-pure casts ``model`` in place (Note 1)."""
-        if self.config.mode != "bf16-pure":
-            return model, optimizer_factory(model.parameters())
+    def scaler(self, device_type: str):
+        """A ``GradScaler`` for fp16 (loss scaling), else ``None``."""
+        if self.config.mode != "fp16":
+            return None
+        return torch.amp.GradScaler(device_type)
+
+    def apply(self, model: nn.Module, recipe, origin: list[torch.Tensor] | None = None):
+        """Return ``(model, optimizer)``, the optimizer built by ``recipe`` (an
+        ``OptimizerRecipe``) over the model's trainable parameters, which replace ``origin``
+        (default: themselves). bf16-pure casts ``model`` in place (Note 1)."""
         trainable = [p for p in model.parameters() if p.requires_grad]
+        origin = trainable if origin is None else origin
+        if self.config.mode != "bf16-pure":
+            return model, recipe.build(trainable, origin)
         masters = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in trainable]
         new = cast_floating(model, torch.bfloat16)
-        return model, MasterWeightsOptimizer([new[id(p)] for p in trainable], masters,
-                                             optimizer_factory)
+        inner = recipe.build(masters, origin)
+        return model, MasterWeightsOptimizer([new[id(p)] for p in trainable], masters, inner)
 
 
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor]:

@@ -58,15 +58,19 @@ def warm_up_optimizer(model: nn.Module, optimizer) -> None:
 
 
 def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier: FakeCopier,
-                 model: nn.Module, optimizer, warm_up: bool = True) -> StepProfile:
+                 model: nn.Module, optimizer, warm_up: Callable[[], object] | None = None
+                 ) -> StepProfile:
     """Trace ``run_step(on_phase)`` on fakes made by ``copier`` and count it.
 
     ``model`` and ``optimizer`` are the fake ones the step uses; they are counted from the start
-    (parameters, gradients, optimizer state) and sort the bytes into categories.
+    (parameters, gradients, optimizer state) and sort the bytes into categories. ``warm_up``
+    runs first, uncounted, to reach the steady state (default: ``warm_up_optimizer``, Note 1).
     """
     with copier.mode, FidelityMode():
-        if warm_up:
+        if warm_up is None:
             warm_up_optimizer(model, optimizer)
+        else:
+            warm_up()
         tracker = Tracker(model=model, optimizer=optimizer, device=copier.device)
         phases: dict[str, int] = {}
         start = time.perf_counter()

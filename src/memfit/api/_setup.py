@@ -1,0 +1,59 @@
+"""What estimate and fit share: resolving the device and precision, building the Runner."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from memfit.devices import DeviceSpec, cpu_spec, get_device
+from memfit.knobs import Knobs
+from memfit.optimizers import OptimizerRecipe
+from memfit.planner import Plan
+from memfit.runtime import Runner
+from memfit.techniques.accumulation import Accumulation
+from memfit.techniques.precision import Precision
+
+__all__ = ["resolve_device", "resolve_precision", "build_runner"]
+
+
+def resolve_device(model: nn.Module, device) -> DeviceSpec:
+    if device is not None:
+        return get_device(device)
+    for p in model.parameters():
+        if p.device.type == "cuda":
+            return get_device(p.device)
+        break
+    return cpu_spec()
+
+
+def resolve_precision(precision: str | None, spec: DeviceSpec) -> str:
+    """The user's choice (default fp32), checked against the device; "auto" picks bf16 on a
+    GPU that has it, else fp16 on a GPU, else fp32 (the planner will weigh it later)."""
+    if precision in (None, "fp32"):
+        return "fp32"
+    if precision == "auto":
+        if spec.kind != "cuda":
+            return "fp32"
+        return "bf16" if spec.supports_bf16 else "fp16"
+    if precision.startswith("bf16") and not spec.supports_bf16:
+        raise ValueError(f"precision {precision!r} needs bf16 support, which the "
+                         f"{spec.display_name} ({spec.architecture}) lacks: use precision='fp16' "
+                         "or 'fp32'")
+    return precision
+
+
+def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, plan: Plan,
+                 origin: list[torch.Tensor] | None = None, loss_fn: Callable | None = None,
+                 count_fn: Callable | None = None, scheduler=None, scaler_class=None,
+                 device_type: str = "cpu") -> Runner:
+    """Apply the knobs to ``model`` (in place) and wrap it in a Runner."""
+    tech = Precision(Precision.Config(knobs.precision or "fp32"))
+    model, optimizer = tech.apply(model, recipe, origin)
+    scaler = None
+    if knobs.precision == "fp16":
+        scaler = (scaler_class or torch.amp.GradScaler)(device_type)
+    acc = Accumulation(Accumulation.Config(knobs.micro_batch_size), count_fn)
+    return Runner(model, optimizer, plan=plan, precision=tech, accumulation=acc, loss_fn=loss_fn,
+                  scaler=scaler, scheduler=scheduler, device_type=device_type)

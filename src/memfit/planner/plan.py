@@ -1,0 +1,61 @@
+"""``Plan``: the knobs chosen for a step, what memfit predicts for them, and why."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from memfit.knobs import Knobs
+from memfit.units import format_bytes
+
+__all__ = ["Plan", "SCHEMA_VERSION"]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Plan:
+    """What a Runner runs. Bytes are device bytes; ``None`` where nothing was predicted."""
+
+    knobs: Knobs
+    blocks: dict[str, str] = field(default_factory=dict)   # block name -> keep|recompute|...
+    predicted_peak_bytes: int | None = None       # allocated peak of one effective batch
+    predicted_reserved_bytes: int | None = None   # what the allocator holds at that peak
+    predicted_step_time_ratio: float | None = None  # vs the plain step at the user's precision
+    device: str | None = None                     # DeviceSpec name planned for
+    budget_bytes: int | None = None               # the budget planned against
+    optimizer_rebuilt: bool = False               # the Runner made a new optimizer (see reasons)
+    reasons: list[str] = field(default_factory=list)  # why each choice, in words
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["knobs"] = self.knobs.to_dict()
+        return json.dumps(d, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        d = json.loads(text)
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"plan schema version {version!r} is not {SCHEMA_VERSION}: "
+                             "re-plan with this version of memfit")
+        knobs = d.pop("knobs")
+        for key in ("checkpoint", "offload"):       # JSON turns tuples into lists
+            if isinstance(knobs.get(key), list):
+                knobs[key] = tuple(knobs[key])
+        return cls(knobs=Knobs(**knobs), **d)
+
+    def explain(self) -> str:
+        lines = ["memfit plan"]
+        for name, value in self.knobs.to_dict().items():
+            if value is not None:
+                lines.append(f"  {name}: {value}")
+        if self.predicted_peak_bytes is not None:
+            where = f" (budget {format_bytes(self.budget_bytes)})" if self.budget_bytes else ""
+            lines.append(f"  predicted peak: {format_bytes(self.predicted_peak_bytes)}{where}")
+        for block, choice in self.blocks.items():
+            lines.append(f"  {block}: {choice}")
+        lines += [f"  - {r}" for r in self.reasons]
+        return "\n".join(lines)

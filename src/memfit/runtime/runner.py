@@ -1,0 +1,148 @@
+"""``Runner``: one effective batch per ``step``, with the techniques of a plan applied.
+
+Note 1 (order within an effective batch). zero_grad(set_to_none) -> for each micro-batch:
+forward under autocast, loss weighted by its share of the effective batch's count
+(accumulation Note 1), backward (scaled under fp16), gradients reduced only on the last
+micro-batch -> once: unscale, clip, optimizer step (skipped by the scaler on inf/NaN), scale
+update, LR scheduler. With one micro-batch and no loss scaling this is exactly
+``memfit.step.canonical_step``, op for op.
+
+Note 2 (no host syncs inside). ``run`` returns tensors and never reads a value back, so the
+same code runs on fake tensors when ``estimate`` traces it; ``step`` does the bookkeeping
+(``.item()``) afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memfit.planner import Plan
+from memfit.step import compute_loss, prepare_batch
+from memfit.techniques.accumulation import Accumulation
+from memfit.techniques.precision import Precision
+
+__all__ = ["Runner", "StepInfo"]
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the last ``Runner.step`` did."""
+
+    loss: float                 # the effective batch's loss, count-weighted over micro-batches
+    skipped: bool               # the optimizer step was skipped (inf/NaN gradients under fp16)
+    loss_scale: float | None    # the scale used for this batch (fp16), else None
+    micro_batches: int
+    items: int                  # what the loss averaged over, on all ranks (tokens or samples)
+    grad_norm: float | None     # global gradient norm before clipping (when clipping)
+
+
+def _world(model: nn.Module) -> int:
+    distributed = isinstance(model, nn.parallel.DistributedDataParallel) or \
+        hasattr(model, "set_requires_gradient_sync")
+    return dist.get_world_size() if distributed and dist.is_initialized() else 1
+
+
+class Runner:
+    """Trains ``model`` with ``optimizer`` one effective batch at a time (see the Notes)."""
+
+    def __init__(self, model: nn.Module, optimizer, *, plan: Plan, precision: Precision,
+                 accumulation: Accumulation, loss_fn: Callable | None = None, scaler=None,
+                 scheduler=None, device_type: str = "cpu"):
+        self.model = model
+        self.optimizer = optimizer
+        self.plan = plan
+        self.precision = precision
+        self.accumulation = accumulation
+        self.loss_fn = loss_fn
+        self.scaler = scaler
+        self.scheduler = scheduler
+        self.device_type = device_type
+        self.last_step: StepInfo | None = None
+
+    def prepare(self, batch):
+        """The batch as ``run`` takes it: an all-ones mask dropped, bf16-pure inputs cast."""
+        return self.precision.prepare_batch(prepare_batch(batch))
+
+    def step(self, batch) -> float:
+        """Train on one effective batch; return its loss (count-weighted, global)."""
+        batch = self.prepare(batch)
+        scale = self.scaler.get_scale() if self.scaler is not None else None
+        loss, items, grad_norm, n = self.run(batch)
+        skipped = False
+        if self.scaler is not None:
+            skipped = self.scaler.get_scale() < scale      # update() lowers it after a skip
+        if self.scheduler is not None and not skipped:
+            self.scheduler.step()
+        if items is None:     # one micro-batch on one rank: counted only for the record
+            items = self.accumulation.count(self.model, batch)
+        self.last_step = StepInfo(
+            loss=float(loss), skipped=skipped, loss_scale=scale, micro_batches=n,
+            items=int(items), grad_norm=None if grad_norm is None else float(grad_norm))
+        return self.last_step.loss
+
+    def run(self, batch, on_phase: Callable[[str], None] | None = None):
+        """The effective batch, without host syncs (Note 2). Returns (loss, items or None,
+        grad norm or None, number of micro-batches)."""
+        mark = on_phase or (lambda phase: None)
+        model, opt, scaler = self.model, self.optimizer, self.scaler
+        micro = self.accumulation.split(batch)
+        world = _world(model)
+        weights, total = self._weights(micro, world)
+        opt.zero_grad(set_to_none=True)
+        loss_sum = None
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            with self.accumulation.sync(model, last):
+                mark("forward")
+                with self.precision.autocast(self.device_type):
+                    loss = compute_loss(model, mb, self.loss_fn)
+                if weights is not None:
+                    loss = loss * weights[i]
+                mark("backward")
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            loss = loss.detach()
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+        mark("optimizer")
+        grad_norm = self._unscale_and_clip()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if world > 1:             # each rank holds world x its share of the global mean
+            loss_sum = loss_sum.clone()
+            dist.all_reduce(loss_sum)
+            loss_sum = loss_sum / world
+        return loss_sum, total, grad_norm, len(micro)
+
+    def _weights(self, micro: list, world: int):
+        """Each micro-batch's loss weight ``count_i * world / total`` (accumulation Note 1)."""
+        if len(micro) == 1 and world == 1:
+            return None, None
+        counts = [torch.as_tensor(self.accumulation.count(self.model, mb)) for mb in micro]
+        total = torch.stack(counts).sum()
+        if world > 1:
+            total = total.to(self._device())
+            dist.all_reduce(total)
+        return [c.to(total.device) * world / total for c in counts], total
+
+    def _device(self) -> torch.device:
+        for p in self.model.parameters():
+            return p.device
+        return torch.device(self.device_type)
+
+    def _unscale_and_clip(self):
+        max_norm = self.plan.knobs.max_grad_norm
+        if max_norm is None:
+            return None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)   # clip true gradients, not scaled ones
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if hasattr(self.optimizer, "masters"):     # bf16-pure: the model's bf16 grads
+            params = self.optimizer.params
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
