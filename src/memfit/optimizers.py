@@ -53,6 +53,8 @@ class OptimizerRecipe:
     def build(self, params: list[torch.Tensor], origin: list[torch.Tensor]) -> torch.optim.Optimizer:
         if self.instance is None:
             return self.factory(params)
+        if all(n is o for o, n in zip(origin, params)):
+            return self.instance            # same parameters: the user's optimizer as it is
         return rebuild_optimizer(self.instance, {id(o): n for o, n in zip(origin, params)})
 
     def check_params(self, model_params: list[torch.Tensor]) -> None:

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from memfit.techniques.accumulation import unwrap
+
 __all__ = ["check_batch", "describe_batch_mismatch"]
 
 
@@ -25,10 +27,12 @@ def _position_limit(config) -> int | None:
     return limit
 
 
-def check_batch(model: nn.Module, batch) -> None:
-    """Raise ``ValueError`` naming the fix when ``batch`` cannot be fed to ``model``."""
+def check_batch(model: nn.Module, batch, loss_fn=None) -> None:
+    """Raise ``ValueError`` naming the fix when ``batch`` cannot be fed to ``model``.
+    (With a ``loss_fn`` the batch is the user's to interpret: only sizes are checked.)"""
     if not isinstance(batch, Mapping):
         return
+    model = unwrap(model)
     config = getattr(model, "config", None)
     ids = batch.get("input_ids")
     if config is not None and isinstance(ids, torch.Tensor) and ids.dim() >= 2:
@@ -44,6 +48,8 @@ def check_batch(model: nn.Module, batch) -> None:
             if top >= vocab:
                 raise ValueError(f"the batch holds token id {top} but the model's vocabulary has "
                                  f"{vocab} entries: make the batch with this model's tokenizer")
+    if loss_fn is not None:
+        return
     try:
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):

@@ -113,7 +113,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
     batch = prepare_batch(batch)
-    check_batch(model, batch)
+    check_batch(model, batch, loss_fn)
     batch_size_of(batch)
 
     copier = FakeCopier("cpu")

@@ -43,7 +43,7 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
     example = prepare_batch(batch)
-    check_batch(model, example)
+    check_batch(model, example, loss_fn)
     b = batch_size_of(example)
     plan = Plan(k, device=spec.name)
     if budget is not None:
