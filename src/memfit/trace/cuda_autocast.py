@@ -16,6 +16,8 @@ ops; each maps to the C++ bindings of that name (``torch.X``, ``Tensor.X``, ``to
 itself still active (``redispatch_function``), so the binding they reach is cast instead. Inside
 a listed op the mode is off, as autocast excludes its own key inside a wrapped op: nothing is
 cast twice. Calls with ``out=`` are not autocast, and in-place variants are not in the lists.
+A Python method that calls its C++ twin (``Tensor.unflatten`` -> ``super().unflatten``) is
+reported a second time under its own name; that report is passed through, not looked into.
 
 Note 3 (composite bindings). Some bindings not in the lists run C++ code that calls a listed
 op (``torch.square`` calls ``pow``; ``cross_entropy_loss`` calls ``log_softmax`` and
@@ -38,6 +40,13 @@ each call reads that state: inside ``torch.autocast("cuda", enabled=False)`` not
 CPU-only build, ``torch.autocast("cuda")`` *enabling* warns and disables instead, so a nested
 enabling region runs uncast here. Code that picks ``x.device.type`` sees "cpu", whose autocast
 stays off: ``maybe_autocast("cpu", enabled=False)`` is then a no-op and that region is cast.
+
+Note 6 (checkpoint recompute). ``torch.utils.checkpoint`` re-enters autocast for the recompute
+only through ``torch.autocast``, which cannot enable CUDA autocast on a CPU build, so the
+recompute (run in backward, outside this mode) is uncast: non-reentrant checkpoint then raises a
+metadata mismatch, reentrant checkpoint silently recomputes in fp32. Pass
+``context_fn=lambda: (contextlib.nullcontext(), CudaAutocastMode(dtype))`` to re-enter it; a
+fresh mode per recompute is what real autocast does (new region, new weight cache).
 """
 
 from __future__ import annotations
@@ -156,11 +165,13 @@ def _build_table() -> dict:
 
 
 _TABLE = _build_table()
+_redispatch = getattr(torch.overrides, "redispatch_function", None)   # Note 2
 _NORMS = (torch._C._VariableFunctions.norm, torch._C.TensorBase.norm)
 _BANNED_MESSAGE = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
     "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
-    "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+    "In this case, combine the two layers using "
+    "torch.nn.functional.binary_cross_entropy_with_logits\n"
     "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
     "safe to autocast."
 )
@@ -206,12 +217,16 @@ class CudaAutocastMode(TorchFunctionMode):
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"CudaAutocastMode dtype={dtype} must be torch.float16 or "
                              "torch.bfloat16, the dtypes CUDA autocast supports")
+        if _redispatch is None:
+            raise RuntimeError(f"CudaAutocastMode needs torch.overrides.redispatch_function, "
+                               f"missing in torch {torch.__version__}: upgrade torch")
         self.dtype = dtype
         self.enabled = enabled
         self.cache_enabled = cache_enabled
         self._depth = 0
         self._saved_state: tuple | None = None
         self._cache: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._inside: list = []                           # Python wrappers being run (Note 2)
 
     def __enter__(self):
         if self._depth == 0:                              # Note 5
@@ -242,9 +257,8 @@ class CudaAutocastMode(TorchFunctionMode):
         policy = _TABLE.get(func)
         if (policy is None or kwargs.get("out") is not None
                 or not torch.is_autocast_enabled("cuda")):
-            if isinstance(func, FunctionType):            # a Python wrapper: look inside (Note 2)
-                with self:
-                    return torch.overrides.redispatch_function(func, types, args, kwargs)
+            if isinstance(func, FunctionType) and not (self._inside and self._inside[-1] is func):
+                return self._look_inside(func, types, args, kwargs)
             return func(*args, **kwargs)
         if policy is _Policy.BANNED:
             raise RuntimeError(_BANNED_MESSAGE)
@@ -252,12 +266,24 @@ class CudaAutocastMode(TorchFunctionMode):
             args, kwargs = _set_fp32_dtype(func, args, kwargs)
         else:
             lower = torch.get_autocast_dtype("cuda")
-            to = {_Policy.LOWER: lower, _Policy.FP32: torch.float32}.get(policy)
             if policy is _Policy.PROMOTE:
                 to = _promote_type(lower, tree_leaves((args, kwargs)))
+            else:
+                to = lower if policy is _Policy.LOWER else torch.float32
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: self._cached_cast(t, to, lower), (args, kwargs))
         return func(*args, **kwargs)                      # mode off inside: no second cast
+
+    def _look_inside(self, func, types, args, kwargs):
+        """Run a Python wrapper's body with the mode on (Note 2). A wrapper that calls its C++
+        twin (``super().unflatten``) is reported again under its own name: that second report
+        is passed through, or the wrapper would recurse forever."""
+        self._inside.append(func)
+        try:
+            with self:
+                return _redispatch(func, types, args, kwargs)
+        finally:
+            self._inside.pop()
 
     def _cached_cast(self, t: torch.Tensor, to: torch.dtype, lower: torch.dtype) -> torch.Tensor:
         """``cached_cast`` in autocast_mode.cpp (Note 4)."""

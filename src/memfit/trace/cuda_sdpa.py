@@ -96,7 +96,8 @@ _HALF = (torch.float16, torch.bfloat16)
 _F32 = torch.float32
 
 
-def _r(x: int, m: int) -> int:
+def _round_up(x: int, m: int) -> int:
+    """r(x, m) of Note 2: x rounded up to a multiple of m."""
     return (x + m - 1) // m * m
 
 
@@ -113,6 +114,7 @@ def _alloc_with_matching_layout(q: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 
 def _fwd_buffers(q, k, v, backend, compute_lse):
+    """(out, logsumexp, seed, offset, workspace) as the forward kernel allocates them."""
     b, h, lq, _ = q.shape
     dv = v.shape[-1]
     if backend == "flash":
@@ -122,7 +124,7 @@ def _fwd_buffers(q, k, v, backend, compute_lse):
     long0 = (q.new_empty((), dtype=torch.int64), q.new_empty((), dtype=torch.int64))
     if backend == "efficient":
         out = torch.empty_permuted((b, h, lq, dv), (0, 2, 1, 3), dtype=q.dtype, device=q.device)
-        lse = q.new_empty((b, h, _r(lq, 32) if compute_lse else 0), dtype=_F32)
+        lse = q.new_empty((b, h, _round_up(lq, 32) if compute_lse else 0), dtype=_F32)
         accum = q.dtype in _HALF and dv > 128
         return (out, lse, *long0, [q.new_empty((b, lq, h, dv), dtype=_F32)] if accum else [])
     if backend == "cudnn":
@@ -140,13 +142,14 @@ def _mem_eff_bwd_workspace_bytes(q, k, v, sm_major: int) -> int:
     bi = 128 if max_k > 64 and (sm_major >= 8 or (sm_major >= 7 and half)) else 64
     in_rf = half and max_k <= bi
     bj = 128 if half and sm_major >= 8 and in_rf and max_k > 64 else 64
-    elems = _r(lq, bi) * _r(d, bj)
+    elems = _round_up(lq, bi) * _round_up(d, bj)
     if half and not in_rf:
-        elems += math.ceil(s / bj) * bj * (_r(d, bi) + _r(dv, bi))
-    return b * h * _r(elems, 4) * 4
+        elems += math.ceil(s / bj) * bj * (_round_up(d, bi) + _round_up(dv, bi))
+    return b * h * _round_up(elems, 4) * 4
 
 
 def _bwd_buffers(grad_out, q, k, v, bias, out, backend, bias_grad, sm_major):
+    """(grad_q, grad_k, grad_v, grad_bias or an empty tensor, workspace) of the backward."""
     b, h, lq, d = q.shape
     s, dv = k.shape[2], v.shape[-1]
     ws = []
@@ -155,8 +158,9 @@ def _bwd_buffers(grad_out, q, k, v, bias, out, backend, bias_grad, sm_major):
     if backend == "flash":
         if not out.transpose(1, 2).is_contiguous():
             ws.append(out.new_empty((b, lq, h, dv)))
-        ws += [q.new_empty((b, h, _r(lq, 128)), dtype=_F32),
-               q.new_empty((b, _r(lq, 128), h, _r(d, 32 if d <= 128 else 64)), dtype=_F32)]
+        lq_r, d_r = _round_up(lq, 128), _round_up(d, 32 if d <= 128 else 64)
+        ws += [q.new_empty((b, h, lq_r), dtype=_F32),                  # softmax_d
+               q.new_empty((b, lq_r, h, d_r), dtype=_F32)]             # dq_accum
         if k.shape[1] != h:
             ws += [q.new_empty((b, s, h, d)), q.new_empty((b, s, h, dv))]
     grads = [torch.empty_like(t) for t in (q, k, v)]
@@ -169,7 +173,7 @@ def _bwd_buffers(grad_out, q, k, v, bias, out, backend, bias_grad, sm_major):
         ws += [q.new_empty((nbytes,), dtype=torch.uint8)] if nbytes else []
         if bias_grad:
             last = bias.shape[-1]
-            grad_bias = bias.new_empty((*bias.shape[:-1], _r(last, 16)))[..., :last]
+            grad_bias = bias.new_empty((*bias.shape[:-1], _round_up(last, 16)))[..., :last]
     if backend == "cudnn" and not _same_strides(grad_out, out):
         ws.append(_alloc_with_matching_layout(out, tuple(grad_out.shape)))
     return (*grads, grad_bias, ws)
@@ -266,23 +270,23 @@ def _probs_fp32(q, k, bias, is_causal, scale):
     if bias is not None:
         scores = scores + bias.float()
     if is_causal:
-        keep = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)   # fully masked rows: 0
     return probs, lse
 
 
-def _dropout_keep(shape, dropout_p, seed):
+def _dropout_keep(shape, dropout_p, seed, device):
     if dropout_p == 0:
         return None
     gen = torch.Generator().manual_seed(seed)
-    return (torch.rand(shape, generator=gen) >= dropout_p).float() / (1 - dropout_p)
+    return (torch.rand(shape, generator=gen) >= dropout_p).to(device) / (1 - dropout_p)
 
 
 def _attention_fp32(q, k, v, bias, is_causal, scale, dropout_p, seed):
     probs, lse = _probs_fp32(q, k, bias, is_causal, scale)
-    keep = _dropout_keep(probs.shape, dropout_p, seed)
+    keep = _dropout_keep(probs.shape, dropout_p, seed, probs.device)
     dropped = probs if keep is None else probs * keep
     vr = v.float().repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     return dropped @ vr, lse, probs
@@ -295,7 +299,7 @@ def _group_sum(t: Tensor, heads: int) -> Tensor:
 
 def _attention_backward_fp32(grad_out, q, k, v, bias, is_causal, scale, dropout_p, seed):
     probs, _ = _probs_fp32(q, k, bias, is_causal, scale)
-    keep = _dropout_keep(probs.shape, dropout_p, seed)
+    keep = _dropout_keep(probs.shape, dropout_p, seed, probs.device)
     g = q.shape[1] // k.shape[1]
     kr, vr = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
     do = grad_out.float()
@@ -331,7 +335,11 @@ def _autocast(c: dict) -> dict:
     if not torch.is_autocast_enabled(dev):
         return c
     dtype = torch.get_autocast_dtype(dev)
-    cast = lambda t: t.to(dtype) if t is not None and t.is_floating_point() else t  # noqa: E731
+
+    def cast(t):        # autocast's is_eligible: floating point, not double
+        eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if eligible else t
+
     return {**c, **{n: cast(c[n]) for n in ("query", "key", "value", "attn_mask")}}
 
 
@@ -386,7 +394,7 @@ def _run_fused(backend: str, c: dict, sm_major: int) -> Tensor:
     return out if out.shape[-1] == head_dim else out[..., :head_dim]
 
 
-# -- the mode ---------------------------------------------------------------------------------------
+# -- the mode -------------------------------------------------------------------------------------
 class CudaSdpaMode(TorchFunctionMode):
     """While active, ``F.scaled_dot_product_attention`` runs as CUDA GPU ``compute_capability``
     would run it; ``calls`` records the backend of each call, in order."""

@@ -27,6 +27,7 @@ nested tensors, and the environment variables read by ``sdp_utils.cpp``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,7 @@ def select_backend(inputs: SdpaInputs, compute_capability: tuple[int, int],
     """
     if len(compute_capability) != 2:
         raise ValueError(f"compute_capability must be (major, minor), got {compute_capability}")
+    compute_capability = tuple(compute_capability)
     order = ["flash", "efficient", "math", "cudnn"]
     if _check_prefer_cudnn_attention(compute_capability, build):
         order = ["cudnn", "flash", "efficient", "math"]
@@ -301,7 +303,7 @@ def _check_attn_mask_shape(p: SdpaInputs) -> bool:
 
 def _check_cudnn_dropout(p: SdpaInputs) -> bool:
     """``check_cudnn_dropout``: dropout probability a multiple of 1/16."""
-    return (p.dropout_p * 16) == int(p.dropout_p * 16)
+    return p.dropout_p * 16 == math.floor(p.dropout_p * 16)
 
 
 def _cudnn_supports_d256(sm, build: CudaBuild) -> bool:
@@ -319,10 +321,11 @@ def _check_cudnn_tensor_shapes(p: SdpaInputs, sm, build: CudaBuild) -> bool:
     (b, h, s_q, d_qk), s_k, d_v = p.q_shape, p.k_shape[2], p.v_shape[3]
     if b > 65535 or h > 65535:
         return False
+    sm90_or_10x = sm == (9, 0) or sm[0] == 10
     limit = 128
     if _cudnn_supports_d256(sm, build):
         limit = 256
-    elif (sm == (9, 0) or sm[0] == 10) and build.cudnn_version >= 91100 and (d_qk, d_v) == (192, 128):
+    elif sm90_or_10x and build.cudnn_version >= 91100 and (d_qk, d_v) == (192, 128):
         limit = 192
     if d_qk > limit or d_v > limit or d_qk % 8 or d_v % 8:
         return False
