@@ -50,14 +50,17 @@ def storages_of(t: torch.Tensor, device_type: str | None = None):
 
 @dataclass
 class Resolved:
-    """The ledger resolved after the region: all byte figures include entry storages."""
+    """The ledger resolved after the region: all byte figures include entry storages and
+    exclude host storages (counted apart in ``host_peak_bytes``)."""
 
-    series: np.ndarray        # live bytes after each event (int64)
-    by_category: np.ndarray   # [events, categories] live bytes per category after each event
-    base_bytes: int           # live bytes at the start of the region
+    series: np.ndarray        # device live bytes after each event (int64)
+    by_category: np.ndarray   # [events, categories] device live bytes per category
+    base_bytes: int           # device live bytes at the start of the region
     base_by_category: np.ndarray
-    peak_bytes: int
+    peak_bytes: int           # over the window (events >= window_start, and the value before)
     peak_event: int           # index of the event at the peak; -1 = the start of the region
+    host_peak_bytes: int      # peak of storages marked as host memory, over the whole region
+    window_start: int = 0     # first event of the window the peak is taken over
 
     def at(self, event: int) -> int:
         return int(self.base_bytes if event < 0 else self.series[event])
@@ -87,14 +90,16 @@ class Ledger:
         self._entry: dict[int, int] = {}    # storage id alive before the region -> its bytes then
         self._ev_sid: list[int] = []        # event log: storage id
         self._ev_delta: list[int] = []      # event log: +bytes at birth, -bytes at death
+        self._host: set[int] = set()        # storage ids that live in host memory
         self.open = True
 
     # -- registration -----------------------------------------------------------------------
     def sid(self, storage) -> int | None:
         return self._sid_of.get(storage._cdata)
 
-    def add(self, storage, category: int, *, entry: bool) -> int:
-        """Start counting ``storage``: born now, or (``entry``) alive since the region began."""
+    def add(self, storage, category: int, *, entry: bool, host: bool = False) -> int:
+        """Start counting ``storage``: born now, or (``entry``) alive since the region began;
+        ``host``: it lives in host memory (counted apart from the device)."""
         key = storage._cdata
         sid = len(self._nbytes)
         nbytes = storage.nbytes()
@@ -102,7 +107,10 @@ class Ledger:
         self._nbytes.append(nbytes)
         self._category.append(category)
         self._refs.append(weakref.ref(storage, lambda _, sid=sid, key=key: self._died(sid, key)))
-        self.current_bytes += nbytes
+        if host:
+            self._host.add(sid)
+        else:
+            self.current_bytes += nbytes
         if entry:
             self._entry[sid] = nbytes
         else:
@@ -133,7 +141,8 @@ class Ledger:
         delta = storage.nbytes() - self._nbytes[sid]
         if delta:
             self._nbytes[sid] += delta
-            self.current_bytes += delta
+            if sid not in self._host:
+                self.current_bytes += delta
             self._ev_sid.append(sid)
             self._ev_delta.append(delta)
 
@@ -142,7 +151,8 @@ class Ledger:
             return
         if self._sid_of.get(key) == sid:
             del self._sid_of[key]
-        self.current_bytes -= self._nbytes[sid]
+        if sid not in self._host:
+            self.current_bytes -= self._nbytes[sid]
         self._ev_sid.append(sid)
         self._ev_delta.append(-self._nbytes[sid])
 
@@ -162,23 +172,48 @@ class Ledger:
     def nbytes_of_sid(self, sid: int) -> int:
         return self._nbytes[sid]
 
-    def resolve(self) -> Resolved:
+    def set_host(self, storage) -> None:
+        """From now on ``storage`` is host memory (e.g. a CUDA optimizer's CPU step counter)."""
+        sid = self._sid_of.get(storage._cdata)
+        if sid is not None and sid not in self._host:
+            self._host.add(sid)
+            self.current_bytes -= self._nbytes[sid]
+
+    def device_events(self) -> list[tuple[int, int]]:
+        """(storage id, +/- bytes) on the device: entry storages first, then the log."""
+        out = [(sid, n) for sid, n in self._entry.items() if sid not in self._host]
+        out += [(s, d) for s, d in zip(self._ev_sid, self._ev_delta) if s not in self._host]
+        return out
+
+    def resolve(self, window_start: int = 0) -> Resolved:
         ncat = len(CATEGORIES)
         cats = np.asarray(self._category, dtype=np.int64)
+        host = np.zeros(len(self._nbytes), dtype=bool)
+        host[list(self._host)] = True
         base_by_cat = np.zeros(ncat, dtype=np.int64)
+        host_base = 0
         for sid, nbytes in self._entry.items():
-            base_by_cat[cats[sid]] += nbytes
+            if host[sid]:
+                host_base += nbytes
+            else:
+                base_by_cat[cats[sid]] += nbytes
         sids = np.asarray(self._ev_sid, dtype=np.int64)
         deltas = np.asarray(self._ev_delta, dtype=np.int64)
+        on_host = host[sids] if len(sids) else np.zeros(0, dtype=bool)
+        dev = np.where(on_host, 0, deltas)
         per_cat = np.zeros((len(deltas), ncat), dtype=np.int64)
         if len(deltas):
-            per_cat[np.arange(len(deltas)), cats[sids]] = deltas
+            per_cat[np.arange(len(deltas)), cats[sids]] = dev
         by_cat = base_by_cat + np.cumsum(per_cat, axis=0)
         base = int(base_by_cat.sum())
-        series = base + np.cumsum(deltas)
-        if len(series) and series.max() > base:
-            peak_event = int(series.argmax())
+        series = base + np.cumsum(dev)
+        host_series = host_base + np.cumsum(np.where(on_host, deltas, 0))
+        host_peak = max([host_base] + ([int(host_series.max())] if len(host_series) else []))
+        before = base if window_start <= 0 else int(series[window_start - 1])
+        window = series[window_start:]
+        if len(window) and window.max() > before:
+            peak_event = window_start + int(window.argmax())
             peak = int(series[peak_event])
         else:
-            peak_event, peak = -1, base
-        return Resolved(series, by_cat, base, base_by_cat, peak, peak_event)
+            peak_event, peak = window_start - 1, before
+        return Resolved(series, by_cat, base, base_by_cat, peak, peak_event, host_peak, window_start)

@@ -115,6 +115,7 @@ class ModuleWatch:
         rec = self.records[name]
         if rec.order < 0:
             rec.order = sum(r.order >= 0 for r in self.records.values())
+        if rec.calls == 0:
             rec.input_bytes = _unique_bytes(tree_flatten((args, kwargs))[0])
         rec.calls += 1
         self.stack.append(name)
@@ -142,6 +143,13 @@ class ModuleWatch:
             idx = len(self.stack) - 1 - self.stack[::-1].index(name)
             del self.stack[idx]
             self._on_exit(name, "bw")
+
+    def reset_counts(self) -> None:
+        """Forget calls, inputs, saved bytes and FLOPs (a new window starts); keep the order."""
+        for rec in self.records.values():
+            rec.calls = rec.saved_bytes = rec.fw_flops = rec.bw_flops = 0
+            rec.input_bytes = 0
+            rec._saved = set()
 
     def saved(self, storage, sid: int, nbytes: int) -> None:
         """Attribute a storage saved for backward to every module now running forward."""

@@ -127,7 +127,7 @@ class Tracker:
     """
 
     def __init__(self, model: nn.Module | None = None, optimizer=None, budget=None,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, host_tensors=()):
         self.model = model
         self.optimizer = optimizer
         self.budget_bytes = None if budget is None else parse_bytes(budget)
@@ -145,6 +145,9 @@ class Tracker:
         self.cuda_max_reserved_bytes: int | None = None
         self._windows: list[tuple[str, str, int, int]] = []   # name, phase, start, end event
         self._open: dict[tuple[str, str], list[int]] = {}
+        self._host_tensors = list(host_tensors)   # counted as host memory, not device
+        self._window_event = 0                    # the peak is taken from this event on
+        self._window_op = 0
         self._stack = contextlib.ExitStack()
         self._resolved = None
         self.failed_op: str | None = None       # op and module of an exception raised inside
@@ -152,6 +155,10 @@ class Tracker:
 
     # -- context ----------------------------------------------------------------------------
     def __enter__(self) -> "Tracker":
+        for t in self._host_tensors:
+            for st in storages_of(t, self.device_type):
+                if self.ledger.sid(st) is None:
+                    self.ledger.add(st, L.OPTIMIZER, entry=True, host=True)
         self._register_state(entry=True)
         if self.device_type == "cuda":
             torch.cuda.synchronize()
@@ -179,11 +186,34 @@ class Tracker:
         return False
 
     # -- results ----------------------------------------------------------------------------
+    def start_window(self) -> None:
+        """Take the peak, breakdown and timeline from here on (e.g. step 2 of 2); everything
+        before still shapes what is live."""
+        self._window_event = self.ledger.num_events
+        self._window_op = len(self.op_events)
+        self._resolved = None
+        self.fw_flops = self.bw_flops = 0
+        self.watch.reset_counts()
+
+    @property
+    def window_op_log(self) -> list:
+        """The ops of the window, one per timeline point."""
+        return self.op_log[self._window_op:]
+
+    def mark_host(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage as host memory from now on."""
+        for st in storages_of(t, self.device_type):
+            self.ledger.set_host(st)
+
     @property
     def resolved(self) -> L.Resolved:
         if self._resolved is None or self.ledger.open:
-            self._resolved = self.ledger.resolve()
+            self._resolved = self.ledger.resolve(self._window_event)
         return self._resolved
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return self.resolved.host_peak_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -203,13 +233,13 @@ class Tracker:
     def timeline(self) -> list[int]:
         """Live bytes after each op, in order (frees before the next op included)."""
         r = self.resolved
-        return [r.at(e - 1) for e in self.op_events]
+        return [r.at(e - 1) for e in self.op_events[self._window_op:]]
 
     @property
     def timeline_by_category(self) -> dict[str, list[int]]:
         r = self.resolved
         out = {c: [] for c in L.CATEGORIES}
-        for e in self.op_events:
+        for e in self.op_events[self._window_op:]:
             for name, v in r.breakdown_at(e - 1).items():
                 out[name].append(v)
         return out
