@@ -120,9 +120,12 @@ def test_full_size_xlmr_large_estimate_is_fast_and_plausible():
     spec = zoo.get("xlm-roberta-large")
     model = spec.build(device="meta")
     batch = spec.make_batch(model, 8, seq_len=256)
-    est = memfit.estimate(model, batch, optimizer="adamw", device="gtx-1080-ti")
     n = zoo.count_parameters(model)
+    est = memfit.estimate(model, batch, optimizer="adamw", device="cpu")
     assert est.breakdown["params"] == 4 * n
+    # AdamW: exp_avg and exp_avg_sq per parameter, and a 0-d fp32 step counter per tensor
     assert est.breakdown["optimizer"] == 8 * n + 4 * len(list(model.parameters()))
-    assert not est.fits                       # the story: it does not fit an 11 GiB card
     assert est.trace_seconds < 3.0 * 3        # generous here (shared CI); the benchmark times it
+    gpu = memfit.estimate(model, batch, optimizer="adamw", device="gtx-1080-ti")
+    assert gpu.breakdown["optimizer"] == 8 * n   # on CUDA the step counters stay on the host
+    assert not gpu.fits                          # the story: it does not fit an 11 GiB card

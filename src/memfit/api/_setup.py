@@ -47,9 +47,9 @@ def resolve_precision(precision: str | None, spec: DeviceSpec) -> str:
 def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, plan: Plan,
                  origin: list[torch.Tensor] | None = None, loss_fn: Callable | None = None,
                  count_fn: Callable | None = None, scheduler=None, scaler_class=None,
-                 device_type: str = "cpu") -> Runner:
+                 device_type: str = "cpu", autocast_impl=None) -> Runner:
     """Apply the knobs to ``model`` (in place) and wrap it in a Runner."""
-    tech = Precision(Precision.Config(knobs.precision or "fp32"))
+    tech = Precision(Precision.Config(knobs.precision or "fp32"), autocast_impl)
     model, optimizer = tech.apply(model, recipe, origin)
     scaler = None
     if knobs.precision == "fp16":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +20,8 @@ from memfit.planner import Plan
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.trace import FakeCopier, profile_step
+from memfit.trace.allocator import AllocatorConfig
+from memfit.trace.cuda import CudaModel
 from memfit.trace.scaler import TraceGradScaler
 from memfit.units import parse_bytes
 
@@ -30,6 +34,7 @@ class Estimate:
 
     peak_bytes: int
     reserved_bytes: int                # allocator reservation at the peak (== peak on CPU)
+    context_bytes: int                 # CUDA context outside the allocator (0 on CPU)
     breakdown: dict[str, int]          # category -> bytes at the peak
     timeline: list[int]                # live bytes after each op of the step
     op_log: list[str]                  # the aten op behind each timeline point
@@ -43,17 +48,22 @@ class Estimate:
     limit_bytes: int                   # what ``fits`` compares with: budget, else usable memory
     knobs: Knobs
     trace_seconds: float
-    basis: str = "cpu-trace"           # how the figures were obtained
+    basis: str = "cpu-trace"           # how the figures were obtained: cpu-trace | cuda-model
     notes: list[str] = field(default_factory=list)
 
     @property
+    def device_bytes(self) -> int:
+        """What the step holds on the device: reserved bytes plus the CUDA context."""
+        return self.reserved_bytes + self.context_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.reserved_bytes <= self.limit_bytes
+        return self.device_bytes <= self.limit_bytes
 
     @property
     def headroom_bytes(self) -> int:
         """Bytes left under the limit (negative: how much is missing)."""
-        return self.limit_bytes - self.reserved_bytes
+        return self.limit_bytes - self.device_bytes
 
     @property
     def validated(self) -> bool:
@@ -64,6 +74,8 @@ class Estimate:
         return {
             "peak_bytes": self.peak_bytes,
             "reserved_bytes": self.reserved_bytes,
+            "context_bytes": self.context_bytes,
+            "device_bytes": self.device_bytes,
             "breakdown": dict(self.breakdown),
             "fits": self.fits,
             "limit_bytes": self.limit_bytes,
@@ -87,9 +99,15 @@ class Estimate:
         }
 
 
+def _describe_calls(calls: list[str]) -> str:
+    if not calls:
+        return "no SDPA"
+    return ", ".join(f"{n}x {b}" for b, n in sorted(Counter(calls).items()))
+
+
 def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
              loss_fn: Callable | None = None, *, budget=None, count_fn: Callable | None = None,
-             **knobs) -> Estimate:
+             allocator: AllocatorConfig | None = None, **knobs) -> Estimate:
     """Predict the memory of one steady-state training step of ``model`` on ``batch``.
 
     Traces zero_grad -> forward -> loss -> backward -> optimizer.step on fake tensors (no real
@@ -99,6 +117,9 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     (default: where the model is). ``budget`` (bytes or "11GiB") replaces the device's usable
     memory as the limit ``fits`` checks. Knobs: ``precision``, ``micro_batch_size`` (the peak
     of the whole accumulated effective batch), ``max_grad_norm``; ``count_fn`` as in ``fit``.
+    For a GPU the CPU trace is run through models of CUDA's autocast, attention kernels,
+    optimizer defaults and caching allocator (``allocator``: its settings, e.g.
+    ``AllocatorConfig(expandable_segments=True)``), see ``memfit.trace.cuda``.
     """
     k = Knobs.from_kwargs(**knobs)
     k.check_available()
@@ -116,23 +137,35 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     check_batch(model, batch, loss_fn)
     batch_size_of(batch)
 
+    cuda = CudaModel(spec, allocator) if spec.kind == "cuda" else None
     copier = FakeCopier("cpu")
     fake_model = copier.module(model)
     fake_model.train(model.training)
     fake_batch = copier.tree(batch)
     with copier.mode:
         runner = build_runner(fake_model, recipe, k, plan=Plan(k), origin=trainable,
-                              loss_fn=loss_fn, count_fn=count_fn, scaler_class=TraceGradScaler)
+                              loss_fn=loss_fn, count_fn=count_fn, scaler_class=TraceGradScaler,
+                              autocast_impl=cuda.autocast if cuda else None)
         fake_batch = runner.precision.prepare_batch(fake_batch)
+    if cuda:
+        cuda.use_foreach(runner.optimizer)
 
     def run(on_phase):
-        runner.run(fake_batch, on_phase)
+        with cuda.kernels() if cuda else contextlib.nullcontext():
+            runner.run(fake_batch, on_phase)
 
-    # steady state: optimizer state exists (and, under fp16, the scaler's scale)
+    def host_state(tracker):
+        for t in cuda.host_tensors(runner.optimizer):
+            tracker.mark_host(t)
+
+    # steady state: optimizer state exists (and, under fp16, the scaler's scale); for a GPU,
+    # two whole steps for the allocator's history (cuda Note 2)
     warm_up = (lambda: runner.run(fake_batch)) if runner.scaler is not None else None
     try:
-        prof = profile_step(run, copier=copier, model=runner.model, optimizer=runner.optimizer,
-                            warm_up=warm_up)
+        prof, tracker = profile_step(run, copier=copier, model=runner.model,
+                                     optimizer=runner.optimizer, warm_up=warm_up,
+                                     two_steps=cuda is not None,
+                                     after_first=host_state if cuda else None)
     except TypeError as e:
         if "argument" in str(e):
             raise ValueError(f"the batch does not match {type(model).__name__}.forward: {e}") from e
@@ -141,14 +174,21 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         if isinstance(e, TraceError) or "shape" not in str(e) and "size" not in str(e):
             raise
         raise describe_batch_mismatch(model, batch, e) from e
+    peak, reserved, breakdown, context = prof.peak_bytes, prof.peak_bytes, prof.breakdown, 0
     notes = []
-    if spec.kind == "cuda":
-        notes.append("CPU trace: CUDA kernels, autocast rules and the caching allocator are "
-                     "not modelled yet; figures are unvalidated for this GPU")
+    if cuda:
+        mem = cuda.replay(tracker)
+        peak, reserved, breakdown = mem.allocated_peak_bytes, mem.reserved_peak_bytes, mem.breakdown
+        context = mem.context_bytes
+        notes.append(f"CUDA model of the {spec.display_name}: attention ran "
+                     f"{_describe_calls(cuda.sdpa_calls)}; optimizer foreach; caching-allocator "
+                     "replay; context approximate. Unvalidated until benchmarks/gpu_check.py "
+                     "has run on this GPU")
     return Estimate(
-        peak_bytes=prof.peak_bytes, reserved_bytes=prof.peak_bytes, breakdown=prof.breakdown,
+        peak_bytes=peak, reserved_bytes=reserved, breakdown=breakdown, context_bytes=context,
         timeline=prof.timeline, op_log=prof.op_log, timeline_by_category=prof.timeline_by_category,
         phases=prof.phases, modules=prof.modules, blocks=prof.blocks, fw_flops=prof.fw_flops,
         bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=k,
         trace_seconds=prof.trace_seconds, notes=notes,
+        basis="cuda-model" if cuda else "cpu-trace",
     )

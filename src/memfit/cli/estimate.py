@@ -31,6 +31,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"GPU to check against, or 'cpu' (default: {DEFAULT_GPU})")
     g.add_argument("--budget", default=None, metavar="BYTES",
                    help="check against this many bytes instead of the GPU's memory, e.g. 10GiB")
+    g.add_argument("--expandable-segments", action="store_true",
+                   help="model the caching allocator with expandable_segments:True "
+                        "(PYTORCH_CUDA_ALLOC_CONF) instead of the default")
+    g.add_argument("--micro-batch-size", type=int, default=None, metavar="N",
+                   help="accumulate the batch in micro-batches of N samples (default: none)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     g.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write live bytes over the step, by category, with the limit line")
@@ -44,8 +49,12 @@ def run(args) -> int:
     console = Console(stderr=args.json)
     with console.status("building the model on the meta device and tracing one step..."):
         spec, model, batch = build_model_and_batch(args)
+        from memfit.trace.allocator import AllocatorConfig
+
         est = memfit.estimate(model, batch, optimizer=args.optimizer, device=args.gpu,
-                              budget=args.budget, precision=args.precision)
+                              budget=args.budget, precision=args.precision,
+                              micro_batch_size=args.micro_batch_size,
+                              allocator=AllocatorConfig(expandable_segments=args.expandable_segments))
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch)
     if args.plot:
@@ -81,11 +90,18 @@ def _print_human(console, spec, est, described, args) -> None:
 
     console.print(f"[bold]{spec.name}[/bold] ({args.task or spec.default_task}), {described}, "
                   f"{args.precision}, {args.optimizer}")
-    console.print(breakdown_table(est.breakdown, est.peak_bytes,
-                                  title="Memory at the peak of one steady-state step"))
+    title = "Memory at the peak of one steady-state step"
+    if est.basis == "cuda-model":
+        title += f" (CUDA model, {est.device.display_name})"
+    console.print(breakdown_table(est.breakdown, est.peak_bytes, title=title))
+    if est.basis == "cuda-model":
+        console.print(f"allocated peak {format_bytes(est.peak_bytes)}, reserved by the caching "
+                      f"allocator {format_bytes(est.reserved_bytes)}, + CUDA context "
+                      f"{format_bytes(est.context_bytes)} = {format_bytes(est.device_bytes)} on "
+                      "the device [yellow](unvalidated)[/yellow]")
     where = f"on a budget of {format_bytes(est.limit_bytes)}" if args.budget else \
         f"on the {est.device.display_name} ({format_bytes(est.device.usable_bytes)} usable)"
-    console.print(verdict(est.reserved_bytes, est.limit_bytes, where))
+    console.print(verdict(est.device_bytes, est.limit_bytes, where))
     console.print(f"forward {est.fw_flops / 1e12:.2f} TFLOP, backward {est.bw_flops / 1e12:.2f} "
                   f"TFLOP; traced in {est.trace_seconds:.2f} s")
     for note in est.notes:

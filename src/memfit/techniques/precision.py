@@ -84,13 +84,18 @@ class Precision:
                 raise ValueError(f"Precision.Config.mode={self.mode!r} must be one of "
                                  "fp32, fp16, bf16, bf16-pure")
 
-    def __init__(self, config: "Precision.Config"):
+    def __init__(self, config: "Precision.Config", autocast_impl=None):
         self.config = config
+        # dtype -> context manager; default torch.autocast on the model's device. A trace for
+        # a CUDA target passes a model of CUDA's autocast instead.
+        self.autocast_impl = autocast_impl
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         dtype = _AUTOCAST_DTYPE.get(self.config.mode)
         if dtype is None:
             return contextlib.nullcontext()
+        if self.autocast_impl is not None:
+            return self.autocast_impl(dtype)
         return torch.autocast(device_type, dtype=dtype)
 
     def prepare_batch(self, batch):

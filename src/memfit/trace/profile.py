@@ -58,16 +58,21 @@ def warm_up_optimizer(model: nn.Module, optimizer) -> None:
 
 
 def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier: FakeCopier,
-                 model: nn.Module, optimizer, warm_up: Callable[[], object] | None = None
-                 ) -> StepProfile:
+                 model: nn.Module, optimizer, warm_up: Callable[[], object] | None = None,
+                 two_steps: bool = False, after_first: Callable[[Tracker], None] | None = None
+                 ) -> tuple[StepProfile, Tracker]:
     """Trace ``run_step(on_phase)`` on fakes made by ``copier`` and count it.
 
     ``model`` and ``optimizer`` are the fake ones the step uses; they are counted from the start
     (parameters, gradients, optimizer state) and sort the bytes into categories. ``warm_up``
     runs first, uncounted, to reach the steady state (default: ``warm_up_optimizer``, Note 1).
+    ``two_steps``: instead, count two whole steps and take the peak over the second (an
+    allocator replay needs the first step's history); ``after_first(tracker)`` runs between.
     """
     with copier.mode, FidelityMode():
-        if warm_up is None:
+        if two_steps:
+            pass
+        elif warm_up is None:
             warm_up_optimizer(model, optimizer)
         else:
             warm_up()
@@ -76,14 +81,20 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
         start = time.perf_counter()
         try:
             with tracker:
-                run_step(lambda name: phases.setdefault(name, tracker.ops))
+                if two_steps:
+                    run_step(lambda name: None)
+                    if after_first is not None:
+                        after_first(tracker)
+                    tracker.start_window()
+                first_op = tracker.ops
+                run_step(lambda name: phases.setdefault(name, tracker.ops - first_op))
         except (torch._subclasses.fake_tensor.DataDependentOutputException,
                 torch._subclasses.fake_tensor.UnsupportedOperatorException,
                 torch._subclasses.fake_tensor.DynamicOutputShapeException, NotImplementedError) as e:
             raise _trace_error(e, tracker) from e
         seconds = time.perf_counter() - start
     records = sorted((r for r in tracker.modules.values() if r.order >= 0), key=lambda r: r.order)
-    return StepProfile(
+    profile = StepProfile(
         peak_bytes=tracker.peak_bytes,
         breakdown=tracker.breakdown,
         timeline=tracker.timeline,
@@ -93,10 +104,11 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
         fw_flops=tracker.fw_flops,
         bw_flops=tracker.bw_flops,
         num_ops=tracker.ops,
-        op_log=[str(op) for op in tracker.op_log],
+        op_log=[str(op) for op in tracker.window_op_log],
         trace_seconds=seconds,
         blocks=[r.name for r in records if r.is_block],
     )
+    return profile, tracker
 
 
 def _trace_error(e: Exception, tracker: Tracker) -> TraceError:

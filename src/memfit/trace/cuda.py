@@ -1,0 +1,123 @@
+"""What a CUDA GPU does differently from the CPU trace, modelled on top of it.
+
+Note 1 (the pieces). A fake trace runs CPU kernels' meta functions. For a CUDA target:
+autocast follows CUDA's op lists (``CudaAutocastMode``); SDPA runs the kernel the GPU would
+pick, with that kernel's saved tensors and workspaces (``CudaSdpaMode``); optimizers take
+their CUDA default, ``foreach`` (its temporaries span all parameters at once), and keep the
+``step`` counter of non-capturable Adam-style optimizers in host memory; every storage goes
+through a replay of the caching allocator (512-byte rounding, segments, splitting), after
+the cuBLAS workspace that the first matmul allocates; the CUDA context is added on top.
+
+Note 2 (two steps). The allocator's state when step 2 begins (which segments are cached and
+how they are split) comes from step 1, so both steps are traced and replayed; peaks are taken
+over step 2, as ``torch.cuda.reset_peak_memory_stats()`` before it would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from memfit.devices import DeviceSpec
+from memfit.measure import CATEGORIES
+from memfit.trace.allocator import AllocatorConfig, CachingAllocator
+from memfit.trace.cuda_autocast import CudaAutocastMode
+from memfit.trace.cuda_sdpa import CudaSdpaMode
+
+__all__ = ["CudaModel", "CudaMemory"]
+
+_CUBLAS = "cublas-workspace"
+
+
+@dataclass(frozen=True)
+class CudaMemory:
+    """The step's memory as the caching allocator would report it. Bytes."""
+
+    allocated_peak_bytes: int     # max_memory_allocated over step 2 (rounded blocks)
+    reserved_peak_bytes: int      # max_memory_reserved over step 2
+    breakdown: dict[str, int]     # category -> bytes at the allocated peak ("other" holds the
+                                  # cuBLAS workspace and rounding)
+    peak_event: int               # ledger event at the allocated peak
+    context_bytes: int            # CUDA context, outside the allocator (Note 1)
+
+
+class CudaModel:
+    """The CUDA side of one traced step (Note 1)."""
+
+    def __init__(self, spec: DeviceSpec, allocator: AllocatorConfig | None = None):
+        if spec.kind != "cuda":
+            raise ValueError(f"CudaModel needs a GPU, got {spec.name}")
+        self.spec = spec
+        self.allocator = allocator or AllocatorConfig()
+        self.sdpa_calls: list[str] = []
+
+    def autocast(self, dtype: torch.dtype):
+        return CudaAutocastMode(dtype)
+
+    @contextlib.contextmanager
+    def kernels(self):
+        """Active around the whole traced step: SDPA as the GPU would run it."""
+        mode = CudaSdpaMode(self.spec.compute_capability)
+        with mode:
+            yield
+        self.sdpa_calls.extend(mode.calls)
+
+    @staticmethod
+    def use_foreach(optimizer) -> None:
+        """CUDA's default for torch optimizers: ``foreach`` unless the user chose otherwise."""
+        inner = getattr(optimizer, "inner", optimizer)
+        for group in inner.param_groups:
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = True
+
+    @staticmethod
+    def host_tensors(optimizer) -> list[torch.Tensor]:
+        """Optimizer state CUDA keeps on the host: 0-d ``step`` counters unless capturable or
+        fused (``torch.optim.Adam._init_group``)."""
+        inner = getattr(optimizer, "inner", optimizer)
+        on_device = {id(p) for g in inner.param_groups if g.get("capturable") or g.get("fused")
+                     for p in g["params"]}
+        out = []
+        for p, state in inner.state.items():
+            step = state.get("step") if isinstance(state, dict) else None
+            if isinstance(step, torch.Tensor) and step.dim() == 0 and id(p) not in on_device:
+                out.append(step)
+        return out
+
+    def replay(self, tracker) -> CudaMemory:
+        """Replay the ledger through the caching allocator (Note 2)."""
+        ledger = tracker.ledger
+        resolved = tracker.resolved
+        window = resolved.window_start
+        events = ledger.device_events()
+        n_entry = len(events) - sum(1 for s, _ in zip(ledger._ev_sid, ledger._ev_delta)
+                                    if s not in ledger._host)
+        allocator, handles = CachingAllocator(self.allocator), {}
+        alloc_peak, reserved_peak, peak_event = -1, 0, window - 1
+        log_index = [-1] * n_entry + [i for i, s in enumerate(ledger._ev_sid)
+                                      if s not in ledger._host]
+        for k, ((sid, delta), ev) in enumerate(zip(events, log_index)):
+            if k == n_entry:     # the first matmul allocates cuBLAS's workspace, for good
+                handles[_CUBLAS] = allocator.malloc(self.spec.cublas_workspace_bytes)
+            if delta > 0:
+                if sid in handles:                # resized in place: a new block
+                    allocator.free(handles.pop(sid))
+                handles[sid] = allocator.malloc(ledger.nbytes_of_sid(sid) if ev < 0 else delta)
+            elif sid in handles:
+                allocator.free(handles.pop(sid))
+            if ev >= window:
+                stats = allocator.stats
+                if stats.allocated_bytes > alloc_peak:
+                    alloc_peak, peak_event = stats.allocated_bytes, ev
+                reserved_peak = max(reserved_peak, stats.reserved_bytes)
+        if n_entry == len(events):
+            handles[_CUBLAS] = allocator.malloc(self.spec.cublas_workspace_bytes)
+        if alloc_peak < 0:
+            stats = allocator.stats
+            alloc_peak, reserved_peak = stats.allocated_bytes, stats.reserved_bytes
+        exact = resolved.breakdown_at(peak_event)
+        exact["other"] += alloc_peak - sum(exact.values())
+        assert list(exact) == list(CATEGORIES)
+        return CudaMemory(alloc_peak, reserved_peak, exact, peak_event, self.spec.cuda_context_bytes)
