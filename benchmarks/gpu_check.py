@@ -1,0 +1,135 @@
+"""Every GPU check in one run (well under 8 minutes on one GPU): for several zoo models, small
+and full-size, the real training step's memory beside memfit's prediction.
+
+Measured on step 2 (after ``torch.cuda.reset_peak_memory_stats()``): ``max_memory_allocated``,
+``max_memory_reserved``, and the device-level used memory (``cudaMemGetInfo``: total - free,
+which includes the CUDA context). Predicted: ``memfit.estimate(..., device=<this GPU>)``.
+Pass marks: allocated within 3%, reserved within 5% (the targets of issue 3).
+
+    python benchmarks/gpu_check.py            # on a machine with a CUDA GPU
+    python benchmarks/gpu_check.py --dry-run  # predictions only (no GPU needed): checks the script
+
+Results: a table, and ``benchmarks/results/gpu_check-<date>.json`` (one row per case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import memfit  # noqa: E402
+from memfit import zoo  # noqa: E402
+
+import _record  # noqa: E402
+
+# (model, tiny, batch, seq_len or None, precision)
+CASES = [
+    ("bert-base", True, 8, 64, "fp32"),
+    ("gpt2", True, 8, 64, "bf16"),
+    ("bert-base", False, 16, 256, "fp32"),
+    ("bert-base", False, 16, 256, "fp16"),
+    ("gpt2", False, 8, 512, "bf16"),
+    ("xlm-roberta-large", False, 8, 256, "fp32"),
+    ("xlm-roberta-large", False, 8, 256, "fp16"),
+    ("llama-1b", False, 4, 512, "bf16"),
+    ("vit-base", False, 32, None, "bf16"),
+    ("resnet-50", False, 32, None, "fp32"),
+    ("resnet-50", False, 32, None, "bf16-pure"),
+]
+
+
+def measure(spec, tiny: bool, batch_cpu: dict, precision: str) -> dict:
+    """Two real Runner steps on the GPU; the second one's memory."""
+    model = spec.build(tiny=tiny, device="cuda")
+    batch = {k: v.cuda() for k, v in batch_cpu.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    runner = memfit.fit(model, opt, batch, precision=precision)
+    runner.step(batch)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    runner.step(batch)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    free, total = torch.cuda.mem_get_info()
+    out = {"measured_allocated_bytes": torch.cuda.max_memory_allocated(),
+           "measured_reserved_bytes": torch.cuda.max_memory_reserved(),
+           "measured_device_used_bytes": total - free,
+           "measured_context_bytes": total - free - torch.cuda.memory_reserved(),
+           "step_seconds": round(seconds, 4)}
+    del runner, opt, model, batch
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="predict only; no GPU needed")
+    ap.add_argument("--gpu", default=None,
+                    help="GPU table name to predict for (default: the GPU in this machine)")
+    args = ap.parse_args()
+    console = Console(width=160)
+    if not args.dry_run and not torch.cuda.is_available():
+        console.print("[red]no CUDA device: run on a GPU machine, or pass --dry-run[/red]")
+        raise SystemExit(2)
+    spec = memfit.get_device(args.gpu or ("cuda" if torch.cuda.is_available() else "h200"))
+    table = Table(title=f"gpu_check on {spec.display_name}: predicted vs measured, step 2")
+    for col in ("model", "batch", "prec", "pred alloc", "meas alloc", "err", "pred reserved",
+                "meas reserved", "err", "pred device", "meas device", "est s"):
+        table.add_column(col, justify="right")
+    rows = []
+    for name, tiny, bs, seq, precision in CASES:
+        s = zoo.get(name)
+        if precision.startswith("bf16") and not spec.supports_bf16:
+            precision = "fp16" if precision == "bf16" else "fp32"
+        meta = s.build(tiny=tiny, device="meta")
+        vision = s.family == "vision"
+        batch = s.make_batch(meta, bs, seq_len=None if vision else seq)
+        with console.status(f"{name}: predicting"):
+            start = time.perf_counter()
+            est = memfit.estimate(meta, batch, "adamw", device=spec, precision=precision)
+            est_s = time.perf_counter() - start
+        row = {"model": name, "tiny": tiny, "gpu": spec.name, "precision": precision,
+               "batch": list(batch.get("input_ids", batch.get("pixel_values")).shape),
+               "predicted_allocated_bytes": est.peak_bytes,
+               "predicted_reserved_bytes": est.reserved_bytes,
+               "predicted_device_used_bytes": est.device_bytes,
+               "predicted_context_bytes": est.context_bytes, "estimate_seconds": round(est_s, 3),
+               "attention": est.notes[0] if est.notes else ""}
+        if not args.dry_run:
+            with console.status(f"{name}: two real steps"):
+                row.update(measure(s, tiny, batch, precision))
+            row["allocated_error"] = row["predicted_allocated_bytes"] / row["measured_allocated_bytes"] - 1
+            row["reserved_error"] = row["predicted_reserved_bytes"] / row["measured_reserved_bytes"] - 1
+            row["pass"] = abs(row["allocated_error"]) <= 0.03 and abs(row["reserved_error"]) <= 0.05
+        rows.append(row)
+        fmt = memfit.format_bytes
+        m = lambda key: fmt(row[key]) if key in row else "-"
+        e = lambda key: f"{100 * row[key]:+.1f}%" if key in row else "-"
+        table.add_row(name + (" (tiny)" if tiny else ""), "x".join(map(str, row["batch"])),
+                      precision, fmt(est.peak_bytes), m("measured_allocated_bytes"),
+                      e("allocated_error"), fmt(est.reserved_bytes), m("measured_reserved_bytes"),
+                      e("reserved_error"), fmt(est.device_bytes), m("measured_device_used_bytes"),
+                      f"{est_s:.1f}")
+    console.print(table)
+    if args.dry_run:
+        console.print("dry run: predictions only, nothing recorded")
+        return
+    passed = sum(r["pass"] for r in rows)
+    console.print(f"{passed}/{len(rows)} within 3% (allocated) and 5% (reserved)")
+    path = _record.write("gpu_check", {"cases": CASES, "gpu": spec.name}, rows)
+    console.print(f"recorded in {path}")
+
+
+if __name__ == "__main__":
+    main()
