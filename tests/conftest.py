@@ -2,6 +2,11 @@ import pytest
 import torch
 
 
+# Tiny models on a shared 2-core machine: one intra-op thread is far faster than two fighting
+# over the cores (and results do not depend on it).
+torch.set_num_threads(1)
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run slow tests")
 

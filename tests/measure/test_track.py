@@ -181,3 +181,18 @@ def test_canonical_step_under_track_counts_model_and_optimizer_from_the_start():
     with memfit.track(model, opt) as t:
         canonical_step(model, opt, {"x": x}, loss_fn=lambda m, b: nn.functional.cross_entropy(m(b["x"]), y))
     assert t.breakdown["optimizer"] == sum(2 * p.numel() * 4 + 4 for p in model.parameters())
+
+
+def test_host_allocations_are_counted_apart_from_the_device():
+    from memfit.measure import host_allocations
+
+    with memfit.track(budget=5000) as t:
+        a = torch.ones(1000)                      # 4000 B on the device
+        with host_allocations():
+            h = torch.empty(2000)                 # 8000 B in the host pool: not under budget
+            h[:1000].copy_(a)
+        del a
+        b = torch.ones(1000)                      # device again
+    assert t.peak_bytes == 4000
+    assert t.host_peak_bytes == 8000
+    assert h.numel() == 2000 and b.numel() == 1000

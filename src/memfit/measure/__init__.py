@@ -2,6 +2,6 @@
 
 from memfit.measure._ledger import CATEGORIES
 from memfit.measure._modules import ModuleRecord, find_blocks
-from memfit.measure.track import Tracker, track
+from memfit.measure.track import Tracker, host_allocations, track
 
-__all__ = ["CATEGORIES", "ModuleRecord", "Tracker", "find_blocks", "track"]
+__all__ = ["CATEGORIES", "ModuleRecord", "Tracker", "find_blocks", "host_allocations", "track"]

@@ -20,6 +20,7 @@ state, found when an op first reads them); activations (saved for backward); tem
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch import nn
@@ -33,9 +34,26 @@ from memfit.measure._ledger import Ledger, storages_of
 from memfit.measure._modules import ModuleRecord, ModuleWatch
 from memfit.units import parse_bytes
 
-__all__ = ["Tracker", "track"]
+__all__ = ["Tracker", "track", "host_allocations"]
 
 _aten = torch.ops.aten
+_host = threading.local()
+
+
+@contextlib.contextmanager
+def host_allocations():
+    """Storages born inside count as host memory (memfit's own host pool), not the device.
+
+    Offloading code wraps its host buffers and device-to-host copies in this, so that on a
+    CPU-only machine, where "host" and "device" are the same memory, ``track`` and
+    ``estimate`` still split the bytes as a GPU would.
+    """
+    depth = getattr(_host, "depth", 0)
+    _host.depth = depth + 1
+    try:
+        yield
+    finally:
+        _host.depth = depth
 
 
 class _CountingMode(TorchDispatchMode):
@@ -84,12 +102,13 @@ class _CountingMode(TorchDispatchMode):
                             new.append(st)
                     elif func in _RESIZING:
                         ledger.resize(st)
-        requested = sum(st.nbytes() for st in new)
+        on_host = getattr(_host, "depth", 0) > 0      # host memory: not under the budget
+        requested = 0 if on_host else sum(st.nbytes() for st in new)
         if t.budget_bytes is not None and ledger.current_bytes + requested > t.budget_bytes:
             raise OutOfMemory(requested_bytes=requested, live_bytes=ledger.current_bytes,
                               budget_bytes=t.budget_bytes, op=str(func), module=t.watch.innermost)
         for st in new:
-            ledger.add(st, L.TEMPORARIES, entry=False)
+            ledger.add(st, L.TEMPORARIES, entry=False, host=on_host)
         if ledger.current_bytes > t.online_peak_bytes:
             t.online_peak_bytes = ledger.current_bytes
         t.op_events.append(ledger.num_events)

@@ -1,0 +1,259 @@
+"""Activation checkpointing: chosen blocks save only their inputs and recompute in backward.
+
+Note 1 (how a block is wrapped). The block's ``forward`` is replaced *on the instance* by a
+``_CheckpointedForward`` that calls ``torch.utils.checkpoint.checkpoint(original, *args,
+use_reentrant=False, preserve_rng_state=True, context_fn=..., **kwargs)``. ``nn.Module.__call__``
+still runs the block's hooks once, outside the checkpoint, so they do not run again on recompute.
+Nothing is re-parented: qualified names, ``state_dict`` keys and parameter identity are the
+user's. ``remove`` puts back whatever the instance had (nothing, or the user's own ``forward``).
+The wrapper holds the original as a bound method, so ``copy.deepcopy`` rebinds it to the copy.
+Non-reentrant checkpoint takes keyword arguments, and with ``preserve_rng_state`` the recompute
+replays the RNG state of the forward (then restores the outer one), so dropout draws the same
+masks and gradients are bitwise those of the plain step. Without grad mode there is no backward
+to recompute for, and the block runs as is.
+
+Note 2 (``every:K``). Blocks in execution order are counted from 1 and every K-th is recomputed:
+indices K-1, 2K-1, ... (as torchtitan's ``ac_freq``), so ``every:1`` is ``all`` and a model
+with fewer than K blocks recomputes nothing (a warning says so).
+
+Note 3 (selective). ``create_selective_checkpoint_contexts`` lets the forward keep the outputs of
+the ops in ``SAVED_OPS`` (policy ``MUST_SAVE``) and recompute every other op (``PREFER_RECOMPUTE``:
+pointwise ops, norms, softmax, dropout, casts, views). Kept: the matmuls ``mm``, ``addmm``,
+``bmm``, ``baddbmm``, ``addbmm``, ``_scaled_mm``, ``_grouped_mm``, ``_scaled_grouped_mm``;
+``convolution``/``_convolution``; the fused attentions ``_scaled_dot_product_{flash,
+flash_attention_for_cpu, efficient, cudnn, fused_attention_overrideable}_attention`` and
+``_flash_attention_forward``/``_efficient_attention_forward``. The policy sees aten ops below
+autograd, after composite ops are decomposed: ``linear`` and ``matmul`` arrive as
+``addmm``/``mm``/``bmm``, and the math SDPA path as ``bmm`` + ``softmax``, so listing them is
+enough. These are the ops whose recompute costs FLOPs; what is recomputed is memory-bound.
+
+Note 4 (autocast in the recompute). Checkpoint records the state of ``torch.autocast`` and
+re-enters it for the recompute by itself. memfit's ``CudaAutocastMode`` is a torch-function
+mode, not autocast state: the recompute runs in backward, outside it, so it would recompute in
+fp32 and checkpoint would raise a metadata mismatch. With an ``autocast_factory`` the recompute
+context enters a fresh ``autocast_factory()`` (a new autocast region, new weight cache, as real
+autocast does); with ``selective`` it enters that and the selective recompute context together.
+The forward context adds no autocast: the forward already runs inside the user's mode.
+
+Note 5 (caches). A key/value cache handed to a checkpointed block would be written twice: once
+in the forward, again in the recompute (it then holds 2x the tokens, and a cross-attention
+cache marked filled makes the recompute skip ops, a ``CheckpointError``). As transformers'
+own gradient checkpointing does, the wrapper passes ``None`` for the arguments named in
+``CACHE_ARGS`` while it checkpoints. A training forward starts from an empty cache, which
+only collects states for generation, so the loss and gradients do not change (a cache that
+already holds states *would* change them; then do not checkpoint that block). A block that only
+reads its cache can keep it by setting ``_can_checkpoint_with_cache = True`` (transformers').
+
+Note 6 (recompute cost). Non-reentrant checkpoint stops the recompute ("early stop") once the
+last tensor the block saved is repacked. Autograd packs an op's saved inputs before its kernel
+runs, so a trailing matmul that saves only its inputs is not rerun: llama's recompute is its
+block forward minus ``down_proj``; gpt2's and bert's (dropout / LayerNorm last) are the full
+forward; ``selective`` reruns no matmul. The tests hold these figures exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+from memfit.measure import find_blocks
+
+__all__ = ["Checkpoint", "CheckpointHandle", "CACHE_ARGS", "MODES", "SAVED_OPS"]
+
+MODES = ("keep", "recompute", "selective")
+CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")   # Note 5
+_SAVED_OP_NAMES = (   # Note 3
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm",
+    "convolution", "_convolution", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward", "_efficient_attention_forward",
+)
+SAVED_OPS = frozenset(getattr(torch.ops.aten, n) for n in _SAVED_OP_NAMES
+                      if hasattr(torch.ops.aten, n))   # those this torch build has
+# keyword arguments checkpoint() takes for itself; a block's own are bound before the call
+_CHECKPOINT_KWARGS = frozenset({"function", "use_reentrant", "preserve_rng_state", "context_fn",
+                                "determinism_check", "debug", "early_stop"})
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Note 3: keep what matmul-like ops return, recompute the rest."""
+    if op.overloadpacket in SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _CheckpointedForward:
+    """The instance ``forward`` of a checkpointed block (Note 1)."""
+
+    _preserve_rng_state = True   # tests switch it off to show that RNG replay is what they test
+
+    def __init__(self, original, selective: bool, autocast_factory, keep_cache: bool):
+        self.original = original                 # the bound forward the block had
+        self.selective = selective
+        self.autocast_factory = autocast_factory
+        params = inspect.signature(original).parameters
+        positional = [n for n, p in params.items() if p.kind in
+                      (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self._cache_args = () if keep_cache else tuple(   # (name, position or None)
+            (n, positional.index(n) if n in positional else None) for n in CACHE_ARGS
+            if n in params or any(p.kind is p.VAR_KEYWORD for p in params.values()))
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        args, kwargs = self._drop_caches(list(args), dict(kwargs))
+        fn, clash = self.original, _CHECKPOINT_KWARGS & kwargs.keys()
+        if clash:
+            fn = functools.partial(fn, **{k: kwargs.pop(k) for k in clash})
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=self._contexts,
+                          preserve_rng_state=self._preserve_rng_state, **kwargs)
+
+    def _drop_caches(self, args: list, kwargs: dict):
+        for name, pos in self._cache_args:          # Note 5
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+            if pos is not None and pos < len(args):
+                args[pos] = None
+        return args, kwargs
+
+    def _contexts(self):
+        """(forward context, recompute context) for one checkpoint call (Notes 3, 4)."""
+        if self.selective:
+            forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
+        else:
+            forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+        if self.autocast_factory is None:
+            return forward, recompute
+        return forward, _entered_together(self.autocast_factory, recompute)
+
+
+@contextlib.contextmanager
+def _entered_together(factory, recompute):
+    """The recompute context of Note 4: made and entered only when checkpoint enters it."""
+    with factory(), recompute:
+        yield
+
+
+class CheckpointHandle:
+    """What ``Checkpoint.apply`` did; ``remove()`` restores every wrapped block."""
+
+    def __init__(self, modes: dict[str, str], wrapped: list[tuple[nn.Module, object]]):
+        self.modes = modes                  # block name -> "keep" | "recompute" | "selective"
+        self._wrapped = wrapped             # (block, the instance forward it had or None)
+
+    def remove(self) -> None:
+        for block, previous in reversed(self._wrapped):
+            vars(block).pop("forward", None)
+            if previous is not None:
+                vars(block)["forward"] = previous
+        self._wrapped = []
+
+
+class Checkpoint:
+    """Recompute chosen blocks in backward instead of keeping their activations."""
+
+    @dataclass(frozen=True)
+    class Config:
+        # "none" | "all" | "every:K" (Note 2) | "selective" (Note 3) | a tuple of the qualified
+        # names of the modules to recompute (any modules of the model, not only its blocks)
+        policy: str | tuple[str, ...] = "none"
+
+        def __post_init__(self):
+            p = self.policy
+            if isinstance(p, tuple):
+                if not p or not all(isinstance(n, str) for n in p):
+                    raise ValueError(f"Checkpoint.Config.policy={p!r}: a tuple must hold at least "
+                                     "one module name (str); use 'none' to recompute nothing")
+            elif not isinstance(p, str):
+                raise ValueError(f"Checkpoint.Config.policy={p!r} must be a str or a tuple of "
+                                 "block names (not a list)")
+            elif p.startswith("every:"):
+                k = p[len("every:"):]
+                if not k.strip().lstrip("-").isdigit() or int(k) < 1:
+                    raise ValueError(f"Checkpoint.Config.policy={p!r}: K in 'every:K' must be an "
+                                     "integer >= 1 (every:1 recomputes every block)")
+            elif p not in ("none", "all", "selective"):
+                raise ValueError(f"Checkpoint.Config.policy={p!r} is unknown: use 'none', 'all', "
+                                 "'every:K', 'selective' or a tuple of block names")
+
+    def __init__(self, config: "Checkpoint.Config", *, autocast_factory=None):
+        self.config = config
+        # () -> context manager re-entered around each recompute (Note 4); None: real autocast only
+        self.autocast_factory = autocast_factory
+
+    def resolve(self, model: nn.Module) -> dict[str, str]:
+        """Block name -> "keep" | "recompute" | "selective", blocks in execution order."""
+        policy = self.config.policy
+        blocks = find_blocks(model)
+        if isinstance(policy, tuple):
+            _check_names(model, policy, blocks)
+            return {b: "keep" for b in blocks} | {n: "recompute" for n in policy}
+        if policy == "none":
+            return {b: "keep" for b in blocks}
+        if not blocks:
+            raise ValueError(
+                f"{type(model).__name__} has no repeated blocks for policy={policy!r}: no module "
+                "is a transformers GradientCheckpointingLayer, and no ModuleList/Sequential holds "
+                "children of one type. Pass the qualified names of your own modules as a tuple, "
+                "e.g. Checkpoint.Config(policy=('encoder.0', 'encoder.1'))")
+        if policy in ("all", "selective"):
+            return {b: "recompute" if policy == "all" else "selective" for b in blocks}
+        k = int(policy[len("every:"):])
+        if k > len(blocks):
+            warnings.warn(f"policy={policy!r} recomputes nothing: {type(model).__name__} has "
+                          f"only {len(blocks)} blocks (use every:K with K <= {len(blocks)})",
+                          stacklevel=2)
+        return {b: "recompute" if i % k == k - 1 else "keep" for i, b in enumerate(blocks)}
+
+    def apply(self, model: nn.Module,
+              per_block: dict[str, str] | None = None) -> CheckpointHandle:
+        """Wrap the blocks ``per_block`` (default: ``resolve(model)``) marks recompute/selective.
+
+        Everything is checked before any block is touched."""
+        modes = self.resolve(model) if per_block is None else dict(per_block)
+        bad = {n: m for n, m in modes.items() if m not in MODES}
+        if bad:
+            raise ValueError(f"per_block modes {bad} are unknown: use one of {MODES}")
+        chosen = [n for n, m in modes.items() if m != "keep"]
+        _check_names(model, chosen, find_blocks(model))
+        nested = [(a, b) for a in chosen for b in chosen if b.startswith(a + ".")]
+        if nested:
+            raise ValueError(f"blocks {nested[0]} are nested: recompute the outer one only")
+        for name in chosen:
+            block = model.get_submodule(name)
+            if isinstance(block.forward, _CheckpointedForward):
+                raise ValueError(f"block {name!r} is already checkpointed: call remove() on the "
+                                 "handle the first apply returned before applying again")
+            if getattr(block, "gradient_checkpointing", False) is True:
+                raise ValueError(f"block {name!r} already has transformers' gradient "
+                                 "checkpointing, so it would recompute twice: call "
+                                 "model.activation_checkpointing_disable() first (transformers "
+                                 "< 5: gradient_checkpointing_disable)")
+        wrapped = []
+        for name in chosen:
+            block = model.get_submodule(name)
+            previous = vars(block).get("forward")
+            vars(block)["forward"] = _CheckpointedForward(
+                block.forward, modes[name] == "selective", self.autocast_factory,
+                keep_cache=getattr(block, "_can_checkpoint_with_cache", False))
+            wrapped.append((block, previous))
+        return CheckpointHandle(modes, wrapped)
+
+
+def _check_names(model: nn.Module, names, blocks: list[str]) -> None:
+    modules = dict(model.named_modules())
+    unknown = [n for n in names if n not in modules or n == ""]
+    if unknown:
+        raise ValueError(
+            f"{unknown} match no submodule of {type(model).__name__}: its blocks are "
+            f"{blocks or 'none'} (use qualified names as in model.named_modules(), "
+            "e.g. 'model.layers.0')")
