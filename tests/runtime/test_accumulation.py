@@ -157,8 +157,9 @@ def test_estimate_equals_track_for_micro_batched_steps(arch, mbs, precision):
     opt = torch.optim.AdamW(model.parameters())
     runner = memfit.fit(model, opt, batch, precision=precision, micro_batch_size=mbs)
     runner.step(batch)
+    prepared = runner.prepare(batch)
     with memfit.track(model, opt) as t:
-        runner.run(runner.prepare(batch))
+        runner.run(prepared)
     assert est.peak_bytes == t.peak_bytes and est.breakdown == t.breakdown
 
 
@@ -180,7 +181,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="fp16"):
         memfit.fit(model, opt, batch, device="gtx-1080-ti", precision="bf16")
     with pytest.raises(ValueError, match="issue 5"):
-        memfit.fit(model, opt, batch, checkpoint="all")
+        memfit.fit(model, opt, batch, offload="all")
     other = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(ValueError, match="not trainable parameters"):
         memfit.fit(model, other, batch)

@@ -13,6 +13,7 @@ from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
 from memfit.runtime import Runner
 from memfit.techniques.accumulation import Accumulation
+from memfit.techniques.checkpoint import Checkpoint
 from memfit.techniques.precision import Precision
 
 __all__ = ["resolve_device", "resolve_precision", "build_runner"]
@@ -47,13 +48,28 @@ def resolve_precision(precision: str | None, spec: DeviceSpec) -> str:
 def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, plan: Plan,
                  origin: list[torch.Tensor] | None = None, loss_fn: Callable | None = None,
                  count_fn: Callable | None = None, scheduler=None, scaler_class=None,
-                 device_type: str = "cpu", autocast_impl=None) -> Runner:
-    """Apply the knobs to ``model`` (in place) and wrap it in a Runner."""
+                 device_type: str = "cpu", autocast_impl=None, recompute_context=None) -> Runner:
+    """Apply the knobs to ``model`` (in place) and wrap it in a Runner.
+
+    ``autocast_impl`` (dtype -> context) and ``recompute_context`` (dtype or None -> context
+    entered around each checkpoint recompute) let a trace model another device's autocast and
+    kernels; real runs leave them None (torch.autocast is replayed by checkpoint itself)."""
     tech = Precision(Precision.Config(knobs.precision or "fp32"), autocast_impl)
+    handles = []
+    if knobs.checkpoint not in (None, "none"):
+        # a real torch.autocast is replayed by checkpoint itself; a modelled one must be
+        # re-entered around the recompute (checkpoint Note 4)
+        factory = None
+        if recompute_context is not None:
+            factory = lambda: recompute_context(tech.autocast_dtype)  # noqa: E731
+        handle = Checkpoint(Checkpoint.Config(knobs.checkpoint),
+                            autocast_factory=factory).apply(model)
+        handles.append(handle)
+        plan.blocks.update(handle.modes)
     model, optimizer = tech.apply(model, recipe, origin)
     scaler = None
     if knobs.precision == "fp16":
         scaler = (scaler_class or torch.amp.GradScaler)(device_type)
     acc = Accumulation(Accumulation.Config(knobs.micro_batch_size), count_fn)
     return Runner(model, optimizer, plan=plan, precision=tech, accumulation=acc, loss_fn=loss_fn,
-                  scaler=scaler, scheduler=scheduler, device_type=device_type)
+                  scaler=scaler, scheduler=scheduler, device_type=device_type, handles=handles)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from torch.utils.checkpoint import CheckpointError
+
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
 from memfit.api._validate import check_batch, describe_batch_mismatch
 from memfit.devices import DeviceSpec
@@ -145,7 +147,8 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     with copier.mode:
         runner = build_runner(fake_model, recipe, k, plan=Plan(k), origin=trainable,
                               loss_fn=loss_fn, count_fn=count_fn, scaler_class=TraceGradScaler,
-                              autocast_impl=cuda.autocast if cuda else None)
+                              autocast_impl=cuda.autocast if cuda else None,
+                              recompute_context=cuda.recompute if cuda else None)
         fake_batch = runner.precision.prepare_batch(fake_batch)
     if cuda:
         cuda.use_foreach(runner.optimizer)
@@ -171,7 +174,8 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
             raise ValueError(f"the batch does not match {type(model).__name__}.forward: {e}") from e
         raise
     except RuntimeError as e:
-        if isinstance(e, TraceError) or "shape" not in str(e) and "size" not in str(e):
+        if isinstance(e, (TraceError, CheckpointError)) or \
+                "shape" not in str(e) and "size" not in str(e):
             raise
         raise describe_batch_mismatch(model, batch, e) from e
     peak, reserved, breakdown, context = prof.peak_bytes, prof.peak_bytes, prof.breakdown, 0

@@ -52,7 +52,7 @@ class Runner:
 
     def __init__(self, model: nn.Module, optimizer, *, plan: Plan, precision: Precision,
                  accumulation: Accumulation, loss_fn: Callable | None = None, scaler=None,
-                 scheduler=None, device_type: str = "cpu"):
+                 scheduler=None, device_type: str = "cpu", handles=()):
         self.model = model
         self.optimizer = optimizer
         self.plan = plan
@@ -63,6 +63,12 @@ class Runner:
         self.scheduler = scheduler
         self.device_type = device_type
         self.last_step: StepInfo | None = None
+        self.handles = list(handles)      # applied techniques; ``close`` removes them
+
+    def close(self) -> None:
+        """Remove the techniques applied to the model's modules (checkpoint wrappers, ...)."""
+        while self.handles:
+            self.handles.pop().remove()
 
     def prepare(self, batch):
         """The batch as ``run`` takes it: an all-ones mask dropped, bf16-pure inputs cast."""

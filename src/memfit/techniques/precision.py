@@ -90,6 +90,11 @@ class Precision:
         # a CUDA target passes a model of CUDA's autocast instead.
         self.autocast_impl = autocast_impl
 
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype autocast runs in, or None when this precision uses no autocast."""
+        return _AUTOCAST_DTYPE.get(self.config.mode)
+
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         dtype = _AUTOCAST_DTYPE.get(self.config.mode)
         if dtype is None:

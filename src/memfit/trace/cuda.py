@@ -64,6 +64,15 @@ class CudaModel:
             yield
         self.sdpa_calls.extend(mode.calls)
 
+    @contextlib.contextmanager
+    def recompute(self, dtype: torch.dtype | None):
+        """Around a checkpoint's recompute. It runs in backward, where torch-function modes
+        entered around the step are no longer active, so the modelled kernels and autocast
+        are entered again (checkpoint Note 4)."""
+        with CudaSdpaMode(self.spec.compute_capability):
+            with CudaAutocastMode(dtype) if dtype is not None else contextlib.nullcontext():
+                yield
+
     @staticmethod
     def use_foreach(optimizer) -> None:
         """CUDA's default for torch optimizers: ``foreach`` unless the user chose otherwise."""

@@ -1,0 +1,64 @@
+"""The checkpoint knob through fit and estimate: exact bytes, identical training."""
+
+import pytest
+import torch
+
+import memfit
+from tests.helpers import tiny
+
+
+@pytest.mark.parametrize("policy", ["all", "every:2", "selective"])
+@pytest.mark.parametrize("arch,precision", [("gpt2", "fp32"), ("llama-1b", "bf16"),
+                                            ("t5-base", "fp32"), ("bert-base", "bf16")])
+def test_estimate_equals_track_with_recompute(arch, precision, policy):
+    model, batch = tiny(arch, batch_size=4, seq_len=32)
+    est = memfit.estimate(model, batch, "adamw", precision=precision, checkpoint=policy)
+    plain = memfit.estimate(model, batch, "adamw", precision=precision)
+    opt = torch.optim.AdamW(model.parameters())
+    runner = memfit.fit(model, opt, batch, precision=precision, checkpoint=policy)
+    runner.step(batch)
+    prepared = runner.prepare(batch)
+    with memfit.track(model, opt) as t:
+        runner.run(prepared)
+    assert (est.peak_bytes, est.breakdown, est.timeline) == (t.peak_bytes, t.breakdown, t.timeline)
+    assert est.breakdown["activations"] < plain.breakdown["activations"]
+    assert runner.plan.blocks and set(runner.plan.blocks.values()) <= {"keep", "recompute", "selective"}
+    runner.close()
+
+
+def test_runner_with_recompute_trains_bitwise_like_the_plain_runner():
+    results = []
+    for policy in (None, "all"):
+        model, batch = tiny("gpt2", batch_size=4, seq_len=16)
+        model.train()                                   # dropout on: RNG must be replayed
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        runner = memfit.fit(model, opt, batch, checkpoint=policy, micro_batch_size=2)
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            runner.step(batch)
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_close_restores_the_model():
+    model, batch = tiny("bert-base")
+    forwards = {n: m.forward for n, m in model.named_modules()}
+    runner = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, checkpoint="all")
+    assert any(m.forward is not forwards[n] for n, m in model.named_modules())
+    runner.close()
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_cuda_estimate_with_recompute_under_modelled_autocast():
+    model, batch = tiny("gpt2", batch_size=2, seq_len=32)
+    plain = memfit.estimate(model, batch, "adamw", device="a100-80gb", precision="fp16")
+    ckpt = memfit.estimate(model, batch, "adamw", device="a100-80gb", precision="fp16",
+                           checkpoint="all")
+    assert ckpt.breakdown["activations"] < plain.breakdown["activations"]
+
+
+def test_names_matching_no_block_list_the_blocks():
+    model, batch = tiny("gpt2")
+    with pytest.raises(ValueError, match="transformer.h.0"):
+        memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                   checkpoint=("transformer.h.9",))
