@@ -26,7 +26,8 @@ from memfit import zoo  # noqa: E402
 import _record  # noqa: E402
 
 # Real architectures at a width this 2-core machine steps through in seconds.
-MODELS = [("gpt2", dict(n_layer=4, n_embd=256, n_head=4, vocab_size=8192), 8, 128),
+MODELS = [("gpt2", dict(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, bos_token_id=0,
+                        eos_token_id=0), 8, 128),
           ("bert-base", dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
                              intermediate_size=1024, vocab_size=8192), 8, 128)]
 SETTINGS = [(p, m) for p in ("fp32", "bf16", "fp16", "bf16-pure") for m in (8, 4, 2, 1)]

@@ -62,3 +62,16 @@ def test_names_matching_no_block_list_the_blocks():
     with pytest.raises(ValueError, match="transformer.h.0"):
         memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), batch,
                    checkpoint=("transformer.h.9",))
+
+
+def test_estimate_reports_what_each_option_costs_per_block():
+    model, batch = tiny("bert-base", batch_size=4, seq_len=32)
+    plain = memfit.estimate(model, batch, "sgd")
+    ckpt = memfit.estimate(model, batch, "sgd", checkpoint="all")
+    for name in plain.blocks:
+        p, c = plain.block_report(name), ckpt.block_report(name)
+        assert p["mode"] == "keep" and c["mode"] == "recompute"
+        assert c["saved_bytes"] < p["saved_bytes"]
+        # bert's block ends in LayerNorm (saves its input), so the whole forward is recomputed
+        # (checkpoint Note 6): backward FLOPs grow by exactly the block's forward FLOPs
+        assert c["bw_flops"] - p["bw_flops"] == p["recompute_flops"] == p["fw_flops"]

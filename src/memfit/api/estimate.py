@@ -52,6 +52,7 @@ class Estimate:
     trace_seconds: float
     basis: str = "cpu-trace"           # how the figures were obtained: cpu-trace | cuda-model
     notes: list[str] = field(default_factory=list)
+    knobs_blocks: dict[str, str] = field(default_factory=dict)   # block -> mode applied
 
     @property
     def device_bytes(self) -> int:
@@ -72,6 +73,17 @@ class Estimate:
         """True when the figures are exact for the target (a CPU trace for a CPU target)."""
         return self.device.kind == "cpu"
 
+    def block_report(self, name: str) -> dict:
+        """What each option would cost for one block, under the traced knobs: keeping it holds
+        ``saved_bytes``; recomputing it keeps only ``input_bytes`` and costs up to its forward
+        FLOPs again (less where checkpoint's early stop skips a trailing matmul); offloading
+        moves ``saved_bytes`` to the host and back. ``bw_flops`` includes any recompute."""
+        r = self.modules[name]
+        return {"name": name, "saved_bytes": r.saved_bytes, "input_bytes": r.input_bytes,
+                "param_bytes": r.param_bytes, "fw_flops": r.fw_flops, "bw_flops": r.bw_flops,
+                "recompute_flops": r.fw_flops, "offload_bytes_each_way": r.saved_bytes,
+                "mode": self.knobs_blocks.get(name, "keep")}
+
     def to_dict(self) -> dict:
         return {
             "peak_bytes": self.peak_bytes,
@@ -91,13 +103,7 @@ class Estimate:
             "validated": self.validated,
             "notes": list(self.notes),
             "trace_seconds": round(self.trace_seconds, 3),
-            "blocks": [
-                {"name": n, "saved_bytes": self.modules[n].saved_bytes,
-                 "input_bytes": self.modules[n].input_bytes,
-                 "param_bytes": self.modules[n].param_bytes,
-                 "fw_flops": self.modules[n].fw_flops}
-                for n in self.blocks
-            ],
+            "blocks": [self.block_report(n) for n in self.blocks],
         }
 
 
@@ -194,5 +200,5 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         phases=prof.phases, modules=prof.modules, blocks=prof.blocks, fw_flops=prof.fw_flops,
         bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=k,
         trace_seconds=prof.trace_seconds, notes=notes,
-        basis="cuda-model" if cuda else "cpu-trace",
+        basis="cuda-model" if cuda else "cpu-trace", knobs_blocks=dict(runner.plan.blocks),
     )
