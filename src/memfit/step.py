@@ -39,7 +39,12 @@ def prepare_batch(batch):
 def compute_loss(model: nn.Module, batch, loss_fn: Callable | None = None) -> torch.Tensor:
     """``loss_fn(model, batch)``, or for a Mapping batch ``model(**batch).loss``."""
     if loss_fn is not None:
-        return loss_fn(model, batch)
+        loss = loss_fn(model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn must return the loss as a one-element tensor, got "
+                             f"{type(loss).__name__}" + (f" of shape {tuple(loss.shape)}"
+                                                         if isinstance(loss, torch.Tensor) else ""))
+        return loss
     if not isinstance(batch, Mapping):
         raise ValueError(
             f"the batch is a {type(batch).__name__}, not a mapping of model inputs: pass "

@@ -14,6 +14,7 @@ from memfit.planner import Plan
 from memfit.runtime import Runner
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
+from memfit.techniques.optimizer_offload import OptimizerOffload
 from memfit.techniques.precision import Precision
 
 __all__ = ["resolve_device", "resolve_precision", "build_runner"]
@@ -56,20 +57,36 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     kernels; real runs leave them None (torch.autocast is replayed by checkpoint itself)."""
     tech = Precision(Precision.Config(knobs.precision or "fp32"), autocast_impl)
     handles = []
-    if knobs.checkpoint not in (None, "none"):
-        # a real torch.autocast is replayed by checkpoint itself; a modelled one must be
-        # re-entered around the recompute (checkpoint Note 4)
-        factory = None
-        if recompute_context is not None:
-            factory = lambda: recompute_context(tech.autocast_dtype)  # noqa: E731
-        handle = Checkpoint(Checkpoint.Config(knobs.checkpoint),
-                            autocast_factory=factory).apply(model)
-        handles.append(handle)
-        plan.blocks.update(handle.modes)
-    model, optimizer = tech.apply(model, recipe, origin)
+    try:
+        if knobs.checkpoint not in (None, "none"):
+            # a real torch.autocast is replayed by checkpoint itself; a modelled one must be
+            # re-entered around the recompute (checkpoint Note 4)
+            factory = None
+            if recompute_context is not None:
+                factory = lambda: recompute_context(tech.autocast_dtype)  # noqa: E731
+            handle = Checkpoint(Checkpoint.Config(knobs.checkpoint),
+                                autocast_factory=factory).apply(model)
+            handles.append(handle)
+            plan.blocks.update(handle.modes)
+        model, optimizer = tech.apply(model, recipe, origin)
+        if knobs.offload_optimizer:
+            if knobs.precision == "bf16-pure":
+                raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
+                                 "master weights would be kept twice; use bf16 autocast instead")
+            optimizer = OptimizerOffload(OptimizerOffload.Config()).wrap(optimizer)
+            plan.optimizer_rebuilt = True
+            plan.reasons.append("offload_optimizer: the optimizer was rebuilt over fp32 host "
+                                "copies of the parameters (runner.optimizer); its state and "
+                                "step live in host memory")
+    except BaseException:
+        for h in reversed(handles):       # leave the user's model as it was
+            h.remove()
+        raise
     scaler = None
     if knobs.precision == "fp16":
         scaler = (scaler_class or torch.amp.GradScaler)(device_type)
+    if callable(scheduler) and not hasattr(scheduler, "step"):
+        scheduler = scheduler(getattr(optimizer, "inner", optimizer))
     acc = Accumulation(Accumulation.Config(knobs.micro_batch_size), count_fn)
     return Runner(model, optimizer, plan=plan, precision=tech, accumulation=acc, loss_fn=loss_fn,
                   scaler=scaler, scheduler=scheduler, device_type=device_type, handles=handles)

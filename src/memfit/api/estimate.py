@@ -176,7 +176,8 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
                                      two_steps=cuda is not None,
                                      after_first=host_state if cuda else None)
     except TypeError as e:
-        if "argument" in str(e):
+        if loss_fn is None and ("unexpected keyword argument" in str(e)
+                                or "required positional argument" in str(e)):
             raise ValueError(f"the batch does not match {type(model).__name__}.forward: {e}") from e
         raise
     except RuntimeError as e:

@@ -32,13 +32,19 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     and ``.loss``; else pass ``loss_fn(model, batch)``). ``budget``: device bytes ("11GiB");
     without ``micro_batch_size``, fit picks the largest micro-batch whose estimate fits.
     ``count_fn(batch)``: what the loss averages over (default: what the model's loss counts).
-    ``scheduler``: an LR scheduler stepped once per effective batch. Knobs: ``precision``,
+    ``scheduler``: an LR scheduler (or a factory ``optimizer -> scheduler``, needed with
+    bf16-pure, which rebuilds the optimizer) stepped once per effective batch. Knobs: ``precision``,
     ``micro_batch_size``, ``max_grad_norm``. Everything is checked before the model is touched.
     """
     k = Knobs.from_kwargs(**knobs)
     k.check_available()
     spec = resolve_device(model, device)
     k = k.replace(precision=resolve_precision(k.precision, spec))
+    if k.precision == "bf16-pure" and hasattr(scheduler, "step"):
+        raise ValueError(
+            "bf16-pure rebuilds the optimizer over fp32 master weights, so a scheduler built on "
+            "the one passed in would drive nothing: pass scheduler=a factory, e.g. "
+            "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
     recipe = OptimizerRecipe(optimizer)
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
@@ -81,10 +87,10 @@ def _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, k: Knobs, budg
         floor = predict(candidates[0])
         raise BudgetTooSmall(
             f"no micro-batch size fits {format_bytes(budget)}: even micro-batch "
-            f"{candidates[0]} needs {format_bytes(floor.reserved_bytes)}. Levers that would "
+            f"{candidates[0]} needs {format_bytes(floor.device_bytes)}. Levers that would "
             "still help: a lower precision, shorter sequences, recompute or offload (coming), "
             "an 8-bit optimizer, or sharding over more GPUs",
-            floor_bytes=floor.reserved_bytes, budget_bytes=budget)
+            floor_bytes=floor.device_bytes, budget_bytes=budget)
     m, est = best
     k = k.replace(micro_batch_size=m)
     plan = Plan(k, predicted_peak_bytes=est.peak_bytes, predicted_reserved_bytes=est.reserved_bytes,

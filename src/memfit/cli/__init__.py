@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from memfit.cli import estimate as _estimate
+from memfit.errors import MemfitError
 
 __all__ = ["main"]
 
@@ -32,6 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args) or 0
-    except ValueError as e:     # bad input: say what and how to fix, without a traceback
+    except (ValueError, MemfitError) as e:   # bad input or untraceable: what, and the fix
         print(f"memfit: error: {e}", file=sys.stderr)
         return 2

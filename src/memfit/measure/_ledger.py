@@ -91,6 +91,7 @@ class Ledger:
         self._ev_sid: list[int] = []        # event log: storage id
         self._ev_delta: list[int] = []      # event log: +bytes at birth, -bytes at death
         self._host: set[int] = set()        # storage ids that live in host memory
+        self._resizes: set[int] = set()     # event indices that are in-place resizes
         self.open = True
 
     # -- registration -----------------------------------------------------------------------
@@ -133,6 +134,11 @@ class Ledger:
             else:
                 self.mark(st, category)
 
+    def growth(self, storage) -> int:
+        """Bytes a counted storage has grown by since it was last recorded (resize_)."""
+        sid = self._sid_of.get(storage._cdata)
+        return 0 if sid is None or sid in self._host else storage.nbytes() - self._nbytes[sid]
+
     def resize(self, storage) -> None:
         """A storage changed size in place (``resize_``/``set_``): record the difference."""
         sid = self._sid_of.get(storage._cdata)
@@ -143,6 +149,7 @@ class Ledger:
             self._nbytes[sid] += delta
             if sid not in self._host:
                 self.current_bytes += delta
+            self._resizes.add(len(self._ev_delta))
             self._ev_sid.append(sid)
             self._ev_delta.append(delta)
 
@@ -179,10 +186,13 @@ class Ledger:
             self._host.add(sid)
             self.current_bytes -= self._nbytes[sid]
 
-    def device_events(self) -> list[tuple[int, int]]:
-        """(storage id, +/- bytes) on the device: entry storages first, then the log."""
-        out = [(sid, n) for sid, n in self._entry.items() if sid not in self._host]
-        out += [(s, d) for s, d in zip(self._ev_sid, self._ev_delta) if s not in self._host]
+    def device_events(self) -> list[tuple[int, int, int, bool]]:
+        """(log index or -1 for an entry storage, storage id, +/- bytes, is an in-place
+        resize) on the device: entry storages first (their size on entry), then the log."""
+        out = [(-1, sid, n, False) for sid, n in self._entry.items() if sid not in self._host]
+        out += [(i, s, d, i in self._resizes)
+                for i, (s, d) in enumerate(zip(self._ev_sid, self._ev_delta))
+                if s not in self._host]
         return out
 
     def resolve(self, window_start: int = 0) -> Resolved:

@@ -93,7 +93,7 @@ class _CountingMode(TorchDispatchMode):
     def _count(self, func, args, kwargs, out):
         t = self.t
         ledger = t.ledger
-        new = []
+        new, resized = [], []
         for x in tree_flatten(out)[0]:
             if isinstance(x, torch.Tensor):
                 for st in storages_of(x, ledger.device_type):
@@ -101,12 +101,15 @@ class _CountingMode(TorchDispatchMode):
                         if all(st._cdata != s._cdata for s in new):
                             new.append(st)
                     elif func in _RESIZING:
-                        ledger.resize(st)
+                        resized.append(st)
         on_host = getattr(_host, "depth", 0) > 0      # host memory: not under the budget
         requested = 0 if on_host else sum(st.nbytes() for st in new)
+        requested += sum(max(0, ledger.growth(st)) for st in resized)
         if t.budget_bytes is not None and ledger.current_bytes + requested > t.budget_bytes:
             raise OutOfMemory(requested_bytes=requested, live_bytes=ledger.current_bytes,
                               budget_bytes=t.budget_bytes, op=str(func), module=t.watch.innermost)
+        for st in resized:
+            ledger.resize(st)
         for st in new:
             ledger.add(st, L.TEMPORARIES, entry=False, host=on_host)
         if ledger.current_bytes > t.online_peak_bytes:
@@ -174,6 +177,9 @@ class Tracker:
 
     # -- context ----------------------------------------------------------------------------
     def __enter__(self) -> "Tracker":
+        host_of = getattr(self.optimizer, "host_tensors", None)   # e.g. an offloaded optimizer
+        if callable(host_of):
+            self._host_tensors += list(host_of())
         for t in self._host_tensors:
             for st in storages_of(t, self.device_type):
                 if self.ledger.sid(st) is None:

@@ -77,6 +77,9 @@ class Runner:
     def step(self, batch) -> float:
         """Train on one effective batch; return its loss (count-weighted, global)."""
         batch = self.prepare(batch)
+        if self.accumulation.count_fn is None and int(self.accumulation.count(self.model, batch)) == 0:
+            raise ValueError("the batch has nothing to learn from: every label is -100 (or "
+                             "there are no samples), so the loss would be 0/0; skip it")
         scale = self.scaler.get_scale() if self.scaler is not None else None
         loss, items, grad_norm, n = self.run(batch)
         skipped = False

@@ -39,7 +39,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def batch_size_of(batch) -> int:
     """The batch size: the first dimension most of the batch's tensors share."""
-    dims = [t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    leaves = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    if not leaves:
+        raise ValueError(f"the batch ({type(batch).__name__}) holds no tensors: give a mapping "
+                         "(or tuple) of tensors shaped [batch, ...], e.g. from a DataLoader")
+    dims = [t.shape[0] for t in leaves if t.dim() > 0]
     if not dims:
         raise ValueError("the batch has no tensor with a batch dimension (every tensor is a "
                          "scalar): give tensors shaped [batch, ...]")

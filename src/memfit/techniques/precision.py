@@ -110,12 +110,6 @@ class Precision:
         return tree_map(lambda x: x.to(torch.bfloat16)
                         if isinstance(x, torch.Tensor) and x.is_floating_point() else x, batch)
 
-    def scaler(self, device_type: str):
-        """A ``GradScaler`` for fp16 (loss scaling), else ``None``."""
-        if self.config.mode != "fp16":
-            return None
-        return torch.amp.GradScaler(device_type)
-
     def apply(self, model: nn.Module, recipe, origin: list[torch.Tensor] | None = None):
         """Return ``(model, optimizer)``, the optimizer built by ``recipe`` (an
         ``OptimizerRecipe``) over the model's trainable parameters, which replace ``origin``
@@ -125,8 +119,8 @@ class Precision:
         if self.config.mode != "bf16-pure":
             return model, recipe.build(trainable, origin)
         masters = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in trainable]
+        inner = recipe.build(masters, origin)     # first: if it fails, the model is untouched
         new = cast_floating(model, torch.bfloat16)
-        inner = recipe.build(masters, origin)
         return model, MasterWeightsOptimizer([new[id(p)] for p in trainable], masters, inner)
 
 

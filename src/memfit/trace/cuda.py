@@ -62,7 +62,7 @@ class CudaModel:
         mode = CudaSdpaMode(self.spec.compute_capability)
         with mode:
             yield
-        self.sdpa_calls.extend(mode.calls)
+        self.sdpa_calls = list(mode.calls)          # the last (steady-state) step's calls
 
     @contextlib.contextmanager
     def recompute(self, dtype: torch.dtype | None):
@@ -75,7 +75,10 @@ class CudaModel:
 
     @staticmethod
     def use_foreach(optimizer) -> None:
-        """CUDA's default for torch optimizers: ``foreach`` unless the user chose otherwise."""
+        """CUDA's default for torch optimizers: ``foreach`` unless the user chose otherwise.
+        (An offloaded optimizer steps on the host, where the default is per-tensor.)"""
+        if hasattr(optimizer, "host_tensors"):
+            return
         inner = getattr(optimizer, "inner", optimizer)
         for group in inner.param_groups:
             if "foreach" in group and group["foreach"] is None and not group.get("fused"):
@@ -100,20 +103,20 @@ class CudaModel:
         ledger = tracker.ledger
         resolved = tracker.resolved
         window = resolved.window_start
-        events = ledger.device_events()
-        n_entry = len(events) - sum(1 for s, _ in zip(ledger._ev_sid, ledger._ev_delta)
-                                    if s not in ledger._host)
-        allocator, handles = CachingAllocator(self.allocator), {}
+        allocator, handles, sizes = CachingAllocator(self.allocator), {}, {}
         alloc_peak, reserved_peak, peak_event = -1, 0, window - 1
-        log_index = [-1] * n_entry + [i for i, s in enumerate(ledger._ev_sid)
-                                      if s not in ledger._host]
-        for k, ((sid, delta), ev) in enumerate(zip(events, log_index)):
-            if k == n_entry:     # the first matmul allocates cuBLAS's workspace, for good
+        workspace_done = False
+        for ev, sid, delta, is_resize in ledger.device_events():
+            if ev >= 0 and not workspace_done:   # the first matmul allocates cuBLAS's workspace
                 handles[_CUBLAS] = allocator.malloc(self.spec.cublas_workspace_bytes)
-            if delta > 0:
-                if sid in handles:                # resized in place: a new block
-                    allocator.free(handles.pop(sid))
-                handles[sid] = allocator.malloc(ledger.nbytes_of_sid(sid) if ev < 0 else delta)
+                workspace_done = True
+            if is_resize:                        # a new block of the new size
+                allocator.free(handles.pop(sid))
+                sizes[sid] += delta
+                handles[sid] = allocator.malloc(sizes[sid])
+            elif delta > 0:
+                sizes[sid] = delta
+                handles[sid] = allocator.malloc(delta)
             elif sid in handles:
                 allocator.free(handles.pop(sid))
             if ev >= window:
@@ -121,7 +124,7 @@ class CudaModel:
                 if stats.allocated_bytes > alloc_peak:
                     alloc_peak, peak_event = stats.allocated_bytes, ev
                 reserved_peak = max(reserved_peak, stats.reserved_bytes)
-        if n_entry == len(events):
+        if not workspace_done:
             handles[_CUBLAS] = allocator.malloc(self.spec.cublas_workspace_bytes)
         if alloc_peak < 0:
             stats = allocator.stats

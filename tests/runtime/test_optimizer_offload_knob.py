@@ -1,0 +1,35 @@
+"""offload_optimizer through fit and estimate: state in host memory, training unchanged."""
+
+import torch
+
+import memfit
+from tests.helpers import tiny
+
+
+def test_estimate_equals_track_and_moves_the_state_to_the_host():
+    model, batch = tiny("gpt2", batch_size=4, seq_len=16)
+    plain = memfit.estimate(model, batch, "adamw")
+    est = memfit.estimate(model, batch, "adamw", offload_optimizer=True)
+    runner = memfit.fit(model, torch.optim.AdamW(model.parameters()), batch, offload_optimizer=True)
+    runner.step(batch)
+    prepared = runner.prepare(batch)
+    with memfit.track(model, runner.optimizer) as t:
+        runner.run(prepared)
+    assert (est.peak_bytes, est.breakdown) == (t.peak_bytes, t.breakdown)
+    assert est.breakdown["optimizer"] == 0 < plain.breakdown["optimizer"]
+    assert est.peak_bytes < plain.peak_bytes
+    assert t.host_peak_bytes >= plain.breakdown["optimizer"]
+    assert runner.plan.optimizer_rebuilt
+
+
+def test_offloaded_runner_trains_bitwise_like_the_plain_one():
+    results = []
+    for offload in (False, True):
+        model, batch = tiny("bert-base", batch_size=4)
+        model.eval()
+        runner = memfit.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batch,
+                            offload_optimizer=offload, micro_batch_size=2, max_grad_norm=1.0)
+        for _ in range(3):
+            runner.step(batch)
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
