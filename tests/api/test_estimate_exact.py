@@ -125,7 +125,7 @@ def test_full_size_xlmr_large_estimate_is_fast_and_plausible():
     assert est.breakdown["params"] == 4 * n
     # AdamW: exp_avg and exp_avg_sq per parameter, and a 0-d fp32 step counter per tensor
     assert est.breakdown["optimizer"] == 8 * n + 4 * len(list(model.parameters()))
-    assert est.trace_seconds < 3.0 * 3        # generous here (shared CI); the benchmark times it
+    # (how long it takes is a benchmark's business: benchmarks/estimate_accuracy.py)
     gpu = memfit.estimate(model, batch, optimizer="adamw", device="gtx-1080-ti")
     assert gpu.breakdown["optimizer"] == 8 * n   # on CUDA the step counters stay on the host
     assert not gpu.fits                          # the story: it does not fit an 11 GiB card
