@@ -181,8 +181,8 @@ def test_bad_input():
         runner.step(no_labels)
     with pytest.raises(ValueError, match="fp16"):
         memfit.fit(model, opt, batch, device="gtx-1080-ti", precision="bf16")
-    with pytest.raises(ValueError, match="issue 5"):
-        memfit.fit(model, opt, batch, offload="all")
+    with pytest.raises(ValueError, match="issue 7"):
+        memfit.fit(model, opt, batch, remat=True)
     other = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(ValueError, match="not trainable parameters"):
         memfit.fit(model, other, batch)

@@ -14,6 +14,7 @@ from memfit.planner import Plan
 from memfit.runtime import Runner
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
+from memfit.techniques.offload import Offload
 from memfit.techniques.optimizer_offload import OptimizerOffload
 from memfit.techniques.precision import Precision
 
@@ -68,6 +69,17 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
                                 autocast_factory=factory).apply(model)
             handles.append(handle)
             plan.blocks.update(handle.modes)
+        if knobs.offload not in (None, "none"):
+            # offload's hooks sit outside a checkpoint's wrapper: on a block that is also
+            # recomputed, what leaves the device is the checkpoint's inputs (offload Notes)
+            handle = Offload(Offload.Config(knobs.offload)).apply(model)
+            handles.append(handle)
+            for name, mode in handle.modes.items():
+                if mode == "offload":
+                    before = plan.blocks.get(name, "keep")
+                    plan.blocks[name] = "offload" if before == "keep" else f"{before}+offload"
+                else:
+                    plan.blocks.setdefault(name, mode)
         model, optimizer = tech.apply(model, recipe, origin)
         if knobs.offload_optimizer:
             if knobs.precision == "bf16-pure":

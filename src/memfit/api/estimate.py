@@ -37,6 +37,7 @@ class Estimate:
     peak_bytes: int
     reserved_bytes: int                # allocator reservation at the peak (== peak on CPU)
     context_bytes: int                 # CUDA context outside the allocator (0 on CPU)
+    host_peak_bytes: int               # peak of memfit's host memory (offload), not the device
     breakdown: dict[str, int]          # category -> bytes at the peak
     timeline: list[int]                # live bytes after each op of the step
     op_log: list[str]                  # the aten op behind each timeline point
@@ -90,6 +91,7 @@ class Estimate:
             "reserved_bytes": self.reserved_bytes,
             "context_bytes": self.context_bytes,
             "device_bytes": self.device_bytes,
+            "host_peak_bytes": self.host_peak_bytes,
             "breakdown": dict(self.breakdown),
             "fits": self.fits,
             "limit_bytes": self.limit_bytes,
@@ -197,6 +199,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
                      "has run on this GPU")
     return Estimate(
         peak_bytes=peak, reserved_bytes=reserved, breakdown=breakdown, context_bytes=context,
+        host_peak_bytes=prof.host_peak_bytes,
         timeline=prof.timeline, op_log=prof.op_log, timeline_by_category=prof.timeline_by_category,
         phases=prof.phases, modules=prof.modules, blocks=prof.blocks, fw_flops=prof.fw_flops,
         bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=k,

@@ -44,6 +44,7 @@ class StepProfile:
     num_ops: int
     op_log: list[str]                         # the aten op behind each timeline point
     trace_seconds: float                      # wall time of the traced step
+    host_peak_bytes: int = 0                  # memfit's host pool (offload), apart from the device
     blocks: list[str] = field(default_factory=list)
 
 
@@ -106,6 +107,7 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
         num_ops=tracker.ops,
         op_log=[str(op) for op in tracker.window_op_log],
         trace_seconds=seconds,
+        host_peak_bytes=tracker.host_peak_bytes,
         blocks=[r.name for r in records if r.is_block],
     )
     return profile, tracker
