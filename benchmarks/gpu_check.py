@@ -72,6 +72,49 @@ def measure(spec, tiny: bool, batch_cpu: dict, precision: str) -> dict:
     return out
 
 
+def offload_overlap(console) -> dict:
+    """How much of activation offload's copy time prefetch hides, on this GPU: step time of
+    plain / offload without prefetch / offload with prefetch (gpt2, batch 8 x 1024, bf16 or
+    fp16). hidden = (t_no_prefetch - t_prefetch) / (t_no_prefetch - t_plain)."""
+    from memfit.techniques.offload import Offload
+
+    spec = zoo.get("gpt2")
+    precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    out = {}
+    for label, prefetch in (("plain", None), ("no_prefetch", False), ("prefetch", True)):
+        model = spec.build(device="cuda")
+        batch = {k: v.cuda() for k, v in spec.make_batch(model, 8, seq_len=1024).items()}
+        handle = None
+        if prefetch is not None:
+            handle = Offload(Offload.Config("all", prefetch=prefetch)).apply(model)
+        runner = memfit.fit(model, torch.optim.AdamW(model.parameters()), batch,
+                            precision=precision)
+        runner.step(batch)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            runner.step(batch)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[f"{label}_seconds"] = min(times)
+        out[f"{label}_peak_bytes"] = torch.cuda.max_memory_allocated()
+        if handle is not None:
+            handle.remove()
+        del runner, model, batch
+        gc.collect()
+        torch.cuda.empty_cache()
+    copy = out["no_prefetch_seconds"] - out["plain_seconds"]
+    out["hidden_fraction"] = (out["no_prefetch_seconds"] - out["prefetch_seconds"]) / copy \
+        if copy > 0 else None
+    hidden = "n/a" if out["hidden_fraction"] is None else f"{100 * out['hidden_fraction']:.0f}%"
+    console.print(f"offload (gpt2 8x1024 {precision}): plain {out['plain_seconds']:.3f} s, "
+                  f"no prefetch {out['no_prefetch_seconds']:.3f} s, prefetch "
+                  f"{out['prefetch_seconds']:.3f} s; prefetch hides {hidden} of the copy time")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="predict only; no GPU needed")
@@ -127,6 +170,9 @@ def main() -> None:
         return
     passed = sum(r["pass"] for r in rows)
     console.print(f"{passed}/{len(rows)} within 3% (allocated) and 5% (reserved)")
+    with console.status("offload: how much copy time prefetch hides"):
+        overlap = offload_overlap(console)
+    rows.append({"model": "gpt2", "gpu": spec.name, "check": "offload_prefetch_overlap", **overlap})
     path = _record.write("gpu_check", {"cases": CASES, "gpu": spec.name}, rows)
     console.print(f"recorded in {path}")
 

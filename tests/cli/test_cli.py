@@ -80,3 +80,15 @@ def test_every_flag_has_help():
     for name, p in sub.choices.items():
         for action in p._actions:
             assert action.help, f"{name} {action.option_strings} has no help"
+
+
+def test_technique_flags_lower_the_peak(capsys):
+    base = run_json(capsys, "--model", "gpt2", "--seq-len", "128", "--batch-size", "4", "--gpu", "cpu")
+    for flags in (["--checkpoint", "all"], ["--offload", "all"], ["--offload-optimizer"],
+                  ["--micro-batch-size", "1"]):
+        out = run_json(capsys, "--model", "gpt2", "--seq-len", "128", "--batch-size", "4",
+                       "--gpu", "cpu", *flags)
+        assert out["peak_bytes"] < base["peak_bytes"], flags
+    out = run_json(capsys, "--model", "gpt2", "--seq-len", "128", "--batch-size", "4",
+                   "--gpu", "cpu", "--offload", "all")
+    assert out["host_peak_bytes"] > 0

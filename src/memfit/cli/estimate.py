@@ -36,6 +36,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(PYTORCH_CUDA_ALLOC_CONF) instead of the default")
     g.add_argument("--micro-batch-size", type=int, default=None, metavar="N",
                    help="accumulate the batch in micro-batches of N samples (default: none)")
+    g.add_argument("--checkpoint", default=None, metavar="POLICY",
+                   help="recompute blocks in backward: all, every:K, selective (default: none)")
+    g.add_argument("--offload", default=None, metavar="POLICY",
+                   help="keep blocks' saved activations in host memory: all, every:K "
+                        "(default: none)")
+    g.add_argument("--offload-optimizer", action="store_true",
+                   help="keep the optimizer's state (and its step) in host memory")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     g.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write live bytes over the step, by category, with the limit line")
@@ -54,6 +61,8 @@ def run(args) -> int:
         est = memfit.estimate(model, batch, optimizer=args.optimizer, device=args.gpu,
                               budget=args.budget, precision=args.precision,
                               micro_batch_size=args.micro_batch_size,
+                              checkpoint=args.checkpoint, offload=args.offload,
+                              offload_optimizer=args.offload_optimizer or None,
                               allocator=AllocatorConfig(expandable_segments=args.expandable_segments))
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch)
@@ -102,6 +111,8 @@ def _print_human(console, spec, est, described, args) -> None:
     where = f"on a budget of {format_bytes(est.limit_bytes)}" if args.budget else \
         f"on the {est.device.display_name} ({format_bytes(est.device.usable_bytes)} usable)"
     console.print(verdict(est.device_bytes, est.limit_bytes, where))
+    if est.host_peak_bytes:
+        console.print(f"host memory (offload): {format_bytes(est.host_peak_bytes)} at its peak")
     console.print(f"forward {est.fw_flops / 1e12:.2f} TFLOP, backward {est.bw_flops / 1e12:.2f} "
                   f"TFLOP; traced in {est.trace_seconds:.2f} s")
     for note in est.notes:
