@@ -170,10 +170,12 @@ def main() -> None:
         return
     passed = sum(r["pass"] for r in rows)
     console.print(f"{passed}/{len(rows)} within 3% (allocated) and 5% (reserved)")
+    path = _record.write("gpu_check", {"cases": CASES, "gpu": spec.name}, rows)
+    console.print(f"recorded in {path}")
     with console.status("offload: how much copy time prefetch hides"):
         overlap = offload_overlap(console)
-    rows.append({"model": "gpt2", "gpu": spec.name, "check": "offload_prefetch_overlap", **overlap})
-    path = _record.write("gpu_check", {"cases": CASES, "gpu": spec.name}, rows)
+    path = _record.write("gpu_offload_overlap", {"model": "gpt2", "batch": [8, 1024],
+                                                 "gpu": spec.name}, [overlap])
     console.print(f"recorded in {path}")
 
 
