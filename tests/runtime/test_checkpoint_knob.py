@@ -74,4 +74,20 @@ def test_estimate_reports_what_each_option_costs_per_block():
         assert c["saved_bytes"] < p["saved_bytes"]
         # bert's block ends in LayerNorm (saves its input), so the whole forward is recomputed
         # (checkpoint Note 6): backward FLOPs grow by exactly the block's forward FLOPs
-        assert c["bw_flops"] - p["bw_flops"] == p["recompute_flops"] == p["fw_flops"]
+        assert c["bw_flops"] - p["bw_flops"] == p["recompute_flops_max"] == p["fw_flops"]
+
+
+def test_llama_recompute_reruns_its_forward_minus_the_trailing_matmul():
+    """Checkpoint's early stop (checkpoint Note 6): llama's block ends in down_proj, which saves
+    only its input, so the recompute stops before it: exactly 2*B*L*I*H fewer FLOPs."""
+    model, batch = tiny("llama-1b", batch_size=4, seq_len=32)
+    plain = memfit.estimate(model, batch, "sgd")
+    ckpt = memfit.estimate(model, batch, "sgd", checkpoint="all")
+    selective = memfit.estimate(model, batch, "sgd", checkpoint="selective")
+    c = model.config
+    down_proj = 2 * 4 * 32 * c.intermediate_size * c.hidden_size
+    for name in plain.blocks:
+        p = plain.block_report(name)
+        assert ckpt.block_report(name)["bw_flops"] - p["bw_flops"] == p["fw_flops"] - down_proj
+        assert selective.block_report(name)["bw_flops"] == p["bw_flops"]   # no matmul rerun
+    assert ckpt.peak_bytes < plain.peak_bytes

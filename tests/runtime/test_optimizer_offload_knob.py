@@ -33,3 +33,41 @@ def test_offloaded_runner_trains_bitwise_like_the_plain_one():
             runner.step(batch)
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_scheduler_factory_drives_the_offloaded_optimizer_and_instances_are_refused():
+    import pytest
+
+    model, batch = tiny("bert-base", batch_size=4)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    runner = memfit.fit(model, opt, batch, offload_optimizer=True,
+                        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.0))
+    runner.step(batch)
+    before = [p.detach().clone() for p in model.parameters()]
+    runner.step(batch)                      # lr is now 0: nothing moves
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="factory"):
+        memfit.fit(model, opt, batch, offload_optimizer=True,
+                   scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+
+
+def test_refused_combination_leaves_the_model_untouched():
+    import pytest
+
+    model, batch = tiny("bert-base", batch_size=4)
+    dtypes = [p.dtype for p in model.parameters()]
+    with pytest.raises(ValueError, match="not supported yet"):
+        memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                   precision="bf16-pure", offload_optimizer=True)
+    assert [p.dtype for p in model.parameters()] == dtypes
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_naming_a_container_is_refused():
+    import pytest
+
+    model, batch = tiny("gpt2")
+    for knob in ("checkpoint", "offload"):
+        with pytest.raises(ValueError, match="transformer.h.0"):
+            memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), batch,
+                       **{knob: ("transformer.h",)})

@@ -16,7 +16,7 @@ from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
 from memfit.techniques.offload import Offload
 from memfit.techniques.optimizer_offload import OptimizerOffload
-from memfit.techniques.precision import Precision
+from memfit.techniques.precision import MasterWeightsOptimizer, Precision
 
 __all__ = ["resolve_device", "resolve_precision", "build_runner"]
 
@@ -56,6 +56,9 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     ``autocast_impl`` (dtype -> context) and ``recompute_context`` (dtype or None -> context
     entered around each checkpoint recompute) let a trace model another device's autocast and
     kernels; real runs leave them None (torch.autocast is replayed by checkpoint itself)."""
+    if knobs.offload_optimizer and knobs.precision == "bf16-pure":
+        raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
+                         "master weights would be kept twice; use bf16 autocast instead")
     tech = Precision(Precision.Config(knobs.precision or "fp32"), autocast_impl)
     handles = []
     try:
@@ -82,9 +85,6 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
                     plan.blocks.setdefault(name, mode)
         model, optimizer = tech.apply(model, recipe, origin)
         if knobs.offload_optimizer:
-            if knobs.precision == "bf16-pure":
-                raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
-                                 "master weights would be kept twice; use bf16 autocast instead")
             optimizer = OptimizerOffload(OptimizerOffload.Config()).wrap(optimizer)
             plan.optimizer_rebuilt = True
             plan.reasons.append("offload_optimizer: the optimizer was rebuilt over fp32 host "
@@ -98,7 +98,9 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     if knobs.precision == "fp16":
         scaler = (scaler_class or torch.amp.GradScaler)(device_type)
     if callable(scheduler) and not hasattr(scheduler, "step"):
-        scheduler = scheduler(getattr(optimizer, "inner", optimizer))
+        # bf16-pure's wrapper is not a torch Optimizer: schedule the one over the masters
+        target = optimizer.inner if isinstance(optimizer, MasterWeightsOptimizer) else optimizer
+        scheduler = scheduler(target)
     acc = Accumulation(Accumulation.Config(knobs.micro_batch_size), count_fn)
     return Runner(model, optimizer, plan=plan, precision=tech, accumulation=acc, loss_fn=loss_fn,
                   scaler=scaler, scheduler=scheduler, device_type=device_type, handles=handles)

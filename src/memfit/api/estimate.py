@@ -75,15 +75,18 @@ class Estimate:
         return self.device.kind == "cpu"
 
     def block_report(self, name: str) -> dict:
-        """What each option would cost for one block, under the traced knobs: keeping it holds
-        ``saved_bytes``; recomputing it keeps only ``input_bytes`` and costs up to its forward
-        FLOPs again (less where checkpoint's early stop skips a trailing matmul); offloading
-        moves ``saved_bytes`` to the host and back. ``bw_flops`` includes any recompute."""
+        """One block under the traced knobs, and bounds on what the other options would cost:
+        ``saved_bytes`` is what it keeps for backward now; recomputing it would keep only
+        ``input_bytes`` and rerun at most ``recompute_flops_max`` (its forward FLOPs; less
+        where checkpoint's early stop skips a trailing matmul, none of the matmuls under
+        "selective"); offloading moves at most ``offload_bytes_max`` each way. ``bw_flops``
+        includes what a recompute actually reran: compare with a plain estimate for the exact
+        cost."""
         r = self.modules[name]
-        return {"name": name, "saved_bytes": r.saved_bytes, "input_bytes": r.input_bytes,
+        return {"name": name, "mode": self.knobs_blocks.get(name, "keep"),
+                "saved_bytes": r.saved_bytes, "input_bytes": r.input_bytes,
                 "param_bytes": r.param_bytes, "fw_flops": r.fw_flops, "bw_flops": r.bw_flops,
-                "recompute_flops": r.fw_flops, "offload_bytes_each_way": r.saved_bytes,
-                "mode": self.knobs_blocks.get(name, "keep")}
+                "recompute_flops_max": r.fw_flops, "offload_bytes_max": r.saved_bytes}
 
     def to_dict(self) -> dict:
         return {
@@ -125,8 +128,10 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     touched. ``optimizer``: a name ("adamw", "sgd", ...), an instance, or a factory
     ``params -> Optimizer``. ``device``: a GPU name ("gtx-1080-ti"), "cpu" or a ``DeviceSpec``
     (default: where the model is). ``budget`` (bytes or "11GiB") replaces the device's usable
-    memory as the limit ``fits`` checks. Knobs: ``precision``, ``micro_batch_size`` (the peak
-    of the whole accumulated effective batch), ``max_grad_norm``; ``count_fn`` as in ``fit``.
+    memory as the limit ``fits`` checks. Knobs (``memfit.Knobs``): ``precision``,
+    ``micro_batch_size`` (the peak of the whole accumulated effective batch), ``max_grad_norm``,
+    ``checkpoint``, ``offload``, ``offload_optimizer`` (host bytes in ``host_peak_bytes``);
+    ``count_fn`` as in ``fit``.
     For a GPU the CPU trace is run through models of CUDA's autocast, attention kernels,
     optimizer defaults and caching allocator (``allocator``: its settings, e.g.
     ``AllocatorConfig(expandable_segments=True)``), see ``memfit.trace.cuda``.

@@ -33,18 +33,23 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     without ``micro_batch_size``, fit picks the largest micro-batch whose estimate fits.
     ``count_fn(batch)``: what the loss averages over (default: what the model's loss counts).
     ``scheduler``: an LR scheduler (or a factory ``optimizer -> scheduler``, needed with
-    bf16-pure, which rebuilds the optimizer) stepped once per effective batch. Knobs: ``precision``,
-    ``micro_batch_size``, ``max_grad_norm``. Everything is checked before the model is touched.
+    bf16-pure and offload_optimizer, which rebuild the optimizer) stepped once per effective
+    batch. Knobs (``memfit.Knobs``): ``precision``, ``micro_batch_size``, ``max_grad_norm``,
+    ``checkpoint``, ``offload``, ``offload_optimizer``. Everything is checked before the model
+    is touched.
     """
     k = Knobs.from_kwargs(**knobs)
     k.check_available()
     spec = resolve_device(model, device)
     k = k.replace(precision=resolve_precision(k.precision, spec))
-    if k.precision == "bf16-pure" and hasattr(scheduler, "step"):
+    if (k.precision == "bf16-pure" or k.offload_optimizer) and hasattr(scheduler, "step"):
         raise ValueError(
-            "bf16-pure rebuilds the optimizer over fp32 master weights, so a scheduler built on "
-            "the one passed in would drive nothing: pass scheduler=a factory, e.g. "
+            "bf16-pure and offload_optimizer rebuild the optimizer, so a scheduler built on the "
+            "one passed in would drive nothing: pass scheduler=a factory, e.g. "
             "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
+    if k.offload_optimizer and k.precision == "bf16-pure":
+        raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
+                         "master weights would be kept twice; use bf16 autocast instead")
     recipe = OptimizerRecipe(optimizer)
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
@@ -88,7 +93,7 @@ def _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, k: Knobs, budg
         raise BudgetTooSmall(
             f"no micro-batch size fits {format_bytes(budget)}: even micro-batch "
             f"{candidates[0]} needs {format_bytes(floor.device_bytes)}. Levers that would "
-            "still help: a lower precision, shorter sequences, recompute or offload (coming), "
+            "still help: a lower precision, shorter sequences, checkpoint/offload knobs, "
             "an 8-bit optimizer, or sharding over more GPUs",
             floor_bytes=floor.device_bytes, budget_bytes=budget)
     m, est = best

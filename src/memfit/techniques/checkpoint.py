@@ -56,7 +56,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +64,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from memfit.measure import find_blocks
+from memfit.techniques._blocks import check_names, resolve_policy
 
 __all__ = ["Checkpoint", "CheckpointHandle", "CACHE_ARGS", "MODES", "SAVED_OPS"]
 
@@ -192,27 +192,7 @@ class Checkpoint:
 
     def resolve(self, model: nn.Module) -> dict[str, str]:
         """Block name -> "keep" | "recompute" | "selective", blocks in execution order."""
-        policy = self.config.policy
-        blocks = find_blocks(model)
-        if isinstance(policy, tuple):
-            _check_names(model, policy, blocks)
-            return {b: "keep" for b in blocks} | {n: "recompute" for n in policy}
-        if policy == "none":
-            return {b: "keep" for b in blocks}
-        if not blocks:
-            raise ValueError(
-                f"{type(model).__name__} has no repeated blocks for policy={policy!r}: no module "
-                "is a transformers GradientCheckpointingLayer, and no ModuleList/Sequential holds "
-                "children of one type. Pass the qualified names of your own modules as a tuple, "
-                "e.g. Checkpoint.Config(policy=('encoder.0', 'encoder.1'))")
-        if policy in ("all", "selective"):
-            return {b: "recompute" if policy == "all" else "selective" for b in blocks}
-        k = int(policy[len("every:"):])
-        if k > len(blocks):
-            warnings.warn(f"policy={policy!r} recomputes nothing: {type(model).__name__} has "
-                          f"only {len(blocks)} blocks (use every:K with K <= {len(blocks)})",
-                          stacklevel=2)
-        return {b: "recompute" if i % k == k - 1 else "keep" for i, b in enumerate(blocks)}
+        return resolve_policy(model, self.config.policy, "recompute", "Checkpoint")
 
     def apply(self, model: nn.Module,
               per_block: dict[str, str] | None = None) -> CheckpointHandle:
@@ -224,7 +204,7 @@ class Checkpoint:
         if bad:
             raise ValueError(f"per_block modes {bad} are unknown: use one of {MODES}")
         chosen = [n for n, m in modes.items() if m != "keep"]
-        _check_names(model, chosen, find_blocks(model))
+        check_names(model, chosen, find_blocks(model))
         nested = [(a, b) for a in chosen for b in chosen if b.startswith(a + ".")]
         if nested:
             raise ValueError(f"blocks {nested[0]} are nested: recompute the outer one only")
@@ -247,13 +227,3 @@ class Checkpoint:
                 keep_cache=getattr(block, "_can_checkpoint_with_cache", False))
             wrapped.append((block, previous))
         return CheckpointHandle(modes, wrapped)
-
-
-def _check_names(model: nn.Module, names, blocks: list[str]) -> None:
-    modules = dict(model.named_modules())
-    unknown = [n for n in names if n not in modules or n == ""]
-    if unknown:
-        raise ValueError(
-            f"{unknown} match no submodule of {type(model).__name__}: its blocks are "
-            f"{blocks or 'none'} (use qualified names as in model.named_modules(), "
-            "e.g. 'model.layers.0')")

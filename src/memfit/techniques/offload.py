@@ -15,14 +15,16 @@ offload keeps only a block's inputs, on the host; keyword tensors stay in its cl
 
 Note 2 (what is offloaded). Plain strided (or fake) saved tensors of at least ``min_bytes``,
 except parameters and views of the model's parameters and buffers (they stay on the device
-anyway). The host copy keeps the tensor's strides when its layout is dense (else contiguous),
-so kernels see the plain step's layout; offload never touches the RNG: gradients are bitwise.
+anyway). The storage is copied whole and each view rebuilt on it (Note 3), so kernels see the
+plain step's layout exactly; offload never touches the RNG: gradients are bitwise.
 
-Note 3 (dedup). A step may save one tensor several times (``x * x`` saves ``x`` twice; llama's
-rotary ``cos``/``sin`` is saved by every block). Saves are keyed by storage, offset, shape,
-strides, dtype and version counter (a tensor written in place is copied again); while the
-first save's storage lives, an equal key reuses its host copy, and the copy brought back is
-shared as autograd shared the original. Different views of one storage are copied apart.
+Note 3 (dedup, by storage). A step may save one tensor several times (``x * x`` saves ``x``
+twice; llama's rotary ``cos``/``sin`` is saved by every block), or several views of one
+storage (attention saves a transposed view beside its base). What is copied is the whole
+storage, once, keyed by the storage and its version counter (written in place: copied again);
+every save keeps only its view (offset, shape, strides, dtype) and is rebuilt on the storage
+brought back, as autograd shared the original. So the host never holds more than the device
+storages it frees, and the copy brought back is one storage as in the plain step.
 
 Note 4 (the host pool). Host buffers are flat ``uint8`` tensors in one list. A copy takes the
 smallest free buffer large enough (best fit), else a new one of exactly its size. A buffer is
@@ -57,10 +59,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch._prims_common import is_non_overlapping_and_dense_or_false, make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.measure import find_blocks, host_allocations
+from memfit.techniques._blocks import check_names, resolve_policy
 
 __all__ = ["Offload", "OffloadHandle", "OffloadStats", "MODES", "default_copy"]
 
@@ -80,6 +82,13 @@ class OffloadStats:
     host_pool_peak_bytes: int = 0   # the most it has held
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view over the whole of ``t``'s storage (no copy; ``as_strided``, not
+    ``set_``, which fake tensors would keep alive)."""
+    n = t.untyped_storage().nbytes() // t.element_size()
+    return t.as_strided((n,), (1,), 0).view(torch.uint8)
+
+
 def default_copy(src: torch.Tensor, out: torch.Tensor) -> None:
     """The default of both copies: ``out.copy_(src)``, non-blocking between host and CUDA."""
     out.copy_(src, non_blocking="cuda" in (src.device.type, out.device.type))
@@ -94,8 +103,8 @@ class _HostPool:
         self._free: set[int] = set()
 
     def take(self, t: torch.Tensor, pinned: bool) -> tuple[int, torch.Tensor]:
-        """(slot, a host tensor shaped like ``t``, with Note 2's strides)."""
-        nbytes = t.numel() * t.element_size()
+        """(slot, a flat uint8 host tensor of ``t``'s bytes; ``t`` is a flat uint8 storage view)."""
+        nbytes = t.numel()
         kind = (id(t.fake_mode) if isinstance(t, FakeTensor) else None, pinned)
         fits = [i for i in self._free
                 if self._bufs[i][1] == kind and self._bufs[i][0].numel() >= nbytes]
@@ -110,9 +119,7 @@ class _HostPool:
             self.stats.host_pool_bytes += nbytes
             self.stats.host_pool_peak_bytes = max(self.stats.host_pool_peak_bytes,
                                                   self.stats.host_pool_bytes)
-        stride = (t.stride() if is_non_overlapping_and_dense_or_false(t)
-                  else make_contiguous_strides_for(t.shape))
-        return slot, self._bufs[slot][0][:nbytes].view(t.dtype).as_strided(t.shape, stride)
+        return slot, self._bufs[slot][0][:nbytes]
 
     def give(self, slot: int) -> None:
         self._free.add(slot)
@@ -146,6 +153,7 @@ class _Packed:
 
     owner: "_Swapper"
     entry: _Entry
+    view: tuple                   # (storage offset, shape, strides, dtype) of the save (Note 3)
     unpacked: bool = False
 
     def __del__(self):
@@ -214,20 +222,23 @@ class _Swapper:
         if not self._offloadable(t):
             return t
         st = t.untyped_storage()
-        key = (st._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        key = (st._cdata, t._version)
         entry = self._by_key.get(key)
         if entry is not None and entry.source() is not None:
             self.stats.dedup_hits += 1
         else:
-            entry = self._by_key[key] = self._offload(t, st, group)
+            entry = self._by_key[key] = self._offload(_flat(t), st, group)
         entry.handles += 1
         entry.pending += 1
-        return _Packed(self, entry)
+        return _Packed(self, entry, (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
 
     def unpack(self, outer, packed):
         if isinstance(packed, _Outer):
             return outer[1](packed.packed)
         x = self._bring_back(packed) if isinstance(packed, _Packed) else packed
+        if isinstance(packed, _Packed):              # the save's view on the storage (Note 3)
+            offset, shape, stride, dtype = packed.view
+            x = x.view(dtype).as_strided(shape, stride, offset)
         return x if outer is None else outer[1](x)
 
     def forget(self, h: _Packed) -> None:
@@ -304,7 +315,7 @@ class _Swapper:
 
     def _load(self, e: _Entry) -> None:
         # allocated on the compute stream (Note 6); a new storage outside host_allocations
-        out = e.host.new_empty_strided(e.host.shape, e.host.stride(), device=e.target)
+        out = e.host.new_empty(e.host.shape, device=e.target)
         with self._on_side(e.target if e.cuda else None):
             self.copy_to_device(e.host, out)
         if e.cuda:
@@ -378,25 +389,7 @@ class Offload:
 
     def resolve(self, model: nn.Module) -> dict[str, str]:
         """Block name -> "keep" | "offload", blocks in execution order."""
-        policy = self.config.policy
-        blocks = find_blocks(model)
-        if isinstance(policy, tuple):
-            _check_names(model, policy, blocks)
-            return {b: "keep" for b in blocks} | {n: "offload" for n in policy}
-        if policy == "none":
-            return {b: "keep" for b in blocks}
-        if not blocks:
-            raise ValueError(
-                f"{type(model).__name__} has no repeated blocks for policy={policy!r}: no module "
-                "is a transformers GradientCheckpointingLayer, and no ModuleList/Sequential holds "
-                "children of one type. Pass the qualified names of your own modules as a tuple, "
-                "e.g. Offload.Config(policy=('encoder.0', 'encoder.1'))")
-        k = 1 if policy == "all" else int(policy[len("every:"):])
-        if k > len(blocks):
-            warnings.warn(f"policy={policy!r} offloads nothing: {type(model).__name__} has only "
-                          f"{len(blocks)} blocks (use every:K with K <= {len(blocks)})",
-                          stacklevel=2)
-        return {b: "offload" if i % k == k - 1 else "keep" for i, b in enumerate(blocks)}
+        return resolve_policy(model, self.config.policy, "offload", "Offload")
 
     def apply(self, model: nn.Module, per_block: dict[str, str] | None = None) -> OffloadHandle:
         """Hook the blocks ``per_block`` (default: ``resolve(model)``) marks "offload".
@@ -407,7 +400,7 @@ class Offload:
         if bad:
             raise ValueError(f"per_block modes {bad} are unknown: use one of {MODES}")
         chosen = [n for n, m in modes.items() if m == "offload"]
-        _check_names(model, chosen, find_blocks(model))
+        check_names(model, chosen, find_blocks(model))
         nested = [(a, b) for a in chosen for b in chosen if b.startswith(a + ".")]
         if nested:
             raise ValueError(f"blocks {nested[0]} are nested: offload the outer one only")
@@ -441,13 +434,3 @@ def _check_policy(p) -> None:
             raise ValueError(f"{name}: K in 'every:K' must be an integer >= 1 (every:1: all)")
     elif p not in ("none", "all"):
         raise ValueError(f"{name} is unknown: use 'none', 'all', 'every:K' or block names")
-
-
-def _check_names(model: nn.Module, names, blocks: list[str]) -> None:
-    modules = dict(model.named_modules())
-    unknown = [n for n in names if n not in modules or n == ""]
-    if unknown:
-        raise ValueError(
-            f"{unknown} match no submodule of {type(model).__name__}: its blocks are "
-            f"{blocks or 'none'} (use qualified names as in model.named_modules(), "
-            "e.g. 'model.layers.0')")
