@@ -1,6 +1,5 @@
 """Shared test helpers: run the real canonical step the way estimate traces it."""
 
-import torch
 
 import memfit
 from memfit import zoo

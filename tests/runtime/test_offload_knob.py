@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import memfit
-from tests.helpers import tiny
 
 
 def six_layers(arch):

@@ -19,15 +19,6 @@ MODELS = ("gpt2", "bert-base", "llama-1b")
 BF16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: one thread is ~100x faster than several contending for a shared CPU.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _policy(policy, model):
     # "last": a tuple naming the model's last block
     return (find_blocks(model)[-1],) if policy == "last" else policy

@@ -22,15 +22,6 @@ BF16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: one thread is ~100x faster than several contending for a shared CPU.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
 def _no_sync_warning():
     # The CPU fallback warns once per handle (tested below); elsewhere it is noise.
     with warnings.catch_warnings():

@@ -24,15 +24,6 @@ OPTIMIZERS = {
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: one thread is ~100x faster than several contending for a shared CPU.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
 def _quiet():
     # the once-per-process CPU warning is tested on its own
     with warnings.catch_warnings():

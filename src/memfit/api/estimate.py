@@ -143,7 +143,6 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
                          "'auto' is for memfit.plan and memfit.fit")
     spec = resolve_device(model, device)
     k = k.replace(precision=resolve_precision(k.precision, spec))
-    precision = k.precision
     limit = parse_bytes(budget) if budget is not None else spec.usable_bytes
     recipe = OptimizerRecipe(optimizer)
     trainable = [p for p in model.parameters() if p.requires_grad]
