@@ -1,5 +1,6 @@
 """Shared test helpers: run the real canonical step the way estimate traces it."""
 
+import torch
 
 import memfit
 from memfit import zoo
@@ -33,8 +34,30 @@ def track_runner_step(model, batch, optimizer="adamw", loss_fn=None, **knobs):
     opt = OptimizerRecipe(optimizer).build([p for p in model.parameters() if p.requires_grad],
                                            [p for p in model.parameters() if p.requires_grad])
     runner = memfit.fit(model, opt, batch, loss_fn=loss_fn, **knobs)
+    return track_next_run(runner, batch)
+
+
+def track_next_run(runner, batch):
+    """One ``runner.step`` (steady state), then the next effective batch's ``run`` under track
+    (the batch prepared outside, as estimate traces it)."""
     runner.step(batch)
     prepared = runner.prepare(batch)
     with memfit.track(runner.model, runner.optimizer) as t:
         runner.run(prepared)
     return t
+
+
+def train_seeded(model, batch, steps=2, autocast=None):
+    """``steps`` SGD steps with ``canonical_step``, the RNG seeded with the step number before
+    each (so dropout draws the same masks in two runs)."""
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for k in range(steps):
+        torch.manual_seed(k)
+        canonical_step(model, opt, batch, autocast=autocast() if autocast else None)
+    return model
+
+
+def equal_params(a, b) -> bool:
+    """Every parameter of ``a`` bitwise equal to ``b``'s, in order."""
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))

@@ -7,7 +7,7 @@ from torch import nn
 
 import memfit
 from memfit.step import canonical_step, prepare_batch
-from tests.helpers import tiny
+from tests.helpers import tiny, track_next_run
 
 
 def updates(model, run):
@@ -157,10 +157,7 @@ def test_estimate_equals_track_for_micro_batched_steps(arch, mbs, precision):
     est = memfit.estimate(model, batch, "adamw", precision=precision, micro_batch_size=mbs)
     opt = torch.optim.AdamW(model.parameters())
     runner = memfit.fit(model, opt, batch, precision=precision, micro_batch_size=mbs)
-    runner.step(batch)
-    prepared = runner.prepare(batch)
-    with memfit.track(model, opt) as t:
-        runner.run(prepared)
+    t = track_next_run(runner, batch)
     assert est.peak_bytes == t.peak_bytes and est.breakdown == t.breakdown
 
 

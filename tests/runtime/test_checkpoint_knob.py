@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import memfit
-from tests.helpers import tiny
+from tests.helpers import tiny, track_next_run
 
 
 @pytest.mark.parametrize("policy", ["all", "every:2", "selective"])
@@ -16,10 +16,7 @@ def test_estimate_equals_track_with_recompute(arch, precision, policy):
     plain = memfit.estimate(model, batch, "adamw", precision=precision)
     opt = torch.optim.AdamW(model.parameters())
     runner = memfit.fit(model, opt, batch, precision=precision, checkpoint=policy)
-    runner.step(batch)
-    prepared = runner.prepare(batch)
-    with memfit.track(model, opt) as t:
-        runner.run(prepared)
+    t = track_next_run(runner, batch)
     assert (est.peak_bytes, est.breakdown, est.timeline) == (t.peak_bytes, t.breakdown, t.timeline)
     assert est.breakdown["activations"] < plain.breakdown["activations"]
     assert runner.plan.blocks and set(runner.plan.blocks.values()) <= {"keep", "recompute", "selective"}

@@ -3,7 +3,7 @@
 import torch
 
 import memfit
-from tests.helpers import tiny
+from tests.helpers import tiny, track_next_run
 
 
 def test_estimate_equals_track_and_moves_the_state_to_the_host():
@@ -11,10 +11,7 @@ def test_estimate_equals_track_and_moves_the_state_to_the_host():
     plain = memfit.estimate(model, batch, "adamw")
     est = memfit.estimate(model, batch, "adamw", offload_optimizer=True)
     runner = memfit.fit(model, torch.optim.AdamW(model.parameters()), batch, offload_optimizer=True)
-    runner.step(batch)
-    prepared = runner.prepare(batch)
-    with memfit.track(model, runner.optimizer) as t:
-        runner.run(prepared)
+    t = track_next_run(runner, batch)
     assert (est.peak_bytes, est.breakdown) == (t.peak_bytes, t.breakdown)
     assert est.breakdown["optimizer"] == 0 < plain.breakdown["optimizer"]
     assert est.peak_bytes < plain.peak_bytes

@@ -13,7 +13,7 @@ from memfit.measure import find_blocks
 from memfit.step import canonical_step
 from memfit.techniques.checkpoint import Checkpoint, _CheckpointedForward
 from memfit.trace.cuda_autocast import CudaAutocastMode
-from tests.helpers import tiny
+from tests.helpers import equal_params, tiny, train_seeded
 
 MODELS = ("gpt2", "bert-base", "llama-1b")
 BF16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
@@ -24,20 +24,6 @@ def _policy(policy, model):
     return (find_blocks(model)[-1],) if policy == "last" else policy
 
 
-def _train(model, batch, steps=2, autocast=None):
-    """``steps`` SGD steps, the RNG seeded with the step number before each."""
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for k in range(steps):
-        torch.manual_seed(k)
-        canonical_step(model, opt, batch, autocast=autocast() if autocast else None)
-    return model
-
-
-def _equal_params(a, b):
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
-
-
 @pytest.mark.parametrize("autocast", [None, BF16], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("policy", ["all", "every:2", "selective", "last"])
 @pytest.mark.parametrize("name", MODELS)
@@ -46,9 +32,9 @@ def test_two_steps_bitwise_equal(name, policy, autocast):
     wrapped, _ = tiny(name)
     handle = Checkpoint(Checkpoint.Config(_policy(policy, wrapped))).apply(wrapped)
     assert any(m != "keep" for m in handle.modes.values())
-    _train(plain, batch, autocast=autocast)
-    _train(wrapped, batch, autocast=autocast)
-    assert _equal_params(plain, wrapped)
+    train_seeded(plain, batch, autocast=autocast)
+    train_seeded(wrapped, batch, autocast=autocast)
+    assert equal_params(plain, wrapped)
 
 
 def test_without_rng_replay_dropout_differs():
@@ -59,9 +45,9 @@ def test_without_rng_replay_dropout_differs():
     Checkpoint(Checkpoint.Config("all")).apply(wrapped)
     for name in find_blocks(wrapped):
         wrapped.get_submodule(name).forward._preserve_rng_state = False
-    _train(plain, batch)
-    _train(wrapped, batch)
-    assert not _equal_params(plain, wrapped)
+    train_seeded(plain, batch)
+    train_seeded(wrapped, batch)
+    assert not equal_params(plain, wrapped)
 
 
 def _tracked_step(model, batch):
@@ -142,7 +128,7 @@ def test_caches_are_not_written_twice():
     plain, batch = tiny("t5-base")
     wrapped, _ = tiny("t5-base")
     Checkpoint(Checkpoint.Config("all")).apply(wrapped)
-    assert _equal_params(_train(plain, batch), _train(wrapped, batch))
+    assert equal_params(train_seeded(plain, batch), train_seeded(wrapped, batch))
 
 
 def test_transformers_own_checkpointing_is_an_error():
@@ -165,7 +151,7 @@ def test_remove_restores_the_model():
     handle.remove()
     assert all("forward" not in vars(b) and b.forward == f for b, f in zip(blocks, originals))
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
-    assert _equal_params(_train(model, batch), _train(twin, batch))
+    assert equal_params(train_seeded(model, batch), train_seeded(twin, batch))
     Checkpoint(Checkpoint.Config("all")).apply(model)    # wrapping again is allowed after remove
 
 
@@ -186,7 +172,7 @@ def test_deepcopy_of_a_wrapped_model_recomputes_its_own_blocks():
     for n in find_blocks(model):
         assert clone.get_submodule(n).forward.original.__self__ is clone.get_submodule(n)
     twin, _ = tiny("gpt2")
-    assert _equal_params(_train(clone, batch), _train(twin, batch))
+    assert equal_params(train_seeded(clone, batch), train_seeded(twin, batch))
 
 
 def test_resolve_conventions():
@@ -241,7 +227,7 @@ def test_no_repeated_blocks_then_own_names():
         for k in range(2):
             torch.manual_seed(k)
             canonical_step(m, opt, x, loss_fn)
-    assert _equal_params(model, twin)
+    assert equal_params(model, twin)
 
 
 def _cuda_autocast_grads(model, batch):

@@ -15,7 +15,7 @@ from memfit.step import canonical_step, prepare_batch
 from memfit.techniques.checkpoint import Checkpoint
 from memfit.techniques.offload import Offload, default_copy
 from memfit.trace.fake import FakeCopier
-from tests.helpers import tiny
+from tests.helpers import equal_params, tiny, train_seeded
 
 MODELS = ("gpt2", "bert-base", "llama-1b")
 BF16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
@@ -27,20 +27,6 @@ def _no_sync_warning():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Offload: no pinned memory")
         yield
-
-
-def _train(model, batch, steps=2, autocast=None):
-    """``steps`` SGD steps, the RNG seeded with the step number before each."""
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for k in range(steps):
-        torch.manual_seed(k)
-        canonical_step(model, opt, batch, autocast=autocast() if autocast else None)
-    return model
-
-
-def _equal_params(a, b):
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def _offload(model, policy="all", **config):
@@ -55,11 +41,11 @@ def test_two_steps_bitwise_equal(name, autocast, prefetch):
     plain, batch = tiny(name)
     wrapped, _ = tiny(name)
     handle = _offload(wrapped, prefetch=prefetch)
-    _train(plain, batch, autocast=autocast)
-    _train(wrapped, batch, autocast=autocast)
+    train_seeded(plain, batch, autocast=autocast)
+    train_seeded(wrapped, batch, autocast=autocast)
     assert handle.stats.copies > 0 and handle.stats.device_copies == handle.stats.copies
     assert (handle.stats.prefetched > 0) is prefetch
-    assert _equal_params(plain, wrapped)
+    assert equal_params(plain, wrapped)
 
 
 def test_a_wrong_copy_back_is_caught():
@@ -72,7 +58,7 @@ def test_a_wrong_copy_back_is_caught():
         out.copy_(host)
         out[::4099].bitwise_xor_(1)
     Offload(Offload.Config("all"), copy_to_device=nudge).apply(wrapped)
-    assert not _equal_params(_train(plain, batch), _train(wrapped, batch))
+    assert not equal_params(train_seeded(plain, batch), train_seeded(wrapped, batch))
 
 
 def _deep(name, layers=6):
@@ -263,7 +249,7 @@ def test_cpu_fallback_warns_once():
     handle = _offload(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _train(model, batch)
+        train_seeded(model, batch)
     sync = [w for w in caught if "no pinned memory or CUDA streams" in str(w.message)]
     assert len(sync) == 1 and handle.stats.copies > 1
 
@@ -276,9 +262,9 @@ def test_remove_restores_the_model():
     handle = _offload(model)
     handle.remove()
     assert [(dict(b._forward_pre_hooks), dict(b._forward_hooks)) for b in blocks] == hooks
-    _train(model, batch)
+    train_seeded(model, batch)
     assert handle.stats.copies == 0
-    assert _equal_params(model, _train(twin, batch))
+    assert equal_params(model, train_seeded(twin, batch))
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     _offload(model)       # applying again is allowed after remove
 
@@ -302,9 +288,9 @@ def test_checkpoint_and_offload_offload_the_checkpoint_inputs(name, checkpoint):
     else:
         _enable_transformers_checkpointing(both)
         _enable_transformers_checkpointing(plain)    # it turns the KV cache off: do the same
-    _train(plain, batch)
-    _train(both, batch)
-    assert _equal_params(plain, both)
+    train_seeded(plain, batch)
+    train_seeded(both, batch)
+    assert equal_params(plain, both)
     assert handle.stats.offloaded_bytes == 2 * len(find_blocks(both)) * 3 * 16 * 64 * 4
 
 
@@ -315,10 +301,10 @@ def test_an_outer_checkpoint_takes_over():
     model, _ = tiny("llama-1b")
     handle = _offload(model)
     Checkpoint(Checkpoint.Config(("model",))).apply(model)
-    _train(model, batch)
-    _train(plain, batch)
+    train_seeded(model, batch)
+    train_seeded(plain, batch)
     assert handle.stats.copies == 0
-    assert _equal_params(model, plain)
+    assert equal_params(model, plain)
 
 
 def test_fake_step_matches_the_real_one():
@@ -416,7 +402,7 @@ def test_deepcopy_of_an_offloaded_model_offloads_its_own_blocks():
     twin, _ = tiny("gpt2")
     handle = _offload(model)
     clone = copy.deepcopy(model)
-    assert _equal_params(_train(clone, batch), _train(twin, batch))
+    assert equal_params(train_seeded(clone, batch), train_seeded(twin, batch))
     assert handle.stats.copies == 0          # the clone counted in its own copy of the stats
     with pytest.raises(ValueError, match="already offloaded"):
         _offload(clone)
