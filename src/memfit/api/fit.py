@@ -47,9 +47,6 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
             "bf16-pure and offload_optimizer rebuild the optimizer, so a scheduler built on the "
             "one passed in would drive nothing: pass scheduler=a factory, e.g. "
             "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
-    if k.offload_optimizer and k.precision == "bf16-pure":
-        raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
-                         "master weights would be kept twice; use bf16 autocast instead")
     recipe = OptimizerRecipe(optimizer)
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)

@@ -77,7 +77,8 @@ class Runner:
     def step(self, batch) -> float:
         """Train on one effective batch; return its loss (count-weighted, global)."""
         batch = self.prepare(batch)
-        if self.accumulation.count_fn is None and int(self.accumulation.count(self.model, batch)) == 0:
+        counted = int(self.accumulation.count(self.model, batch))   # this rank, whole batch
+        if self.accumulation.count_fn is None and counted == 0:
             raise ValueError("the batch has nothing to learn from: every label is -100 (or "
                              "there are no samples), so the loss would be 0/0; skip it")
         scale = self.scaler.get_scale() if self.scaler is not None else None
@@ -87,8 +88,8 @@ class Runner:
             skipped = self.scaler.get_scale() < scale      # update() lowers it after a skip
         if self.scheduler is not None and not skipped:
             self.scheduler.step()
-        if items is None:     # one micro-batch on one rank: counted only for the record
-            items = self.accumulation.count(self.model, batch)
+        if items is None:     # one micro-batch on one rank: run did not count
+            items = counted
         self.last_step = StepInfo(
             loss=float(loss), skipped=skipped, loss_scale=scale, micro_batches=n,
             items=int(items), grad_norm=None if grad_norm is None else float(grad_norm))

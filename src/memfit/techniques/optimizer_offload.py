@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from memfit.measure.track import host_allocations
+from memfit.measure import host_allocations
 from memfit.optimizers import rebuild_optimizer
 
 __all__ = ["OptimizerOffload", "OffloadedOptimizer"]

@@ -71,12 +71,8 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
     allocator replay needs the first step's history); ``after_first(tracker)`` runs between.
     """
     with copier.mode, FidelityMode():
-        if two_steps:
-            pass
-        elif warm_up is None:
-            warm_up_optimizer(model, optimizer)
-        else:
-            warm_up()
+        if not two_steps:            # two steps need no warm-up: step 1 is it
+            (warm_up or (lambda: warm_up_optimizer(model, optimizer)))()
         tracker = Tracker(model=model, optimizer=optimizer, device=copier.device)
         phases: dict[str, int] = {}
         start = time.perf_counter()

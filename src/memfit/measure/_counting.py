@@ -1,0 +1,150 @@
+"""The counting dispatch mode behind ``memfit.track``, and memfit's host-memory marker.
+
+Note 1 (op boundaries). A ``TorchDispatchMode`` sees every aten op after autograd and
+composite decomposition. After each op the storages it returned are counted; storages die
+through the ledger's weak references (see ``_ledger`` Note 1). Bytes a kernel allocates and
+frees inside itself are not visible at op boundaries and are not counted, on any device.
+
+Note 2 (budgets). With a budget, an op whose new storages would take the live bytes past it
+has no effect: its outputs are dropped before anyone sees them, a random op's generator state
+is restored, and an op that both writes its inputs and allocates has those inputs restored
+from a copy taken before it ran (``Tracker.undo_on_oom``). Then ``memfit.OutOfMemory`` is
+raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from memfit.errors import OutOfMemory
+from memfit.measure import _ledger as L
+from memfit.measure._ledger import storages_of
+
+if TYPE_CHECKING:
+    from memfit.measure.track import Tracker
+
+__all__ = ["CountingMode", "host_allocations", "allocates_and_writes", "written_args"]
+
+_aten = torch.ops.aten
+_host = threading.local()
+
+
+@contextlib.contextmanager
+def host_allocations():
+    """Storages born inside count as host memory (memfit's own host pool), not the device.
+
+    Offloading code wraps its host buffers and device-to-host copies in this, so that on a
+    CPU-only machine, where "host" and "device" are the same memory, ``track`` and
+    ``estimate`` still split the bytes as a GPU would.
+    """
+    depth = getattr(_host, "depth", 0)
+    _host.depth = depth + 1
+    try:
+        yield
+    finally:
+        _host.depth = depth
+
+
+class CountingMode(TorchDispatchMode):
+    """Counts the storages each op returns (and those it reads for the first time)."""
+
+    def __init__(self, tracker: "Tracker"):
+        super().__init__()
+        self.t = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t = self.t
+        kwargs = kwargs or {}
+        if func in _METADATA:    # queries that allocate nothing (asked often by fake tensors)
+            return func(*args, **kwargs)
+        flat_in, _ = tree_flatten((args, kwargs))
+        ledger = t.ledger
+        for x in () if func in _LIFT else flat_in:
+            if isinstance(x, torch.Tensor):
+                for st in storages_of(x, ledger.device_type):
+                    if ledger.sid(st) is None:
+                        ledger.add(st, L.INPUTS, entry=True)
+        t.ops += 1
+        t.last_op = func
+        if t.budget_bytes is None:
+            try:
+                out = func(*args, **kwargs)
+            except Exception as e:
+                t.note_failure(e, func)
+                raise
+            self._count(func, args, kwargs, out)
+            return out
+        with t.undo_on_oom(func, args):
+            out = func(*args, **kwargs)
+            self._count(func, args, kwargs, out)
+        return out
+
+    def _count(self, func, args, kwargs, out):
+        t = self.t
+        ledger = t.ledger
+        new, resized = [], []
+        for x in tree_flatten(out)[0]:
+            if isinstance(x, torch.Tensor):
+                for st in storages_of(x, ledger.device_type):
+                    if ledger.sid(st) is None:
+                        if all(st._cdata != s._cdata for s in new):
+                            new.append(st)
+                    elif func in _RESIZING:
+                        resized.append(st)
+        on_host = getattr(_host, "depth", 0) > 0      # host memory: not under the budget
+        requested = 0 if on_host else sum(st.nbytes() for st in new)
+        requested += sum(max(0, ledger.growth(st)) for st in resized)
+        if t.budget_bytes is not None and ledger.current_bytes + requested > t.budget_bytes:
+            raise OutOfMemory(requested_bytes=requested, live_bytes=ledger.current_bytes,
+                              budget_bytes=t.budget_bytes, op=str(func), module=t.watch.innermost)
+        for st in resized:
+            ledger.resize(st)
+        for st in new:
+            ledger.add(st, L.TEMPORARIES, entry=False, host=on_host)
+        if ledger.current_bytes > t.online_peak_bytes:
+            t.online_peak_bytes = ledger.current_bytes
+        t.op_events.append(ledger.num_events)
+        t.op_log.append(func)
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            n = int(counter(*args, **kwargs, out_val=out))
+            backward = torch._C._current_graph_task_id() != -1
+            if backward:
+                t.bw_flops += n
+            else:
+                t.fw_flops += n
+            t.watch.flops(n, backward)
+
+
+# ``torch.tensor(data)`` builds its tensor outside the dispatcher, then lifts it: the lift's
+# input is born here, not alive since the start, so it is counted as the lift's output.
+_LIFT = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default, _aten.lift.default}
+
+_METADATA = {torch.ops.prim.device.default, _aten.sym_size.int, _aten.sym_stride.int,
+             _aten.sym_numel.default, _aten.sym_storage_offset.default,
+             _aten.is_contiguous.default, _aten.is_contiguous.memory_format}
+
+_RESIZING = {_aten.resize_.default, _aten.set_.source_Storage, _aten.set_.source_Tensor,
+             _aten.set_.source_Storage_storage_offset}
+
+
+def allocates_and_writes(func) -> bool:
+    schema = func._schema
+    if not schema.is_mutable:
+        return False
+    return any(r.alias_info is None for r in schema.returns)
+
+
+def written_args(func, args) -> list[torch.Tensor]:
+    out = []
+    for a, x in zip(func._schema.arguments, args):
+        if a.alias_info is not None and a.alias_info.is_write and isinstance(x, torch.Tensor):
+            out.append(x)
+    return out
