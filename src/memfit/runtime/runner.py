@@ -14,6 +14,7 @@ same code runs on fake tensors when ``estimate`` traces it; ``step`` does the bo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ class Runner:
 
     def __init__(self, model: nn.Module, optimizer, *, plan: Plan, precision: Precision,
                  accumulation: Accumulation, loss_fn: Callable | None = None, scaler=None,
-                 scheduler=None, device_type: str = "cpu", handles=()):
+                 scheduler=None, device_type: str = "cpu", handles=(), contexts=()):
         self.model = model
         self.optimizer = optimizer
         self.plan = plan
@@ -64,6 +65,8 @@ class Runner:
         self.device_type = device_type
         self.last_step: StepInfo | None = None
         self.handles = list(handles)      # applied techniques; ``close`` removes them
+        # factories of context managers entered around each effective batch (e.g. DTR)
+        self.contexts = list(contexts)
 
     def close(self) -> None:
         """Remove the techniques applied to the model's modules (checkpoint wrappers, ...)."""
@@ -82,7 +85,10 @@ class Runner:
             raise ValueError("the batch has nothing to learn from: every label is -100 (or "
                              "there are no samples), so the loss would be 0/0; skip it")
         scale = self.scaler.get_scale() if self.scaler is not None else None
-        loss, items, grad_norm, n = self.run(batch)
+        with contextlib.ExitStack() as stack:
+            for make in self.contexts:
+                stack.enter_context(make())
+            loss, items, grad_norm, n = self.run(batch)
         skipped = False
         if self.scaler is not None:
             skipped = self.scaler.get_scale() < scale      # update() lowers it after a skip
