@@ -27,6 +27,12 @@ class Plan:
     budget_bytes: int | None = None               # the budget planned against
     optimizer_rebuilt: bool = False               # the Runner made a new optimizer (see reasons)
     reasons: list[str] = field(default_factory=list)  # why each choice, in words
+    # bytes the optimizer step adds on top of what is live when it starts (its temporaries and,
+    # on the first step, its state); the Runner checks it against the budget before stepping
+    predicted_optimizer_step_bytes: int | None = None
+    batch_size: int | None = None                 # the effective batch planned for (samples)
+    floor_bytes: int | None = None                # the least device bytes any plan could reach
+    block_costs: list[dict] = field(default_factory=list)  # per block: mode, bytes saved, time
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
