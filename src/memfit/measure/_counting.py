@@ -112,15 +112,26 @@ class CountingMode(TorchDispatchMode):
             t.online_peak_bytes = ledger.current_bytes
         t.op_events.append(ledger.num_events)
         t.op_log.append(func)
+        backward = torch._C._current_graph_task_id() != -1
+        t.watch.touched(_touched_bytes(args, kwargs, out), backward)
         counter = flop_registry.get(func._overloadpacket)
         if counter is not None:
             n = int(counter(*args, **kwargs, out_val=out))
-            backward = torch._C._current_graph_task_id() != -1
             if backward:
                 t.bw_flops += n
             else:
                 t.fw_flops += n
             t.watch.flops(n, backward)
+
+
+def _touched_bytes(args, kwargs, out) -> int:
+    """Bytes an op reads and writes, as a kernel would: its tensor arguments and results
+    (views count their own extent, not their whole storage). A time model's bandwidth term."""
+    total = 0
+    for x in tree_flatten((args, kwargs, out))[0]:
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+    return total
 
 
 # ``torch.tensor(data)`` builds its tensor outside the dispatcher, then lifts it: the lift's

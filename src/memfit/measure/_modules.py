@@ -30,6 +30,12 @@ class ModuleRecord:
     saved_bytes: int = 0      # bytes autograd saved for backward inside it (each storage once)
     fw_flops: int = 0         # forward FLOPs inside it (matmul/conv/attention, FlopCounter rules)
     bw_flops: int = 0         # backward FLOPs inside it
+    fw_touched_bytes: int = 0  # bytes its forward ops read and wrote (tensor inputs + outputs)
+    bw_touched_bytes: int = 0  # the same for its backward (recompute included)
+    fw_ops: int = 0           # aten ops its forward ran (each a kernel launch on a GPU)
+    bw_ops: int = 0
+    fw_span: tuple[int, int] | None = None  # first and last op index of its (last) forward
+    bw_span: tuple[int, int] | None = None  # ... and of its (first) backward, in timeline ops
     fw_peak_bytes: int = 0    # live bytes peak while its forward ran (whole device, not only its own)
     bw_peak_bytes: int = 0    # live bytes peak while its backward ran
     is_block: bool = False    # one of the model's repeated layers (see ``find_blocks``)
@@ -148,6 +154,8 @@ class ModuleWatch:
         """Forget calls, inputs, saved bytes and FLOPs (a new window starts); keep the order."""
         for rec in self.records.values():
             rec.calls = rec.saved_bytes = rec.fw_flops = rec.bw_flops = 0
+            rec.fw_touched_bytes = rec.bw_touched_bytes = rec.fw_ops = rec.bw_ops = 0
+            rec.fw_span = rec.bw_span = None
             rec.input_bytes = 0
             rec._saved = set()
 
@@ -166,6 +174,17 @@ class ModuleWatch:
                 rec.bw_flops += n
             else:
                 rec.fw_flops += n
+
+    def touched(self, nbytes: int, backward: bool) -> None:
+        """One op ran, reading and writing ``nbytes``, inside every module now running."""
+        for name in self.stack:
+            rec = self.records[name]
+            if backward:
+                rec.bw_touched_bytes += nbytes
+                rec.bw_ops += 1
+            else:
+                rec.fw_touched_bytes += nbytes
+                rec.fw_ops += 1
 
 
 def _unique_bytes(items) -> int:

@@ -11,6 +11,7 @@ state, found when an op first reads them); activations (saved for backward); tem
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 
 import torch
@@ -242,15 +243,22 @@ class Tracker:
                 self._windows.append((name, phase, s, end))
         self._open.clear()
         r = self.resolved
+        ops = self.op_events[self._window_op:]
         for name, phase, start, stop in self._windows:
             rec = self.watch.records.get(name)
             if rec is None:
                 continue
             peak = r.max_between(start, stop)
+            span = None
+            if start >= self._window_event:      # op indices of the timeline (window)
+                span = (bisect.bisect_right(ops, start), bisect.bisect_right(ops, stop + 1) - 1)
             if phase == "fw":
                 rec.fw_peak_bytes = max(rec.fw_peak_bytes, peak)
+                rec.fw_span = span or rec.fw_span          # the last forward call
             else:
                 rec.bw_peak_bytes = max(rec.bw_peak_bytes, peak)
+                if rec.bw_span is None:                    # the first backward
+                    rec.bw_span = span
 
     @contextlib.contextmanager
     def undo_on_oom(self, func, args):
