@@ -65,3 +65,7 @@ class Plan:
             lines.append(f"  {block}: {choice}")
         lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)
+
+    def export(self, target: str, batch_size: int, world_size: int = 1):
+        from memfit.planner.exports import export   # -> Export(config, notes); see exports.py
+        return export(self, target, batch_size, world_size)
