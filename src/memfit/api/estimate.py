@@ -54,6 +54,8 @@ class Estimate:
     basis: str = "cpu-trace"           # how the figures were obtained: cpu-trace | cuda-model
     notes: list[str] = field(default_factory=list)
     knobs_blocks: dict[str, str] = field(default_factory=dict)   # block -> mode applied
+    # per op of the timeline: FLOPs, bytes touched, of which training state (the time model's)
+    op_costs: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def device_bytes(self) -> int:
@@ -209,4 +211,5 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=k,
         trace_seconds=prof.trace_seconds, notes=notes,
         basis="cuda-model" if cuda else "cpu-trace", knobs_blocks=dict(runner.plan.blocks),
+        op_costs=prof.op_costs,
     )

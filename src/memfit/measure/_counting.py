@@ -113,7 +113,9 @@ class CountingMode(TorchDispatchMode):
         t.op_events.append(ledger.num_events)
         t.op_log.append(func)
         backward = torch._C._current_graph_task_id() != -1
-        t.watch.touched(_touched_bytes(args, kwargs, out), backward)
+        touched, fixed = _touched_bytes(ledger, args, kwargs, out)
+        t.watch.touched(touched, backward)
+        n = 0
         counter = flop_registry.get(func._overloadpacket)
         if counter is not None:
             n = int(counter(*args, **kwargs, out_val=out))
@@ -122,16 +124,28 @@ class CountingMode(TorchDispatchMode):
             else:
                 t.fw_flops += n
             t.watch.flops(n, backward)
+        t.op_costs.append((n, touched, fixed))
 
 
-def _touched_bytes(args, kwargs, out) -> int:
+_STATE = (L.PARAMS, L.GRADS, L.OPTIMIZER, L.OTHER)
+
+
+def _touched_bytes(ledger, args, kwargs, out) -> tuple[int, int]:
     """Bytes an op reads and writes, as a kernel would: its tensor arguments and results
-    (views count their own extent, not their whole storage). A time model's bandwidth term."""
-    total = 0
-    for x in tree_flatten((args, kwargs, out))[0]:
+    (views count their own extent, not their whole storage), and the part of them that is
+    training state (parameters, gradients, optimizer state, buffers), whose size does not
+    depend on the batch. A time model's bandwidth term."""
+    total = fixed = 0
+    for x in tree_flatten((args, kwargs))[0]:
+        if isinstance(x, torch.Tensor):
+            n = x.numel() * x.element_size()
+            total += n
+            if any(ledger.category_of(st) in _STATE for st in storages_of(x, ledger.device_type)):
+                fixed += n
+    for x in tree_flatten(out)[0]:
         if isinstance(x, torch.Tensor):
             total += x.numel() * x.element_size()
-    return total
+    return total, fixed
 
 
 # ``torch.tensor(data)`` builds its tensor outside the dispatcher, then lifts it: the lift's

@@ -26,7 +26,16 @@ from memfit.measure._ledger import Ledger, storages_of
 from memfit.measure._modules import ModuleRecord, ModuleWatch
 from memfit.units import parse_bytes
 
-__all__ = ["Tracker", "track", "host_allocations"]
+__all__ = ["Tracker", "track", "host_allocations", "active_tracker"]
+
+_running: list["Tracker"] = []     # trackers inside their ``with`` block, innermost last
+
+
+def active_tracker() -> "Tracker | None":
+    """The innermost ``track`` region running now, or None (the Runner's optimizer-step
+    check reads its live bytes on the CPU)."""
+    return _running[-1] if _running else None
+
 
 class Tracker:
     """Live-bytes accounting of everything run inside ``with track(...)``.
@@ -48,6 +57,8 @@ class Tracker:
         self.ops = 0
         self.op_events: list[int] = []      # ledger event count after each op
         self.op_log: list = []              # the aten op of each counted op, in order
+        self.op_costs: list[tuple[int, int, int]] = []   # per op: FLOPs, bytes touched, of
+        #                                      which training state (``_counting._touched_bytes``)
         self.online_peak_bytes = 0
         self.fw_flops = 0
         self.bw_flops = 0
@@ -86,6 +97,8 @@ class Tracker:
         except BaseException:
             s.close()
             raise
+        s.callback(_running.remove, self)
+        _running.append(self)
         return self
 
     def __exit__(self, *exc):
@@ -113,6 +126,11 @@ class Tracker:
     def window_op_log(self) -> list:
         """The ops of the window, one per timeline point."""
         return self.op_log[self._window_op:]
+
+    @property
+    def window_op_costs(self) -> list[tuple[int, int, int]]:
+        """(FLOPs, bytes touched, state bytes touched) of each op of the window."""
+        return self.op_costs[self._window_op:]
 
     def mark_host(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage as host memory from now on."""

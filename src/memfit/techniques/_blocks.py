@@ -16,12 +16,14 @@ def resolve_policy(model: nn.Module, policy, mode: str, technique: str) -> dict[
 
     ``policy``: "none", "all", "selective" (mode "selective"), "every:K" (blocks counted from
     1, every K-th: indices K-1, 2K-1, ..., as torchtitan's ``ac_freq``), or a tuple of the
-    qualified names of modules (any module of the model, not only its blocks).
+    qualified names of modules (any module of the model, not only its blocks); for recompute a
+    name may end in ":selective" to recompute that block selectively (a planner's mixed plan).
     """
     blocks = find_blocks(model)
     if isinstance(policy, tuple):
-        check_names(model, policy, blocks)
-        return {b: "keep" for b in blocks} | {n: mode for n in policy}
+        chosen = dict(_split_entry(n, mode) for n in policy)
+        check_names(model, list(chosen), blocks)
+        return {b: "keep" for b in blocks} | chosen
     if policy == "none":
         return {b: "keep" for b in blocks}
     if not blocks:
@@ -54,3 +56,14 @@ def check_names(model: nn.Module, names, blocks: list[str] | None = None) -> Non
             f"{unknown} match no submodule of {type(model).__name__}: its blocks are "
             f"{blocks or 'none'} (use qualified names as in model.named_modules(), "
             "e.g. 'model.layers.0')")
+
+
+def _split_entry(entry: str, mode: str) -> tuple[str, str]:
+    """"name" -> (name, mode); "name:selective" -> (name, "selective") where mode is recompute."""
+    name, sep, flavour = entry.partition(":")
+    if not sep:
+        return name, mode
+    if flavour != "selective" or mode != "recompute":
+        allowed = "; 'name:selective' selects selective recompute" if mode == "recompute" else ""
+        raise ValueError(f"{entry!r}: a {mode} entry is a module's qualified name{allowed}")
+    return name, "selective"

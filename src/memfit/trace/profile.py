@@ -46,6 +46,8 @@ class StepProfile:
     trace_seconds: float                      # wall time of the traced step
     host_peak_bytes: int = 0                  # memfit's host pool (offload), apart from the device
     blocks: list[str] = field(default_factory=list)
+    op_costs: list[tuple[int, int, int]] = field(default_factory=list)  # per op: FLOPs, bytes
+    #                                   touched, of which training state (measure._counting)
 
 
 def warm_up_optimizer(model: nn.Module, optimizer) -> None:
@@ -105,6 +107,7 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
         trace_seconds=seconds,
         host_peak_bytes=tracker.host_peak_bytes,
         blocks=[r.name for r in records if r.is_block],
+        op_costs=tracker.window_op_costs,
     )
     return profile, tracker
 
