@@ -54,8 +54,8 @@ class Estimate:
     basis: str = "cpu-trace"           # how the figures were obtained: cpu-trace | cuda-model
     notes: list[str] = field(default_factory=list)
     knobs_blocks: dict[str, str] = field(default_factory=dict)   # block -> mode applied
-    # per op of the timeline: FLOPs, bytes touched, of which training state (the time model's)
-    op_costs: list[tuple[int, int, int]] = field(default_factory=list)
+    # per op of the timeline: FLOPs, bytes touched, of which training state, bytes allocated
+    op_costs: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     @property
     def device_bytes(self) -> int:

@@ -124,7 +124,7 @@ class CountingMode(TorchDispatchMode):
             else:
                 t.fw_flops += n
             t.watch.flops(n, backward)
-        t.op_costs.append((n, touched, fixed))
+        t.op_costs.append((n, touched, fixed, requested))
 
 
 _STATE = (L.PARAMS, L.GRADS, L.OPTIMIZER, L.OTHER)

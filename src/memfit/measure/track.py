@@ -57,8 +57,9 @@ class Tracker:
         self.ops = 0
         self.op_events: list[int] = []      # ledger event count after each op
         self.op_log: list = []              # the aten op of each counted op, in order
-        self.op_costs: list[tuple[int, int, int]] = []   # per op: FLOPs, bytes touched, of
-        #                                      which training state (``_counting._touched_bytes``)
+        # per op: FLOPs, bytes touched, of which training state (``_counting._touched_bytes``),
+        # device bytes it allocated
+        self.op_costs: list[tuple[int, int, int, int]] = []
         self.online_peak_bytes = 0
         self.fw_flops = 0
         self.bw_flops = 0
@@ -128,8 +129,8 @@ class Tracker:
         return self.op_log[self._window_op:]
 
     @property
-    def window_op_costs(self) -> list[tuple[int, int, int]]:
-        """(FLOPs, bytes touched, state bytes touched) of each op of the window."""
+    def window_op_costs(self) -> list[tuple[int, int, int, int]]:
+        """(FLOPs, bytes touched, state bytes touched, bytes allocated) of each op of the window."""
         return self.op_costs[self._window_op:]
 
     def mark_host(self, t: torch.Tensor) -> None:

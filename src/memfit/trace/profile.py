@@ -46,8 +46,8 @@ class StepProfile:
     trace_seconds: float                      # wall time of the traced step
     host_peak_bytes: int = 0                  # memfit's host pool (offload), apart from the device
     blocks: list[str] = field(default_factory=list)
-    op_costs: list[tuple[int, int, int]] = field(default_factory=list)  # per op: FLOPs, bytes
-    #                                   touched, of which training state (measure._counting)
+    # per op: FLOPs, bytes touched, of which training state, bytes allocated (measure._counting)
+    op_costs: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 def warm_up_optimizer(model: nn.Module, optimizer) -> None:
