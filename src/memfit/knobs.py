@@ -16,7 +16,7 @@ PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure", "auto")
 _POLICY = re.compile(r"^(none|all|selective|every:[1-9][0-9]*)$")
 
 # Knobs this version accepts but cannot apply yet, with the issue that brings them.
-NOT_YET = {"remat": "DTR (issue 7)"}
+NOT_YET: dict[str, str] = {}
 
 
 def _check_policy(name: str, value) -> None:

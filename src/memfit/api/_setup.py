@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -17,6 +18,7 @@ from memfit.techniques.checkpoint import Checkpoint
 from memfit.techniques.offload import Offload
 from memfit.techniques.optimizer_offload import OptimizerOffload
 from memfit.techniques.precision import MasterWeightsOptimizer, Precision
+from memfit.techniques.remat import Remat
 
 __all__ = ["resolve_device", "resolve_precision", "build_runner"]
 
@@ -102,5 +104,12 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
         target = optimizer.inner if isinstance(optimizer, MasterWeightsOptimizer) else optimizer
         scheduler = scheduler(target)
     acc = Accumulation(Accumulation.Config(knobs.micro_batch_size), count_fn)
+    contexts = []
+    if knobs.remat:      # DTR around each effective batch, under the plan's budget if any
+        remat = Remat(Remat.Config(budget_bytes=plan.budget_bytes))
+        contexts.append(functools.partial(remat.session, model))
+        plan.reasons.append("remat: blocks' saved tensors are evicted under memory pressure and "
+                            "recomputed when backward needs them (DTR)")
     return Runner(model, optimizer, plan=plan, precision=tech, accumulation=acc, loss_fn=loss_fn,
-                  scaler=scaler, scheduler=scheduler, device_type=device_type, handles=handles)
+                  scaler=scaler, scheduler=scheduler, device_type=device_type, handles=handles,
+                  contexts=contexts)
