@@ -24,6 +24,7 @@ from memfit.techniques.accumulation import batch_size_of
 from memfit.trace import FakeCopier, profile_step
 from memfit.trace.allocator import AllocatorConfig
 from memfit.trace.cuda import CudaModel
+from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
 from memfit.trace.scaler import TraceGradScaler
 from memfit.units import parse_bytes
 
@@ -54,6 +55,10 @@ class Estimate:
     basis: str = "cpu-trace"           # how the figures were obtained: cpu-trace | cuda-model
     notes: list[str] = field(default_factory=list)
     knobs_blocks: dict[str, str] = field(default_factory=dict)   # block -> mode applied
+    # remat=True with a budget: DTR simulated on this step (memfit.trace.dtr_sim), else None
+    remat_peak_bytes: int | None = None          # predicted live-bytes peak under DTR
+    remat_recompute_flops: int | None = None     # forward FLOPs DTR reruns
+    remat_floor_bytes: int | None = None         # the least budget the simulation reaches
     # per op of the timeline: FLOPs, bytes touched, of which training state, bytes allocated
     op_costs: list[tuple[int, int, int, int]] = field(default_factory=list)
 
@@ -111,6 +116,9 @@ class Estimate:
             "notes": list(self.notes),
             "trace_seconds": round(self.trace_seconds, 3),
             "blocks": [self.block_report(n) for n in self.blocks],
+            "remat_peak_bytes": self.remat_peak_bytes,
+            "remat_recompute_flops": self.remat_recompute_flops,
+            "remat_floor_bytes": self.remat_floor_bytes,
         }
 
 
@@ -132,8 +140,9 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     (default: where the model is). ``budget`` (bytes or "11GiB") replaces the device's usable
     memory as the limit ``fits`` checks. Knobs (``memfit.Knobs``): ``precision``,
     ``micro_batch_size`` (the peak of the whole accumulated effective batch), ``max_grad_norm``,
-    ``checkpoint``, ``offload``, ``offload_optimizer`` (host bytes in ``host_peak_bytes``);
-    ``count_fn`` as in ``fit``.
+    ``checkpoint``, ``offload``, ``offload_optimizer`` (host bytes in ``host_peak_bytes``),
+    ``remat`` (with ``budget``: DTR simulated on the traced step, ``remat_*`` fields; the
+    traced figures stay those of the plain step); ``count_fn`` as in ``fit``.
     For a GPU the CPU trace is run through models of CUDA's autocast, attention kernels,
     optimizer defaults and caching allocator (``allocator``: its settings, e.g.
     ``AllocatorConfig(expandable_segments=True)``), see ``memfit.trace.cuda``.
@@ -203,7 +212,15 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
                      f"{_describe_calls(cuda.sdpa_calls)}; optimizer foreach; caching-allocator "
                      "replay; context approximate. Unvalidated until benchmarks/gpu_check.py "
                      "has run on this GPU")
+    sim = None
+    if k.remat and budget is not None:      # DTR replayed on the traced timeline
+        sim = simulate_dtr(prof.timeline, spans_from_modules(prof.modules, prof.blocks), limit)
+        notes.append(f"remat: DTR simulated under {limit} B: peak {sim.peak_bytes} B, "
+                     f"{sim.evictions} evictions, {sim.recompute_flops} recompute FLOPs, floor "
+                     f"{sim.floor_bytes} B" + ("" if sim.feasible else " (the budget is below it)"))
     return Estimate(
+        remat_peak_bytes=sim and sim.peak_bytes, remat_floor_bytes=sim and sim.floor_bytes,
+        remat_recompute_flops=sim and sim.recompute_flops,
         peak_bytes=peak, reserved_bytes=reserved, breakdown=breakdown, context_bytes=context,
         host_peak_bytes=prof.host_peak_bytes,
         timeline=prof.timeline, op_log=prof.op_log, timeline_by_category=prof.timeline_by_category,

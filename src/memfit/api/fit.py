@@ -35,8 +35,8 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     ``scheduler``: an LR scheduler (or a factory ``optimizer -> scheduler``, needed with
     bf16-pure and offload_optimizer, which rebuild the optimizer) stepped once per effective
     batch. Knobs (``memfit.Knobs``): ``precision``, ``micro_batch_size``, ``max_grad_norm``,
-    ``checkpoint``, ``offload``, ``offload_optimizer``. Everything is checked before the model
-    is touched.
+    ``checkpoint``, ``offload``, ``offload_optimizer``, ``remat`` (DTR around each step: under
+    ``budget`` if given, else on out-of-memory). Everything is checked before the model is touched.
     """
     k = Knobs.from_kwargs(**knobs)
     k.check_available()

@@ -152,17 +152,24 @@ class Unit:
         return None
 
     def droppable_inputs(self) -> dict[int, tuple["Unit", int]]:
-        """Input slots whose tensor another live unit can recompute (Note 3)."""
+        """Input slots whose producer is itself evicted, so recomputing it is already owed
+        (Note 3): dropping them adds to the evicted neighbourhood, not to the work."""
         return {i: p for i, p in self.producers.items()
-                if isinstance(self.flat[i], torch.Tensor) and p[0].flat}
+                if isinstance(self.flat[i], torch.Tensor) and p[0].flat and p[0].evicted}
 
-    def freeable(self, drop_inputs: bool) -> tuple[int, int]:
-        """(bytes eviction would free now, bytes of saved tensors held elsewhere) (Note 2)."""
+    def inputs_from(self, producer: "Unit") -> dict[int, int]:
+        """Slot -> output index of the inputs ``producer`` made (still held here)."""
+        return {i: k for i, (p, k) in self.producers.items()
+                if p is producer and isinstance(self.flat[i], torch.Tensor)}
+
+    def freeable(self, also=()) -> tuple[int, int]:
+        """(bytes eviction would free now, bytes of saved tensors held elsewhere) (Note 2);
+        ``also``: more tensors eviction would drop (inputs of evicted consumers)."""
         held: dict[int, list] = {}
         tensors = [h.tensor for h in (r() for r in self.handles)
                    if h is not None and isinstance(h.tensor, torch.Tensor)]
-        if drop_inputs:
-            tensors += [self.flat[i] for i in self.droppable_inputs()]
+        tensors += [self.flat[i] for i in self.droppable_inputs()]
+        tensors += list(also)
         for t in tensors:
             st = t.untyped_storage()
             entry = held.setdefault(st._cdata, [st.nbytes(), set()])
@@ -175,15 +182,19 @@ class Unit:
                 pinned += nbytes
         return free, pinned
 
-    def evict(self, drop_inputs: bool) -> None:
+    def evict(self) -> None:
         for ref in self.handles:
             h = ref()
             if h is not None and isinstance(h.tensor, torch.Tensor):
                 h.tensor = None
-        if drop_inputs:
-            for i, (unit, k) in self.droppable_inputs().items():
-                self.flat[i] = FromUnit(unit, k)
+        for i, (unit, k) in self.droppable_inputs().items():
+            self.flat[i] = FromUnit(unit, k)
         self.evicted = True
+
+    def drop_input(self, slot: int) -> None:
+        """Drop the input in ``slot`` (its producer was just evicted too, Note 3)."""
+        unit, k = self.producers[slot]
+        self.flat[slot] = FromUnit(unit, k)
 
     # -- recompute --------------------------------------------------------------------------
     def inputs(self) -> tuple[tuple, dict]:

@@ -191,6 +191,7 @@ class RematSession:
         self._wrapped: list[tuple[nn.Module, object]] = []
         self._roots: set[int] = set()
         self._depth = 0
+        self._nested = 0                       # rematerialize calls in progress (chains)
         self._outside: set[int] = set()
         self._stack = contextlib.ExitStack()
 
@@ -338,7 +339,7 @@ class RematSession:
                     self.stats.refused[u.name] = reason
                     log.debug("remat: block %s refused: %s", u.name, reason)
                 continue
-            free, held = u.freeable(drop_inputs=True)
+            free, held = u.freeable(also=[t for _, _, t in self._consumer_inputs(u)])
             self.stats.held_elsewhere_bytes = max(self.stats.held_elsewhere_bytes, held)
             if free < max(1, self.config.min_evict_bytes):
                 self.stats.too_small += 1
@@ -348,11 +349,20 @@ class RematSession:
                 best, best_h = (u, free), h
         return best
 
+    def _consumer_inputs(self, unit: Unit) -> list[tuple[Unit, int, torch.Tensor]]:
+        """(consumer, slot, tensor): inputs ``unit`` made for units already evicted (Note 3)."""
+        return [(c, i, c.flat[i]) for c in self.units if c.evicted and c.flat
+                for i in c.inputs_from(unit)]
+
     def _evict(self, unit: Unit) -> None:
-        free, _ = unit.freeable(drop_inputs=True)
-        for unit_p, _k in unit.droppable_inputs().values():
-            self._union(unit, unit_p)
-        unit.evict(drop_inputs=True)
+        consumers = self._consumer_inputs(unit)
+        free, _ = unit.freeable(also=[t for _, _, t in consumers])
+        for producer, _k in unit.droppable_inputs().values():
+            self._union(unit, producer)
+        unit.evict()
+        for consumer, slot, _t in consumers:
+            consumer.drop_input(slot)
+            self._union(unit, consumer)
         root = self._find(id(unit))
         self._class_cost[root] = self._class_cost.get(root, 0) + unit.cost_flops
         self.stats.evictions += 1
@@ -364,13 +374,16 @@ class RematSession:
         was_evicted = unit.evicted
         unit.busy = True
         start, flops = time.perf_counter(), self.flops
+        self._nested += 1
         try:
             outs = unit.recompute()
         finally:
             unit.busy = False
+            self._nested -= 1
         self.stats.recomputes += 1
-        self.stats.recompute_seconds += time.perf_counter() - start
-        self.stats.recompute_flops += self.flops - flops
+        if self._nested == 0:        # a chain's producers ran inside: count the chain once
+            self.stats.recompute_seconds += time.perf_counter() - start
+            self.stats.recompute_flops += self.flops - flops
         if was_evicted:
             root = self._find(id(unit))
             self._class_cost[root] = max(0, self._class_cost.get(root, 0) - unit.cost_flops)
@@ -379,6 +392,7 @@ class RematSession:
     def _neighbourhood_cost(self, unit: Unit) -> float:
         roots = {self._find(id(unit))}
         roots |= {self._find(id(p)) for p, _ in unit.droppable_inputs().values()}
+        roots |= {self._find(id(c)) for c, _, _ in self._consumer_inputs(unit)}
         return sum(self._class_cost.get(r, 0) for r in roots)
 
     def _find(self, i: int) -> int:
