@@ -10,6 +10,10 @@ update, LR scheduler. With one micro-batch and no loss scaling this is exactly
 Note 2 (no host syncs inside). ``run`` returns tensors and never reads a value back, so the
 same code runs on fake tensors when ``estimate`` traces it; ``step`` does the bookkeeping
 (``.item()``) afterwards.
+
+Note 3 (out of memory). The optimizer step is checked against the plan's budget before it
+runs, and with ``replan`` an effective batch that runs out of memory is restored, re-planned
+and run again: ``oom_guard`` Notes 1-4.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memfit.planner import Plan
+from memfit.runtime.oom_guard import OomGuard, check_optimizer_step, committing
 from memfit.step import compute_loss, prepare_batch
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.precision import Precision
@@ -53,7 +58,8 @@ class Runner:
 
     def __init__(self, model: nn.Module, optimizer, *, plan: Plan, precision: Precision,
                  accumulation: Accumulation, loss_fn: Callable | None = None, scaler=None,
-                 scheduler=None, device_type: str = "cpu", handles=(), contexts=()):
+                 scheduler=None, device_type: str = "cpu", handles=(), contexts=(),
+                 replan: Callable[[int], "Runner"] | None = None):
         self.model = model
         self.optimizer = optimizer
         self.plan = plan
@@ -67,6 +73,12 @@ class Runner:
         self.handles = list(handles)      # applied techniques; ``close`` removes them
         # factories of context managers entered around each effective batch (e.g. DTR)
         self.contexts = list(contexts)
+        # replan(excess_bytes) -> a new Runner over the same model, adopted after an OOM
+        self.guard = None
+        if replan is not None:
+            self.guard = OomGuard(replan, distributed=_world(model) > 1)
+            if self.guard.off_reason is not None:
+                plan.reasons.append(self.guard.off_reason)
 
     def close(self) -> None:
         """Remove the techniques applied to the model's modules (checkpoint wrappers, ...)."""
@@ -78,7 +90,14 @@ class Runner:
         return self.precision.prepare_batch(prepare_batch(batch))
 
     def step(self, batch) -> float:
-        """Train on one effective batch; return its loss (count-weighted, global)."""
+        """Train on one effective batch; return its loss (count-weighted, global). With
+        ``replan``, an out-of-memory error re-plans and reruns the batch (Note 3)."""
+        if self.guard is not None:
+            return self.guard.step(self, batch)
+        return self.step_unguarded(batch)
+
+    def step_unguarded(self, batch) -> float:
+        """One try at ``step``: an out-of-memory error propagates as is."""
         batch = self.prepare(batch)
         counted = int(self.accumulation.count(self.model, batch))   # this rank, whole batch
         if self.accumulation.count_fn is None and counted == 0:
@@ -124,12 +143,14 @@ class Runner:
             loss = loss.detach()
             loss_sum = loss if loss_sum is None else loss_sum + loss
         mark("optimizer")
+        check_optimizer_step(self.plan, self.device_type)   # parameters untouched so far
         grad_norm = self._unscale_and_clip()
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        with committing():
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
         if world > 1:             # each rank holds world x its share of the global mean
             loss_sum = loss_sum.clone()
             dist.all_reduce(loss_sum)
