@@ -2,5 +2,6 @@
 
 from memfit.api.estimate import Estimate, estimate
 from memfit.api.fit import fit
+from memfit.api.plan import plan
 
-__all__ = ["Estimate", "estimate", "fit"]
+__all__ = ["Estimate", "estimate", "fit", "plan"]

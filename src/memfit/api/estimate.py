@@ -130,7 +130,8 @@ def _describe_calls(calls: list[str]) -> str:
 
 def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
              loss_fn: Callable | None = None, *, budget=None, count_fn: Callable | None = None,
-             allocator: AllocatorConfig | None = None, **knobs) -> Estimate:
+             allocator: AllocatorConfig | None = None, allocator_replay: bool = True,
+             **knobs) -> Estimate:
     """Predict the memory of one steady-state training step of ``model`` on ``batch``.
 
     Traces zero_grad -> forward -> loss -> backward -> optimizer.step on fake tensors (no real
@@ -146,6 +147,8 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     For a GPU the CPU trace is run through models of CUDA's autocast, attention kernels,
     optimizer defaults and caching allocator (``allocator``: its settings, e.g.
     ``AllocatorConfig(expandable_segments=True)``), see ``memfit.trace.cuda``.
+    ``allocator_replay=False`` skips that replay (one traced step instead of two: allocated
+    bytes only, reserved taken equal to them), for callers that only need the timeline.
     """
     k = Knobs.from_kwargs(**knobs)
     k.check_available()
@@ -163,6 +166,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     batch_size_of(batch)
 
     cuda = CudaModel(spec, allocator) if spec.kind == "cuda" else None
+    replay = cuda is not None and allocator_replay
     copier = FakeCopier("cpu")
     fake_model = copier.module(model)
     fake_model.train(model.training)
@@ -190,8 +194,8 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     try:
         prof, tracker = profile_step(run, copier=copier, model=runner.model,
                                      optimizer=runner.optimizer, warm_up=warm_up,
-                                     two_steps=cuda is not None,
-                                     after_first=host_state if cuda else None)
+                                     two_steps=replay,
+                                     after_first=host_state if replay else None)
     except TypeError as e:
         if loss_fn is None and ("unexpected keyword argument" in str(e)
                                 or "required positional argument" in str(e)):
@@ -204,7 +208,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         raise describe_batch_mismatch(model, batch, e) from e
     peak, reserved, breakdown, context = prof.peak_bytes, prof.peak_bytes, prof.breakdown, 0
     notes = []
-    if cuda:
+    if replay:
         mem = cuda.replay(tracker)
         peak, reserved, breakdown = mem.allocated_peak_bytes, mem.reserved_peak_bytes, mem.breakdown
         context = mem.context_bytes

@@ -1,0 +1,249 @@
+"""The planner's memory model: the device bytes of a step under any mix of per-block modes.
+
+Note 1 (one trace). The model is read off one plain trace of the step (one precision, the whole
+effective batch as one micro-batch, nothing recomputed or offloaded): its live-bytes timeline by
+category, each block's saved and input bytes, the op spans of each block's forward and backward,
+and the bytes each op allocated. Every other configuration is predicted from it; the planner then
+re-traces the configuration it picks (planner Note 2), so an error here costs speed, not safety.
+
+Note 2 (the micro-batch). Bytes split three ways: a part that does not depend on the batch
+(training state, and what is computed from state alone: 16-bit weight copies saved by autocast
+matmuls, position embeddings), a part that grows with the micro-batch ``m`` (activations,
+temporaries) and a part that grows with the effective batch ``b`` (the inputs: the whole batch
+stays alive while its micro-batches run). An ``Amount`` is the vector (fixed, per micro-batch
+sample, per batch sample), worth ``fixed + m * act + b * inp`` bytes. Two plain traces, at ``b``
+and at ``b // 2``, give each point's line exactly (same ops, two batch sizes); with one trace
+(``b`` = 1, or the two traces differ in their ops) state is fixed and the rest proportional.
+
+Note 3 (a block's modes). Between the end of its forward and the start of its backward a block
+holds its saved bytes S. ``recompute`` keeps only its inputs I (saves S - I); at its backward the
+forward reruns, so S comes back plus the forward's temporaries. ``selective`` keeps I plus what
+the matmul-like ops (checkpoint's ``SAVED_OPS``) allocated in its forward; the rest comes back in
+backward. ``offload`` keeps what ``recompute`` keeps, on the safe side (its input may leave the
+device too); at its backward S comes back, and the prefetch of the next block's S rides on top.
+A block whose spans the trace did not see (e.g. run twice) can only be kept.
+
+Note 4 (where the peak can be). At each block's forward peak, at each block's backward peak,
+along every stretch of ops outside the blocks (embeddings, head, loss), and in the optimizer
+step. Each such point is ``const - sum(saved by the blocks whose data is pending there) + extra of
+the block running there``: linear in the one-hot choice of modes, so a MILP row (planner.search).
+
+Note 5 (accumulation and optimizer offload). With more than one micro-batch, every micro-batch
+after the first runs with all gradients alive: each forward/backward point gains the gradients
+it did not yet have. With the optimizer state on the host, each point loses the optimizer bytes
+it held, and the optimizer step on the device holds parameters and gradients only.
+
+Note 6 (allocated vs device bytes). The rows are allocated bytes; on CUDA the traced ratio of
+reserved to allocated bytes at the peak, and the CUDA context, turn them into device bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from memfit.techniques.checkpoint import SAVED_OPS
+
+__all__ = ["MODES", "MemoryModel", "Rows"]
+
+MODES = ("keep", "recompute", "selective", "offload")
+_STATE = ("params", "grads", "optimizer", "other")
+_ACT = ("activations", "temporaries")
+_SAVED_OP_NAMES = {str(op) for op in SAVED_OPS}
+
+
+@dataclass
+class Rows:
+    """Allocated bytes at every candidate peak point: ``const + A @ x`` with ``x`` the one-hot
+    modes (block-major, ``MODES`` order). ``labels`` says what each point is."""
+
+    const: np.ndarray      # (points,)
+    A: np.ndarray          # (points, blocks * len(MODES))
+    labels: list[str]
+
+    def peak(self, x: np.ndarray) -> float:
+        return float(np.max(self.const + self.A @ x))
+
+
+class MemoryModel:
+    """Predicted allocated bytes of a step for any micro-batch and per-block modes (Notes)."""
+
+    def __init__(self, est, batch_size: int, half=None):
+        """``est``: the plain trace at ``batch_size``; ``half``: the same at ``batch_size // 2``
+        (optional, Note 2)."""
+        self.b0 = batch_size
+        self.blocks = list(est.blocks)
+        self.device_ratio = est.reserved_bytes / max(est.peak_bytes, 1)   # Note 6
+        self.context_bytes = est.context_bytes
+        n = len(est.timeline)
+        if half is not None and len(half.timeline) != n:
+            half = None
+        fit = _Fit(batch_size, batch_size // 2 if half is not None else None)
+        cats, hcats = est.timeline_by_category, (half.timeline_by_category if half else None)
+        state = _sum(cats, _STATE)
+        act, inp = _sum(cats, _ACT), _sum(cats, ("inputs",))
+        if hcats is None:
+            self._fixed, self._act, self._inp = state, act / self.b0, inp / self.b0
+        else:
+            hstate, hact, hinp = _sum(hcats, _STATE), _sum(hcats, _ACT), _sum(hcats, ("inputs",))
+            a0, self._act = fit.line(state + act, hstate + hact)
+            i0, self._inp = fit.line(inp, hinp)
+            self._fixed = a0 + i0
+        self._grads = np.asarray(cats["grads"], dtype=np.float64)
+        self._new_grads = np.diff(self._grads, prepend=self._grads[:1]).clip(min=0.0)
+        self._opt = np.asarray(cats["optimizer"], dtype=np.float64)
+        self._total = np.asarray(est.timeline, dtype=np.float64)
+        self.opt_start = est.phases.get("optimizer", n)
+        self.grads_bytes = float(self._grads[self.opt_start]) if self.opt_start < n else 0.0
+        self.optimizer_state_bytes = float(self._opt[:self.opt_start].max(initial=0.0))
+        self._spans = []
+        self.saved, self.inputs, self.selective_kept = [], [], []     # (fixed, per sample)
+        for name in self.blocks:
+            r = est.modules[name]
+            h = half.modules.get(name) if half is not None else None
+            ok = r.fw_span is not None and r.bw_span is not None and \
+                r.fw_span[0] > 0 and r.bw_span[0] > r.fw_span[1]
+            self._spans.append((r.fw_span, r.bw_span) if ok else None)
+            kept = _selective_kept(est, r) if ok else r.input_bytes
+            hkept = _selective_kept(half, h) if ok and h is not None and h.fw_span else None
+            self.saved.append(fit.pair(r.saved_bytes, h.saved_bytes if h else None))
+            self.inputs.append(fit.pair(r.input_bytes, h.input_bytes if h else None))
+            self.selective_kept.append(fit.pair(kept, hkept))
+        self._points = self._build_points(n)
+
+    # -- per block ----------------------------------------------------------------------------
+    def allowed(self, i: int) -> tuple[str, ...]:
+        return MODES if self._spans[i] is not None else ("keep",)
+
+    def saved_bytes(self, i: int, mode: str, m: int) -> float:
+        """Bytes block ``i`` no longer holds, at micro-batch ``m``, while its data is pending."""
+        if mode == "keep" or self._spans[i] is None:
+            return 0.0
+        kept = self.selective_kept[i] if mode == "selective" else self.inputs[i]
+        return max(_at(self.saved[i], m) - _at(kept, m), 0.0)
+
+    def _extra_bw(self, i: int, mode: str, m: int) -> float:
+        """Bytes the block's backward holds above the plain one's (Note 3)."""
+        if mode == "keep":
+            return 0.0
+        back = self.saved_bytes(i, mode, m)
+        if mode == "offload":
+            return 2 * back                  # its own data back, and the next block's prefetch
+        return back + self._fw_temporaries[i] * m
+
+    # -- points (Note 4) --------------------------------------------------------------------
+    def _build_points(self, n: int) -> list[tuple]:
+        """(label, kind, index or index array, pending blocks, running block)."""
+        spans = [s for s in self._spans]
+        inside = np.zeros(n, dtype=bool)
+        self._fw_temporaries = []
+        points = []
+        for i, s in enumerate(spans):
+            if s is None:
+                self._fw_temporaries.append(0.0)
+                continue
+            (a, e), (c, d) = s
+            inside[a:e + 1] = True
+            inside[c:d + 1] = True
+            peak_fw = a + int(np.argmax(self._total[a:e + 1]))
+            grow = self._act[e] - self._act[a - 1]                   # per sample
+            self._fw_temporaries.append(max(self._act[peak_fw] - self._act[a - 1] - grow, 0.0))
+            pending = [k for k, o in enumerate(spans) if o and o[0][1] < a and o[1][0] > a]
+            points.append((f"forward of {self.blocks[i]}", "fw", (a - 1, peak_fw), pending, i))
+            pending = [k for k, o in enumerate(spans) if o and o[0][1] < c and o[1][0] >= c]
+            peak_bw = c + int(np.argmax(self._total[c:d + 1]))
+            points.append((f"backward of {self.blocks[i]}", "bw", (c - 1, peak_bw), pending, i))
+        # stretches outside every block, grouped by the blocks pending there
+        start = None
+        key = None
+        for t in range(self.opt_start + 1):
+            if t < self.opt_start and not inside[t]:
+                pend = tuple(k for k, o in enumerate(spans) if o and o[0][1] < t < o[1][0])
+                if start is None or pend != key:
+                    if start is not None:
+                        points.append(("outside the blocks", "seg", np.arange(start, t), list(key),
+                                       None))
+                    start, key = t, pend
+            elif start is not None:
+                points.append(("outside the blocks", "seg", np.arange(start, t), list(key), None))
+                start = None
+        if self.opt_start < n:
+            points.append(("optimizer step", "opt", np.arange(self.opt_start, n), [], None))
+        return points
+
+    def rows(self, m: int, b: int, accumulate: bool, offload_optimizer: bool) -> Rows:
+        """The MILP rows for micro-batch ``m`` of effective batch ``b`` (Notes 4 and 5)."""
+        nm = len(MODES)
+        const, rows, labels = [], [], []
+        for label, kind, where, pending, running in self._points:
+            row = np.zeros(len(self.blocks) * nm)
+            if kind == "opt":
+                v = self._at(where, m, b)
+                if offload_optimizer:      # parameters and gradients only (Note 5)
+                    before = where[:1] - 1
+                    v = self._at(before, m, b) - self._opt[before]
+                const.append(float(v.max()))
+                rows.append(row)
+                labels.append(label)
+                continue
+            if kind == "seg":
+                idx = where
+            else:
+                base, peak = where
+                idx = np.array([peak])
+            v = self._at(idx, m, b)
+            if accumulate:     # all gradients alive, and each new one a temporary first (Note 5)
+                v = v + (self.grads_bytes - self._grads[idx]) + self._new_grads[idx]
+            if offload_optimizer:
+                v = v - self._opt[idx]
+            const.append(float(v.max()))
+            for k in pending:
+                for j, mode in enumerate(MODES):
+                    row[k * nm + j] -= self.saved_bytes(k, mode, m)
+            if kind == "bw":
+                for j, mode in enumerate(MODES):
+                    row[running * nm + j] += self._extra_bw(running, mode, m)
+            rows.append(row)
+            labels.append(label)
+        return Rows(np.array(const), np.array(rows), labels)
+
+    def _at(self, idx, m: int, b: int) -> np.ndarray:
+        return self._fixed[idx] + self._act[idx] * m + self._inp[idx] * b
+
+    def device_bytes(self, allocated: float) -> int:
+        """Device bytes (Note 6) for ``allocated`` bytes at the peak."""
+        return int(allocated * self.device_ratio) + self.context_bytes
+
+
+class _Fit:
+    """Lines through two batch sizes (Note 2): ``(fixed, per sample)``."""
+
+    def __init__(self, b: int, half: int | None):
+        self.b, self.half = b, half
+
+    def line(self, at_b: np.ndarray, at_half: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        slope = (at_b - at_half) / (self.b - self.half)
+        return at_b - slope * self.b, slope
+
+    def pair(self, at_b: float, at_half: float | None) -> tuple[float, float]:
+        if self.half is None or at_half is None:
+            return 0.0, at_b / self.b
+        slope = (at_b - at_half) / (self.b - self.half)
+        return at_b - slope * self.b, slope
+
+
+def _at(pair: tuple[float, float], m: int) -> float:
+    return pair[0] + pair[1] * m
+
+
+def _sum(cats: dict, names) -> np.ndarray:
+    return np.sum([np.asarray(cats[c], dtype=np.float64) for c in names], axis=0)
+
+
+def _selective_kept(est, r) -> int:
+    """Inputs plus what the matmul-like ops allocated in the block's forward (Note 3)."""
+    a, e = r.fw_span
+    made = sum(c[3] for c, op in zip(est.op_costs[a:e + 1], est.op_log[a:e + 1])
+               if op in _SAVED_OP_NAMES)
+    return min(r.input_bytes + made, r.saved_bytes)

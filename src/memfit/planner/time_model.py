@@ -1,0 +1,144 @@
+"""The planner's time model: the seconds of a step on a device, from the ops of one trace.
+
+Note 1 (an op's time). ``launch + flops / (F * 0.6) + bytes / (B * 0.8)``: ``F`` the device's peak
+rate at the precision, ``B`` its memory bandwidth, the factors typical achieved fractions
+(large matmuls reach ~60-70% of peak, streaming kernels ~80% of bandwidth). Adding the compute
+and memory terms instead of taking their maximum over-counts ops that are neither clearly bound,
+equally in every plan: the planner compares plans by their ratio. Bytes are what the op read and
+wrote (``measure._counting._touched_bytes``), so pointwise ops cost bandwidth, not FLOPs.
+
+Note 2 (precision). fp16/bf16 matmuls accumulate in fp32; a card whose 16-bit rate is below its
+fp32 rate (no tensor cores, e.g. Pascal) runs them at its fp32 rate (cuBLAS computes in fp32), so
+``F`` is the larger of the two. Halved activation bytes come from the trace itself.
+
+Note 3 (the micro-batch). Each op's time splits like its bytes (memory_model Note 2): launch and
+state bytes (weights read, gradients written) once per micro-batch, FLOPs and activation bytes
+per sample. ``n`` micro-batches of an effective batch ``b`` cost ``n * state + b * per-sample``:
+the per-micro-batch overhead is the launches and weight traffic repeated ``n`` times.
+
+Note 4 (modes). ``recompute`` reruns the ops of the block's forward; ``selective`` only those
+that are not matmul-like. ``offload`` moves the bytes it saves over the host link both ways; the
+copy out overlaps the next block's forward and the prefetch the previous block's backward, so
+only the part of each transfer longer than the block's own compute is paid, plus the device-side
+read of the copy. With the optimizer state on the host, the optimizer step becomes gradients
+down and parameters up over the link plus the host's pass over the state at its memory
+bandwidth, all paid (the step waits for it).
+
+Note 5 (the fp32 baseline under "auto"). The step-time ratio is against the plain fp32 step;
+under auto on a GPU it is timed from the 16-bit traces: the same ops with FLOPs at the fp32 rate
+and the bytes that grow with the batch doubled (activations fp32). Ops autocast keeps in fp32
+are then over-counted, which makes the baseline slower than it is: the ratio leans optimistic
+by at most the share of those ops' traffic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memfit.devices import DeviceSpec, cpu_spec
+from memfit.planner.memory_model import MemoryModel, _SAVED_OP_NAMES
+
+__all__ = ["TimeModel", "FLOP_EFFICIENCY", "BANDWIDTH_EFFICIENCY"]
+
+FLOP_EFFICIENCY = 0.6
+BANDWIDTH_EFFICIENCY = 0.8
+_LAUNCH_S = {"cuda": 5e-6, "cpu": 2e-5}     # per op: kernel launch / dispatcher overhead
+
+
+def flop_rate(spec: DeviceSpec, precision: str) -> float:
+    """FLOP/s a matmul reaches at ``precision`` (Note 2)."""
+    fp32 = spec.peak_fp32_flops
+    if precision.startswith("bf16"):
+        return max(spec.peak_bf16_flops, fp32)
+    if precision == "fp16":
+        return max(spec.peak_fp16_flops, fp32)
+    return fp32
+
+
+class TimeModel:
+    """Predicted step time of one precision's trace on ``spec`` (Notes)."""
+
+    def __init__(self, est, spec: DeviceSpec, precision: str, batch_size: int,
+                 memory: MemoryModel, half=None, activation_scale: float = 1.0):
+        """``est``/``half``: the plain traces at ``batch_size`` and ``batch_size // 2`` (the
+        same two the memory model reads; ``half`` optional, Note 3). ``activation_scale``
+        multiplies the bytes that grow with the batch: 2.0 times a 16-bit trace as fp32 (Note 5)."""
+        self.spec, self.memory, self.b0 = spec, memory, batch_size
+        self._traces = (est, half)
+        costs = _costs(est)
+        f = flop_rate(spec, precision) * FLOP_EFFICIENCY
+        bw = spec.memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY
+        launch = _LAUNCH_S.get(spec.kind, 5e-6)
+        flops, touched, state = costs[:, 0], costs[:, 1], costs[:, 2]
+        if half is not None and len(half.op_costs) == len(est.op_costs) and batch_size > 1:
+            slope = (costs - _costs(half)) / (batch_size - batch_size // 2)
+            fixed = costs - slope * batch_size
+            self._fixed = launch + fixed[:, 0] / f + fixed[:, 1] / bw      # per micro-batch
+            self._per = slope[:, 0] / f + slope[:, 1] * activation_scale / bw   # per sample
+        else:
+            self._fixed = launch + state / bw
+            self._per = (flops / f + (touched - state) * activation_scale / bw) / self.b0
+        self._matmul = np.array([op in _SAVED_OP_NAMES for op in est.op_log])
+        self.opt_start = memory.opt_start
+        self._opt_touched = float(touched[self.opt_start:].sum())
+        self.optimizer_s = float(self._fixed[self.opt_start:].sum() + self._per[self.opt_start:].sum()
+                                 * self.b0)
+        self._fw, self._bw = [], []
+        for name in memory.blocks:
+            r = est.modules[name]
+            self._fw.append(_span(r.fw_span))
+            self._bw.append(_span(r.bw_span))
+
+    def widened(self, precision: str) -> "TimeModel":
+        """This 16-bit trace timed as the plain ``precision`` (fp32) step (Note 5)."""
+        est, half = self._traces
+        return TimeModel(est, self.spec, precision, self.b0, self.memory, half,
+                         activation_scale=2.0)
+
+    def _cost(self, sl: slice, n: int, b: int, mask=None) -> float:
+        fixed, per = self._fixed[sl], self._per[sl]
+        if mask is not None:
+            fixed, per = fixed[mask[sl]], per[mask[sl]]
+        return float(n * fixed.sum() + b * per.sum())
+
+    def forward_backward_s(self, n: int, b: int) -> float:
+        """The plain forward and backward of ``n`` micro-batches over ``b`` samples."""
+        return self._cost(slice(0, self.opt_start), n, b)
+
+    def mode_s(self, i: int, mode: str, m: int, n: int, b: int) -> float:
+        """What block ``i`` in ``mode`` adds to the step (Note 4)."""
+        fw = self._fw[i]
+        if mode == "keep" or fw is None:
+            return 0.0
+        if mode == "recompute":
+            return self._cost(fw, n, b)
+        if mode == "selective":
+            return self._cost(fw, n, b, ~self._matmul)
+        moved = self.memory.saved_bytes(i, "offload", m)                  # bytes each way
+        link = moved / self.spec.host_link_bytes_per_s
+        fw_s = self._cost(fw, 1, m)
+        bw_s = self._cost(self._bw[i], 1, m) if self._bw[i] is not None else 0.0
+        read = moved / (self.spec.memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY)
+        per_micro = max(link - fw_s, 0.0) + max(link - bw_s, 0.0) + 2 * read
+        return per_micro * b / m
+
+    def optimizer_step_s(self, offload_optimizer: bool) -> float:
+        if not offload_optimizer:
+            return self.optimizer_s
+        host = cpu_spec().memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY
+        moved = self.memory.grads_bytes * 2          # gradients down, parameters up (same size)
+        return moved / self.spec.host_link_bytes_per_s + self._opt_touched / host
+
+    def step_s(self, m: int, b: int, modes, offload_optimizer: bool) -> float:
+        n = -(-b // m)
+        return (self.forward_backward_s(n, b)
+                + sum(self.mode_s(i, mode, m, n, b) for i, mode in enumerate(modes))
+                + self.optimizer_step_s(offload_optimizer))
+
+
+def _costs(est) -> np.ndarray:
+    return np.asarray(est.op_costs, dtype=np.float64).reshape(-1, 4)
+
+
+def _span(span) -> slice | None:
+    return None if span is None else slice(span[0], span[1] + 1)
