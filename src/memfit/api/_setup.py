@@ -52,12 +52,14 @@ def resolve_precision(precision: str | None, spec: DeviceSpec) -> str:
 def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, plan: Plan,
                  origin: list[torch.Tensor] | None = None, loss_fn: Callable | None = None,
                  count_fn: Callable | None = None, scheduler=None, scaler_class=None,
-                 device_type: str = "cpu", autocast_impl=None, recompute_context=None) -> Runner:
+                 device_type: str = "cpu", autocast_impl=None, recompute_context=None,
+                 replan=None) -> Runner:
     """Apply the knobs to ``model`` (in place) and wrap it in a Runner.
 
     ``autocast_impl`` (dtype -> context) and ``recompute_context`` (dtype or None -> context
     entered around each checkpoint recompute) let a trace model another device's autocast and
-    kernels; real runs leave them None (torch.autocast is replayed by checkpoint itself)."""
+    kernels; real runs leave them None (torch.autocast is replayed by checkpoint itself).
+    ``replan(excess_bytes) -> Runner`` arms the Runner's OOM guard (runtime.oom_guard)."""
     if knobs.offload_optimizer and knobs.precision == "bf16-pure":
         raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
                          "master weights would be kept twice; use bf16 autocast instead")
@@ -107,9 +109,9 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     contexts = []
     if knobs.remat:      # DTR around each effective batch, under the plan's budget if any
         remat = Remat(Remat.Config(budget_bytes=plan.budget_bytes))
-        contexts.append(functools.partial(remat.session, model))
+        contexts.append(functools.partial(remat.session, model, optimizer))
         plan.reasons.append("remat: blocks' saved tensors are evicted under memory pressure and "
                             "recomputed when backward needs them (DTR)")
     return Runner(model, optimizer, plan=plan, precision=tech, accumulation=acc, loss_fn=loss_fn,
                   scaler=scaler, scheduler=scheduler, device_type=device_type, handles=handles,
-                  contexts=contexts)
+                  contexts=contexts, replan=replan)

@@ -15,7 +15,7 @@ from memfit.planner import Plan
 from memfit.runtime import Runner
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import Accumulation, batch_size_of
-from memfit.units import parse_bytes
+from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["fit"]
 
@@ -66,8 +66,37 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
         plan.reasons.append("bf16-pure: the optimizer was rebuilt over fp32 master weights "
                             "(runner.optimizer); the one passed in is no longer used")
     device_type = next((p.device.type for p in model.parameters()), "cpu")
+    replan = None
+    if budget is not None and not k.remat:
+        replan = _replanner(model, recipe, optimizer, example, spec, loss_fn, count_fn,
+                            knobs_in.replace(precision=k.precision,
+                                             offload_optimizer=k.offload_optimizer),
+                            parse_bytes(budget), device_type)
     return build_runner(model, recipe, k, plan=plan, loss_fn=loss_fn, count_fn=count_fn,
-                        scheduler=scheduler, device_type=device_type)
+                        scheduler=scheduler, device_type=device_type, replan=replan)
+
+
+def _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn, fixed: Knobs,
+               budget: int, device_type: str):
+    """The OOM guard's ``replan(excess)``: plan again with the budget lowered by every excess
+    measured so far, precision and optimizer placement kept (the optimizer and its state carry
+    over), and build the new Runner over the same model."""
+    missing = [0]
+
+    def replan(excess: int):
+        missing[0] += max(excess, 0) + _REPLAN_MARGIN_BYTES
+        k, plan = _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, fixed,
+                              budget - missing[0])
+        plan.budget_bytes = budget
+        plan.reasons.append(f"re-planned after running out of memory: planned "
+                            f"{format_bytes(missing[0])} under the budget")
+        return build_runner(model, recipe, k, plan=plan, loss_fn=loss_fn, count_fn=count_fn,
+                            device_type=device_type)
+    return replan
+
+
+# what each re-plan takes off the budget beyond the measured excess (a CUDA OOM reports none)
+_REPLAN_MARGIN_BYTES = 64 * 2 ** 20
 
 
 def _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, k: Knobs, budget: int):

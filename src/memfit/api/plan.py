@@ -104,7 +104,13 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
                               baseline_s, best_floor, b, reasons)
         short = est.device_bytes - budget_bytes + _SLACK_BYTES
         margins[choice.precision] = margins.get(choice.precision, 0) + short
-    raise _too_small(model, batch, common, models, best_floor, budget_bytes, b, say)
+    say("re-tracing the least-memory configuration")
+    est = estimate(model, batch, precision=best_floor.precision,
+                   **_knob_values(best_floor, models[best_floor.precision][0].blocks), **common)
+    if est.device_bytes <= budget_bytes:
+        return _make_plan(k, best_floor, est, models[best_floor.precision], spec, budget_bytes,
+                          baseline_s, best_floor, b, ["only the least-memory configuration fits"])
+    raise _too_small(est.device_bytes, models, best_floor, budget_bytes, b)
 
 
 def _models(model, batch, est, common, spec, precision: str, b: int, say):
@@ -222,13 +228,9 @@ def _global_reasons(k: Knobs, choice: Choice, memory, b: int) -> list[str]:
     return out
 
 
-def _too_small(model, batch, common, models, best_floor: Choice, budget_bytes: int, b: int,
-               say) -> BudgetTooSmall:
-    """The floor, re-traced, and the levers beyond memfit's knobs (issue text: the floor)."""
-    say("nothing fits: re-tracing the least-memory configuration")
-    est = estimate(model, batch, precision=best_floor.precision,
-                   **_knob_values(best_floor, models[best_floor.precision][0].blocks), **common)
-    floor_bytes = est.device_bytes
+def _too_small(floor_bytes: int, models, best_floor: Choice, budget_bytes: int,
+               b: int) -> BudgetTooSmall:
+    """The floor (re-traced) and the levers beyond memfit's knobs."""
     memory = models[best_floor.precision][0]
     state = memory.optimizer_state_bytes + memory.grads_bytes
     share = budget_bytes - (floor_bytes - state)
@@ -239,6 +241,6 @@ def _too_small(model, batch, common, models, best_floor: Choice, budget_bytes: i
         levers.append(f"sharding (FSDP) over about {ranks} GPUs")
     return BudgetTooSmall(
         f"nothing memfit can do fits {format_bytes(budget_bytes)}: the least device memory "
-        f"any plan needs is {floor_bytes / GiB:.2f} GiB ({_describe(best_floor, b)}). Levers "
-        f"beyond this step's knobs: {'; '.join(levers)}",
+        f"any plan needs is {floor_bytes / GiB:.3g} GiB ({format_bytes(floor_bytes)}: "
+        f"{_describe(best_floor, b)}). Levers beyond this step's knobs: {'; '.join(levers)}",
         floor_bytes=floor_bytes, budget_bytes=budget_bytes)

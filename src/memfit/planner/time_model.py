@@ -22,7 +22,8 @@ copy out overlaps the next block's forward and the prefetch the previous block's
 only the part of each transfer longer than the block's own compute is paid, plus the device-side
 read of the copy. With the optimizer state on the host, the optimizer step becomes gradients
 down and parameters up over the link plus the host's pass over the state at its memory
-bandwidth, all paid (the step waits for it).
+bandwidth, all paid (the step waits for it), and never less than the step on the device (a
+host cannot out-run the device it serves; on a CPU target they are the same memory).
 
 Note 5 (the fp32 baseline under "auto"). The step-time ratio is against the plain fp32 step;
 under auto on a GPU it is timed from the 16-bit traces: the same ops with FLOPs at the fp32 rate
@@ -127,7 +128,8 @@ class TimeModel:
             return self.optimizer_s
         host = cpu_spec().memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY
         moved = self.memory.grads_bytes * 2          # gradients down, parameters up (same size)
-        return moved / self.spec.host_link_bytes_per_s + self._opt_touched / host
+        on_host = moved / self.spec.host_link_bytes_per_s + self._opt_touched / host
+        return max(on_host, self.optimizer_s)        # never faster than on the device (Note 4)
 
     def step_s(self, m: int, b: int, modes, offload_optimizer: bool) -> float:
         n = -(-b // m)
