@@ -204,6 +204,7 @@ def _make_plan(k: Knobs, choice: Choice, est, model_pair, spec, budget_bytes: in
         opt_bytes = max(est.timeline[opt:]) - est.timeline[opt - 1]
     p = Plan(knobs, blocks=dict(zip(memory.blocks, choice.modes)),
              predicted_peak_bytes=est.peak_bytes, predicted_reserved_bytes=est.reserved_bytes,
+             predicted_device_bytes=est.device_bytes,
              predicted_step_time_ratio=choice.step_s / baseline_s, device=spec.name,
              budget_bytes=budget_bytes, predicted_optimizer_step_bytes=opt_bytes, batch_size=b,
              floor_bytes=best_floor.device_bytes, block_costs=costs)

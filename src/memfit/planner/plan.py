@@ -7,11 +7,12 @@ import json
 from dataclasses import dataclass, field
 
 from memfit.knobs import Knobs
-from memfit.units import format_bytes
+from memfit.planner._explain import explain
 
 __all__ = ["Plan", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+_READS = (1, 2)          # versions from_json accepts (2 added fields with defaults)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Plan:
     batch_size: int | None = None                 # the effective batch planned for (samples)
     floor_bytes: int | None = None                # the least device bytes any plan could reach
     block_costs: list[dict] = field(default_factory=list)  # per block: mode, bytes saved, time
+    predicted_device_bytes: int | None = None     # reserved + CUDA context: what the budget caps
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
@@ -44,9 +46,10 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         d = json.loads(text)
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"plan schema version {version!r} is not {SCHEMA_VERSION}: "
-                             "re-plan with this version of memfit")
+        if version not in _READS:
+            raise ValueError(f"plan schema version {version!r} is not one this memfit reads "
+                             f"({', '.join(map(str, _READS))}): re-plan with this version")
+        d["schema_version"] = SCHEMA_VERSION
         knobs = d.pop("knobs")
         for key in ("checkpoint", "offload"):       # JSON turns tuples into lists
             if isinstance(knobs.get(key), list):
@@ -54,17 +57,8 @@ class Plan:
         return cls(knobs=Knobs(**knobs), **d)
 
     def explain(self) -> str:
-        lines = ["memfit plan"]
-        for name, value in self.knobs.to_dict().items():
-            if value is not None:
-                lines.append(f"  {name}: {value}")
-        if self.predicted_peak_bytes is not None:
-            where = f" (budget {format_bytes(self.budget_bytes)})" if self.budget_bytes else ""
-            lines.append(f"  predicted peak: {format_bytes(self.predicted_peak_bytes)}{where}")
-        for block, choice in self.blocks.items():
-            lines.append(f"  {block}: {choice}")
-        lines += [f"  - {r}" for r in self.reasons]
-        return "\n".join(lines)
+        """The plan in words: global choices, predictions, a per-block table, and why."""
+        return explain(self)
 
     def export(self, target: str, batch_size: int, world_size: int = 1):
         from memfit.planner.exports import export   # -> Export(config, notes); see exports.py

@@ -1,0 +1,81 @@
+"""``Plan.explain()``: the plan in words: global choices, predictions, a per-block table, why."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memfit.units import GiB, format_bytes
+
+if TYPE_CHECKING:
+    from memfit.planner.plan import Plan
+
+__all__ = ["explain"]
+
+
+def explain(plan: "Plan") -> str:
+    k = plan.knobs
+    lines = [f"memfit plan for {plan.device or 'the device'}"
+             + (f", budget {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else "")]
+    lines.append("  " + " · ".join(_globals(plan)))
+    if plan.predicted_peak_bytes is not None:
+        lines.append(f"  predicted: peak {format_bytes(plan.predicted_peak_bytes)} allocated, "
+                     f"{format_bytes(plan.predicted_reserved_bytes or plan.predicted_peak_bytes)}"
+                     " held by the allocator"
+                     + (f", {format_bytes(plan.predicted_device_bytes)} on the device"
+                        if plan.predicted_device_bytes is not None else ""))
+    if plan.predicted_step_time_ratio is not None:
+        lines.append(f"  predicted step time: {plan.predicted_step_time_ratio:.2f}x the plain "
+                     "step at the user's precision")
+    if plan.floor_bytes is not None:
+        lines.append(f"  floor (the least any plan needs): {plan.floor_bytes / GiB:.2f} GiB "
+                     f"({format_bytes(plan.floor_bytes)})")
+    if plan.block_costs:
+        lines.append("  blocks:")
+        lines += ["    " + row for row in _block_rows(plan.block_costs)]
+    elif plan.blocks:
+        lines.append("  blocks: " + ", ".join(f"{n} {m}" for n, m in plan.blocks.items()))
+    if k.remat:
+        lines.append("  remat: DTR evicts and recomputes saved tensors under the budget")
+    if plan.reasons:
+        lines.append("  why:")
+        lines += [f"    - {r}" for r in plan.reasons]
+    return "\n".join(lines)
+
+
+def _globals(plan: "Plan") -> list[str]:
+    k = plan.knobs
+    out = [f"precision {k.precision or 'fp32'}"]
+    b, m = plan.batch_size, k.micro_batch_size
+    if b and m and m < b:
+        out.append(f"micro-batch {m} x {-(-b // m)} accumulated (batch {b})")
+    elif b:
+        out.append(f"batch {b} in one micro-batch")
+    out.append("optimizer state on the host" if k.offload_optimizer else
+               "optimizer state on the device")
+    if k.max_grad_norm is not None:
+        out.append(f"clip at {k.max_grad_norm}")
+    return out
+
+
+def _block_rows(costs: list[dict]) -> list[str]:
+    """One row per run of consecutive blocks with the same mode."""
+    runs: list[list[dict]] = []
+    for c in costs:
+        if runs and runs[-1][0]["mode"] == c["mode"]:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    width = max(len(_names(r)) for r in runs)
+    rows = [f"{'block(s)':<{width}}  {'mode':<10} {'saves (each)':>13} {'time (each)':>12}"]
+    for r in runs:
+        c = r[0]
+        saved = format_bytes(c["saved_bytes"]) if c["mode"] != "keep" else "-"
+        paid = f"+{1e3 * c['time_s']:.1f} ms" if c["mode"] != "keep" else "-"
+        rows.append(f"{_names(r):<{width}}  {c['mode']:<10} {saved:>13} {paid:>12}")
+    return rows
+
+
+def _names(run: list[dict]) -> str:
+    if len(run) == 1:
+        return run[0]["name"]
+    return f"{run[0]['name']} .. {run[-1]['name'].rsplit('.', 1)[-1]} ({len(run)})"
