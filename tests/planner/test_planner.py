@@ -98,7 +98,7 @@ def test_plan_round_trips_and_explains():
     q = memfit.Plan.from_json(p.to_json())
     assert q == p
     text = p.explain()
-    assert "predicted peak" in text and "bert.encoder.layer.0" in text
+    assert "predicted: peak" in text and "bert.encoder.layer.0" in text and "why:" in text
     assert len(p.block_costs) == 4
 
 
