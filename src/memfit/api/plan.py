@@ -222,6 +222,13 @@ def _global_reasons(k: Knobs, choice: Choice, memory, b: int) -> list[str]:
         out.append(f"micro-batch {choice.micro_batch_size} x {n} accumulated: the largest "
                    "micro-batch the fastest plan could afford (each extra micro-batch repeats "
                    "the launches and weight reads)")
+    changed = [m for m in choice.modes if m != "keep"]
+    if changed:
+        counts = ", ".join(f"{changed.count(m)} {m}" for m in ("recompute", "selective", "offload")
+                           if m in changed)
+        out.append(f"blocks: {counts} of {len(choice.modes)}: the mix of modes that costs the "
+                   "least predicted time (exact MILP over every block) while every peak point "
+                   "stays under the cap; the table shows what each saves and pays")
     if choice.offload_optimizer:
         out.append("optimizer state on the host: the optimizer step runs on the CPU, which "
                    f"frees {format_bytes(memory.optimizer_state_bytes)} of device memory that no "
