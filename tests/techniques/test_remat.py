@@ -36,9 +36,10 @@ def plain_peak(model, batch, autocast=None):
     return t.peak_bytes
 
 
-def train(net, batches, budget=None, remat=True, autocast=None, **remat_kwargs):
-    """One seeded SGD step per batch; with ``remat`` under ``track(budget)`` + ``remat()``.
-    Returns the model and the sessions' stats."""
+def train(net, batches, budget=None, remat=True, autocast=None, remat_budget=None,
+          **remat_kwargs):
+    """One seeded SGD step per batch; with ``remat`` under ``track(budget)`` +
+    ``remat(remat_budget)``. Returns the model and the sessions' stats."""
     model = net
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stats = []
@@ -48,7 +49,8 @@ def train(net, batches, budget=None, remat=True, autocast=None, **remat_kwargs):
         if not remat:
             canonical_step(model, opt, batch, autocast=ac)
             continue
-        with memfit.track(model, opt, budget=budget), memfit.remat(**remat_kwargs) as s:
+        with memfit.track(model, opt, budget=budget), \
+                memfit.remat(remat_budget, **remat_kwargs) as s:
             canonical_step(model, opt, batch, autocast=ac)
         stats.append(s.stats)
     return model, stats
@@ -97,7 +99,8 @@ def test_smallest_budget_holds_every_budget_above_it_and_below_it_a_clear_error(
     ref, _ = train(build("gpt2")[0], [batch], remat=False)
     for k in range(9):             # every budget from the floor up: track never raises
         b = hi + (peak - hi) * k // 8
-        got, _ = train(build("gpt2")[0], [batch], budget=b)
+        net = build("gpt2")[0]
+        got, _ = train(net, [batch], budget=b, remat_budget=b, model=net)
         assert equal_params(ref, got), b
     model, batch = build("gpt2")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -114,6 +117,23 @@ def test_smallest_budget_holds_every_budget_above_it_and_below_it_a_clear_error(
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
     now = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
     assert all(torch.equal(a, b) for a, b in zip(now, state))
+
+
+def test_remat_budget_alone_keeps_live_bytes_under_it():
+    model, batch = build("bert-base")
+    ref, _ = train(build("bert-base")[0], [batch, batch], remat=False)
+    budget = plain_peak(model, batch) // 2
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for k in range(2):
+        torch.manual_seed(k)
+        with memfit.track(model, opt) as t:             # measures only: no budget here
+            with memfit.remat(budget, model=model, optimizer=opt) as s:
+                canonical_step(model, opt, batch)
+        # the outer counter also sees the outputs of the op remat's own counter refused (they
+        # existed until refused: track's Note 2), and nothing more
+        assert s.stats.evictions > 0 and s.stats.max_retried_bytes > 0
+        assert t.peak_bytes <= budget + s.stats.max_retried_bytes
+    assert equal_params(ref, model)
 
 
 def test_threshold_free_on_cpu_evicts_only_at_the_track_budget():

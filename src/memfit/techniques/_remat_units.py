@@ -157,19 +157,15 @@ class Unit:
         return {i: p for i, p in self.producers.items()
                 if isinstance(self.flat[i], torch.Tensor) and p[0].flat and p[0].evicted}
 
-    def inputs_from(self, producer: "Unit") -> dict[int, int]:
-        """Slot -> output index of the inputs ``producer`` made (still held here)."""
-        return {i: k for i, (p, k) in self.producers.items()
-                if p is producer and isinstance(self.flat[i], torch.Tensor)}
-
-    def freeable(self, also=()) -> tuple[int, int]:
-        """(bytes eviction would free now, bytes of saved tensors held elsewhere) (Note 2);
-        ``also``: more tensors eviction would drop (inputs of evicted consumers)."""
+    def freeable(self, inputs: bool = False) -> tuple[int, int]:
+        """(bytes evicting would free now, bytes held elsewhere) (Note 2): of the saved tensors,
+        or (``inputs``) of the droppable inputs."""
+        if inputs:
+            tensors = [self.flat[i] for i in self.droppable_inputs()]
+        else:
+            tensors = [h.tensor for h in (r() for r in self.handles)
+                       if h is not None and isinstance(h.tensor, torch.Tensor)]
         held: dict[int, list] = {}
-        tensors = [h.tensor for h in (r() for r in self.handles)
-                   if h is not None and isinstance(h.tensor, torch.Tensor)]
-        tensors += [self.flat[i] for i in self.droppable_inputs()]
-        tensors += list(also)
         for t in tensors:
             st = t.untyped_storage()
             entry = held.setdefault(st._cdata, [st.nbytes(), set()])
@@ -183,18 +179,19 @@ class Unit:
         return free, pinned
 
     def evict(self) -> None:
+        """Drop the saved tensors (the inputs stay: ``drop_inputs``)."""
         for ref in self.handles:
             h = ref()
             if h is not None and isinstance(h.tensor, torch.Tensor):
                 h.tensor = None
-        for i, (unit, k) in self.droppable_inputs().items():
-            self.flat[i] = FromUnit(unit, k)
         self.evicted = True
 
-    def drop_input(self, slot: int) -> None:
-        """Drop the input in ``slot`` (its producer was just evicted too, Note 3)."""
-        unit, k = self.producers[slot]
-        self.flat[slot] = FromUnit(unit, k)
+    def drop_inputs(self) -> list["Unit"]:
+        """Drop the droppable inputs (Note 3); return their producers."""
+        dropped = self.droppable_inputs()
+        for i, (unit, k) in dropped.items():
+            self.flat[i] = FromUnit(unit, k)
+        return [unit for unit, _ in dropped.values()]
 
     # -- recompute --------------------------------------------------------------------------
     def inputs(self) -> tuple[tuple, dict]:

@@ -19,12 +19,21 @@ by the next block), a residual the caller still holds and views of any of them s
 counted as ``held_elsewhere_bytes``. Only tensors autograd saved are ever freed: a tensor Python
 code holds is never touched.
 
-Note 3 (inputs, and the evicted neighbourhood). A unit keeps its inputs to recompute from. An
-input that is the output of an earlier unit (block i-1's output is block i's input) is dropped
-too, when eviction would free it, and recomputed by rerunning block i-1 first: evicted blocks
-chain. As in the DTR paper, units joined by a dropped tensor form an equivalence class
-(union-find); a class's cost is the forward time of its evicted members, and a candidate's cost
-is its own plus that of the evicted classes it touches, because recomputing it recomputes them.
+Note 3 (inputs, and the evicted neighbourhood). A unit keeps its inputs to recompute from, so
+evicting it drops its saved tensors only (a checkpoint's view). An input that is the output of
+an earlier unit which is itself evicted (block i-1's output is block i's input) is a candidate of
+its own: dropping it frees its bytes, and a recompute of block i then reruns block i-1 first to
+get it back, refilling i-1 as well (backward needs it next; under pressure it is evicted again).
+A producer that is not evicted never loses its output this way: rerunning it would cost a whole
+block for one tensor. As in the DTR paper, units joined by a dropped tensor form an equivalence
+class (union-find, never split: the paper's approximation); a class's cost is the forward FLOPs
+of its evicted members, and a candidate's cost is its own forward (if it is not evicted yet)
+plus the classes evicting it joins: so a small input whose loss chains many evicted blocks goes
+last, as the paper's heuristic has it. The heuristic is h = cost / (bytes freed x staleness), cost in
+forward FLOPs (torch's formulas, counted by remat's dispatch mode as the forward runs) and
+staleness in aten ops since the unit was last used: both are deterministic, so one budget
+gives the same evictions on every run. At most ``sample_size`` candidates (a seeded sample) are
+scored per eviction, and a unit that would free under ``min_evict_bytes`` is skipped.
 
 Note 4 (exactness). Recompute replays the block's forward with the CPU and device RNG states and
 the autocast settings (enabled, dtype, cache) recorded when the forward ran, under grad mode,
@@ -42,13 +51,16 @@ a view shares its base's storage, which Note 2 keeps while anyone holds it.
 
 Note 6 (when to evict). Budget ``budget_bytes``: live bytes stay at or under it. On CPU a
 ``memfit.track`` counter with that budget runs under remat's dispatch mode (unless an enclosing
-``track`` already enforces one at least as tight); on CUDA ``set_per_process_memory_fraction``
-makes the allocator refuse past it. Without a budget nothing is watched: remat evicts only when
-an allocation fails (CUDA: the allocator's ``OutOfMemoryError``; CPU: an enclosing
-``track(budget=...)``'s ``memfit.OutOfMemory``). Either way the failed op had no effect (track
-undoes it; the allocator allocates nothing), remat evicts until the missing bytes are freed and
-runs the op again. A short batch therefore evicts nothing, and a batch of another length needs
-no planning. When nothing more can be evicted, ``RematBudgetTooSmall`` names the numbers.
+``track`` already enforces one at least as tight); it counts the model's and optimizer's tensors
+from the start when the session is given them, anything else from its first use by an op. On
+CUDA ``set_per_process_memory_fraction`` makes the allocator refuse past it. Without a budget
+nothing is watched: remat evicts only when an allocation fails (CUDA: the allocator's
+``OutOfMemoryError``; CPU: an enclosing ``track(budget=...)``'s ``memfit.OutOfMemory``). Either
+way the failed op had no effect (track undoes it; the allocator allocates nothing), remat
+evicts until the missing bytes are freed and runs the op again. A short batch therefore evicts
+nothing, and a batch of another length needs no planning. When nothing more can be evicted,
+``RematBudgetTooSmall`` names the numbers (raised from forward or backward, before the
+optimizer step, so parameters and optimizer state are as they were).
 Enter ``remat`` *inside* ``track``: the innermost dispatch mode sees each op first, and remat's
 must be above the counter whose error it catches.
 """
@@ -58,54 +70,23 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import flop_registry
 
-from memfit.errors import BudgetTooSmall, OutOfMemory
 from memfit.measure import Tracker, find_blocks
 from memfit.measure._counting import CountingMode
+from memfit.techniques._remat_evict import Eviction, RematBudgetTooSmall, RematStats
 from memfit.techniques._remat_units import Unit
 from memfit.techniques.checkpoint import CACHE_ARGS
-from memfit.units import format_bytes
 
 __all__ = ["Remat", "RematSession", "RematStats", "RematBudgetTooSmall"]
 
 log = logging.getLogger("memfit.remat")
-
-
-class RematBudgetTooSmall(BudgetTooSmall, OutOfMemory):
-    """Nothing more can be evicted and the op still does not fit (Note 6). ``floor_bytes``: the
-    least budget this op needed with everything evictable gone (live + requested)."""
-
-    def __init__(self, message: str, *, floor_bytes: int, budget_bytes: int, live_bytes: int,
-                 requested_bytes: int, op: str, module: str | None):
-        Exception.__init__(self, message)
-        self.floor_bytes, self.budget_bytes = floor_bytes, budget_bytes
-        self.live_bytes, self.requested_bytes = live_bytes, requested_bytes
-        self.op, self.module = op, module
-
-
-@dataclass
-class RematStats:
-    """What one remat session did. Bytes are storage bytes, seconds wall time."""
-
-    units: int = 0                    # block calls recorded
-    evictions: int = 0                # units evicted
-    evicted_bytes: int = 0            # bytes those evictions freed (Note 2's count)
-    recomputes: int = 0               # units recomputed (a chain counts each member)
-    recompute_seconds: float = 0.0
-    recompute_flops: int = 0          # FLOPs the recomputes ran (torch's FLOP formulas)
-    retries: int = 0                  # ops run again after an eviction
-    too_small: int = 0                # candidates skipped: would free < min_evict_bytes
-    held_elsewhere_bytes: int = 0     # max seen: saved by a block but held elsewhere (Note 2)
-    outside_blocks_bytes: int = 0     # saved by autograd outside every block (Note 1)
-    refused: dict[str, str] = field(default_factory=dict)   # block -> why never evicted (Note 5)
 
 
 class _PressureMode(TorchDispatchMode):
@@ -126,12 +107,12 @@ class _PressureMode(TorchDispatchMode):
                 if counter is not None:
                     s.flops += int(counter(*args, **kwargs, out_val=out))
                 return out
+            except RematBudgetTooSmall:          # from a recompute inside: already final
+                raise
             except torch.OutOfMemoryError as e:
-                if isinstance(e, RematBudgetTooSmall) or not self.session.make_room(e):
-                    if isinstance(e, RematBudgetTooSmall):
-                        raise
-                    raise self.session.too_small(e, func) from e
-                self.session.stats.retries += 1
+                if not s.make_room(e):
+                    raise s.too_small(e, func) from e
+                s.stats.retries += 1
 
 
 class _RematForward:
@@ -171,21 +152,20 @@ class _RematForward:
         return out
 
 
-class RematSession:
+class RematSession(Eviction):
     """``with`` block in which blocks of the model are evictable (see the module Notes)."""
 
-    def __init__(self, config: "Remat.Config", model: nn.Module | None = None):
+    def __init__(self, config: "Remat.Config", model: nn.Module | None = None, optimizer=None):
         self.config = config
         self.model = model
+        self.optimizer = optimizer
         self.stats = RematStats()
         self.units: list[Unit] = []
         self.active: Unit | None = None        # the unit backward is in (not a candidate)
         self.open = False
         self.clock = 0                         # ops run so far (staleness is counted in ops)
         self.flops = 0                         # FLOPs run so far (cost is counted in FLOPs)
-        self._rng = random.Random(config.seed)
-        self._parent: dict[int, int] = {}      # union-find over unit ids (Note 3)
-        self._class_cost: dict[int, int] = {}
+        self._init_eviction(config.seed)
         self._by_id: dict[int, Unit] = {}
         self._outputs: dict[int, tuple] = {}   # id(output tensor) -> (weakref, unit, index)
         self._wrapped: list[tuple[nn.Module, object]] = []
@@ -204,7 +184,8 @@ class RematSession:
             if budget is not None and device == "cuda":
                 s.enter_context(_cuda_fraction(budget))
             elif budget is not None and not _enclosing_budget_at_most(budget):
-                s.enter_context(Tracker(model=self.model, budget=budget, device=device))
+                s.enter_context(Tracker(model=self.model, optimizer=self.optimizer,
+                                        budget=budget, device=device))
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
             s.enter_context(torch.autograd.graph.saved_tensors_hooks(
                 lambda x: self._pack_outside(x, outer),
@@ -308,67 +289,6 @@ class RematSession:
                 del self._outputs[id(t)]
 
     # -- eviction ---------------------------------------------------------------------------
-    def make_room(self, e: torch.OutOfMemoryError) -> int:
-        """Evict until the bytes ``e`` misses are freed (one unit when unknown); bytes freed."""
-        need = None
-        if isinstance(e, OutOfMemory):
-            need = e.live_bytes + e.requested_bytes - e.budget_bytes
-        freed = 0
-        while need is None and freed == 0 or need is not None and freed < need:
-            best = self._choose()
-            if best is None:
-                break
-            unit, nbytes = best
-            self._evict(unit)
-            freed += nbytes
-        return freed
-
-    def _choose(self) -> tuple[Unit, int] | None:
-        """The candidate with the least cost / (bytes x staleness) (Notes 2, 3)."""
-        cands = [u for u in self.units if not u.evicted and not u.busy and u is not self.active
-                 and u.flat]
-        k = self.config.sample_size
-        if k and len(cands) > k:
-            cands = self._rng.sample(cands, k)
-        now = self.clock
-        best, best_h = None, None
-        for u in cands:
-            reason = u.check_recomputable()
-            if reason:
-                if u.name not in self.stats.refused:
-                    self.stats.refused[u.name] = reason
-                    log.debug("remat: block %s refused: %s", u.name, reason)
-                continue
-            free, held = u.freeable(also=[t for _, _, t in self._consumer_inputs(u)])
-            self.stats.held_elsewhere_bytes = max(self.stats.held_elsewhere_bytes, held)
-            if free < max(1, self.config.min_evict_bytes):
-                self.stats.too_small += 1
-                continue
-            h = (u.cost_flops + self._neighbourhood_cost(u) + 1) / (free * max(now - u.last, 1))
-            if best_h is None or h < best_h:
-                best, best_h = (u, free), h
-        return best
-
-    def _consumer_inputs(self, unit: Unit) -> list[tuple[Unit, int, torch.Tensor]]:
-        """(consumer, slot, tensor): inputs ``unit`` made for units already evicted (Note 3)."""
-        return [(c, i, c.flat[i]) for c in self.units if c.evicted and c.flat
-                for i in c.inputs_from(unit)]
-
-    def _evict(self, unit: Unit) -> None:
-        consumers = self._consumer_inputs(unit)
-        free, _ = unit.freeable(also=[t for _, _, t in consumers])
-        for producer, _k in unit.droppable_inputs().values():
-            self._union(unit, producer)
-        unit.evict()
-        for consumer, slot, _t in consumers:
-            consumer.drop_input(slot)
-            self._union(unit, consumer)
-        root = self._find(id(unit))
-        self._class_cost[root] = self._class_cost.get(root, 0) + unit.cost_flops
-        self.stats.evictions += 1
-        self.stats.evicted_bytes += free
-        log.debug("remat: evicted %s (%d B)", unit.name, free)
-
     def rematerialize(self, unit: Unit, need_outputs: bool = False):
         """Recompute ``unit`` (and, first, the producers of its dropped inputs)."""
         was_evicted = unit.evicted
@@ -385,52 +305,8 @@ class RematSession:
             self.stats.recompute_seconds += time.perf_counter() - start
             self.stats.recompute_flops += self.flops - flops
         if was_evicted:
-            root = self._find(id(unit))
-            self._class_cost[root] = max(0, self._class_cost.get(root, 0) - unit.cost_flops)
+            self._recomputed(unit)
         return outs
-
-    def _neighbourhood_cost(self, unit: Unit) -> float:
-        roots = {self._find(id(unit))}
-        roots |= {self._find(id(p)) for p, _ in unit.droppable_inputs().values()}
-        roots |= {self._find(id(c)) for c, _, _ in self._consumer_inputs(unit)}
-        return sum(self._class_cost.get(r, 0) for r in roots)
-
-    def _find(self, i: int) -> int:
-        parent = self._parent
-        while parent.get(i, i) != i:
-            parent[i] = parent.get(parent[i], parent[i])
-            i = parent[i]
-        return i
-
-    def _union(self, a: Unit, b: Unit) -> None:
-        ra, rb = self._find(id(a)), self._find(id(b))
-        if ra != rb:
-            self._parent[ra] = rb
-            self._class_cost[rb] = self._class_cost.get(rb, 0) + self._class_cost.pop(ra, 0)
-
-    def too_small(self, e: torch.OutOfMemoryError, func) -> RematBudgetTooSmall:
-        budget = self.config.budget_bytes
-        if isinstance(e, OutOfMemory):
-            live, req, budget, module = e.live_bytes, e.requested_bytes, e.budget_bytes, e.module
-        else:                                  # the CUDA allocator's own error
-            live, req, module = torch.cuda.memory_allocated(), 0, None
-            budget = budget if budget is not None else torch.cuda.get_device_properties(0).total_memory
-        floor = live + req
-        st = self.stats
-        refused = "; ".join(f"{n}: {r}" for n, r in list(st.refused.items())[:3])
-        msg = (f"remat: budget {format_bytes(budget)} ({budget} B) is below what eviction can "
-               f"reach: at {func} {format_bytes(live)} ({live} B) are live and the op needs "
-               f"{format_bytes(req)} ({req} B) more, with nothing left to evict ({st.evictions} "
-               f"block calls evicted, {format_bytes(st.evicted_bytes)} freed; "
-               f"{format_bytes(st.outside_blocks_bytes)} saved outside any block and "
-               f"{format_bytes(st.held_elsewhere_bytes)} saved by a block but held elsewhere "
-               "cannot be evicted" + (f"; refused: {refused}" if refused else "") + "). "
-               f"This op needs a budget of at least {format_bytes(floor)} ({floor} B): raise "
-               "the budget, or shrink what stays live with checkpoint='all', offload='all', "
-               "offload_optimizer=True, or a smaller micro_batch_size.")
-        return RematBudgetTooSmall(msg, floor_bytes=floor, budget_bytes=budget, live_bytes=live,
-                                   requested_bytes=req, op=str(func), module=module)
-
 
 def _identity(x):
     return x
@@ -490,6 +366,6 @@ class Remat:
     def __init__(self, config: "Remat.Config"):
         self.config = config
 
-    def session(self, model: nn.Module | None = None) -> RematSession:
+    def session(self, model: nn.Module | None = None, optimizer=None) -> RematSession:
         """A context manager; without ``model`` the first module called inside is the model."""
-        return RematSession(self.config, model)
+        return RematSession(self.config, model, optimizer)
