@@ -5,9 +5,11 @@
 Budgets: the fixed bytes of the plain step (params + grads + optimizer state at its peak) plus
 80 / 60 / 40 % of its activation bytes. At each budget, three ways to make the step fit:
 DTR (``memfit.remat``, evicting when ``track``'s budget would be crossed), uniform checkpointing
-(``checkpoint="all"``) and the best static plan available: the static plan of least recompute
-FLOPs among "recompute the first n blocks" (n = 1..L: blocks are uniform, so which n does not
-change the peak) and "selective", whose measured peak fits. For each: the measured peak (the
+(``checkpoint="all"``), the best static plan of a search by measurement: the static plan of
+least recompute FLOPs among "recompute the first n blocks" (n = 1..L: blocks are uniform, so
+which n does not change the peak) and "selective", whose measured peak fits; and memfit's
+planner (``memfit.fit(budget=...)``: per-block keep/recompute/selective/offload, micro-batch,
+optimizer offload, by its time model), run under the same enforced budget. For each: the measured peak (the
 budget is enforced by ``track``), the FLOPs of the step over the plain step's (``FlopCounterMode``,
 exact), the step time over the plain step's, and DTR's FLOPs as ``estimate(remat=True)``
 predicts them. Every step is timed under ``memfit.track`` (the CPU budget enforcer), so its
@@ -69,6 +71,15 @@ class Setup:
         batch = self.batch(model, 8, 32)
         return memfit.fit(model, opt, batch, checkpoint=checkpoint)
 
+    def planned(self, budget, batch):
+        """memfit's planner (``fit`` with a budget): its plan's runner, or None if it finds none."""
+        model = copy.deepcopy(self.base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        try:
+            return memfit.fit(model, opt, self.batch(model, *batch), budget=budget)
+        except memfit.BudgetTooSmall:
+            return None
+
     def batch(self, model, bs, seq, seed=0):
         return self.spec.make_batch(model, bs, seq_len=seq, seed=seed)
 
@@ -113,6 +124,19 @@ def measure(runner, batches, budget=None, dtr=False, repeats=1, plain_flops=None
     finally:
         runner.close()
     return peak, flops, min(times), stats
+
+
+def _describe(plan) -> str:
+    modes = {}
+    for name, mode in plan.blocks.items():
+        modes[mode] = modes.get(mode, 0) + 1
+    parts = [f"{n} {m}" for m, n in sorted(modes.items()) if m != "keep"] or ["keep all"]
+    k = plan.knobs
+    if k.micro_batch_size:
+        parts.append(f"micro-batch {k.micro_batch_size}")
+    if k.offload_optimizer:
+        parts.append("optimizer offload")
+    return ", ".join(parts)
 
 
 def static_candidates(blocks):
@@ -164,12 +188,17 @@ def main() -> None:
             tag = f"{frac:.0%} act ({memfit.format_bytes(budget)})"
             fits = {k: v for k, v in static.items() if v is not None and v[0] <= budget}
             best = min(fits, key=lambda k: (fits[k][1], fits[k][2])) if fits else None
-            with console.status(f"{name}: DTR at {tag}"):
+            with console.status(f"{name}: DTR and the planner at {tag}"):
                 dtr = measure(setup.runner(), [batch], budget, dtr=True, repeats=args.repeats,
                               plain_flops=plain_flops)
                 est = memfit.estimate(model, batch, "adamw", budget=budget, remat=True)
+                planned = setup.planned(budget, (bs, seq))
+                plan_note = "no plan fits" if planned is None else _describe(planned.plan)
+                by_planner = None if planned is None else \
+                    measure(planned, [batch], budget, repeats=args.repeats)
             pred = plain_flops + est.remat_recompute_flops
             for method, res, note in (
+                    ("planner", by_planner, plan_note),
                     ("DTR", dtr, "" if dtr is None else
                      f"{dtr[3][0].evictions} evictions, {dtr[3][0].recomputes} recomputes"),
                     ("checkpoint all", static[f"recompute {len(setup.blocks)}/{len(setup.blocks)}"],
