@@ -8,8 +8,8 @@ DTR (``memfit.remat``, evicting when ``track``'s budget would be crossed), unifo
 (``checkpoint="all"``), the best static plan of a search by measurement: the static plan of
 least recompute FLOPs among "recompute the first n blocks" (n = 1..L: blocks are uniform, so
 which n does not change the peak) and "selective", whose measured peak fits; and memfit's
-planner (``memfit.fit(budget=...)``: per-block keep/recompute/selective/offload, micro-batch,
-optimizer offload, by its time model), run under the same enforced budget. For each: the measured peak (the
+planner (``memfit.fit(budget=...)`` with offload off: per-block keep/recompute/selective and the
+micro-batch, by its time model), run under the same enforced budget. For each: the measured peak (the
 budget is enforced by ``track``), the FLOPs of the step over the plain step's (``FlopCounterMode``,
 exact), the step time over the plain step's, and DTR's FLOPs as ``estimate(remat=True)``
 predicts them. Every step is timed under ``memfit.track`` (the CPU budget enforcer), so its
@@ -72,11 +72,15 @@ class Setup:
         return memfit.fit(model, opt, batch, checkpoint=checkpoint)
 
     def planned(self, budget, batch):
-        """memfit's planner (``fit`` with a budget): its plan's runner, or None if it finds none."""
+        """memfit's planner (``fit`` with a budget), recompute only: its plan's runner, or None.
+
+        Offload is left out: on a CPU the host and the device are one memory, so an offloaded
+        byte is saved only in memfit's accounting (DTR and the static plans recompute)."""
         model = copy.deepcopy(self.base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         try:
-            return memfit.fit(model, opt, self.batch(model, *batch), budget=budget)
+            return memfit.fit(model, opt, self.batch(model, *batch), budget=budget,
+                              offload="none", offload_optimizer=False)
         except memfit.BudgetTooSmall:
             return None
 
@@ -131,11 +135,8 @@ def _describe(plan) -> str:
     for name, mode in plan.blocks.items():
         modes[mode] = modes.get(mode, 0) + 1
     parts = [f"{n} {m}" for m, n in sorted(modes.items()) if m != "keep"] or ["keep all"]
-    k = plan.knobs
-    if k.micro_batch_size:
-        parts.append(f"micro-batch {k.micro_batch_size}")
-    if k.offload_optimizer:
-        parts.append("optimizer offload")
+    if plan.knobs.micro_batch_size:
+        parts.append(f"micro-batch {plan.knobs.micro_batch_size}")
     return ", ".join(parts)
 
 

@@ -4,6 +4,8 @@ Oracles: ``torch.equal`` on every parameter after seeded steps against the plain
 on); ``memfit.track`` with the same budget, which raises the moment live bytes would cross it.
 """
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -190,7 +192,8 @@ class _Net(nn.Module):
         return x
 
 
-def test_a_block_that_writes_its_input_is_refused_and_reported():
+def test_a_block_that_writes_its_input_is_refused_and_reported(caplog):
+    caplog.set_level(logging.DEBUG, logger="memfit.remat")
     torch.manual_seed(0)
     model = _Net()
     x = torch.randn(256, 64)
@@ -205,6 +208,7 @@ def test_a_block_that_writes_its_input_is_refused_and_reported():
     done = s.stats.units - 1                          # the last one was still running
     assert done >= 2 and s.stats.evictions == 0
     assert set(s.stats.refused) == {f"blocks.{i}" for i in range(done)}
+    assert "block blocks.0 refused: its forward writes input 0 in place" in caplog.text
 
 
 def test_session_restores_the_model_and_counts_what_it_cannot_evict():

@@ -166,7 +166,6 @@ class RematSession(Eviction):
         self.clock = 0                         # ops run so far (staleness is counted in ops)
         self.flops = 0                         # FLOPs run so far (cost is counted in FLOPs)
         self._init_eviction(config.seed)
-        self._by_id: dict[int, Unit] = {}
         self._outputs: dict[int, tuple] = {}   # id(output tensor) -> (weakref, unit, index)
         self._wrapped: list[tuple[nn.Module, object]] = []
         self._roots: set[int] = set()
@@ -218,6 +217,7 @@ class RematSession(Eviction):
         self._wrapped = []
 
     def _device(self) -> str:
+        """Whose bytes the budget caps: the model's device, else CUDA where there is one."""
         if self.model is not None:
             for p in self.model.parameters():
                 return p.device.type
@@ -261,7 +261,6 @@ class RematSession(Eviction):
     # -- units ------------------------------------------------------------------------------
     def admit(self, unit: Unit) -> None:
         self.units.append(unit)
-        self._by_id[id(unit)] = unit
         self.stats.units += 1
         for i, x in enumerate(unit.flat):
             if isinstance(x, torch.Tensor):
