@@ -29,8 +29,9 @@ def test_default_is_the_story_xlmr_large_on_a_1080_ti(capsys):
     assert out["fits"] is False
 
 
-def test_no_subcommand_runs_estimate(capsys):
-    assert main(["--model", "gpt2", "--seq-len", "32", "--batch-size", "1", "--gpu", "cpu"]) == 0
+def test_estimate_human_output(capsys):
+    assert main(["estimate", "--model", "gpt2", "--seq-len", "32", "--batch-size", "1",
+                 "--gpu", "cpu"]) == 0
     text = capsys.readouterr().out
     assert "FITS" in text and "activations" in text
 

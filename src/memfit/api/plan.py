@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from torch.utils._pytree import tree_map
 
 from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._validate import check_batch
-from memfit.api.estimate import estimate
+from memfit.api.estimate import Estimate, estimate
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.planner import Plan
@@ -40,15 +41,14 @@ from memfit.techniques._blocks import resolve_policy
 from memfit.techniques.accumulation import Accumulation, batch_size_of
 from memfit.units import GiB, format_bytes, parse_bytes
 
-__all__ = ["plan"]
+__all__ = ["plan", "plan_traced", "Planned"]
 
 _ATTEMPTS = 5
 _SLACK_BYTES = 2 ** 20       # added to each verified shortfall, so a retry does not land on it
 
 
 def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
-         loss_fn: Callable | None = None, *, count_fn: Callable | None = None, allocator=None,
-         on_progress: Callable[[str], None] | None = None, **knobs) -> Plan:
+         loss_fn: Callable | None = None, **kwargs) -> Plan:
     """The fastest configuration of the step predicted to fit ``budget`` device bytes.
 
     ``budget``: bytes or "11GiB" (default: the device's usable memory). Knobs the caller sets
@@ -57,6 +57,24 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
     in ``memfit.estimate``; ``on_progress(message)`` hears each stage. Raises
     ``memfit.BudgetTooSmall`` (with the floor) when nothing in the search space fits.
     """
+    return plan_traced(model, batch, budget, optimizer, device, loss_fn, **kwargs).plan
+
+
+@dataclass
+class Planned:
+    """A plan with the traces behind it: the plain step (at the plan's precision, the whole
+    batch in one micro-batch) and the step with the plan applied (its re-trace)."""
+
+    plan: Plan
+    plain: Estimate
+    chosen: Estimate
+
+
+def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
+                loss_fn: Callable | None = None, *, count_fn: Callable | None = None,
+                allocator=None, on_progress: Callable[[str], None] | None = None,
+                **knobs) -> Planned:
+    """``plan``, with the plain and the chosen traces (for plots and reports)."""
     say = on_progress or (lambda message: None)
     k = Knobs.from_kwargs(**knobs)
     k.check_available()
@@ -84,8 +102,9 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
         p = min(plain, key=lambda q: models[q][1].step_s(b, b, ("keep",) * len(traces[q].blocks),
                                                           False))
         choice = _as_choice(models[p], p, b, traces[p])
-        return _make_plan(k, choice, traces[p], models[p], spec, budget_bytes, baseline_s,
-                          best_floor, b, ["the plain step fits: nothing to change"])
+        return Planned(_make_plan(k, choice, traces[p], models[p], spec, budget_bytes, baseline_s,
+                                  best_floor, b, ["the plain step fits: nothing to change"]),
+                       traces[p], traces[p])
 
     margins: dict[str, int] = {}
     for attempt in range(_ATTEMPTS):
@@ -100,16 +119,19 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
             reasons = [] if attempt == 0 else [
                 f"the first {attempt} choice(s) re-traced over the budget; the search ran again "
                 f"{format_bytes(margins[choice.precision])} tighter"]
-            return _make_plan(k, choice, est, models[choice.precision], spec, budget_bytes,
-                              baseline_s, best_floor, b, reasons)
+            return Planned(_make_plan(k, choice, est, models[choice.precision], spec,
+                                      budget_bytes, baseline_s, best_floor, b, reasons),
+                           traces[choice.precision], est)
         short = est.device_bytes - budget_bytes + _SLACK_BYTES
         margins[choice.precision] = margins.get(choice.precision, 0) + short
     say("re-tracing the least-memory configuration")
     est = estimate(model, batch, precision=best_floor.precision,
                    **_knob_values(best_floor, models[best_floor.precision][0].blocks), **common)
     if est.device_bytes <= budget_bytes:
-        return _make_plan(k, best_floor, est, models[best_floor.precision], spec, budget_bytes,
-                          baseline_s, best_floor, b, ["only the least-memory configuration fits"])
+        return Planned(_make_plan(k, best_floor, est, models[best_floor.precision], spec,
+                                  budget_bytes, baseline_s, best_floor, b,
+                                  ["only the least-memory configuration fits"]),
+                       traces[best_floor.precision], est)
     raise _too_small(est.device_bytes, models, best_floor, budget_bytes, b)
 
 

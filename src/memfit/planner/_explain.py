@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memfit.units import GiB, format_bytes
+from memfit.units import format_bytes
 
 if TYPE_CHECKING:
     from memfit.planner.plan import Plan
@@ -27,8 +27,7 @@ def explain(plan: "Plan") -> str:
         lines.append(f"  predicted step time: {plan.predicted_step_time_ratio:.2f}x the plain "
                      "step at the user's precision")
     if plan.floor_bytes is not None:
-        lines.append(f"  floor (the least any plan needs): {plan.floor_bytes / GiB:.2f} GiB "
-                     f"({format_bytes(plan.floor_bytes)})")
+        lines.append(f"  floor (the least any plan needs): {format_bytes(plan.floor_bytes)}")
     if plan.block_costs:
         lines.append("  blocks:")
         lines += ["    " + row for row in _block_rows(plan.block_costs)]

@@ -1,0 +1,58 @@
+"""The `memfit plan` command (the README's main job): JSON, text, exports, plot, errors."""
+
+import json
+
+from memfit.cli import main
+
+SMALL = ["--model", "gpt2", "--seq-len", "128", "--batch-size", "4", "--gpu", "cpu"]
+
+
+def run_json(capsys, *args):
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_default_is_the_story_xlmr_large_batch_32_on_a_1080_ti(capsys):
+    out = run_json(capsys)
+    assert out["model"] == "xlm-roberta-large" and out["batch"]["input_ids"] == [32, 256]
+    plan = out["plan"]
+    assert plan["device"] == "gtx-1080-ti" and plan["knobs"]["precision"] == "fp16"
+    assert out["plain_device_bytes"] > plan["budget_bytes"]          # plain does not fit ...
+    assert plan["predicted_device_bytes"] <= plan["budget_bytes"]    # ... the plan does
+    assert plan["predicted_step_time_ratio"] > 0 and out["validated"] is False
+
+
+def test_no_subcommand_runs_plan(capsys):
+    assert main(SMALL) == 0
+    text = capsys.readouterr().out
+    assert "memfit plan for cpu" in text and "plain step" in text and "FITS" in text
+
+
+def test_a_budget_below_the_plain_step_changes_the_step(capsys):
+    plain = run_json(capsys, *SMALL)["plain_device_bytes"]
+    out = run_json(capsys, *SMALL, "--budget", str(int(plain * 0.6)), "--export", "deepspeed")
+    plan = out["plan"]
+    assert plan["predicted_peak_bytes"] <= int(plain * 0.6)
+    assert set(plan["blocks"].values()) != {"keep"} or plan["knobs"]["micro_batch_size"] < 4 \
+        or plan["knobs"]["offload_optimizer"]
+    ds = out["export"]["config"]
+    assert ds["train_batch_size"] == 4
+
+
+def test_plot_before_and_after(tmp_path, capsys):
+    path = tmp_path / "plan.png"
+    out = run_json(capsys, *SMALL, "--budget", "1.6GiB", "--plot", str(path))
+    assert out["plot"] == str(path) and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_below_the_floor_exits_2_with_the_floor_and_levers(capsys):
+    assert main(["plan", *SMALL, "--budget", "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "GiB" in err and "8-bit optimizer" in err and "shorter sequences" in err
+
+
+def test_bad_lever_value_is_refused(capsys):
+    import pytest
+    with pytest.raises(SystemExit):
+        main(["plan", "--seq-len", "long"])
+    assert "'auto'" in capsys.readouterr().err
