@@ -234,7 +234,9 @@ def variable_lengths(setup, bs, bd, fixed, static, console, repeats, name):
     budget = fixed + int(0.6 * bd["activations"])
     fits = {k: v for k, v in static.items() if v is not None and v[0] <= budget}
     best = min(fits, key=lambda k: (fits[k][1], fits[k][2])) if fits else None
-    policy = dict(static_candidates(setup.blocks)).get(best)
+    full = {k: v for k, v in fits.items() if k.startswith("recompute")}   # whole blocks rerun
+    best_full = min(full, key=lambda k: (full[k][1], full[k][2])) if full else None
+    policies = dict(static_candidates(setup.blocks))
     model = setup.base
     batches = [setup.batch(model, bs, n, seed=i) for i, n in enumerate(VARIABLE_LENGTHS)]
     with console.status(f"{name}: variable lengths"):
@@ -243,8 +245,11 @@ def variable_lengths(setup, bs, bd, fixed, static, console, repeats, name):
                                    plain_flops=plain[1])),
                    ("checkpoint all", measure(setup.runner(tuple(setup.blocks)), batches, budget,
                                               repeats=repeats)),
-                   (f"best static ({best})", measure(setup.runner(policy), batches, budget,
-                                                     repeats=repeats) if best else None)]
+                   (f"best static ({best})", measure(setup.runner(policies[best]), batches,
+                                                     budget, repeats=repeats) if best else None),
+                   (f"best whole-block static ({best_full})",
+                    measure(setup.runner(policies[best_full]), batches, budget, repeats=repeats)
+                    if best_full else None)][:3 if best_full == best else 4]
     table = Table(title=f"{name}: lengths {VARIABLE_LENGTHS} x batch {bs}, budget "
                   f"{memfit.format_bytes(budget)} (60 % of the longest's activations)")
     for col in ("method", "peak", "FLOPs ratio", "time ratio", "evicting batches"):
