@@ -133,13 +133,6 @@ def peak_of(knobs) -> int:
     return t.peak_bytes
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "track leaks the graph of a forward that raised: its saved-tensor pack hook returns each "
-    "saved output with its grad_fn (a node <-> tensor cycle held in C++, out of the gc's "
-    "sight), so the retry finds the failed attempt's activations still live and runs out "
-    "again. A detached alias in Tracker._pack frees them, but offload's pack reads any "
-    "other object from the outer hook as 'transformed' and stops offloading: both need "
-    "changing together (issue 6 report)"))
 def test_real_oom_under_a_tracked_budget_recovers():
     """``memfit.track(budget=b)`` with b between the new plan's peak and the old plan's: the
     old plan runs out of memory in a real op, the guard re-plans, and the run then stays

@@ -245,6 +245,10 @@ class Tracker:
                 led.mark(st, L.ACTIVATIONS)
                 if self.watch.stack and led.category_of(st) not in (L.PARAMS, L.OTHER):
                     self.watch.saved(st, sid, led.nbytes_of_sid(sid))
+            # an alias without grad_fn: a saved *output* returned as is would hold its own
+            # grad_fn from C++ (tensor <-> node cycle the gc cannot see), so a forward that
+            # raised mid-way would never free its activations
+            return x.detach()
         return x
 
     def _module_enter(self, name: str, phase: str) -> None:

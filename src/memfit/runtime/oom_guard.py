@@ -19,9 +19,9 @@ plan without loss scaling drops it) and the old scheduler. The excess is ``live 
 budget`` of a ``memfit.OutOfMemory``; a CUDA ``torch.OutOfMemoryError`` carries no numbers,
 so it is 0 and the re-planner tightens by its own margin. At most ``max_retries`` re-plans per
 effective batch; then the state is restored and the error re-raised with the plans tried.
-Known gap: inside ``memfit.track`` the graph of a forward that raised is not freed (track's
-pack hook keeps saved outputs with their ``grad_fn``, a cycle held in C++), so a retry under
-a tracked budget still counts it; ``tests/runtime/test_oom_guard.py`` holds this as xfail.
+Inside ``memfit.track`` the failed attempt's activations are freed too: track's pack hook
+saves a detached alias, so no saved output holds its own ``grad_fn`` from C++ (a cycle the
+gc cannot see).
 
 Note 3 (the optimizer step is a point of no return). Before the step ``check_optimizer_step``
 compares the live device bytes plus ``plan.predicted_optimizer_step_bytes`` with

@@ -217,7 +217,7 @@ class _Swapper:
     def pack(self, group: int, outer, t: torch.Tensor):
         if outer is not None:
             packed = outer[0](t)
-            if packed is not t:
+            if packed is not t and not _same_view(packed, t):
                 return _Outer(packed)
         if not self._offloadable(t):
             return t
@@ -339,6 +339,13 @@ class _Swapper:
             return contextlib.nullcontext()
         self._side(device).wait_stream(torch.cuda.current_stream(device))
         return torch.cuda.stream(self._side(device))
+
+
+def _same_view(a, t: torch.Tensor) -> bool:
+    """``a`` is an alias of ``t`` (e.g. ``memfit.track``'s detached one): not transformed."""
+    return isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == \
+        t.untyped_storage()._cdata and a.storage_offset() == t.storage_offset() and \
+        a.shape == t.shape and a.stride() == t.stride() and a.dtype == t.dtype
 
 
 def _is_wrapper(t: torch.Tensor) -> bool:
