@@ -8,6 +8,9 @@ candidate peak point (memory_model Note 4) <= the cap. Keeping every block, when
 optimal (no mode is faster than keep), so the MILP runs only where that does not fit.
 Bytes enter the MILP in MiB and times in milliseconds, to keep HiGHS well scaled.
 
+Ties (the same predicted time, e.g. micro-batches 4 and 6 of 8 both run two) go to the
+smallest micro-batch: the least memory, and chunks as even as they can be.
+
 Note 2 (pruning). Memory grows with the micro-batch, so once even the least-memory modes do not
 fit at some ``m``, no larger ``m`` does (for that precision and optimizer placement).
 """
