@@ -11,7 +11,7 @@ which n does not change the peak) and "selective", whose measured peak fits; and
 planner (``memfit.fit(budget=...)`` with offload off: per-block keep/recompute/selective and the
 micro-batch, by its time model), run under the same enforced budget. For each: the measured peak (the
 budget is enforced by ``track``), the FLOPs of the step over the plain step's (``FlopCounterMode``,
-exact), the step time over the plain step's, and DTR's FLOPs as ``estimate(remat=True)``
+exact), the step time over the plain step's (timed back to back), and DTR's FLOPs as ``estimate(remat=True)``
 predicts them. Every step is timed under ``memfit.track`` (the CPU budget enforcer), so its
 overhead is in every row, the plain one included. A variable-length workload (batches of
 varying sequence length under the longest one's 60 % budget) shows where DTR beats any static
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import sys
 import time
 from pathlib import Path
@@ -51,7 +52,7 @@ MODELS = [("gpt2", dict(n_layer=6, n_embd=256, n_head=4, vocab_size=1024, bos_to
                             num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
                             bos_token_id=0, eos_token_id=0, pad_token_id=0), 4, 256)]
 FRACTIONS = (0.8, 0.6, 0.4)
-VARIABLE_LENGTHS = (256, 64, 128, 32, 192, 96, 256, 48)
+VARIABLE_LENGTHS = (256, 64, 128, 32, 192, 256)
 # DTR paper (Kirisame et al., ICLR 2021), Transformer: slowdown at a budget, of a 9.9 GB baseline
 PAPER = [("8 GB", 8 / 9.9, 1.12), ("6 GB", 6 / 9.9, 1.15), ("4 GB", 4 / 9.9, 1.19)]
 
@@ -64,6 +65,11 @@ class Setup:
         torch.manual_seed(0)
         self.base = spec.build(seed=0, **overrides)
         self.blocks = memfit.measure.find_blocks(self.base)
+
+    @functools.cached_property
+    def reference(self):
+        """A plain runner, timed back to back with each setting (``measure``)."""
+        return self.runner()
 
     def runner(self, checkpoint=None):
         model = copy.deepcopy(self.base)
@@ -88,29 +94,34 @@ class Setup:
         return self.spec.make_batch(model, bs, seq_len=seq, seed=seed)
 
 
-def measure(runner, batches, budget=None, dtr=False, repeats=1, plain_flops=None):
-    """(peak bytes, FLOPs, seconds, remat stats) over ``batches`` (steady state: one step
+def _timed(runner, prepared, budget=None, dtr=False):
+    """One pass over ``prepared`` under ``track`` (and ``remat``): (peak, stats, seconds)."""
+    peak, stats = 0, []
+    start = time.perf_counter()
+    for b in prepared:
+        with memfit.track(runner.model, runner.optimizer, budget=budget) as t:
+            if dtr:
+                with memfit.remat(model=runner.model) as s:
+                    runner.run(b)
+                stats.append(s.stats)
+            else:
+                runner.run(b)
+        peak = max(peak, t.peak_bytes)
+    return peak, stats, time.perf_counter() - start
+
+
+def measure(runner, batches, budget=None, dtr=False, repeats=1, plain_flops=None,
+            reference=None):
+    """(peak bytes, FLOPs, time ratio, remat stats) over ``batches`` (steady state: one step
     first), or None when the budget is crossed. The budgeted pass runs without a FLOP counter
     (its module tracker holds tensors DTR could evict); DTR's FLOPs are ``plain_flops`` plus
-    what its recomputes ran (the same torch FLOP formulas)."""
+    what its recomputes ran (the same torch FLOP formulas). The time ratio is the fastest of
+    ``repeats`` passes over the fastest pass of the plain ``reference`` runner, each repeat
+    timing the two back to back (this machine is shared: interleaving cancels slow phases)."""
     prepared = [runner.prepare(b) for b in batches]
     runner.run(prepared[0])                                   # optimizer state exists
-
-    def go():
-        peak, stats = 0, []
-        for b in prepared:
-            with memfit.track(runner.model, runner.optimizer, budget=budget) as t:
-                if dtr:
-                    with memfit.remat(model=runner.model) as s:
-                        runner.run(b)
-                    stats.append(s.stats)
-                else:
-                    runner.run(b)
-            peak = max(peak, t.peak_bytes)
-        return peak, stats
-
     try:
-        peak, stats = go()
+        peak, stats, _ = _timed(runner, prepared, budget, dtr)
         if dtr:
             flops = plain_flops + sum(s.recompute_flops for s in stats)
         else:
@@ -118,16 +129,17 @@ def measure(runner, batches, budget=None, dtr=False, repeats=1, plain_flops=None
                 for b in prepared:
                     runner.run(b)
             flops = fc.get_total_flops()
-        times = []
+        ref = [reference.prepare(b) for b in batches] if reference is not None else None
+        times, plain = [], []
         for _ in range(repeats):
-            start = time.perf_counter()
-            go()
-            times.append(time.perf_counter() - start)
+            times.append(_timed(runner, prepared, budget, dtr)[2])
+            if ref is not None:
+                plain.append(_timed(reference, ref)[2])
     except memfit.OutOfMemory:
         return None
     finally:
         runner.close()
-    return peak, flops, min(times), stats
+    return peak, flops, min(times) / min(plain) if plain else 1.0, stats
 
 
 def _describe(plan) -> str:
@@ -162,20 +174,21 @@ def main() -> None:
         with console.status(f"{name}: static plans"):
             static = {}
             for label, policy in static_candidates(setup.blocks):
-                static[label] = measure(setup.runner(policy), [batch], repeats=args.repeats)
+                static[label] = measure(setup.runner(policy), [batch], repeats=args.repeats,
+                                        reference=setup.reference)
             probe = setup.runner()
             probe.step(batch)
             with memfit.track(probe.model, probe.optimizer) as t:
                 probe.run(probe.prepare(batch))
             bd = t.breakdown
             probe.close()
-        plain_peak, plain_flops, plain_s, _ = static["plain"]
+        plain_peak, plain_flops, _, _ = static["plain"]
         for label, res in static.items():
             rows.append({"model": name, "static_plan": label, "peak_bytes": res[0],
                          "flops_ratio": round(res[1] / plain_flops, 4),
-                         "time_ratio": round(res[2] / plain_s, 4)})
+                         "time_ratio": round(res[2], 4)})
         console.print(f"{name} static plans (peak, FLOPs ratio, time ratio): " + "; ".join(
-            f"{k}: {memfit.format_bytes(v[0])}, {v[1] / plain_flops:.3f}, {v[2] / plain_s:.2f}"
+            f"{k}: {memfit.format_bytes(v[0])}, {v[1] / plain_flops:.3f}, {v[2]:.2f}"
             for k, v in static.items()))
         fixed = bd["params"] + bd["grads"] + bd["optimizer"]
         table = Table(title=f"{name} (6 layers, width 256), batch {bs} x {seq}, AdamW, fp32: "
@@ -191,12 +204,13 @@ def main() -> None:
             best = min(fits, key=lambda k: (fits[k][1], fits[k][2])) if fits else None
             with console.status(f"{name}: DTR and the planner at {tag}"):
                 dtr = measure(setup.runner(), [batch], budget, dtr=True, repeats=args.repeats,
-                              plain_flops=plain_flops)
+                              plain_flops=plain_flops, reference=setup.reference)
                 est = memfit.estimate(model, batch, "adamw", budget=budget, remat=True)
                 planned = setup.planned(budget, (bs, seq))
                 plan_note = "no plan fits" if planned is None else _describe(planned.plan)
                 by_planner = None if planned is None else \
-                    measure(planned, [batch], budget, repeats=args.repeats)
+                    measure(planned, [batch], budget, repeats=args.repeats,
+                            reference=setup.reference)
             pred = plain_flops + est.remat_recompute_flops
             for method, res, note in (
                     ("planner", by_planner, plan_note),
@@ -210,7 +224,7 @@ def main() -> None:
                        "method": method, "plan": note, "fits": fit,
                        "peak_bytes": res[0] if res else None,
                        "flops_ratio": round(res[1] / plain_flops, 4) if res else None,
-                       "time_ratio": round(res[2] / plain_s, 4) if res else None}
+                       "time_ratio": round(res[2], 4) if res else None}
                 if method == "DTR":
                     row["predicted_flops_ratio"] = round(pred / plain_flops, 4)
                     row["predicted_floor_bytes"] = est.remat_floor_bytes
@@ -239,16 +253,17 @@ def variable_lengths(setup, bs, bd, fixed, static, console, repeats, name):
     policies = dict(static_candidates(setup.blocks))
     model = setup.base
     batches = [setup.batch(model, bs, n, seed=i) for i, n in enumerate(VARIABLE_LENGTHS)]
+    ref = dict(repeats=repeats, reference=setup.reference)
     with console.status(f"{name}: variable lengths"):
-        plain = measure(setup.runner(), batches, repeats=repeats)
-        results = [("DTR", measure(setup.runner(), batches, budget, dtr=True, repeats=repeats,
-                                   plain_flops=plain[1])),
+        plain = measure(setup.runner(), batches)             # FLOPs of the plain workload
+        results = [("DTR", measure(setup.runner(), batches, budget, dtr=True,
+                                   plain_flops=plain[1], **ref)),
                    ("checkpoint all", measure(setup.runner(tuple(setup.blocks)), batches, budget,
-                                              repeats=repeats)),
+                                              **ref)),
                    (f"best static ({best})", measure(setup.runner(policies[best]), batches,
-                                                     budget, repeats=repeats) if best else None),
+                                                     budget, **ref) if best else None),
                    (f"best whole-block static ({best_full})",
-                    measure(setup.runner(policies[best_full]), batches, budget, repeats=repeats)
+                    measure(setup.runner(policies[best_full]), batches, budget, **ref)
                     if best_full else None)][:3 if best_full == best else 4]
     table = Table(title=f"{name}: lengths {VARIABLE_LENGTHS} x batch {bs}, budget "
                   f"{memfit.format_bytes(budget)} (60 % of the longest's activations)")
@@ -262,7 +277,7 @@ def variable_lengths(setup, bs, bd, fixed, static, console, repeats, name):
                "budget_bytes": budget, "fits": res is not None,
                "peak_bytes": res[0] if res else None,
                "flops_ratio": round(res[1] / plain[1], 4) if res else None,
-               "time_ratio": round(res[2] / plain[2], 4) if res else None,
+               "time_ratio": round(res[2], 4) if res else None,
                "evicting_batches": evicting}
         rows.append(row)
         table.add_row(method, memfit.format_bytes(res[0]) if res else "does not fit",
