@@ -115,6 +115,67 @@ def offload_overlap(console) -> dict:
     return out
 
 
+def planner_check(console, spec, dry_run: bool) -> dict:
+    """memfit.plan for this GPU at an 11 GiB budget (xlm-roberta-large, 8 x 256, fp32: the
+    user's precision), applied with fit: device bytes measured (max reserved + CUDA context,
+    steps 2-4) against the budget and the plan's prediction, and the step-time ratio against the
+    plain step's beside the predicted one. The planner's CPU comparison with today's recipes is
+    benchmarks/planner_vs_recipes.py. Writes ``gpu_planner-<date>.json`` unless ``dry_run``."""
+    from memfit.api.plan import plan
+
+    name, bs, seq, budget = "xlm-roberta-large", 8, 256, "11GiB"
+    s = zoo.get(name)
+    meta = s.build(device="meta")
+    batch_cpu = s.make_batch(meta, bs, seq_len=seq)
+    with console.status(f"planner: {name} {bs}x{seq} at {budget}"):
+        try:
+            p = plan(meta, batch_cpu, budget, device=spec)
+        except memfit.BudgetTooSmall as e:
+            console.print(f"[red]planner: {e}[/red]")
+            return {"model": name, "budget": budget, "error": str(e)}
+    knobs = {k: v for k, v in p.knobs.to_dict().items() if v is not None}
+    out = {"model": name, "batch": [bs, seq], "gpu": spec.name,
+           "budget_bytes": memfit.parse_bytes(budget), "knobs": {k: str(v) for k, v in knobs.items()},
+           "predicted_device_bytes": p.predicted_device_bytes,
+           "predicted_reserved_bytes": p.predicted_reserved_bytes,
+           "predicted_time_ratio": p.predicted_step_time_ratio}
+    console.print(f"planner ({name} {bs}x{seq}, {budget}): {knobs}, predicted reserved "
+                  f"{memfit.format_bytes(p.predicted_reserved_bytes)}, time ratio "
+                  f"{p.predicted_step_time_ratio:.2f}")
+    if dry_run:
+        return out
+    for label, kn in (("plain", {}), ("plan", knobs)):
+        model = s.build(device="cuda")
+        batch = {k: v.cuda() for k, v in batch_cpu.items()}
+        runner = memfit.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-5), batch, **kn)
+        runner.step(batch)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            runner.step(batch)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        free, total = torch.cuda.mem_get_info()
+        context = total - free - torch.cuda.memory_reserved()
+        out[f"{label}_seconds"] = min(times)
+        out[f"{label}_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        out[f"{label}_device_bytes"] = torch.cuda.max_memory_reserved() + context
+        del runner, model, batch
+        gc.collect()
+        torch.cuda.empty_cache()
+    out["time_ratio"] = out["plan_seconds"] / out["plain_seconds"]
+    out["fits"] = out["plan_device_bytes"] <= out["budget_bytes"]
+    fmt = memfit.format_bytes
+    console.print(f"planner measured: plan {fmt(out['plan_device_bytes'])} of {budget} "
+                  f"({'fits' if out['fits'] else 'OVER'}; plain {fmt(out['plain_device_bytes'])}),"
+                  f" time ratio {out['time_ratio']:.2f} (predicted "
+                  f"{p.predicted_step_time_ratio:.2f})")
+    console.print(f"recorded in {_record.write('gpu_planner', {'budget': budget}, [out])}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="predict only; no GPU needed")
@@ -165,6 +226,7 @@ def main() -> None:
                       e("reserved_error"), fmt(est.device_bytes), m("measured_device_used_bytes"),
                       f"{est_s:.1f}")
     console.print(table)
+    planner_check(console, spec, args.dry_run)
     if args.dry_run:
         console.print("dry run: predictions only, nothing recorded")
         return
