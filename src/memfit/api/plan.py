@@ -230,11 +230,13 @@ def _make_plan(k: Knobs, choice: Choice, est, model_pair, spec, budget_bytes: in
              predicted_step_time_ratio=choice.step_s / baseline_s, device=spec.name,
              budget_bytes=budget_bytes, predicted_optimizer_step_bytes=opt_bytes, batch_size=b,
              floor_bytes=best_floor.device_bytes, block_costs=costs)
-    p.reasons += reasons + _global_reasons(k, choice, memory, b)
+    in_opt = memory.peak_phase() == "optimizer"
+    p.reasons += reasons + _global_reasons(k, choice, memory, b, in_opt)
     return p
 
 
-def _global_reasons(k: Knobs, choice: Choice, memory, b: int) -> list[str]:
+def _global_reasons(k: Knobs, choice: Choice, memory, b: int,
+                    plain_peak_in_optimizer: bool) -> list[str]:
     out = []
     if k.precision == "auto":
         out.append(f"precision {choice.precision}: auto takes the GPU's 16-bit autocast (as fast "
@@ -251,6 +253,11 @@ def _global_reasons(k: Knobs, choice: Choice, memory, b: int) -> list[str]:
         out.append(f"blocks: {counts} of {len(choice.modes)}: the mix of modes that costs the "
                    "least predicted time (exact MILP over every block) while every peak point "
                    "stays under the cap; the table shows what each saves and pays")
+    if choice.offload_optimizer and plain_peak_in_optimizer:
+        out.append("the plain step peaks in the optimizer step (a foreach optimizer's "
+                   "temporaries are parameter-sized): a fused optimizer (e.g. "
+                   "torch.optim.AdamW(fused=True) on CUDA) or foreach=False would lower that "
+                   "peak without moving the state to the host; plan again with it")
     if choice.offload_optimizer:
         out.append("optimizer state on the host: the optimizer step runs on the CPU, which "
                    f"frees {format_bytes(memory.optimizer_state_bytes)} of device memory that no "

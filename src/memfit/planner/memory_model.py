@@ -208,6 +208,10 @@ class MemoryModel:
             labels.append(label)
         return Rows(np.array(const), np.array(rows), labels)
 
+    def peak_phase(self) -> str:
+        """Where the traced plain step peaks: "forward/backward" or "optimizer"."""
+        return "optimizer" if int(np.argmax(self._total)) >= self.opt_start else "forward/backward"
+
     def _at(self, idx, m: int, b: int) -> np.ndarray:
         return self._fixed[idx] + self._act[idx] * m + self._inp[idx] * b
 

@@ -20,7 +20,7 @@ Note 4 (modes). ``recompute`` reruns the ops of the block's forward; ``selective
 that are not matmul-like. ``offload`` moves the bytes it saves over the host link both ways; the
 copy out overlaps the next block's forward and the prefetch the previous block's backward, so
 only the part of each transfer longer than the block's own compute is paid, plus the device-side
-read of the copy. With the optimizer state on the host, the optimizer step becomes gradients
+read of the copy (on a CPU target, with no copy streams, the whole transfer). With the optimizer state on the host, the optimizer step becomes gradients
 down and parameters up over the link plus the host's pass over the state at its memory
 bandwidth, all paid (the step waits for it), and never less than the step on the device (a
 host cannot out-run the device it serves; on a CPU target they are the same memory).
@@ -43,7 +43,9 @@ __all__ = ["TimeModel", "FLOP_EFFICIENCY", "BANDWIDTH_EFFICIENCY"]
 
 FLOP_EFFICIENCY = 0.6
 BANDWIDTH_EFFICIENCY = 0.8
-_LAUNCH_S = {"cuda": 5e-6, "cpu": 2e-5}     # per op: kernel launch / dispatcher overhead
+# per op: kernel launch on a GPU; on a CPU the eager dispatcher and Python module overhead
+# (~40 us per op, read off benchmarks/planner_vs_recipes.py's micro-batch-1 rows)
+_LAUNCH_S = {"cuda": 5e-6, "cpu": 4e-5}
 
 
 def flop_rate(spec: DeviceSpec, precision: str) -> float:
@@ -120,6 +122,8 @@ class TimeModel:
         fw_s = self._cost(fw, 1, m)
         bw_s = self._cost(self._bw[i], 1, m) if self._bw[i] is not None else 0.0
         read = moved / (self.spec.memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY)
+        if self.spec.kind != "cuda":          # no copy streams: nothing hides a transfer
+            fw_s = bw_s = 0.0
         per_micro = max(link - fw_s, 0.0) + max(link - bw_s, 0.0) + 2 * read
         return per_micro * b / m
 
