@@ -50,7 +50,12 @@ __all__ = ["MODES", "MemoryModel", "Rows"]
 MODES = ("keep", "recompute", "selective", "offload")
 _STATE = ("params", "grads", "optimizer", "other")
 _ACT = ("activations", "temporaries")
-_SAVED_OP_NAMES = {str(op) for op in SAVED_OPS}
+_SAVED_OP_NAMES = {str(op) for op in SAVED_OPS}       # "aten.mm", ...
+
+
+def is_saved_op(name: str) -> bool:
+    """An op of the trace's log ("aten.mm.default") is one selective recompute keeps."""
+    return name.rsplit(".", 1)[0] in _SAVED_OP_NAMES
 
 
 @dataclass
@@ -249,5 +254,5 @@ def _selective_kept(est, r) -> int:
     """Inputs plus what the matmul-like ops allocated in the block's forward (Note 3)."""
     a, e = r.fw_span
     made = sum(c[3] for c, op in zip(est.op_costs[a:e + 1], est.op_log[a:e + 1])
-               if op in _SAVED_OP_NAMES)
+               if is_saved_op(op))
     return min(r.input_bytes + made, r.saved_bytes)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from memfit.devices import DeviceSpec, cpu_spec
-from memfit.planner.memory_model import MemoryModel, _SAVED_OP_NAMES
+from memfit.planner.memory_model import MemoryModel, is_saved_op
 
 __all__ = ["TimeModel", "FLOP_EFFICIENCY", "BANDWIDTH_EFFICIENCY"]
 
@@ -81,7 +81,7 @@ class TimeModel:
         else:
             self._fixed = launch + state / bw
             self._per = (flops / f + (touched - state) * activation_scale / bw) / self.b0
-        self._matmul = np.array([op in _SAVED_OP_NAMES for op in est.op_log])
+        self._matmul = np.array([is_saved_op(op) for op in est.op_log], dtype=bool)
         self.opt_start = memory.opt_start
         self._opt_touched = float(touched[self.opt_start:].sum())
         self.optimizer_s = float(self._fixed[self.opt_start:].sum() + self._per[self.opt_start:].sum()
