@@ -93,3 +93,11 @@ def test_technique_flags_lower_the_peak(capsys):
     out = run_json(capsys, "--model", "gpt2", "--seq-len", "128", "--batch-size", "4",
                    "--gpu", "cpu", "--offload", "all")
     assert out["host_peak_bytes"] > 0
+
+
+def test_remat_flag_simulates_dtr_under_the_budget(capsys):
+    small = ["--model", "gpt2", "--seq-len", "256", "--batch-size", "8", "--gpu", "cpu"]
+    plain = run_json(capsys, *small)["peak_bytes"]
+    out = run_json(capsys, *small, "--budget", str(int(plain * 0.97)), "--remat")
+    assert out["remat_floor_bytes"] <= out["remat_peak_bytes"] <= int(plain * 0.97) < plain
+    assert out["remat_recompute_flops"] > 0

@@ -43,6 +43,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(default: none)")
     g.add_argument("--offload-optimizer", action="store_true",
                    help="keep the optimizer's state (and its step) in host memory")
+    g.add_argument("--remat", action="store_true",
+                   help="with --budget: simulate DTR (memfit.remat) on the traced step: its peak, "
+                        "recompute FLOPs and the least budget it reaches")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     g.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write live bytes over the step, by category, with the limit line")
@@ -63,6 +66,7 @@ def run(args) -> int:
                               micro_batch_size=args.micro_batch_size,
                               checkpoint=args.checkpoint, offload=args.offload,
                               offload_optimizer=args.offload_optimizer or None,
+                              remat=args.remat or None,
                               allocator=AllocatorConfig(expandable_segments=args.expandable_segments))
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch)
@@ -113,6 +117,10 @@ def _print_human(console, spec, est, described, args) -> None:
     console.print(verdict(est.device_bytes, est.limit_bytes, where))
     if est.host_peak_bytes:
         console.print(f"host memory (offload): {format_bytes(est.host_peak_bytes)} at its peak")
+    if est.remat_peak_bytes is not None:
+        console.print(f"DTR (simulated): peak {format_bytes(est.remat_peak_bytes)}, recompute "
+                      f"{est.remat_recompute_flops / 1e12:.3f} TFLOP, least budget it reaches "
+                      f"{format_bytes(est.remat_floor_bytes)}")
     console.print(f"forward {est.fw_flops / 1e12:.2f} TFLOP, backward {est.bw_flops / 1e12:.2f} "
                   f"TFLOP; traced in {est.trace_seconds:.2f} s")
     for note in est.notes:
