@@ -140,7 +140,7 @@ class MemoryModel:
     # -- points (Note 4) --------------------------------------------------------------------
     def _build_points(self, n: int) -> list[tuple]:
         """(label, kind, index or index array, pending blocks, running block)."""
-        spans = [s for s in self._spans]
+        spans = self._spans
         inside = np.zeros(n, dtype=bool)
         self._fw_temporaries = []
         points = []
@@ -195,8 +195,7 @@ class MemoryModel:
             if kind == "seg":
                 idx = where
             else:
-                base, peak = where
-                idx = np.array([peak])
+                idx = np.array([where[1]])              # (level before, peak) of the block
             v = self._at(idx, m, b)
             if accumulate:     # all gradients alive, and each new one a temporary first (Note 5)
                 v = v + (self.grads_bytes - self._grads[idx]) + self._new_grads[idx]
