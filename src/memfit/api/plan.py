@@ -229,8 +229,8 @@ def _make_plan(k: Knobs, choice: Choice, est, model_pair, spec, budget_bytes: in
              predicted_device_bytes=est.device_bytes,
              predicted_step_time_ratio=choice.step_s / baseline_s, device=spec.name,
              budget_bytes=budget_bytes, predicted_optimizer_step_bytes=opt_bytes, batch_size=b,
-             floor_bytes=best_floor.device_bytes, block_costs=costs)
-    in_opt = memory.peak_phase() == "optimizer"
+             floor_bytes=min(best_floor.device_bytes, est.device_bytes), block_costs=costs)
+    in_opt = spec.kind == "cuda" and memory.peak_phase() == "optimizer"   # foreach on CUDA
     p.reasons += reasons + _global_reasons(k, choice, memory, b, in_opt)
     return p
 

@@ -33,6 +33,7 @@ class Plan:
     predicted_optimizer_step_bytes: int | None = None
     batch_size: int | None = None                 # the effective batch planned for (samples)
     floor_bytes: int | None = None                # the least device bytes any plan could reach
+    #                                               (the model's floor, or the plan itself if lower)
     block_costs: list[dict] = field(default_factory=list)  # per block: mode, bytes saved, time
     predicted_device_bytes: int | None = None     # reserved + CUDA context: what the budget caps
     schema_version: int = SCHEMA_VERSION
