@@ -123,4 +123,8 @@ def test_bad_budget_is_refused_before_tracing():
         memfit.plan(model, batch, budget="eleven gigs")
     with pytest.raises(TypeError, match="valid knobs"):
         memfit.plan(model, batch, budget="1GiB", precission="fp16")
+    with pytest.raises(ValueError, match="remat=True"):
+        memfit.plan(model, batch, budget="1GiB", remat=True)
+    with pytest.warns(UserWarning, match="usable"):
+        memfit.plan(model, batch, budget="40GiB", device="gtx-1080-ti")
     assert torch.is_tensor(batch["input_ids"])

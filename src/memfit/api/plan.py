@@ -20,6 +20,7 @@ take half the bytes. The step-time ratio is against the plain step at the user's
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,8 +79,17 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     say = on_progress or (lambda message: None)
     k = Knobs.from_kwargs(**knobs)
     k.check_available()
+    if k.remat:
+        raise ValueError("remat=True: DTR keeps the budget at run time and the planner does not "
+                         "weigh it against static plans yet; plan without remat, or use "
+                         "memfit.fit(..., budget=..., remat=True) (or memfit.estimate(..., "
+                         "remat=True, budget=...) to simulate it)")
     spec = resolve_device(model, device)
     budget_bytes = parse_bytes(budget) if budget is not None else spec.usable_bytes
+    if budget_bytes > spec.usable_bytes and spec.kind == "cuda":
+        warnings.warn(f"budget {format_bytes(budget_bytes)} is more than the "
+                      f"{spec.display_name}'s usable {format_bytes(spec.usable_bytes)}: the plan "
+                      "is for a card that large", stacklevel=3)
     batch = prepare_batch(batch)
     check_batch(model, batch, loss_fn)
     b = batch_size_of(batch)
