@@ -36,19 +36,29 @@ def _sgd(model):
     return OptimizerRecipe("adamw").build(params, params)
 
 
+def _plain_peak(name):
+    """The plain step as a user runs it: ``runner.step(batch)`` (steady state), measured."""
+    m, b = _model(name)
+    runner = memfit.fit(m, _sgd(m), b)
+    runner.step(b)
+    with memfit.track(runner.model, runner.optimizer) as t:
+        runner.step(b)
+    return t.peak_bytes
+
+
 def _run_under(model, batch, budget, runner):
-    """One step untracked (steady state), then the next effective batch under track(budget)."""
+    """One step untracked (steady state), then the next ``runner.step(batch)`` under
+    track(budget): the caller's batch (its unused all-ones mask included) is counted too."""
     runner.step(batch)
-    prepared = runner.prepare(batch)
     with memfit.track(runner.model, runner.optimizer, budget=budget) as t:
-        runner.run(prepared)
+        runner.step(batch)
     return t
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_plans_fit_their_budgets(name):
     model, batch = _model(name)
-    plain = track_real_step(*_model(name)).peak_bytes            # the plain step, measured
+    plain = _plain_peak(name)                                    # the plain step, measured
     try:
         memfit.plan(model, batch, budget=plain // 50)
     except memfit.BudgetTooSmall as e:
@@ -128,3 +138,29 @@ def test_bad_budget_is_refused_before_tracing():
     with pytest.warns(UserWarning, match="usable"):
         memfit.plan(model, batch, budget="40GiB", device="gtx-1080-ti")
     assert torch.is_tensor(batch["input_ids"])
+
+
+def test_one_micro_batch_can_need_less_than_micro_batch_one():
+    """Accumulating keeps every gradient alive through the later micro-batches, so the whole
+    batch at once may be the least-memory choice: the planner must find it (search Note 2)."""
+    model, batch = tiny("bert-base", batch_size=2, seq_len=8)
+    whole = memfit.estimate(model, batch, micro_batch_size=2, offload_optimizer=True)
+    ones = [memfit.estimate(model, batch, micro_batch_size=1, offload_optimizer=True,
+                            checkpoint=c).peak_bytes for c in ("none", "all", "selective")]
+    assert whole.peak_bytes < min(ones)           # the premise, measured
+    budget = whole.peak_bytes + 4096              # + the unused all-ones mask runner.step holds
+    p = memfit.plan(model, batch, budget=budget)
+    assert p.predicted_peak_bytes <= budget and p.knobs.micro_batch_size == 2
+    assert p.floor_bytes <= budget
+
+
+def test_fixed_checkpoint_and_offload_are_kept_verbatim():
+    model, batch = _model("gpt2")
+    plain = _plain_peak("gpt2")
+    p = memfit.plan(model, batch, budget=int(plain * 0.95), checkpoint=("transformer.h.0.mlp",))
+    assert p.knobs.checkpoint == ("transformer.h.0.mlp",) and p.knobs.offload == "none"
+    p = memfit.plan(model, batch, budget=int(plain * 0.9), checkpoint="all", offload="all")
+    assert (p.knobs.checkpoint, p.knobs.offload) == ("all", "all")
+    m, b = _model("gpt2")
+    runner = memfit.fit(m, _sgd(m), b, budget=int(plain * 0.9), checkpoint="all", offload="all")
+    assert set(runner.plan.blocks.values()) == {"recompute+offload"}

@@ -83,8 +83,9 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
             handles.append(handle)
             for name, mode in handle.modes.items():
                 if mode == "offload":
-                    before = plan.blocks.get(name, "keep")
-                    plan.blocks[name] = "offload" if before == "keep" else f"{before}+offload"
+                    before = plan.blocks.get(name, "keep")      # a planner may have filled it
+                    plan.blocks[name] = "offload" if before in ("keep", "offload") \
+                        else f"{before}+offload"
                 else:
                     plan.blocks.setdefault(name, mode)
         model, optimizer = tech.apply(model, recipe, origin)

@@ -9,6 +9,7 @@ from torch import nn
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
 from memfit.api._validate import check_batch
 from memfit.api.plan import plan
+from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
@@ -58,7 +59,7 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     elif budget is not None:
         if hasattr(scheduler, "step") and knobs_in.offload_optimizer is None:
             knobs_in = knobs_in.replace(offload_optimizer=False)    # it would orphan the scheduler
-        k, plan = _fit_budget(model, optimizer, example, spec, loss_fn, count_fn, knobs_in,
+        k, plan = _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, knobs_in,
                               parse_bytes(budget))
     Accumulation(Accumulation.Config(k.micro_batch_size)).warn_if_inexact(model, example)
     if k.precision == "bf16-pure":
@@ -68,7 +69,7 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     device_type = next((p.device.type for p in model.parameters()), "cpu")
     replan = None
     if budget is not None and not k.remat:
-        replan = _replanner(model, recipe, optimizer, example, spec, loss_fn, count_fn,
+        replan = _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn,
                             knobs_in.replace(precision=k.precision,
                                              offload_optimizer=k.offload_optimizer),
                             parse_bytes(budget), device_type)
@@ -84,7 +85,12 @@ def _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn, fixed: 
     missing = [0]
 
     def replan(excess: int):
-        missing[0] += max(excess, 0) + _REPLAN_MARGIN_BYTES
+        missing[0] += max(excess, 0) + min(_REPLAN_MARGIN_BYTES, budget // 16)
+        if missing[0] >= budget:
+            raise BudgetTooSmall(f"re-planning after running out of memory would leave nothing "
+                                 f"of the {format_bytes(budget)} budget ({format_bytes(missing[0])} "
+                                 "measured missing so far): raise the budget",
+                                 floor_bytes=budget + missing[0], budget_bytes=budget)
         k, plan = _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, fixed,
                               budget - missing[0])
         plan.budget_bytes = budget
@@ -95,7 +101,8 @@ def _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn, fixed: 
     return replan
 
 
-# what each re-plan takes off the budget beyond the measured excess (a CUDA OOM reports none)
+# what each re-plan takes off the budget beyond the measured excess (a CUDA OOM reports none),
+# at most 1/16 of the budget
 _REPLAN_MARGIN_BYTES = 64 * 2 ** 20
 
 

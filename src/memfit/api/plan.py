@@ -15,6 +15,10 @@ Note 3 (precision "auto"). On a GPU, auto searches the 16-bit precision the card
 fp16 autocast): its matmuls run at least as fast as fp32 (time_model Note 2) and its activations
 take half the bytes. The step-time ratio is against the plain step at the user's precision
 (fp32 under auto), timed from the 16-bit traces (time_model Note 5). On the CPU auto is fp32.
+
+Note 4 (the caller's batch). The trace runs the batch as the step uses it: an all-ones
+attention mask dropped, bf16-pure's float inputs cast. ``runner.step(batch)`` keeps the
+caller's batch alive beside it, so those unused bytes are added to every prediction and check.
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._validate import check_batch
 from memfit.api.estimate import Estimate, estimate
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
+from memfit.measure import storages_of
 from memfit.planner import Plan
 from memfit.planner.memory_model import MemoryModel
 from memfit.planner.search import Choice, Constraints, floor, search
@@ -40,6 +45,7 @@ from memfit.planner.time_model import TimeModel
 from memfit.step import prepare_batch
 from memfit.techniques._blocks import resolve_policy
 from memfit.techniques.accumulation import Accumulation, batch_size_of
+from memfit.techniques.precision import Precision
 from memfit.units import GiB, format_bytes, parse_bytes
 
 __all__ = ["plan", "plan_traced", "Planned"]
@@ -90,7 +96,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         warnings.warn(f"budget {format_bytes(budget_bytes)} is more than the "
                       f"{spec.display_name}'s usable {format_bytes(spec.usable_bytes)}: the plan "
                       "is for a card that large", stacklevel=3)
-    batch = prepare_batch(batch)
+    original, batch = batch, prepare_batch(batch)
     check_batch(model, batch, loss_fn)
     b = batch_size_of(batch)
     precisions = _precisions(k.precision, spec)
@@ -105,44 +111,45 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     user = "fp32" if k.precision in (None, "auto") else precisions[0]
     baseline_s = _baseline_s(models, user, b)
     best_floor = floor(models, b, fixed)
+    held = {p: _held_bytes(original, p) for p in precisions}   # Note 4
 
-    plain = [p for p in precisions if traces[p].device_bytes <= budget_bytes]
+    plain = [p for p in precisions if traces[p].device_bytes + held[p] <= budget_bytes]
     if plain and fixed.modes is None and not fixed.offload_optimizer and \
             fixed.micro_batch_size in (None, b):
         p = min(plain, key=lambda q: models[q][1].step_s(b, b, ("keep",) * len(traces[q].blocks),
                                                           False))
         choice = _as_choice(models[p], p, b, traces[p])
         return Planned(_make_plan(k, choice, traces[p], models[p], spec, budget_bytes, baseline_s,
-                                  best_floor, b, ["the plain step fits: nothing to change"]),
-                       traces[p], traces[p])
+                                  best_floor, b, ["the plain step fits: nothing to change"],
+                                  held[p]), traces[p], traces[p])
 
-    margins: dict[str, int] = {}
+    margins: dict[str, int] = dict(held)
     for attempt in range(_ATTEMPTS):
         say("searching" if attempt == 0 else f"searching again (attempt {attempt + 1})")
         choice = search(models, b, budget_bytes, fixed, margins)
         if choice is None:
             break
         say(f"verifying: re-tracing {_describe(choice, b)}")
-        est = estimate(model, batch, precision=choice.precision,
-                       **_knob_values(choice, models[choice.precision][0].blocks), **common)
-        if est.device_bytes <= budget_bytes:
+        p = choice.precision
+        est = estimate(model, batch, precision=p,
+                       **_knob_values(choice, models[p][0].blocks, k), **common)
+        if est.device_bytes + held[p] <= budget_bytes:
             reasons = [] if attempt == 0 else [
                 f"the first {attempt} choice(s) re-traced over the budget; the search ran again "
-                f"{format_bytes(margins[choice.precision])} tighter"]
-            return Planned(_make_plan(k, choice, est, models[choice.precision], spec,
-                                      budget_bytes, baseline_s, best_floor, b, reasons),
-                           traces[choice.precision], est)
-        short = est.device_bytes - budget_bytes + _SLACK_BYTES
+                f"{format_bytes(margins[p] - held[p])} tighter"]
+            return Planned(_make_plan(k, choice, est, models[p], spec, budget_bytes, baseline_s,
+                                      best_floor, b, reasons, held[p]), traces[p], est)
+        short = est.device_bytes + held[p] - budget_bytes + _SLACK_BYTES
         margins[choice.precision] = margins.get(choice.precision, 0) + short
     say("re-tracing the least-memory configuration")
-    est = estimate(model, batch, precision=best_floor.precision,
-                   **_knob_values(best_floor, models[best_floor.precision][0].blocks), **common)
-    if est.device_bytes <= budget_bytes:
-        return Planned(_make_plan(k, best_floor, est, models[best_floor.precision], spec,
-                                  budget_bytes, baseline_s, best_floor, b,
-                                  ["only the least-memory configuration fits"]),
-                       traces[best_floor.precision], est)
-    raise _too_small(est.device_bytes, models, best_floor, budget_bytes, b)
+    p = best_floor.precision
+    est = estimate(model, batch, precision=p,
+                   **_knob_values(best_floor, models[p][0].blocks, k), **common)
+    if est.device_bytes + held[p] <= budget_bytes:
+        return Planned(_make_plan(k, best_floor, est, models[p], spec, budget_bytes, baseline_s,
+                                  best_floor, b, ["only the least-memory configuration fits"],
+                                  held[p]), traces[p], est)
+    raise _too_small(est.device_bytes + held[p], models, best_floor, budget_bytes, b)
 
 
 def _models(model, batch, est, common, spec, precision: str, b: int, say):
@@ -196,8 +203,10 @@ def _as_choice(model_pair, precision: str, b: int, est) -> Choice:
                   time.step_s(b, b, modes, False))
 
 
-def _knob_values(choice: Choice, blocks: list[str]) -> dict:
-    """The Knobs that apply ``choice`` (per-block modes as policies or tuples of names)."""
+def _knob_values(choice: Choice, blocks: list[str], k: Knobs | None = None) -> dict:
+    """The Knobs that apply ``choice`` (per-block modes as policies or tuples of names); the
+    caller's own ``checkpoint``/``offload`` where they fixed them (they may name modules that
+    are not blocks, or recompute and offload one block, which the search only mirrors)."""
     def policy(kinds: dict[str, str], every: str) -> str | tuple[str, ...]:
         if not kinds:
             return "none"
@@ -207,8 +216,27 @@ def _knob_values(choice: Choice, blocks: list[str]) -> dict:
 
     recompute = {n: m for n, m in zip(blocks, choice.modes) if m in ("recompute", "selective")}
     offload = {n: m for n, m in zip(blocks, choice.modes) if m == "offload"}
-    return dict(micro_batch_size=choice.micro_batch_size, checkpoint=policy(recompute, "all"),
-                offload=policy(offload, "all"), offload_optimizer=choice.offload_optimizer)
+    out = dict(micro_batch_size=choice.micro_batch_size, checkpoint=policy(recompute, "all"),
+               offload=policy(offload, "all"), offload_optimizer=choice.offload_optimizer)
+    if k is not None and (k.checkpoint is not None or k.offload is not None):
+        out.update(checkpoint=k.checkpoint or "none", offload=k.offload or "none")
+    return out
+
+
+def _held_bytes(batch, precision: str) -> int:
+    """Bytes of the caller's batch the step does not use but ``runner.step(batch)`` keeps alive
+    beside it (Note 4): an all-ones mask that is dropped, bf16-pure's fp32 originals."""
+    used = Precision(Precision.Config(precision)).prepare_batch(prepare_batch(batch))
+    kept = {st._cdata for t in tree_leaves(used) if isinstance(t, torch.Tensor)
+            for st in storages_of(t)}
+    seen, total = set(), 0
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor):
+            for st in storages_of(t):
+                if st._cdata not in kept and st._cdata not in seen:
+                    seen.add(st._cdata)
+                    total += st.nbytes()
+    return total
 
 
 def _describe(choice: Choice, b: int) -> str:
@@ -221,9 +249,10 @@ def _describe(choice: Choice, b: int) -> str:
 
 
 def _make_plan(k: Knobs, choice: Choice, est, model_pair, spec, budget_bytes: int,
-               baseline_s: float, best_floor: Choice, b: int, reasons: list[str]) -> Plan:
+               baseline_s: float, best_floor: Choice, b: int, reasons: list[str],
+               held: int) -> Plan:
     memory, time = model_pair
-    values = _knob_values(choice, memory.blocks)
+    values = _knob_values(choice, memory.blocks, k)
     knobs = k.replace(precision=choice.precision, **values)
     m, n = choice.micro_batch_size, -(-b // choice.micro_batch_size)
     costs = [{"name": name, "mode": mode,
@@ -235,11 +264,13 @@ def _make_plan(k: Knobs, choice: Choice, est, model_pair, spec, budget_bytes: in
     if opt is not None and 0 < opt < len(est.timeline):
         opt_bytes = max(est.timeline[opt:]) - est.timeline[opt - 1]
     p = Plan(knobs, blocks=dict(zip(memory.blocks, choice.modes)),
-             predicted_peak_bytes=est.peak_bytes, predicted_reserved_bytes=est.reserved_bytes,
-             predicted_device_bytes=est.device_bytes,
+             predicted_peak_bytes=est.peak_bytes + held,
+             predicted_reserved_bytes=est.reserved_bytes + held,
+             predicted_device_bytes=est.device_bytes + held,
              predicted_step_time_ratio=choice.step_s / baseline_s, device=spec.name,
              budget_bytes=budget_bytes, predicted_optimizer_step_bytes=opt_bytes, batch_size=b,
-             floor_bytes=min(best_floor.device_bytes, est.device_bytes), block_costs=costs)
+             floor_bytes=min(best_floor.device_bytes, est.device_bytes) + held,
+             block_costs=costs)
     in_opt = spec.kind == "cuda" and memory.peak_phase() == "optimizer"   # foreach on CUDA
     p.reasons += reasons + _global_reasons(k, choice, memory, b, in_opt)
     return p

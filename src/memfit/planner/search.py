@@ -11,13 +11,18 @@ Bytes enter the MILP in MiB and times in milliseconds, to keep HiGHS well scaled
 Ties (the same predicted time, e.g. micro-batches 4 and 6 of 8 both run two) go to the
 smallest micro-batch: the least memory, and chunks as even as they can be.
 
-Note 2 (pruning). Memory grows with the micro-batch, so once even the least-memory modes do not
-fit at some ``m``, no larger ``m`` does (for that precision and optimizer placement).
+Note 2 (pruning). Among micro-batches that accumulate (``m < b``) memory grows with ``m``, so
+once even the least-memory modes do not fit at some ``m < b``, no larger ``m < b`` does; the
+search then tries ``m = b`` alone. That one can need *less* than ``m = 1``: without accumulation
+no gradient is alive during the forward (memory_model Note 5). The floor is therefore the lesser
+of ``m = 1`` and ``m = b``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import itertools
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -124,16 +129,21 @@ def search(models: dict[str, tuple[MemoryModel, TimeModel]], b: int, budget_byte
     for precision, (memory, time) in models.items():
         cap_device = budget_bytes - memory.context_bytes - (margins or {}).get(precision, 0)
         cap = cap_device / memory.device_ratio
-        sizes = [fixed.micro_batch_size] if fixed.micro_batch_size else range(1, b + 1)
+        sizes = [min(fixed.micro_batch_size, b)] if fixed.micro_batch_size \
+            else list(range(1, b + 1))
         places = [fixed.offload_optimizer] if fixed.offload_optimizer is not None \
             else [False, True]
         for oo in places:
             for m in sizes:
-                found = _best_for(memory, time, precision, min(m, b), b, oo, cap, fixed)
+                found = _best_for(memory, time, precision, m, b, oo, cap, fixed)
+                if found is False and m < b and b in sizes:     # Note 2: only m = b is left
+                    found = _best_for(memory, time, precision, b, b, oo, cap, fixed)
                 if found is False:
-                    break                                    # Note 2
+                    break
                 if best is None or found.step_s < best.step_s:
                     best = found
+                if found.micro_batch_size == b:
+                    break
     return best
 
 
@@ -143,9 +153,9 @@ def floor(models: dict[str, tuple[MemoryModel, TimeModel]], b: int,
     best = None
     for precision, (memory, time) in models.items():
         nb, nm = len(memory.blocks), len(MODES)
-        m = fixed.micro_batch_size or 1
-        for oo in ([fixed.offload_optimizer] if fixed.offload_optimizer is not None
-                   else [True, False]):
+        sizes = [min(fixed.micro_batch_size, b)] if fixed.micro_batch_size else sorted({1, b})
+        for m, oo in itertools.product(sizes, [fixed.offload_optimizer]
+                                       if fixed.offload_optimizer is not None else [True, False]):
             rows = memory.rows(m, b, accumulate=m < b, offload_optimizer=oo)
             lo, hi = _bounds(memory, fixed)
             if nb == 0:

@@ -141,6 +141,8 @@ class Runner:
                 mark("backward")
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             loss = loss.detach()
+            if weights is not None:        # a micro-batch with nothing to count reports 0, not NaN
+                loss = torch.where(weights[i] == 0, torch.zeros_like(loss), loss)
             loss_sum = loss if loss_sum is None else loss_sum + loss
         mark("optimizer")
         check_optimizer_step(self.plan, self.device_type)   # parameters untouched so far
