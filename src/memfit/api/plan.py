@@ -99,7 +99,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     original, batch = batch, prepare_batch(batch)
     check_batch(model, batch, loss_fn)
     b = batch_size_of(batch)
-    precisions = _precisions(k.precision, spec)
+    precisions = [resolve_precision(k.precision, spec)]     # auto: one candidate (Note 3)
     fixed = _constraints(model, k, b)
     common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
                   allocator=allocator, max_grad_norm=k.max_grad_norm)
@@ -170,12 +170,6 @@ def _first(batch, n: int):
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, part)
 
 
-def _precisions(precision: str | None, spec) -> list[str]:
-    if precision == "auto":          # Note 3
-        return [resolve_precision("auto", spec)]
-    return [resolve_precision(precision, spec)]
-
-
 def _constraints(model: nn.Module, k: Knobs, b: int) -> Constraints:
     modes = None
     if k.checkpoint is not None or k.offload is not None:
@@ -207,17 +201,17 @@ def _knob_values(choice: Choice, blocks: list[str], k: Knobs | None = None) -> d
     """The Knobs that apply ``choice`` (per-block modes as policies or tuples of names); the
     caller's own ``checkpoint``/``offload`` where they fixed them (they may name modules that
     are not blocks, or recompute and offload one block, which the search only mirrors)."""
-    def policy(kinds: dict[str, str], every: str) -> str | tuple[str, ...]:
+    def policy(kinds: dict[str, str]) -> str | tuple[str, ...]:
         if not kinds:
             return "none"
         if len(kinds) == len(blocks) and len(set(kinds.values())) == 1:
-            return every if every != "all" or "selective" not in kinds.values() else "selective"
+            return "selective" if "selective" in kinds.values() else "all"
         return tuple(f"{n}:selective" if v == "selective" else n for n, v in kinds.items())
 
     recompute = {n: m for n, m in zip(blocks, choice.modes) if m in ("recompute", "selective")}
     offload = {n: m for n, m in zip(blocks, choice.modes) if m == "offload"}
-    out = dict(micro_batch_size=choice.micro_batch_size, checkpoint=policy(recompute, "all"),
-               offload=policy(offload, "all"), offload_optimizer=choice.offload_optimizer)
+    out = dict(micro_batch_size=choice.micro_batch_size, checkpoint=policy(recompute),
+               offload=policy(offload), offload_optimizer=choice.offload_optimizer)
     if k is not None and (k.checkpoint is not None or k.offload is not None):
         out.update(checkpoint=k.checkpoint or "none", offload=k.offload or "none")
     return out

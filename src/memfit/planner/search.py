@@ -76,16 +76,22 @@ def _solve(c: np.ndarray, A: np.ndarray, ub: np.ndarray, lo, hi, nblocks: int):
     nm = len(MODES)
     if nblocks == 0:
         return None
-    one_hot = np.zeros((nblocks, nblocks * nm))
-    for i in range(nblocks):
-        one_hot[i, i * nm:(i + 1) * nm] = 1.0
-    cons = [LinearConstraint(one_hot, 1.0, 1.0)]
+    cons = [LinearConstraint(_one_mode_per_block(nblocks, nblocks * nm), 1.0, 1.0)]
     if len(A):
         cons.append(LinearConstraint(A, -np.inf, ub))
     res = milp(c, constraints=cons, integrality=np.ones_like(c), bounds=Bounds(lo, hi))
     if res.x is None:
         return None
     return np.round(res.x)
+
+
+def _one_mode_per_block(nblocks: int, columns: int) -> np.ndarray:
+    """Rows that sum each block's mode variables (block-major, ``MODES`` order): each == 1."""
+    nm = len(MODES)
+    rows = np.zeros((nblocks, columns))
+    for i in range(nblocks):
+        rows[i, i * nm:(i + 1) * nm] = 1.0
+    return rows
 
 
 def _modes_of(x: np.ndarray, nblocks: int) -> tuple[str, ...]:
@@ -167,9 +173,7 @@ def floor(models: dict[str, tuple[MemoryModel, TimeModel]], b: int,
             c = np.zeros(nb * nm + 1)
             c[-1] = 1.0
             A = np.hstack([rows.A / _MIB, -np.ones((len(rows.const), 1))])
-            one_hot = np.zeros((nb, nb * nm + 1))
-            for i in range(nb):
-                one_hot[i, i * nm:(i + 1) * nm] = 1.0
+            one_hot = _one_mode_per_block(nb, nb * nm + 1)
             integrality = np.r_[np.ones(nb * nm), 0.0]
             res = milp(c, constraints=[LinearConstraint(one_hot, 1.0, 1.0),
                                        LinearConstraint(A, -np.inf, -rows.const / _MIB)],
