@@ -89,16 +89,7 @@ def offload_overlap(console) -> dict:
             handle = Offload(Offload.Config("all", prefetch=prefetch)).apply(model)
         runner = memfit.fit(model, torch.optim.AdamW(model.parameters()), batch,
                             precision=precision)
-        runner.step(batch)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            runner.step(batch)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        out[f"{label}_seconds"] = min(times)
+        out[f"{label}_seconds"] = _timed_steps(runner, batch, 5)
         out[f"{label}_peak_bytes"] = torch.cuda.max_memory_allocated()
         if handle is not None:
             handle.remove()
@@ -113,6 +104,20 @@ def offload_overlap(console) -> dict:
                   f"no prefetch {out['no_prefetch_seconds']:.3f} s, prefetch "
                   f"{out['prefetch_seconds']:.3f} s; prefetch hides {hidden} of the copy time")
     return out
+
+
+def _timed_steps(runner, batch, repeats: int) -> float:
+    """One warm-up step, the peak statistics reset, then the fastest of ``repeats`` steps."""
+    runner.step(batch)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.step(batch)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def planner_check(console, spec, dry_run: bool) -> dict:
@@ -148,18 +153,10 @@ def planner_check(console, spec, dry_run: bool) -> dict:
         model = s.build(device="cuda")
         batch = {k: v.cuda() for k, v in batch_cpu.items()}
         runner = memfit.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-5), batch, **kn)
-        runner.step(batch)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            runner.step(batch)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        seconds = _timed_steps(runner, batch, 3)
         free, total = torch.cuda.mem_get_info()
         context = total - free - torch.cuda.memory_reserved()
-        out[f"{label}_seconds"] = min(times)
+        out[f"{label}_seconds"] = seconds
         out[f"{label}_reserved_bytes"] = torch.cuda.max_memory_reserved()
         out[f"{label}_device_bytes"] = torch.cuda.max_memory_reserved() + context
         del runner, model, batch
