@@ -189,8 +189,10 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
             tracker.mark_host(t)
 
     # steady state: optimizer state exists (and, under fp16, the scaler's scale); for a GPU,
-    # two whole steps for the allocator's history (cuda Note 2)
-    warm_up = (lambda: runner.run(fake_batch)) if runner.scaler is not None else None
+    # two whole steps for the allocator's history (cuda Note 2). The warm-up runs under the
+    # same CUDA models as the counted step: a checkpoint recompute re-enters them, so a forward
+    # run without them would not match its own recompute
+    warm_up = (lambda: run(lambda name: None)) if runner.scaler is not None else None
     try:
         prof, tracker = profile_step(run, copier=copier, model=runner.model,
                                      optimizer=runner.optimizer, warm_up=warm_up,
