@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import memfit
 from memfit.measure import find_blocks
 from memfit.step import canonical_step
-from memfit.techniques.checkpoint import Checkpoint, _CheckpointedForward
+from memfit.techniques.checkpoint import Checkpoint, _BlockHooks
 from memfit.trace.cuda_autocast import CudaAutocastMode
 from tests.helpers import equal_params, tiny, train_seeded
 
@@ -37,14 +37,13 @@ def test_two_steps_bitwise_equal(name, policy, autocast):
     assert equal_params(plain, wrapped)
 
 
-def test_without_rng_replay_dropout_differs():
-    # Negative control: the same wrapper recomputing without replaying the RNG draws new dropout
+def test_without_rng_replay_dropout_differs(monkeypatch):
+    # Negative control: the same hooks recomputing without replaying the RNG draw new dropout
     # masks in backward, so the oracle above would catch a missing replay.
     plain, batch = tiny("gpt2")
     wrapped, _ = tiny("gpt2")
     Checkpoint(Checkpoint.Config("all")).apply(wrapped)
-    for name in find_blocks(wrapped):
-        wrapped.get_submodule(name).forward._preserve_rng_state = False
+    monkeypatch.setattr(_BlockHooks, "preserve_rng_state", False)
     train_seeded(plain, batch)
     train_seeded(wrapped, batch)
     assert not equal_params(plain, wrapped)
@@ -145,24 +144,56 @@ def test_remove_restores_the_model():
     blocks = [model.get_submodule(n) for n in find_blocks(model)]
     originals = [b.forward for b in blocks]
     keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
+    hooks = [(dict(b._forward_pre_hooks), dict(b._forward_hooks)) for b in blocks]
     handle = Checkpoint(Checkpoint.Config("all")).apply(model)
-    assert all(isinstance(b.forward, _CheckpointedForward) for b in blocks)
+    # Note 1: module hooks, nothing replaced on the instance
+    assert all("forward" not in vars(b) and b.forward == f for b, f in zip(blocks, originals))
+    assert all(len(b._forward_pre_hooks) == len(b._forward_hooks) == 1 for b in blocks)
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
     handle.remove()
     assert all("forward" not in vars(b) and b.forward == f for b, f in zip(blocks, originals))
+    assert [(dict(b._forward_pre_hooks), dict(b._forward_hooks)) for b in blocks] == hooks
     assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
     assert equal_params(train_seeded(model, batch), train_seeded(twin, batch))
     Checkpoint(Checkpoint.Config("all")).apply(model)    # wrapping again is allowed after remove
 
 
-def test_remove_restores_a_users_own_instance_forward():
-    model, _ = tiny("gpt2")
+def test_a_users_own_instance_forward_is_kept_and_recomputed():
+    # The recompute calls whatever forward the block has when it runs (Note 1): here the
+    # user's own instance forward, which counts its calls (forward, then the recompute).
+    model, batch = tiny("gpt2")
+    twin, _ = tiny("gpt2")
     block = model.get_submodule(find_blocks(model)[0])
-    own = block.forward
-    block.forward = lambda *a, **k: own(*a, **k)
+    own, calls = block.forward, []
+    block.forward = lambda *a, **k: calls.append(1) or own(*a, **k)
     mine = vars(block)["forward"]
-    Checkpoint(Checkpoint.Config("all")).apply(model).remove()
+    handle = Checkpoint(Checkpoint.Config("all")).apply(model)
     assert vars(block)["forward"] is mine
+    model.train()
+    model(**batch).loss.backward()
+    assert len(calls) == 2
+    handle.remove()
+    assert vars(block)["forward"] is mine
+    del vars(block)["forward"]
+    assert equal_params(train_seeded(model, batch), train_seeded(twin, batch))
+
+
+def test_user_hooks_run_once_outside_the_recompute():
+    # A user's forward pre-hook that changes the input (x * 2) runs once per call, outside the
+    # checkpointed region: the recompute reruns forward only, so gradients stay bitwise.
+    plain, batch = tiny("gpt2")
+    wrapped, _ = tiny("gpt2")
+    calls = []
+
+    def double(module, args, kwargs):
+        calls.append(torch._C._current_graph_task_id() != -1)     # True: inside backward
+        return (args[0] * 2, *args[1:]), kwargs
+
+    for m in (plain, wrapped):
+        m.get_submodule(find_blocks(m)[0]).register_forward_pre_hook(double, with_kwargs=True)
+    Checkpoint(Checkpoint.Config("all")).apply(wrapped)
+    assert equal_params(train_seeded(plain, batch), train_seeded(wrapped, batch))
+    assert calls and not any(calls)
 
 
 def test_deepcopy_of_a_wrapped_model_recomputes_its_own_blocks():
@@ -170,7 +201,10 @@ def test_deepcopy_of_a_wrapped_model_recomputes_its_own_blocks():
     Checkpoint(Checkpoint.Config("all")).apply(model)
     clone = copy.deepcopy(model)
     for n in find_blocks(model):
-        assert clone.get_submodule(n).forward.original.__self__ is clone.get_submodule(n)
+        block, copied = model.get_submodule(n), clone.get_submodule(n)
+        assert "forward" not in vars(copied)
+        (mine,), (theirs,) = (list(b._forward_pre_hooks.values()) for b in (block, copied))
+        assert isinstance(theirs.__self__, _BlockHooks) and theirs.__self__ is not mine.__self__
     twin, _ = tiny("gpt2")
     assert equal_params(train_seeded(clone, batch), train_seeded(twin, batch))
 

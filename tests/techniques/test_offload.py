@@ -274,14 +274,17 @@ def _enable_transformers_checkpointing(model):
     (enable or model.gradient_checkpointing_enable)()
 
 
-@pytest.mark.parametrize("checkpoint", ["memfit", "transformers"])
+@pytest.mark.parametrize("checkpoint", ["memfit", "memfit-first", "transformers"])
 @pytest.mark.parametrize("name", MODELS)
 def test_checkpoint_and_offload_offload_the_checkpoint_inputs(name, checkpoint):
     # Note 1: a checkpointed block saves only its positional tensor inputs (the hidden states,
     # 3 x 16 x 64 fp32 here); with offload on the same block exactly those go to the host.
-    # Both checkpoints wrap the block's forward, inside the module hooks offload uses.
+    # memfit's checkpoint hooks run inside offload's whichever is applied first ("memfit-first":
+    # checkpoint, then offload); transformers' wraps the block's __call__, outside them.
     plain, batch = tiny(name)
     both, _ = tiny(name)
+    if checkpoint == "memfit-first":
+        Checkpoint(Checkpoint.Config("all")).apply(both)
     handle = _offload(both)
     if checkpoint == "memfit":
         Checkpoint(Checkpoint.Config("all")).apply(both)

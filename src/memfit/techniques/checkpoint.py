@@ -1,16 +1,29 @@
 """Activation checkpointing: chosen blocks save only their inputs and recompute in backward.
 
-Note 1 (how a block is wrapped). The block's ``forward`` is replaced *on the instance* by a
-``_CheckpointedForward`` that calls ``torch.utils.checkpoint.checkpoint(original, *args,
-use_reentrant=False, preserve_rng_state=True, context_fn=..., **kwargs)``. ``nn.Module.__call__``
-still runs the block's hooks once, outside the checkpoint, so they do not run again on recompute.
-Nothing is re-parented: qualified names, ``state_dict`` keys and parameter identity are the
-user's. ``remove`` puts back whatever the instance had (nothing, or the user's own ``forward``).
-The wrapper holds the original as a bound method, so ``copy.deepcopy`` rebinds it to the copy.
-Non-reentrant checkpoint takes keyword arguments, and with ``preserve_rng_state`` the recompute
-replays the RNG state of the forward (then restores the outer one), so dropout draws the same
-masks and gradients are bitwise those of the plain step. Without grad mode there is no backward
-to recompute for, and the block runs as is.
+Note 1 (module hooks, not a wrapper). Each chosen block gets a forward pre-hook (with kwargs)
+and a forward post-hook (``always_call``, so a forward that raises still closes it). The
+pre-hook starts torch's non-reentrant checkpoint generator
+(``torch.utils.checkpoint._checkpoint_without_reentrant_generator``, the engine of both
+``checkpoint(fn, use_reentrant=False)`` and the composable
+``torch.distributed._composable.checkpoint``): it records the RNG and autocast state, saves the
+block's positional inputs and enters checkpoint's saved-tensor hooks and ``context_fn``'s forward
+context; the post-hook finishes it. The recompute calls the block's ``forward`` (whatever it
+is when the block runs: the class's, or the user's own instance ``forward``), not
+``__call__``, so the block's other hooks do not run again on recompute. Nothing on the model is
+replaced: ``'forward' not in block.__dict__``, qualified names, ``state_dict`` keys and parameter
+identity are the user's, and ``remove`` takes the two hooks off. Why not the composable API
+itself: it returns no handles to remove it, writes its state into the module's ``__dict__``, and
+recomputes through ``__call__``, rerunning every other hook of the block. Hook order: the
+pre-hook is appended (it runs after the hooks already there) and the post-hook prepended, so a
+hook set present before ``apply`` (offload's, a user's) runs outside the checkpointed region,
+as with a wrapper; a hook registered *after* ``apply`` that does autograd math on the inputs
+would be inside it without being recomputed (then apply the checkpoint last). The generator's
+positional parameters are bound by name (``_engine_args``), so torch versions that add one (e.g.
+``early_stop``) still work, and a block keyword of the same name is bound into the recomputed
+function instead. With ``preserve_rng_state`` the recompute replays the RNG state of the forward
+(then restores the outer one), so dropout draws the same masks and gradients are bitwise those
+of the plain step. Without grad mode there is no backward to recompute for, and the block runs
+as is. ``copy.deepcopy`` copies the hooks with the module, so a copy recomputes its own blocks.
 
 Note 2 (``every:K``). Blocks in execution order are counted from 1 and every K-th is recomputed:
 indices K-1, 2K-1, ... (as torchtitan's ``ac_freq``), so ``every:1`` is ``all`` and a model
@@ -38,7 +51,7 @@ The forward context adds no autocast: the forward already runs inside the user's
 Note 5 (caches). A key/value cache handed to a checkpointed block would be written twice: once
 in the forward, again in the recompute (it then holds 2x the tokens, and a cross-attention
 cache marked filled makes the recompute skip ops, a ``CheckpointError``). As transformers'
-own gradient checkpointing does, the wrapper passes ``None`` for the arguments named in
+own gradient checkpointing does, the pre-hook passes ``None`` for the arguments named in
 ``CACHE_ARGS`` while it checkpoints. A training forward starts from an empty cache, which
 only collects states for generation, so the loss and gradients do not change (a cache that
 already holds states *would* change them; then do not checkpoint that block). A block that only
@@ -60,8 +73,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils import checkpoint as _torch_checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from memfit.measure import find_blocks
 from memfit.techniques._blocks import check_names, resolve_policy
@@ -79,9 +92,16 @@ _SAVED_OP_NAMES = (   # Note 3
 )
 SAVED_OPS = frozenset(getattr(torch.ops.aten, n) for n in _SAVED_OP_NAMES
                       if hasattr(torch.ops.aten, n))   # those this torch build has
-# keyword arguments checkpoint() takes for itself; a block's own are bound before the call
-_CHECKPOINT_KWARGS = frozenset({"function", "use_reentrant", "preserve_rng_state", "context_fn",
-                                "determinism_check", "debug", "early_stop"})
+
+# torch's non-reentrant checkpoint engine and its positional parameters before ``*args`` (Note 1)
+_ENGINE = _torch_checkpoint._checkpoint_without_reentrant_generator
+_ENGINE_PARAMS = [p for p in inspect.signature(_ENGINE).parameters.values()
+                  if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+
+def _engine_args(**given) -> list:
+    """The engine's positional parameters in order: ``given`` by name, the rest at defaults."""
+    return [given[p.name] if p.name in given else p.default for p in _ENGINE_PARAMS]
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -91,31 +111,49 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class _CheckpointedForward:
-    """The instance ``forward`` of a checkpointed block (Note 1)."""
+class _BlockHooks:
+    """The forward pre-/post-hook pair that checkpoints one block (Note 1)."""
 
-    _preserve_rng_state = True   # tests switch it off to show that RNG replay is what they test
+    preserve_rng_state = True   # tests switch it off to show that RNG replay is what they test
 
-    def __init__(self, original, selective: bool, autocast_factory, keep_cache: bool):
-        self.original = original                 # the bound forward the block had
+    def __init__(self, forward, selective: bool, autocast_factory, keep_cache: bool):
         self.selective = selective
         self.autocast_factory = autocast_factory
-        params = inspect.signature(original).parameters
+        params = inspect.signature(forward).parameters
         positional = [n for n, p in params.items() if p.kind in
                       (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self._cache_args = () if keep_cache else tuple(   # (name, position or None)
             (n, positional.index(n) if n in positional else None) for n in CACHE_ARGS
             if n in params or any(p.kind is p.VAR_KEYWORD for p in params.values()))
+        self._running: list = []    # one engine generator (or None) per call in progress
 
-    def __call__(self, *args, **kwargs):
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict):
         if not torch.is_grad_enabled():
-            return self.original(*args, **kwargs)
+            self._running.append(None)
+            return None
         args, kwargs = self._drop_caches(list(args), dict(kwargs))
-        fn, clash = self.original, _CHECKPOINT_KWARGS & kwargs.keys()
-        if clash:
-            fn = functools.partial(fn, **{k: kwargs.pop(k) for k in clash})
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=self._contexts,
-                          preserve_rng_state=self._preserve_rng_state, **kwargs)
+        fn, clash = module.forward, {p.name for p in _ENGINE_PARAMS} & kwargs.keys()
+        inner = dict(kwargs)
+        if clash:      # a block keyword named like an engine parameter: bind it (Note 1)
+            fn = functools.partial(fn, **{k: inner.pop(k) for k in clash})
+        engine = _ENGINE(*_engine_args(fn=fn, preserve_rng_state=self.preserve_rng_state,
+                                       context_fn=self._contexts), *args, **inner)
+        next(engine)
+        self._running.append(engine)
+        return tuple(args), kwargs
+
+    def post(self, module: nn.Module, args: tuple, output):
+        if not self._running:        # a hook before ours raised: our pre-hook never ran
+            return None
+        engine = self._running.pop()
+        if engine is not None:
+            try:
+                next(engine)
+            except StopIteration:
+                pass
+            else:
+                raise AssertionError("checkpoint engine did not finish after the forward")
+        return None
 
     def _drop_caches(self, args: list, kwargs: dict):
         for name, pos in self._cache_args:          # Note 5
@@ -126,7 +164,7 @@ class _CheckpointedForward:
         return args, kwargs
 
     def _contexts(self):
-        """(forward context, recompute context) for one checkpoint call (Notes 3, 4)."""
+        """(forward context, recompute context) for one checkpointed call (Notes 3, 4)."""
         if self.selective:
             forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
         else:
@@ -143,19 +181,22 @@ def _entered_together(factory, recompute):
         yield
 
 
-class CheckpointHandle:
-    """What ``Checkpoint.apply`` did; ``remove()`` restores every wrapped block."""
+def _hooks_of(block: nn.Module) -> list[_BlockHooks]:
+    return [h.__self__ for h in block._forward_pre_hooks.values()
+            if isinstance(getattr(h, "__self__", None), _BlockHooks)]
 
-    def __init__(self, modes: dict[str, str], wrapped: list[tuple[nn.Module, object]]):
+
+class CheckpointHandle:
+    """What ``Checkpoint.apply`` did; ``remove()`` takes every block's hooks off (Note 1)."""
+
+    def __init__(self, modes: dict[str, str], hooks: list):
         self.modes = modes                  # block name -> "keep" | "recompute" | "selective"
-        self._wrapped = wrapped             # (block, the instance forward it had or None)
+        self._hooks = hooks                 # RemovableHandles of the blocks' hook pairs
 
     def remove(self) -> None:
-        for block, previous in reversed(self._wrapped):
-            vars(block).pop("forward", None)
-            if previous is not None:
-                vars(block)["forward"] = previous
-        self._wrapped = []
+        for h in reversed(self._hooks):
+            h.remove()
+        self._hooks = []
 
 
 class Checkpoint:
@@ -196,7 +237,7 @@ class Checkpoint:
 
     def apply(self, model: nn.Module,
               per_block: dict[str, str] | None = None) -> CheckpointHandle:
-        """Wrap the blocks ``per_block`` (default: ``resolve(model)``) marks recompute/selective.
+        """Hook the blocks ``per_block`` (default: ``resolve(model)``) marks recompute/selective.
 
         Everything is checked before any block is touched."""
         modes = self.resolve(model) if per_block is None else dict(per_block)
@@ -210,7 +251,7 @@ class Checkpoint:
             raise ValueError(f"blocks {nested[0]} are nested: recompute the outer one only")
         for name in chosen:
             block = model.get_submodule(name)
-            if isinstance(block.forward, _CheckpointedForward):
+            if _hooks_of(block):
                 raise ValueError(f"block {name!r} is already checkpointed: call remove() on the "
                                  "handle the first apply returned before applying again")
             if getattr(block, "gradient_checkpointing", False) is True:
@@ -218,12 +259,11 @@ class Checkpoint:
                                  "checkpointing, so it would recompute twice: call "
                                  "model.activation_checkpointing_disable() first (transformers "
                                  "< 5: gradient_checkpointing_disable)")
-        wrapped = []
+        hooks = []
         for name in chosen:
             block = model.get_submodule(name)
-            previous = vars(block).get("forward")
-            vars(block)["forward"] = _CheckpointedForward(
-                block.forward, modes[name] == "selective", self.autocast_factory,
-                keep_cache=getattr(block, "_can_checkpoint_with_cache", False))
-            wrapped.append((block, previous))
-        return CheckpointHandle(modes, wrapped)
+            pair = _BlockHooks(block.forward, modes[name] == "selective", self.autocast_factory,
+                               keep_cache=getattr(block, "_can_checkpoint_with_cache", False))
+            hooks.append(block.register_forward_pre_hook(pair.pre, with_kwargs=True))
+            hooks.append(block.register_forward_hook(pair.post, prepend=True, always_call=True))
+        return CheckpointHandle(modes, hooks)

@@ -7,11 +7,14 @@ pair it finds (``_top_saved_tensors_default_hooks``), whose pack sees each tenso
 returns the tensor itself (an observer: ``memfit.track``), offload proceeds and hands the outer
 unpack what it brings back; otherwise (a checkpoint around the block's ``__call__``, e.g. on an
 outer module, or ``save_on_cpu``) offload steps aside. Inside backward (a recompute calling a
-block) nothing is pushed. memfit's ``Checkpoint`` on the *same* block, like transformers' own,
-wraps ``forward``, inside these hooks: its hooks are innermost and keep nothing, while what it
-saves for the recompute (the block's positional tensor inputs, saved before its hooks are
-entered) goes through offload's pack and comes back when the recompute starts. So recompute +
-offload keeps only a block's inputs, on the host; keyword tensors stay in its closure.
+block) nothing is pushed. Offload's pre-hook is prepended and its post-hook appended, so they
+run outside every hook the block already has, and outside memfit's ``Checkpoint`` on the *same*
+block whichever is applied first (checkpoint appends its pre-hook and prepends its post-hook,
+its Note 1); transformers' own checkpoint runs around ``__call__``, outside them. A checkpoint
+inside: its hooks are innermost and keep nothing, while what it saves for the recompute (the
+block's positional tensor inputs, saved before its hooks are entered) goes through offload's
+pack and comes back when the recompute starts. So recompute + offload keeps only a block's
+inputs, on the host; keyword tensors stay in its closure.
 
 Note 2 (what is offloaded). Plain strided (or fake) saved tensors of at least ``min_bytes``,
 except parameters and views of the model's parameters and buffers (they stay on the device
@@ -348,7 +351,7 @@ class Offload:
         swapper = _Swapper(model, self.config, self.copy_to_host, self.copy_to_device)
         hooks = []
         for block in blocks:
-            hooks.append(block.register_forward_pre_hook(swapper.enter))
+            hooks.append(block.register_forward_pre_hook(swapper.enter, prepend=True))
             hooks.append(block.register_forward_hook(swapper.exit, always_call=True))
         return OffloadHandle(modes, swapper.stats, hooks)
 
