@@ -37,3 +37,64 @@ def test_batch_norm_in_one_dtype_is_left_alone():
     with fake_mode, FidelityMode():
         fixed = torch.ops.aten.native_batch_norm.default(*fargs)
     assert shapes(fixed) == shapes(real)
+
+
+def fake_args(fake_mode, args):
+    return tuple(fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def layout(t):
+    return tuple(t.shape), t.stride(), t.dtype, t.untyped_storage().nbytes()
+
+
+GROUPED = {  # (mat_a, mat_b) shapes: the forward (2D x 3D) and the two backward layouts
+    "2d-3d": ((16, 16), (3, 16, 8)),
+    "3d-2d": ((3, 16, 16), (16, 8)),
+    "2d-2d": ((16, 16), (16, 8)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layout_name", list(GROUPED))
+def test_grouped_mm_in_fp32_and_fp16_follows_the_cpu_kernel(dtype, layout_name):
+    """Rule 2: the meta function refuses non-bf16 inputs; the CPU kernel runs them."""
+    sa, sb = GROUPED[layout_name]
+    a, b = torch.randn(sa).to(dtype), torch.randn(sb).to(dtype)
+    offs = torch.tensor([4, 8, 16], dtype=torch.int32)   # strides of 16 bytes: the CPU kernel's rule
+    real = torch._grouped_mm(a, b, offs=offs)
+    fake_mode = FakeTensorMode()
+    fa, fb, foffs = fake_args(fake_mode, (a, b, offs))
+    with fake_mode:
+        with pytest.raises(RuntimeError, match="BF16"):
+            torch._grouped_mm(fa, fb, offs=foffs)
+        with FidelityMode():
+            fixed = torch._grouped_mm(fa, fb, offs=foffs)
+    assert layout(fixed) == layout(real)
+
+
+def test_grouped_mm_in_bf16_keeps_the_meta_function():
+    a, b = torch.randn(12, 16).bfloat16(), torch.randn(3, 16, 8).bfloat16()
+    offs = torch.tensor([4, 8, 12], dtype=torch.int32)
+    real = torch._grouped_mm(a, b, offs=offs)
+    fake_mode = FakeTensorMode()
+    with fake_mode, FidelityMode():
+        fixed = torch._grouped_mm(*fake_args(fake_mode, (a, b)), offs=fake_mode.from_tensor(offs))
+    assert layout(fixed) == layout(real)
+
+
+def test_layer_norm_backward_gives_a_contiguous_grad_input_like_the_cpu_kernel():
+    """Rule 3: a transposed grad_out (Swin's patch merging) used to give a transposed grad_input."""
+    x = torch.randn(2, 8, 16)
+    w, b = torch.randn(16), torch.randn(16)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [16], w, b, 1e-5)
+    grad = torch.randn(2, 16, 8).transpose(1, 2)            # (2, 8, 16), not contiguous
+    args = (grad, x, [16], mean, rstd, w, b, [True, True, True])
+    real = torch.ops.aten.native_layer_norm_backward(*args)
+    fake_mode = FakeTensorMode()
+    fargs = fake_args(fake_mode, args)
+    with fake_mode:
+        plain = torch.ops.aten.native_layer_norm_backward(*fargs)
+        with FidelityMode():
+            fixed = torch.ops.aten.native_layer_norm_backward(*fargs)
+    assert [layout(t) for t in plain] != [layout(t) for t in real]
+    assert [layout(t) for t in fixed] == [layout(t) for t in real]
