@@ -1,17 +1,36 @@
 """Which module is running: forward and backward windows, innermost module, per-module records.
 
 Forward is followed with per-module hooks on the tracked model (``with_kwargs`` so that keyword
-inputs count as inputs); backward with PyTorch's ``ModTracker``, which places multi-grad hooks
-on module outputs and inputs and so adds no tensors and changes no memory.
+inputs count as inputs). Backward is followed the way PyTorch's ``ModTracker`` does it, with
+multi-grad hooks on module outputs ("any": the module's backward starts) and on its positional
+inputs ("all": it ends; a module without such inputs ends with the backward pass), so it adds
+no tensors and changes no memory; but the hooks are memfit's own, so that they can be removed
+(Note 1).
+
+Note 1 (nothing kept alive). A multi-grad "all" hook closes over the autograd nodes of the
+tensors it watches, and it is stored on those same nodes, from C++: node -> hook -> node is a
+cycle the garbage collector cannot see, so ``ModTracker``'s hooks, never removed, kept every
+graph they touched alive for good, and through its ``AccumulateGrad`` nodes every parameter
+(a traced model's fakes after ``estimate``, the user's model after ``track``). Here each
+registration keeps its handle: the handles whose hooks fired are removed by a callback at the
+end of that backward pass, all others when the watch exits. The hooks reach the watch through
+a weak reference, so a graph that outlives the region keeps nothing of memfit's alive.
+
+Note 2 (deep copies). ``estimate`` deep-copies a model to trace it (``trace.fake``), hooks
+included; a model tracked by an enclosing ``track`` carries this watch's hooks. Copying the
+watch with it would copy the outer tracker (and its model). A watch is therefore its own deep
+copy: on the copy's modules its hooks find no name and do nothing.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed._tools.mod_tracker import ModTracker
+from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from memfit.measure._ledger import storages_of
@@ -78,10 +97,19 @@ class ModuleWatch:
         self._on_enter = on_enter       # (name, phase) -> None; phase is "fw" or "bw"
         self._on_exit = on_exit
         self._handles = []
-        self._mod_tracker = ModTracker()
+        self._bw_handles: dict[int, object] = {}   # registration -> its multi-grad hook handle
+        self._bw_fired: list[int] = []             # registrations fired in this backward pass
+        self._bw_no_inputs: list[str] = []         # modules whose backward ends with the pass
+        self._bw_pass = False                      # a backward pass is being followed
+        self._bw_removal = False                   # its end-of-pass removal is queued
+        self._next_key = 0
+        self._open = False
         if model is not None:
             for name, m in model.named_modules(remove_duplicate=False):
                 self._names.setdefault(id(m), name)
+
+    def __deepcopy__(self, memo):
+        return self          # Note 2
 
     @property
     def innermost(self) -> str | None:
@@ -97,21 +125,29 @@ class ModuleWatch:
         for name, m in self.model.named_modules():
             self._handles.append(m.register_forward_pre_hook(self._pre_fw, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post_fw, always_call=True))
+            self._handles.append(m.register_forward_pre_hook(self._bw_pre_fw, prepend=True))
+            self._handles.append(m.register_forward_hook(self._bw_post_fw, prepend=True,
+                                                         always_call=True))
             rec = self.records.setdefault(name, ModuleRecord(name, type(m).__name__, order=-1))
             rec.is_block = name in blocks
             rec.param_bytes = _unique_bytes(m.parameters())
-        self._mod_tracker.register_user_hooks(pre_bw_hook=self._pre_bw, post_bw_hook=self._post_bw)
-        self._mod_tracker.__enter__()
+        self._open = True
         return self
 
     def __exit__(self, *exc):
-        if self.model is None:
+        if not self._open:
             return
-        self._mod_tracker.__exit__(*exc)
-        self._mod_tracker.clear_user_hooks()
+        self._open = False
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for h in self._bw_handles.values():      # Note 1
+            h.remove()
+        self._bw_handles.clear()
+        self._bw_fired.clear()
+        self._bw_no_inputs.clear()
+        self._bw_pass = self._bw_removal = False
+        self.model = None                         # the records stay; the model is the user's
 
     # forward: hooks on the tracked model's own modules
     def _pre_fw(self, m, args, kwargs):
@@ -135,16 +171,70 @@ class ModuleWatch:
             self.stack.pop()
             self._on_exit(name, "fw")
 
-    # backward: ModTracker's multi-grad hooks
-    def _pre_bw(self, m, grads):
-        name = self.name_of(m)
-        if name is not None:
-            self.stack.append(name)
-            self._on_enter(name, "bw")
+    # backward: multi-grad hooks on what the module is called with and returns, placed before
+    # any other hook of the module may replace them (as ModTracker's global hooks are)
+    def _bw_pre_fw(self, m, args):
+        name = self._names.get(id(m))
+        if name is None or torch._C._current_graph_task_id() != -1:
+            return
+        inputs = [a for a in tree_flatten(args)[0]
+                  if isinstance(a, torch.Tensor) and a.requires_grad]
+        if inputs:
+            self._watch_backward(inputs, name, _ended, "all")
+        else:
+            self._bw_no_inputs.append(name)
 
-    def _post_bw(self, m, grads):
-        name = self.name_of(m)
-        if name is not None and name in self.stack:
+    def _bw_post_fw(self, m, args, output):
+        name = self._names.get(id(m))
+        if name is None or torch._C._current_graph_task_id() != -1:
+            return
+        outputs = [a for a in tree_flatten(output)[0]
+                   if isinstance(a, torch.Tensor) and a.requires_grad]
+        if outputs:
+            self._watch_backward(outputs, name, _started, "any")
+
+    def _watch_backward(self, tensors, name: str, hook, mode: str) -> None:
+        key = self._next_key
+        self._next_key += 1
+        fn = functools.partial(hook, weakref.ref(self), key, name)      # Note 1: weak
+        self._bw_handles[key] = register_multi_grad_hook(tensors, fn, mode=mode)
+
+    def _begin_pass(self) -> None:
+        """A module's backward starts; on the pass's first, queue the ends of the modules that
+        had no input needing a gradient (they end with the pass)."""
+        if self._bw_pass:
+            return
+        self._bw_pass = True
+        queue = torch.autograd.Variable._execution_engine.queue_callback
+        for name in reversed(self._bw_no_inputs):
+            queue(functools.partial(self._post_bw, name))
+        self._bw_no_inputs.clear()
+        queue(self._end_pass)
+
+    def _end_pass(self) -> None:
+        self._bw_pass = False
+
+    def _fired(self, key: int) -> None:
+        self._bw_fired.append(key)
+        if not self._bw_removal:
+            self._bw_removal = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._remove_fired)
+
+    def _remove_fired(self) -> None:
+        """End of a backward pass: remove the hooks that fired in it (Note 1)."""
+        self._bw_removal = False
+        for key in self._bw_fired:
+            h = self._bw_handles.pop(key, None)
+            if h is not None:
+                h.remove()
+        self._bw_fired.clear()
+
+    def _pre_bw(self, name: str) -> None:
+        self.stack.append(name)
+        self._on_enter(name, "bw")
+
+    def _post_bw(self, name: str) -> None:
+        if name in self.stack:
             # backward does not always nest cleanly: remove the latest entry of this module
             idx = len(self.stack) - 1 - self.stack[::-1].index(name)
             del self.stack[idx]
@@ -185,6 +275,23 @@ class ModuleWatch:
             else:
                 rec.fw_touched_bytes += nbytes
                 rec.fw_ops += 1
+
+
+def _started(ref, key: int, name: str, grad) -> None:
+    """A module's backward starts: the first gradient of one of its outputs."""
+    watch = ref()
+    if watch is not None and watch._open:
+        watch._begin_pass()
+        watch._fired(key)
+        watch._pre_bw(name)
+
+
+def _ended(ref, key: int, name: str, grads) -> None:
+    """A module's backward ends: every gradient of its inputs that this pass computes."""
+    watch = ref()
+    if watch is not None and watch._open:
+        watch._fired(key)
+        watch._post_bw(name)
 
 
 def _unique_bytes(items) -> int:
