@@ -196,3 +196,45 @@ def test_host_allocations_are_counted_apart_from_the_device():
     assert t.peak_bytes == 4000
     assert t.host_peak_bytes == 8000
     assert h.numel() == 2000 and b.numel() == 1000
+
+
+# every knob fixed: the plan traces and verifies one configuration (a few seconds)
+FIXED = dict(precision="fp32", micro_batch_size=3, checkpoint="none", offload="none",
+             offload_optimizer=False)
+
+
+def test_a_trace_run_inside_track_counts_nothing_and_is_not_confused_by_it():
+    """estimate and plan inside a real track(budget=...) (issue 11 item 4). Oracle: the same
+    real work tracked without the trace calls; and the same estimate made outside any track.
+    The budget is exactly the real work's peak, so one fake byte counted would raise."""
+    from memfit.step import prepare_batch
+    from tests.helpers import tiny
+
+    model, batch = tiny("gpt2")
+    batch = prepare_batch(batch)
+    opt = torch.optim.AdamW(model.parameters())
+    canonical_step(model, opt, batch)                 # steady state: optimizer state exists
+    outside = memfit.estimate(model, batch)
+
+    def work(trace):
+        canonical_step(model, opt, batch)
+        if trace:
+            found.append(memfit.estimate(model, batch))
+            found.append(memfit.plan(model, batch, budget="64MiB", **FIXED))
+        canonical_step(model, opt, batch)
+
+    found = []
+    with memfit.track(model, opt) as plain:
+        work(trace=False)
+    with memfit.track(model, opt, budget=plain.peak_bytes) as t:
+        work(trace=True)
+    inside, plan = found
+    assert t.peak_bytes == plain.peak_bytes
+    assert t.current_bytes == plain.current_bytes
+    assert (t.fw_flops, t.bw_flops) == (plain.fw_flops, plain.bw_flops)   # no traced FLOPs
+    # the trace's own tracker saw its step exactly as outside any track
+    assert inside.peak_bytes == outside.peak_bytes
+    assert inside.breakdown == outside.breakdown
+    assert inside.timeline == outside.timeline
+    assert inside.modules == outside.modules
+    assert plan.predicted_peak_bytes <= 64 * 2**20

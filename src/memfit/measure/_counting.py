@@ -10,6 +10,12 @@ has no effect: its outputs are dropped before anyone sees them, a random op's ge
 is restored, and an op that both writes its inputs and allocates has those inputs restored
 from a copy taken before it ran (``Tracker.undo_on_oom``). Then ``memfit.OutOfMemory`` is
 raised.
+
+Note 3 (a trace inside a real run). Ops on fake tensors reach a real run's mode when a trace
+runs inside ``track`` (``estimate``'s model copy, ops outside its fake mode). They hold no
+bytes, run no kernel and are not the tracked program's: a real tracker lets them through
+uncounted (no bytes, no op, no FLOPs, no budget), and the trace's own tracker, nested inside,
+counts them (``_ledger`` Note 3).
 """
 
 from __future__ import annotations
@@ -19,13 +25,13 @@ import threading
 from typing import TYPE_CHECKING
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from memfit.errors import OutOfMemory
 from memfit.measure import _ledger as L
-from memfit.measure._ledger import storages_of
 
 if TYPE_CHECKING:
     from memfit.measure.track import Tracker
@@ -66,9 +72,11 @@ class CountingMode(TorchDispatchMode):
             return func(*args, **kwargs)
         flat_in, _ = tree_flatten((args, kwargs))
         ledger = t.ledger
+        if not ledger.fake and any(isinstance(x, FakeTensor) for x in flat_in):
+            return func(*args, **kwargs)              # Note 3
         for x in () if func in _LIFT else flat_in:
             if isinstance(x, torch.Tensor):
-                for st in storages_of(x, ledger.device_type):
+                for st in ledger.storages(x):
                     if ledger.sid(st) is None:
                         ledger.add(st, L.INPUTS, entry=True)
         t.ops += 1
@@ -92,7 +100,7 @@ class CountingMode(TorchDispatchMode):
         new, resized = [], []
         for x in tree_flatten(out)[0]:
             if isinstance(x, torch.Tensor):
-                for st in storages_of(x, ledger.device_type):
+                for st in ledger.storages(x):
                     if ledger.sid(st) is None:
                         if all(st._cdata != s._cdata for s in new):
                             new.append(st)
@@ -140,7 +148,7 @@ def _touched_bytes(ledger, args, kwargs, out) -> tuple[int, int]:
         if isinstance(x, torch.Tensor):
             n = x.numel() * x.element_size()
             total += n
-            if any(ledger.category_of(st) in _STATE for st in storages_of(x, ledger.device_type)):
+            if any(ledger.category_of(st) in _STATE for st in ledger.storages(x)):
                 fixed += n
     for x in tree_flatten(out)[0]:
         if isinstance(x, torch.Tensor):

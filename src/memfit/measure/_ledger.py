@@ -8,6 +8,11 @@ lives (autograd's saved variables included), so the callback fires exactly when 
 released. Fake and meta storages behave the same way, which is what lets ``estimate`` and
 ``track`` share this one counter.
 
+Note 3 (real or fake). A ledger counts one kind of storage: a real run's (``fake=False``), or
+a trace's (``fake=True``: fake tensors, whose storages are ``meta`` ones). A trace run inside
+a real ``track`` (``estimate`` inside ``track(budget=...)``) holds no bytes, so the real
+ledger must not count it, and the trace's own ledger, nested inside, counts it alone.
+
 Note 2 (why an event log). Categories are only known late (a temporary becomes ``p.grad``; a
 state tensor is recognised after ``optimizer.step``), and tensors alive before the region may
 be discovered only when an op first reads them. So the ledger records events (+bytes at
@@ -80,8 +85,9 @@ class Resolved:
 class Ledger:
     """Registers storages, records their births and deaths, and resolves the timeline."""
 
-    def __init__(self, device_type: str):
+    def __init__(self, device_type: str, fake: bool = False):
         self.device_type = device_type
+        self.fake = fake                # counts fake (meta) storages, else real ones (Note 3)
         self.current_bytes = 0          # live bytes known so far (online; for budgets)
         self._sid_of: dict[int, int] = {}   # storage C pointer -> storage id
         self._nbytes: list[int] = []        # per storage id
@@ -95,6 +101,12 @@ class Ledger:
         self.open = True
 
     # -- registration -----------------------------------------------------------------------
+    def storages(self, t: torch.Tensor):
+        """The storages of ``t`` this ledger counts: on its device, real or fake (Note 3)."""
+        for st in storages_of(t, self.device_type):
+            if (st.device.type == "meta") == self.fake:
+                yield st
+
     def sid(self, storage) -> int | None:
         return self._sid_of.get(storage._cdata)
 
@@ -128,7 +140,7 @@ class Ledger:
         """Mark every storage of ``t``, registering it first (as entry-alive if ``entry``)."""
         if not isinstance(t, torch.Tensor):
             return
-        for st in storages_of(t, self.device_type):
+        for st in self.storages(t):
             if self.sid(st) is None:
                 self.add(st, category, entry=entry)
             else:

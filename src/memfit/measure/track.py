@@ -7,6 +7,14 @@ post-accumulate hooks and at exit); optimizer (state tensors and master weights 
 ``optimizer``); inputs (storages alive before the region that are not model or optimizer
 state, found when an op first reads them); activations (saved for backward); temporaries
 (everything else born in the region). Buffers count as "other".
+
+Note 4 (nested trackers, and what a tracker keeps). A tracker counts a real run, or
+(``fake=True``, ``trace.profile``) a trace on fake tensors; a trace run inside a real region
+(``estimate`` inside ``track``) is counted by its own tracker only (``_counting`` Note 3).
+``active_tracker`` is the innermost region, so a traced step reads its own live bytes. After
+its block a tracker keeps its figures and nothing it was given: the model, the optimizer and
+the host tensors are dropped at exit, and its hooks are removed (``_modules`` Note 1), so a
+kept ``Tracker`` keeps no tensor alive.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from memfit.errors import OutOfMemory
 from memfit.measure import _ledger as L
 from memfit.measure._counting import (CountingMode, allocates_and_writes, host_allocations,
                                       written_args)
-from memfit.measure._ledger import Ledger, storages_of
+from memfit.measure._ledger import Ledger
 from memfit.measure._modules import ModuleRecord, ModuleWatch
 from memfit.units import parse_bytes
 
@@ -47,12 +55,13 @@ class Tracker:
     """
 
     def __init__(self, model: nn.Module | None = None, optimizer=None, budget=None,
-                 device: str | torch.device | None = None, host_tensors=()):
+                 device: str | torch.device | None = None, host_tensors=(), fake: bool = False):
         self.model = model
         self.optimizer = optimizer
         self.budget_bytes = None if budget is None else parse_bytes(budget)
         self.device_type = _device_type(model, device)
-        self.ledger = Ledger(self.device_type)
+        self.fake = fake      # a trace: count fake tensors (only them), Note 4
+        self.ledger = Ledger(self.device_type, fake=fake)
         self.watch = ModuleWatch(model, self._module_enter, self._module_exit)
         self.ops = 0
         self.op_events: list[int] = []      # ledger event count after each op
@@ -82,7 +91,7 @@ class Tracker:
         if callable(host_of):
             self._host_tensors += list(host_of())
         for t in self._host_tensors:
-            for st in storages_of(t, self.device_type):
+            for st in self.ledger.storages(t):
                 if self.ledger.sid(st) is None:
                     self.ledger.add(st, L.OPTIMIZER, entry=True, host=True)
         self._register_state(entry=True)
@@ -111,6 +120,8 @@ class Tracker:
             self.cuda_max_allocated_bytes = torch.cuda.max_memory_allocated()
             self.cuda_max_reserved_bytes = torch.cuda.max_memory_reserved()
         self._finish_modules()
+        self.model = self.optimizer = None        # Note 4: the figures stay, the objects go
+        self._host_tensors = []
         return False
 
     # -- results ----------------------------------------------------------------------------
@@ -135,7 +146,7 @@ class Tracker:
 
     def mark_host(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage as host memory from now on."""
-        for st in storages_of(t, self.device_type):
+        for st in self.ledger.storages(t):
             self.ledger.set_host(st)
 
     @property
@@ -238,7 +249,7 @@ class Tracker:
         """
         if isinstance(x, torch.Tensor):
             led = self.ledger
-            for st in storages_of(x, led.device_type):
+            for st in led.storages(x):
                 sid = led.sid(st)
                 if sid is None:
                     sid = led.add(st, L.INPUTS, entry=True)

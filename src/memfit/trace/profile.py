@@ -75,7 +75,7 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
     with copier.mode, FidelityMode():
         if not two_steps:            # two steps need no warm-up: step 1 is it
             (warm_up or (lambda: warm_up_optimizer(model, optimizer)))()
-        tracker = Tracker(model=model, optimizer=optimizer, device=copier.device)
+        tracker = Tracker(model=model, optimizer=optimizer, device=copier.device, fake=True)
         phases: dict[str, int] = {}
         start = time.perf_counter()
         try:
