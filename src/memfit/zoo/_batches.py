@@ -12,6 +12,12 @@ right: mask 0, id ``pad_token_id`` (0 when the config has none), label -100.
 Note 3 (position limits). RoBERTa-family models number positions from ``padding_idx + 1``, so
 ``max_position_embeddings=514`` allows 512 tokens; GPT-2 allows ``n_positions``; T5's relative
 buckets have no limit; other models allow ``max_position_embeddings``.
+
+Note 4 (speech and contrastive batches). ``speech-seq2seq`` (Whisper) feeds ``input_features``
+of ``num_mel_bins`` x ``2 * max_source_positions`` frames (the length the encoder checks) and
+``seq_len`` target tokens as ``labels`` (default 64; padding as Note 2). ``contrastive`` (CLIP)
+feeds a text batch from ``text_config`` (ids and mask, no labels), images from
+``vision_config`` and ``return_loss=True``: the loss is the symmetric image-text loss.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import transformers
 __all__ = ["TASKS", "make_batch", "position_limit", "token_id_range"]
 
 TASKS = ("sequence-classification", "token-classification", "masked-lm", "causal-lm", "seq2seq-lm",
-         "image-classification")
+         "image-classification", "speech-seq2seq", "contrastive")
 DEFAULT_SEQ_LEN = 256
 DEFAULT_IMAGE_SIZE = 224
 MLM_PROBABILITY = 0.15
@@ -48,6 +54,15 @@ def make_batch(config: transformers.PretrainedConfig, task: str, batch_size: int
         if seq_len is not None or padded:
             warnings.warn("seq_len and padded have no effect on an image batch", stacklevel=3)
         batch = _image_batch(config, batch_size, image_size, gen)
+    elif task == "speech-seq2seq":
+        if image_size is not None:
+            warnings.warn("image_size has no effect on a speech batch", stacklevel=3)
+        batch = _speech_batch(config, batch_size, seq_len, padded, gen)
+    elif task == "contrastive":
+        batch = _text_batch(config.text_config, task, batch_size, seq_len, padded, gen)
+        batch["pixel_values"] = _image_batch(config.vision_config, batch_size, image_size, gen)["pixel_values"]
+        batch["return_loss"] = True
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     else:
         if image_size is not None:
             warnings.warn("image_size has no effect on a text batch", stacklevel=3)
@@ -57,6 +72,10 @@ def make_batch(config: transformers.PretrainedConfig, task: str, batch_size: int
 
 def position_limit(config: transformers.PretrainedConfig) -> tuple[int | None, str]:
     """The longest sequence the model accepts and why (Note 3); ``None`` when unlimited."""
+    if getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None:
+        return position_limit(config.text_config)       # CLIP-like: seq_len is the text's
+    if hasattr(config, "max_target_positions"):          # Whisper-like: seq_len is the target's
+        return config.max_target_positions, f"max_target_positions {config.max_target_positions}"
     model_type = getattr(config, "model_type", "")
     if hasattr(config, "relative_attention_num_buckets"):
         return None, "relative position buckets have no limit"
@@ -106,6 +125,20 @@ def _text_batch(config, task, batch_size, seq_len, padded, gen) -> dict[str, tor
         target_ids, target_mask = _token_rows(config, batch_size, max(1, seq_len // 4), padded, gen)
         batch["labels"] = target_ids.masked_fill(~target_mask.bool(), IGNORE_INDEX)
     return batch
+
+
+def _speech_batch(config, batch_size, seq_len, padded, gen) -> dict[str, torch.Tensor]:
+    """Note 4: log-mel features of the length the encoder expects, target tokens as labels."""
+    frames = 2 * config.max_source_positions        # Whisper's two convolutions, the second stride 2
+    features = torch.randn((batch_size, config.num_mel_bins, frames), generator=gen)
+    limit = config.max_target_positions
+    seq_len = min(DEFAULT_SEQ_LEN // 4, limit) if seq_len is None else seq_len
+    _check_positive_int("seq_len", seq_len)
+    if seq_len > limit:
+        raise ValueError(f"seq_len {seq_len} (target tokens) exceeds this {config.model_type} model's "
+                         f"max_target_positions {limit}: use seq_len <= {limit}")
+    target_ids, target_mask = _token_rows(config, batch_size, seq_len, padded, gen)
+    return {"input_features": features, "labels": target_ids.masked_fill(~target_mask.bool(), IGNORE_INDEX)}
 
 
 def _token_rows(config, batch_size, seq_len, padded, gen) -> tuple[torch.Tensor, torch.Tensor]:

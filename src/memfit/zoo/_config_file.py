@@ -7,7 +7,12 @@ tables), so a config saved from a masked-LM checkpoint can still be built for cl
 
 Note 2 (family). ``is_encoder_decoder`` -> seq2seq; a config with image fields (``num_channels``,
 ``image_size``) -> vision; a ``*ForCausalLM``/``*LMHead*`` class or task causal-lm -> causal-lm;
-anything else -> encoder.
+a config with ``text_config`` and ``vision_config`` (CLIP) -> multimodal; anything else -> encoder.
+
+Note 3 (bare models). A config saved from the bare model (``BartModel``, ``BertModel``: the class
+transformers' ``AutoModel`` maps the ``model_type`` to) names no head; it trains with the
+family's first head that exists for the ``model_type`` (``BartModel`` -> seq2seq-lm with
+``BartForConditionalGeneration``, ``CLIPModel`` -> contrastive), unless ``task`` says otherwise.
 """
 
 from __future__ import annotations
@@ -20,18 +25,22 @@ import transformers
 from transformers import AutoConfig
 from transformers.models.auto import configuration_auto, modeling_auto
 
+from memfit.zoo._config_errors import CONFIG_ERRORS, invalid_config
 from memfit.zoo._spec import ModelSpec
 
 __all__ = ["from_config_file"]
 
 _FAMILY_TASKS = {"encoder": ("sequence-classification", "token-classification", "masked-lm"),
-                 "causal-lm": ("causal-lm",), "seq2seq": ("seq2seq-lm",), "vision": ("image-classification",)}
+                 "causal-lm": ("causal-lm",), "seq2seq": ("seq2seq-lm", "speech-seq2seq"),
+                 "vision": ("image-classification",), "multimodal": ("contrastive",)}
 _AUTO_NAMES = {"sequence-classification": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
                "token-classification": modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
                "masked-lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
                "causal-lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                "seq2seq-lm": modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
-               "image-classification": modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}
+               "image-classification": modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+               "speech-seq2seq": modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+               "contrastive": modeling_auto.MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES}
 _CLASS_SUFFIX_TASKS = (("ForSequenceClassification", "sequence-classification"),
                        ("ForTokenClassification", "token-classification"), ("ForMaskedLM", "masked-lm"),
                        ("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"),
@@ -58,11 +67,11 @@ def from_config_file(path: str | Path, task: str | None = None) -> ModelSpec:
                          f"task= one of {sorted(_AUTO_NAMES)} to pick the head")
     family = _infer_family(config, arch, task)
     architectures = {t: _auto_class(_AUTO_NAMES[t], model_type) for t in _FAMILY_TASKS[family]}
-    arch_task = _check_architecture(file, arch, family) if arch is not None else None
+    arch_task = _check_architecture(file, arch, family, model_type) if arch is not None else None
     if arch_task is not None:
         architectures[arch_task] = arch
     architectures = {t: c for t, c in architectures.items() if c is not None}
-    default_task = task or arch_task
+    default_task = task or arch_task or _base_model_task(arch, model_type, architectures)
     if default_task is None:
         raise ValueError(f"{file}: memfit makes no batches for the head {arch}; pass task= one of "
                          f"{sorted(architectures)} to build the {model_type} model with that head instead")
@@ -95,12 +104,18 @@ def _make_config(file: Path, model_type: str, values: dict) -> transformers.Pret
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         raise ValueError(f"unknown model_type {model_type!r} in {file}: transformers {transformers.__version__} "
                          f"has no config class for it.{hint} Fix the field, or upgrade transformers.")
-    return AutoConfig.for_model(model_type, **values)
+    try:
+        return AutoConfig.for_model(model_type, **values)
+    except CONFIG_ERRORS as err:
+        fields = set(values) | set(vars(configuration_auto.CONFIG_MAPPING[model_type]()))
+        raise invalid_config(str(file), sorted(fields), err) from err
 
 
 def _infer_family(config: transformers.PretrainedConfig, arch: str | None, task: str | None) -> str:
     if getattr(config, "is_encoder_decoder", False):
         return "seq2seq"
+    if getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None:
+        return "multimodal"
     if hasattr(config, "num_channels") or hasattr(config, "image_size"):
         return "vision"
     if (arch and (arch.endswith("ForCausalLM") or "LMHead" in arch)) or task == "causal-lm":
@@ -108,13 +123,20 @@ def _infer_family(config: transformers.PretrainedConfig, arch: str | None, task:
     return "encoder"
 
 
-def _check_architecture(file: Path, arch: str, family: str) -> str | None:
+def _check_architecture(file: Path, arch: str, family: str, model_type: str) -> str | None:
     """The task that the class ``arch`` serves, or ``None`` if memfit makes no batch for it."""
     if not hasattr(transformers, arch):
         raise ValueError(f"architecture {arch!r} in {file} is not a class of transformers "
                          f"{transformers.__version__}: fix the 'architectures' field or upgrade transformers")
-    task = next((t for suffix, t in _CLASS_SUFFIX_TASKS if arch.endswith(suffix)), None)
+    listed = next((t for t in _FAMILY_TASKS[family] if _auto_class(_AUTO_NAMES[t], model_type) == arch), None)
+    task = listed or next((t for suffix, t in _CLASS_SUFFIX_TASKS if arch.endswith(suffix)), None)
     return task if task in _FAMILY_TASKS[family] else None
+
+
+def _base_model_task(arch: str | None, model_type: str, architectures: dict[str, str]) -> str | None:
+    """Note 3: a bare ``{Prefix}Model`` class trains with its family's first head."""
+    bare = arch is not None and _auto_class(modeling_auto.MODEL_MAPPING_NAMES, model_type) == arch
+    return next(iter(architectures), None) if bare else None
 
 
 def _auto_class(table: dict, model_type: str) -> str | None:

@@ -26,10 +26,11 @@ import transformers
 from torch import nn
 
 from memfit.zoo import _batches
+from memfit.zoo._config_errors import CONFIG_ERRORS, invalid_config
 
 __all__ = ["ModelSpec", "count_parameters", "FAMILIES", "TASKS"]
 
-FAMILIES = ("encoder", "causal-lm", "seq2seq", "vision")
+FAMILIES = ("encoder", "causal-lm", "seq2seq", "vision", "multimodal")
 TASKS = _batches.TASKS
 
 
@@ -40,7 +41,7 @@ class ModelSpec:
     name: str
     """Canonical name, e.g. ``"xlm-roberta-large"``."""
     family: str
-    """One of ``FAMILIES``: ``"encoder" | "causal-lm" | "seq2seq" | "vision"``."""
+    """One of ``FAMILIES``: ``"encoder" | "causal-lm" | "seq2seq" | "vision" | "multimodal"``."""
     config_class: type[transformers.PretrainedConfig]
     """The transformers config class, e.g. ``XLMRobertaConfig``."""
     config_values: Mapping[str, Any] = field(hash=False)
@@ -94,7 +95,10 @@ class ModelSpec:
             values.update(copy.deepcopy(dict(self.tiny_overrides)))
         self._check_override_names(overrides)
         values.update(overrides)
-        return self.config_class(**values)
+        try:
+            return self.config_class(**values)
+        except CONFIG_ERRORS as err:
+            raise invalid_config(self.source or self.name, sorted(values), err) from err
 
     def build(self, task: str | None = None, *, tiny: bool = False, device: str | torch.device = "cpu",
               dtype: torch.dtype | None = None, seed: int = 0, **overrides: Any) -> nn.Module:
@@ -109,15 +113,19 @@ class ModelSpec:
         if getattr(cls, "_supports_sdpa", False):
             kwargs["attn_implementation"] = "sdpa"
         device = torch.device(device)
-        if device.type == "meta":
-            with torch.device("meta"):
-                model = cls._from_config(config, **kwargs)
-        else:
-            rng_devices = [device.index or 0] if device.type == "cuda" else []
-            with torch.random.fork_rng(devices=rng_devices):
-                torch.manual_seed(seed)
-                with device:
+        try:
+            if device.type == "meta":
+                with torch.device("meta"):
                     model = cls._from_config(config, **kwargs)
+            else:
+                rng_devices = [device.index or 0] if device.type == "cuda" else []
+                with torch.random.fork_rng(devices=rng_devices):
+                    torch.manual_seed(seed)
+                    with device:
+                        model = cls._from_config(config, **kwargs)
+        except CONFIG_ERRORS as err:         # a constructor's own check (BERT: heads vs hidden size)
+            raise invalid_config(f"{self.source or self.name} ({cls.__name__})", sorted(vars(config)),
+                                 err) from err
         return model.train()
 
     def make_batch(self, config_or_model: transformers.PretrainedConfig | nn.Module, batch_size: int = 8, *,

@@ -1,0 +1,61 @@
+"""Bad config files give one ValueError naming the file, the field and the fix (issue 11 item 10)."""
+
+import json
+
+import pytest
+
+from memfit import zoo
+
+
+def write(tmp_path, fields, name="config.json"):
+    path = tmp_path / name
+    path.write_text(fields if isinstance(fields, str) else json.dumps(fields))
+    return path
+
+
+@pytest.mark.parametrize("model_type,arch", [("llama", "LlamaForCausalLM"), ("bert", "BertForMaskedLM")])
+def test_hidden_size_not_divisible_by_heads(tmp_path, model_type, arch):
+    path = write(tmp_path, {"model_type": model_type, "architectures": [arch], "hidden_size": 65,
+                            "num_attention_heads": 4, "vocab_size": 100})
+    with pytest.raises(ValueError) as err:
+        zoo.from_config_file(path).build(device="meta")
+    assert type(err.value) is ValueError
+    message = str(err.value)
+    assert str(path) in message and "'hidden_size'" in message and "'num_attention_heads'" in message
+    assert "Fix the fields" in message
+
+
+def test_a_field_of_the_wrong_type(tmp_path):
+    path = write(tmp_path, {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": "big"})
+    with pytest.raises(ValueError, match=r"config\.json: the config is invalid \(field 'hidden_size'\).*expected int"):
+        zoo.from_config_file(path)
+
+
+def test_a_bad_override_of_a_zoo_model():
+    with pytest.raises(ValueError, match=r"meta-llama/Llama-3\.2-1B.*'hidden_size'"):
+        zoo.get("llama-1b").config(hidden_size="wide")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="no config file at .*nothing.json: pass the path"):
+        zoo.from_config_file(tmp_path / "nothing.json")
+
+
+def test_malformed_json(tmp_path):
+    path = write(tmp_path, '{"model_type": "bert",')
+    with pytest.raises(ValueError, match="config.json is not valid JSON .*fix the file"):
+        zoo.from_config_file(path)
+
+
+def test_unknown_model_type(tmp_path):
+    path = write(tmp_path, {"model_type": "lama", "architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ValueError, match="unknown model_type 'lama' in .*config.json.*Did you mean 'llama'"):
+        zoo.from_config_file(path)
+
+
+def test_unknown_task(tmp_path):
+    path = write(tmp_path, {"model_type": "bert", "architectures": ["BertForMaskedLM"]})
+    with pytest.raises(ValueError, match="task 'summarise' is not available .*config.json.*valid tasks are"):
+        zoo.from_config_file(path, task="summarise")
+    with pytest.raises(ValueError, match="unknown task 'summarise' .*valid tasks are"):
+        zoo.from_config_file(path).check_task("summarise")
