@@ -22,7 +22,7 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
         runner = guarded(memfit.fit(ddp, opt, batch, micro_batch_size=2),
                          replanner(memfit.fit(ddp, opt, batch), calls=calls))
         inject_oom(model.transformer.h[1], on_calls={1})    # on every rank: no one hangs
-        result = {"reasons": list(runner.plan.reasons)}
+        result = {"reasons": list(runner.applied.notes)}
         try:
             runner.step(batch)
         except torch.OutOfMemoryError as e:

@@ -19,7 +19,7 @@ def test_estimate_equals_track_with_recompute(arch, precision, policy):
     t = track_next_run(runner, batch)
     assert (est.peak_bytes, est.breakdown, est.timeline) == (t.peak_bytes, t.breakdown, t.timeline)
     assert est.breakdown["activations"] < plain.breakdown["activations"]
-    assert runner.plan.blocks and set(runner.plan.blocks.values()) <= {"keep", "recompute", "selective"}
+    assert runner.applied.blocks and set(runner.applied.blocks.values()) <= {"keep", "recompute", "selective"}
     runner.close()
 
 

@@ -36,7 +36,7 @@ def test_estimate_equals_track_device_and_host(arch, knobs):
     # host bytes never exceed the activations offloaded in the step, nor what the offloaded
     # blocks saved in the plain step (views of one storage are copied once: offload Note 3)
     assert t.host_peak_bytes <= stats.offloaded_bytes - before
-    offloaded = [n for n, m in runner.plan.blocks.items() if "offload" in m]
+    offloaded = [n for n, m in runner.applied.blocks.items() if "offload" in m]
     assert t.host_peak_bytes <= sum(plain.modules[n].saved_bytes for n in offloaded)
     runner.close()
 
@@ -61,6 +61,6 @@ def test_plan_names_what_each_block_does():
     model, batch = six_layers("gpt2")
     runner = memfit.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), batch,
                         offload="all", checkpoint="every:2")
-    modes = list(runner.plan.blocks.values())
+    modes = list(runner.applied.blocks.values())
     assert modes == ["offload", "recompute+offload"] * 3
     runner.close()

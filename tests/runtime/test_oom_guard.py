@@ -9,6 +9,7 @@ the RNG, and the loss scale's growth counter only if it kept the old scaler.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def guarded(r: Runner, replan) -> Runner:
     return Runner(r.model, r.optimizer, plan=r.plan, precision=r.precision,
                   accumulation=r.accumulation, loss_fn=r.loss_fn, scaler=r.scaler,
                   scheduler=r.scheduler, device_type=r.device_type, handles=r.handles,
-                  contexts=r.contexts, replan=replan)
+                  contexts=r.contexts, replan=replan, applied=r.applied)
 
 
 def train(runner, batch, steps=range(STEPS)):
@@ -157,8 +158,8 @@ def test_real_oom_under_a_tracked_budget_recovers():
 
 
 def with_step_budget(runner, budget_bytes, step_bytes) -> Runner:
-    runner.plan.budget_bytes = budget_bytes
-    runner.plan.predicted_optimizer_step_bytes = step_bytes
+    runner.plan = dataclasses.replace(runner.plan, predicted_optimizer_step_bytes=step_bytes)
+    runner.applied = dataclasses.replace(runner.applied, budget_bytes=budget_bytes)
     return runner
 
 
@@ -259,3 +260,51 @@ def test_guard_is_off_under_ddp_and_says_so(tmp_path):
         assert any(line.startswith("OOM guard off") for line in r["reasons"])
         assert r["error"] == "OutOfMemory" and r["replans"] == 0
         assert any("OOM guard off" in note for note in r["notes"])
+
+
+def _hooks(model):
+    return [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+
+
+def test_a_failed_replan_leaves_the_runner_as_it_was():
+    """Note 5, under a real ``track(budget)``: a batch 4x as long as the one planned for runs
+    out of memory; re-planning for what is then left of the budget fails. The runner must keep
+    its plan and techniques (before: they were removed and it trained on without them, so the
+    planned batch itself no longer fit) and stop with one OutOfMemory that says so."""
+    model, short = tiny("gpt2", batch_size=4, seq_len=16)
+    _, long = tiny("gpt2", batch_size=4, seq_len=64)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    twin = copy.deepcopy(model)
+    plain = memfit.fit(twin, torch.optim.AdamW(twin.parameters(), lr=1e-2), short,
+                       micro_batch_size=4)
+    train(plain, short, range(1))
+    with device_track() as t:
+        train(plain, short, range(1, 2))
+    budget = int(t.peak_bytes * 0.9)            # the whole batch at once only fits recomputed
+    runner = memfit.fit(model, opt, short, budget=budget, micro_batch_size=4,
+                        offload_optimizer=False)
+    assert any(m != "keep" for m in runner.applied.blocks.values())
+    with device_track(budget):
+        train(runner, short, range(2))
+    plan, applied, optimizer, hooks = runner.plan, runner.applied, runner.optimizer, _hooks(model)
+    saved = snapshot_state(runner)
+    torch.manual_seed(2)
+    rng = torch.get_rng_state()
+    with device_track(budget):
+        with pytest.raises(memfit.OutOfMemory) as err:
+            runner.step(long)
+    notes = "\n".join(err.value.__notes__)
+    assert "did not fit" in notes and "re-planning failed" in notes
+    assert f"budget {memfit.units.format_bytes(budget)}" in notes
+    assert isinstance(err.value.__cause__, Exception)
+    assert err.value.budget_bytes == budget and err.value.live_bytes > 0
+    assert (runner.plan, runner.applied, runner.optimizer) == (plan, applied, optimizer)
+    assert runner.plan is plan and runner.applied is applied and runner.optimizer is optimizer
+    assert _hooks(model) == hooks
+    assert_state_is(runner, saved)
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    with device_track(budget) as t:             # it still trains the planned batch in budget
+        train(runner, short, range(2, 3))
+    assert t.peak_bytes <= budget

@@ -16,7 +16,7 @@ def test_estimate_equals_track_and_moves_the_state_to_the_host():
     assert est.breakdown["optimizer"] == 0 < plain.breakdown["optimizer"]
     assert est.peak_bytes < plain.peak_bytes
     assert t.host_peak_bytes >= plain.breakdown["optimizer"]
-    assert runner.plan.optimizer_rebuilt
+    assert runner.plan.optimizer_rebuilt and runner.applied.optimizer_rebuilt
 
 
 def test_offloaded_runner_trains_bitwise_like_the_plain_one():

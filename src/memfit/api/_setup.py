@@ -12,7 +12,7 @@ from memfit.devices import DeviceSpec, cpu_spec, get_device
 from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
-from memfit.runtime import Runner
+from memfit.runtime import Applied, Runner
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
 from memfit.techniques.offload import Offload
@@ -53,9 +53,11 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
                  origin: list[torch.Tensor] | None = None, loss_fn: Callable | None = None,
                  count_fn: Callable | None = None, scheduler=None, scaler_class=None,
                  device_type: str = "cpu", autocast_impl=None, recompute_context=None,
-                 replan=None) -> Runner:
+                 replan=None, budget_bytes: int | None = None, notes=()) -> Runner:
     """Apply the knobs to ``model`` (in place) and wrap it in a Runner.
 
+    ``plan`` is not changed (plan Note 1): what applying it did is ``runner.applied``, with
+    ``notes`` first and the budget the Runner holds (``budget_bytes``, default the plan's).
     ``autocast_impl`` (dtype -> context) and ``recompute_context`` (dtype or None -> context
     entered around each checkpoint recompute) let a trace model another device's autocast and
     kernels; real runs leave them None (torch.autocast is replayed by checkpoint itself).
@@ -64,7 +66,7 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
         raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
                          "master weights would be kept twice; use bf16 autocast instead")
     tech = Precision(Precision.Config(knobs.precision or "fp32"), autocast_impl)
-    handles = []
+    blocks, notes, rebuilt, handles = dict(plan.blocks), list(notes), False, []
     try:
         if knobs.checkpoint not in (None, "none"):
             # a real torch.autocast is replayed by checkpoint itself; a modelled one must be
@@ -75,26 +77,24 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
             handle = Checkpoint(Checkpoint.Config(knobs.checkpoint),
                                 autocast_factory=factory).apply(model)
             handles.append(handle)
-            plan.blocks.update(handle.modes)
+            blocks.update(handle.modes)
         if knobs.offload not in (None, "none"):
-            # offload's hooks sit outside a checkpoint's wrapper: on a block that is also
-            # recomputed, what leaves the device is the checkpoint's inputs (offload Notes)
+            # offload's hooks sit outside a checkpoint's: on a block that is also recomputed,
+            # what leaves the device is the checkpoint's inputs (offload Note 1)
             handle = Offload(Offload.Config(knobs.offload)).apply(model)
             handles.append(handle)
-            for name, mode in handle.modes.items():
-                if mode == "offload":
-                    before = plan.blocks.get(name, "keep")      # a planner may have filled it
-                    plan.blocks[name] = "offload" if before in ("keep", "offload") \
-                        else f"{before}+offload"
-                else:
-                    plan.blocks.setdefault(name, mode)
+            _merge_offload(blocks, handle.modes)
         model, optimizer = tech.apply(model, recipe, origin)
+        if knobs.precision == "bf16-pure":
+            rebuilt = True
+            notes.append("bf16-pure: the optimizer was rebuilt over fp32 master weights "
+                         "(runner.optimizer); the one passed in is no longer used")
         if knobs.offload_optimizer:
             optimizer = OptimizerOffload(OptimizerOffload.Config()).wrap(optimizer)
-            plan.optimizer_rebuilt = True
-            plan.reasons.append("offload_optimizer: the optimizer was rebuilt over fp32 host "
-                                "copies of the parameters (runner.optimizer); its state and "
-                                "step live in host memory")
+            rebuilt = True
+            notes.append("offload_optimizer: the optimizer was rebuilt over fp32 host copies of "
+                         "the parameters (runner.optimizer); its state and step live in host "
+                         "memory")
     except BaseException:
         for h in reversed(handles):       # leave the user's model as it was
             h.remove()
@@ -107,12 +107,25 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
         target = optimizer.inner if isinstance(optimizer, MasterWeightsOptimizer) else optimizer
         scheduler = scheduler(target)
     acc = Accumulation(Accumulation.Config(knobs.micro_batch_size), count_fn)
+    budget = plan.budget_bytes if budget_bytes is None else budget_bytes
     contexts = []
-    if knobs.remat:      # DTR around each effective batch, under the plan's budget if any
-        remat = Remat(Remat.Config(budget_bytes=plan.budget_bytes))
+    if knobs.remat:      # DTR around each effective batch, under the budget if any
+        remat = Remat(Remat.Config(budget_bytes=budget))
         contexts.append(functools.partial(remat.session, model, optimizer))
-        plan.reasons.append("remat: blocks' saved tensors are evicted under memory pressure and "
-                            "recomputed when backward needs them (DTR)")
-    return Runner(model, optimizer, plan=plan, precision=tech, accumulation=acc, loss_fn=loss_fn,
-                  scaler=scaler, scheduler=scheduler, device_type=device_type, handles=handles,
-                  contexts=contexts, replan=replan)
+        notes.append("remat: blocks' saved tensors are evicted under memory pressure and "
+                     "recomputed when backward needs them (DTR)")
+    applied = Applied(blocks=blocks, optimizer_rebuilt=rebuilt, budget_bytes=budget,
+                      notes=notes)
+    return Runner(model, optimizer, plan=plan, applied=applied, precision=tech,
+                  accumulation=acc, loss_fn=loss_fn, scaler=scaler, scheduler=scheduler,
+                  device_type=device_type, handles=handles, contexts=contexts, replan=replan)
+
+
+def _merge_offload(blocks: dict[str, str], modes: dict[str, str]) -> None:
+    """Offload's per-block modes into ``blocks`` (which a checkpoint or planner filled)."""
+    for name, mode in modes.items():
+        if mode == "offload":
+            before = blocks.get(name, "keep")
+            blocks[name] = "offload" if before in ("keep", "offload") else f"{before}+offload"
+        else:
+            blocks.setdefault(name, mode)

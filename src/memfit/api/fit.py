@@ -53,19 +53,14 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     recipe.check_params(trainable)
     example = prepare_batch(batch)
     check_batch(model, example, loss_fn)
-    plan = Plan(k, device=spec.name, batch_size=batch_size_of(example))
-    if budget is not None and k.remat:     # DTR keeps the budget at run time: nothing to plan
-        plan.budget_bytes = parse_bytes(budget)
-    elif budget is not None:
+    plan = Plan(k, device=spec.name, batch_size=batch_size_of(example),
+                budget_bytes=parse_bytes(budget) if budget is not None and k.remat else None)
+    if budget is not None and not k.remat:    # DTR keeps the budget at run time: nothing to plan
         if hasattr(scheduler, "step") and knobs_in.offload_optimizer is None:
             knobs_in = knobs_in.replace(offload_optimizer=False)    # it would orphan the scheduler
         k, plan = _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, knobs_in,
                               parse_bytes(budget))
     Accumulation(Accumulation.Config(k.micro_batch_size)).warn_if_inexact(model, example)
-    if k.precision == "bf16-pure":
-        plan.optimizer_rebuilt = True
-        plan.reasons.append("bf16-pure: the optimizer was rebuilt over fp32 master weights "
-                            "(runner.optimizer); the one passed in is no longer used")
     device_type = next((p.device.type for p in model.parameters()), "cpu")
     replan = None
     if budget is not None and not k.remat:
@@ -93,11 +88,12 @@ def _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn, fixed: 
                                  floor_bytes=budget + missing[0], budget_bytes=budget)
         k, plan = _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, fixed,
                               budget - missing[0])
-        plan.budget_bytes = budget
-        plan.reasons.append(f"re-planned after running out of memory: planned "
-                            f"{format_bytes(missing[0])} under the budget")
+        # the plan says what it was searched under; the runner holds the real budget
+        note = (f"re-planned after running out of memory: planned under "
+                f"{format_bytes(budget - missing[0])}, {format_bytes(missing[0])} below the "
+                f"{format_bytes(budget)} budget")
         return build_runner(model, recipe, k, plan=plan, loss_fn=loss_fn, count_fn=count_fn,
-                            device_type=device_type)
+                            device_type=device_type, budget_bytes=budget, notes=[note])
     return replan
 
 

@@ -12,9 +12,9 @@ the rerun draw the dropout masks an uninterrupted run of the new plan draws.
 
 Note 2 (re-planning). Outside the ``except`` block, so that the failed attempt's graph and
 activations are already freed (the traceback held them), the guard empties the CUDA cache,
-``close()``s the runner (its techniques come off the modules), calls ``replan(excess_bytes)``
-and adopts the new runner's model, optimizer, plan, precision, accumulation, handles and
-contexts. It keeps the old scaler (the loss scale and its growth counter carry over; a new
+``close()``s the runner (its techniques come off the modules: the planner traces a copy of the
+model, which must not carry them), calls ``replan(excess_bytes)`` and adopts the new runner's
+model, optimizer, plan, applied record, precision, accumulation, handles and contexts. It keeps the old scaler (the loss scale and its growth counter carry over; a new
 plan without loss scaling drops it) and the old scheduler. The excess is ``live + requested -
 budget`` of a ``memfit.OutOfMemory``; a CUDA ``torch.OutOfMemoryError`` carries no numbers,
 so it is 0 and the re-planner tightens by its own margin. At most ``max_retries`` re-plans per
@@ -35,7 +35,18 @@ skipped. It reads host-side counters only, so ``Runner.run`` stays free of host 
 
 Note 4 (distributed). Under DDP/FSDP with more than one rank the guard is off: ranks would
 have to agree on one new plan, and an OOM on one rank leaves the others inside a collective.
-``plan.reasons`` says so when the runner is built, and an OOM re-raises with a note.
+``runner.applied.notes`` says so when the runner is built, and an OOM re-raises with a note.
+
+Note 5 (a re-plan that fails). When ``replan`` raises (``BudgetTooSmall``: nothing fits what
+is left of the budget; or any other error while planning or building), the runner is left as
+it was before the batch: its techniques are put back on the modules (each handle's
+``reapply()``, same blocks, same modes), and its plan, applied record, optimizer, scaler and
+scheduler were never replaced; parameters, optimizer state, RNG and loss scale are restored
+by Note 1 and gradients are None, as the batch's own ``zero_grad(set_to_none=True)`` left
+them (keeping the old ones would hold a gradient-sized copy through every batch). Then one
+error stops training: the batch's out-of-memory error, rebuilt with its numbers (the original
+held the failed attempt's frames), with a note that says re-planning failed and why, raised
+``from`` the re-plan's error. Nothing is lost: the next ``step`` runs the old plan.
 """
 
 from __future__ import annotations
@@ -106,15 +117,17 @@ def live_device_bytes(device_type: str) -> int | None:
     return None
 
 
-def check_optimizer_step(plan, device_type: str) -> None:
-    """Raise ``memfit.OutOfMemory`` before an optimizer step predicted not to fit (Note 3)."""
-    if plan.budget_bytes is None or plan.predicted_optimizer_step_bytes is None:
+def check_optimizer_step(step_bytes: int | None, budget_bytes: int | None,
+                         device_type: str) -> None:
+    """Raise ``memfit.OutOfMemory`` before an optimizer step predicted to add ``step_bytes``
+    would cross ``budget_bytes`` (Note 3); None for either skips the check."""
+    if budget_bytes is None or step_bytes is None:
         return
     live = live_device_bytes(device_type)
-    if live is None or live + plan.predicted_optimizer_step_bytes <= plan.budget_bytes:
+    if live is None or live + step_bytes <= budget_bytes:
         return
-    raise OutOfMemory(requested_bytes=plan.predicted_optimizer_step_bytes, live_bytes=live,
-                      budget_bytes=plan.budget_bytes, op="optimizer.step")
+    raise OutOfMemory(requested_bytes=step_bytes, live_bytes=live, budget_bytes=budget_bytes,
+                      op="optimizer.step")
 
 
 @contextlib.contextmanager
@@ -160,7 +173,7 @@ class OomGuard:
             try:
                 return runner.step_unguarded(batch)
             except torch.OutOfMemoryError as e:
-                excess = excess_bytes(e)
+                excess, failed = excess_bytes(e), _Failure.of(e)
                 tried.append(f"{_describe(runner.plan)} (over by {format_bytes(excess)})")
                 if getattr(e, _COMMITTED, False):
                     e.add_note("memfit OOM guard: not retried, the error came from inside the "
@@ -174,17 +187,25 @@ class OomGuard:
             saved.restore(runner)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            self._replan(runner, excess)
+            self._replan(runner, excess, failed)
 
-    def _replan(self, runner: "Runner", excess: int) -> None:
+    def _replan(self, runner: "Runner", excess: int, failed: "_Failure") -> None:
+        handles = list(runner.handles)
         runner.close()
         try:
             new = self.replan(excess)
-        except Exception as e:
-            e.add_note(f"memfit OOM guard: re-planning for {format_bytes(excess)} over the "
-                       "budget failed; the runner's techniques were removed from the model and "
-                       "the state is as before the effective batch")
-            raise
+        except BaseException as e:           # Note 5: back as it was, then one clear error
+            runner.handles = [h.reapply() for h in handles]
+            if not isinstance(e, Exception):     # KeyboardInterrupt, SystemExit: as they are
+                raise
+            raise failed.error(
+                f"memfit OOM guard: the effective batch did not fit "
+                f"({failed.numbers}) and re-planning failed: {type(e).__name__}: {e}\n"
+                f"The runner is as before the batch: its plan ({_describe(runner.plan)}) and "
+                "its techniques are back on the model; parameters, optimizer state, RNG and "
+                "loss scale are unchanged and gradients are cleared. Raise the budget, or "
+                "shorten or split the batch (memfit.fit(..., max_seq_len=) plans for the "
+                "longest one).") from e
         adopt(runner, new)
 
     def _gave_up(self, tried: list[str]) -> str:
@@ -196,6 +217,37 @@ class OomGuard:
                 "precision.")
 
 
+@dataclass(frozen=True)
+class _Failure:
+    """An out-of-memory error's kind and numbers, without its traceback (Note 5)."""
+
+    fields: dict | None          # memfit.OutOfMemory's constructor arguments, else None
+    message: str
+
+    @classmethod
+    def of(cls, e: torch.OutOfMemoryError) -> "_Failure":
+        if isinstance(e, OutOfMemory):
+            return cls(dict(requested_bytes=e.requested_bytes, live_bytes=e.live_bytes,
+                            budget_bytes=e.budget_bytes, op=e.op, module=e.module), str(e))
+        return cls(None, str(e))
+
+    @property
+    def numbers(self) -> str:
+        f = self.fields
+        if f is None:
+            return "the device's own out-of-memory error, which gives no numbers"
+        return (f"{f['op']} asked for {format_bytes(f['requested_bytes'])} with "
+                f"{format_bytes(f['live_bytes'])} live, budget {format_bytes(f['budget_bytes'])}:"
+                f" {format_bytes(f['live_bytes'] + f['requested_bytes'] - f['budget_bytes'])} "
+                "over")
+
+    def error(self, note: str) -> torch.OutOfMemoryError:
+        e = OutOfMemory(**self.fields) if self.fields is not None else \
+            torch.OutOfMemoryError(self.message)
+        e.add_note(note)
+        return e
+
+
 def adopt(runner: "Runner", new: "Runner") -> None:
     """Move ``new``'s components into ``runner`` (Note 2)."""
     if new.model is not runner.model:
@@ -204,6 +256,7 @@ def adopt(runner: "Runner", new: "Runner") -> None:
     rebuilt = new.optimizer is not runner.optimizer and len(runner.optimizer.state) > 0
     runner.optimizer = new.optimizer
     runner.plan = new.plan
+    runner.applied = new.applied
     runner.precision = new.precision
     runner.accumulation = new.accumulation
     runner.handles, new.handles = list(new.handles), []
@@ -211,6 +264,6 @@ def adopt(runner: "Runner", new: "Runner") -> None:
     if new.scaler is None or runner.scaler is None:
         runner.scaler = new.scaler
     if rebuilt:
-        runner.plan.reasons.append(
+        runner.applied = runner.applied.with_note(
             "OOM guard: the re-plan rebuilt the optimizer, so its state (e.g. Adam's moments) "
             "starts afresh and a scheduler given as an instance drives the old one")

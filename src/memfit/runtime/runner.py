@@ -11,9 +11,13 @@ Note 2 (no host syncs inside). ``run`` returns tensors and never reads a value b
 same code runs on fake tensors when ``estimate`` traces it; ``step`` does the bookkeeping
 (``.item()``) afterwards.
 
-Note 3 (out of memory). The optimizer step is checked against the plan's budget before it
-runs, and with ``replan`` an effective batch that runs out of memory is restored, re-planned
-and run again: ``oom_guard`` Notes 1-4.
+Note 3 (out of memory). The optimizer step is checked against the budget before it runs
+(``applied.budget_bytes``), and with ``replan`` an effective batch that runs out of memory is
+restored, re-planned and run again: ``oom_guard`` Notes 1-5.
+
+Note 4 (plan and applied). ``runner.plan`` is the plan as searched and is never changed
+(plan Note 1); ``runner.applied`` (``Applied``) is what building the Runner did: each block's
+mode as installed, whether the optimizer was rebuilt, the budget held, notes.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memfit.planner import Plan
+from memfit.runtime.applied import Applied
 from memfit.runtime.oom_guard import OomGuard, check_optimizer_step, committing
 from memfit.step import compute_loss, prepare_batch
 from memfit.techniques.accumulation import Accumulation
@@ -59,10 +64,12 @@ class Runner:
     def __init__(self, model: nn.Module, optimizer, *, plan: Plan, precision: Precision,
                  accumulation: Accumulation, loss_fn: Callable | None = None, scaler=None,
                  scheduler=None, device_type: str = "cpu", handles=(), contexts=(),
-                 replan: Callable[[int], "Runner"] | None = None):
+                 replan: Callable[[int], "Runner"] | None = None,
+                 applied: Applied | None = None):
         self.model = model
         self.optimizer = optimizer
-        self.plan = plan
+        self.plan = plan              # as searched, never changed (Note 4)
+        self.applied = applied or Applied(blocks=plan.blocks, budget_bytes=plan.budget_bytes)
         self.precision = precision
         self.accumulation = accumulation
         self.loss_fn = loss_fn
@@ -78,7 +85,7 @@ class Runner:
         if replan is not None:
             self.guard = OomGuard(replan, distributed=_world(model) > 1)
             if self.guard.off_reason is not None:
-                plan.reasons.append(self.guard.off_reason)
+                self.applied = self.applied.with_note(self.guard.off_reason)
 
     def close(self) -> None:
         """Remove the techniques applied to the model's modules (checkpoint wrappers, ...)."""
@@ -145,7 +152,8 @@ class Runner:
                 loss = torch.where(weights[i] == 0, torch.zeros_like(loss), loss)
             loss_sum = loss if loss_sum is None else loss_sum + loss
         mark("optimizer")
-        check_optimizer_step(self.plan, self.device_type)   # parameters untouched so far
+        check_optimizer_step(self.plan.predicted_optimizer_step_bytes,   # parameters untouched
+                             self.applied.budget_bytes, self.device_type)   # so far
         grad_norm = self._unscale_and_clip()
         with committing():
             if scaler is not None:

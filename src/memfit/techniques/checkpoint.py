@@ -187,16 +187,22 @@ def _hooks_of(block: nn.Module) -> list[_BlockHooks]:
 
 
 class CheckpointHandle:
-    """What ``Checkpoint.apply`` did; ``remove()`` takes every block's hooks off (Note 1)."""
+    """What ``Checkpoint.apply`` did; ``remove()`` takes every block's hooks off (Note 1),
+    ``reapply()`` puts the same checkpoint back (a new handle)."""
 
-    def __init__(self, modes: dict[str, str], hooks: list):
+    def __init__(self, modes: dict[str, str], hooks: list, reapply):
         self.modes = modes                  # block name -> "keep" | "recompute" | "selective"
         self._hooks = hooks                 # RemovableHandles of the blocks' hook pairs
+        self._reapply = reapply             # () -> CheckpointHandle
 
     def remove(self) -> None:
         for h in reversed(self._hooks):
             h.remove()
         self._hooks = []
+
+    def reapply(self) -> "CheckpointHandle":
+        """The same blocks, modes and autocast factory again, after ``remove()``."""
+        return self._reapply()
 
 
 class Checkpoint:
@@ -266,4 +272,4 @@ class Checkpoint:
                                keep_cache=getattr(block, "_can_checkpoint_with_cache", False))
             hooks.append(block.register_forward_pre_hook(pair.pre, with_kwargs=True))
             hooks.append(block.register_forward_hook(pair.post, prepend=True, always_call=True))
-        return CheckpointHandle(modes, hooks)
+        return CheckpointHandle(modes, hooks, functools.partial(self.apply, model, modes))

@@ -286,12 +286,18 @@ class _Swapper:
 
 class OffloadHandle:
     """What ``Offload.apply`` did: ``modes``, live ``stats``; ``remove()`` takes the hooks off
-    (saves already offloaded still come back in their backward)."""
+    (saves already offloaded still come back in their backward); ``reapply()`` puts the same
+    offload back (a new handle, with new stats)."""
 
-    def __init__(self, modes: dict[str, str], stats: OffloadStats, hooks: list):
+    def __init__(self, modes: dict[str, str], stats: OffloadStats, hooks: list, reapply):
         self.modes = modes                  # block name -> "keep" | "offload"
         self.stats = stats
         self._hooks = hooks
+        self._reapply = reapply             # () -> OffloadHandle
+
+    def reapply(self) -> "OffloadHandle":
+        """The same blocks, config and copies again, after ``remove()``."""
+        return self._reapply()
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -353,7 +359,8 @@ class Offload:
         for block in blocks:
             hooks.append(block.register_forward_pre_hook(swapper.enter, prepend=True))
             hooks.append(block.register_forward_hook(swapper.exit, always_call=True))
-        return OffloadHandle(modes, swapper.stats, hooks)
+        return OffloadHandle(modes, swapper.stats, hooks,
+                             functools.partial(self.apply, model, modes))
 
 
 def _check_policy(p) -> None:
