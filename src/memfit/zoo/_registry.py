@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import difflib
 
-from transformers import (BertConfig, GPT2Config, LlamaConfig, ResNetConfig, RobertaConfig, T5Config,
-                          ViTConfig, XLMRobertaConfig)
+from transformers import (BertConfig, CLIPConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config,
+                          ResNetConfig, RobertaConfig, T5Config, ViTConfig, WhisperConfig, XLMRobertaConfig)
 
 from memfit.zoo._spec import ModelSpec
 
@@ -68,6 +68,42 @@ _TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
 _TINY_LLAMA_3 = {**_TINY_LLAMA, "num_key_value_heads": 2, "head_dim": 16, "bos_token_id": 1, "eos_token_id": 2,
                  "rope_scaling": {**_LLAMA_3_2_1B["rope_scaling"], "original_max_position_embeddings": 32}}
 
+# --- Mistral / Qwen2.5: Llama-like decoders (GQA; Mistral's sliding window; Qwen's q/k/v biases) ----
+_MISTRAL_7B = dict(attention_dropout=0.0, bos_token_id=1, eos_token_id=2, hidden_act="silu", hidden_size=4096,
+                   initializer_range=0.02, intermediate_size=14336, max_position_embeddings=32768,
+                   num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=8, rms_norm_eps=1e-05,
+                   rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False, use_cache=True,
+                   vocab_size=32000)
+_QWEN2_5_7B = dict(attention_dropout=0.0, bos_token_id=151643, eos_token_id=151643, hidden_act="silu",
+                   hidden_size=3584, initializer_range=0.02, intermediate_size=18944, max_position_embeddings=131072,
+                   max_window_layers=28, num_attention_heads=28, num_hidden_layers=28, num_key_value_heads=4,
+                   rms_norm_eps=1e-06, rope_theta=1000000.0, sliding_window=131072, tie_word_embeddings=False,
+                   use_cache=True, use_sliding_window=False, vocab_size=152064)
+_TINY_DECODER = {**_TINY_LLAMA, "num_key_value_heads": 2, "bos_token_id": 1, "eos_token_id": 2}
+
+# --- Whisper (speech seq2seq) and CLIP (contrastive image-text) -----------------------------------
+_WHISPER_SMALL = dict(activation_dropout=0.0, activation_function="gelu", attention_dropout=0.0, bos_token_id=50257,
+                      d_model=768, decoder_attention_heads=12, decoder_ffn_dim=3072, decoder_layers=12,
+                      decoder_start_token_id=50258, dropout=0.0, encoder_attention_heads=12, encoder_ffn_dim=3072,
+                      encoder_layers=12, eos_token_id=50257, max_source_positions=1500, max_target_positions=448,
+                      num_mel_bins=80, pad_token_id=50257, scale_embedding=False, vocab_size=51865)
+_TINY_WHISPER = dict(d_model=64, decoder_attention_heads=4, decoder_ffn_dim=128, decoder_layers=2,
+                     encoder_attention_heads=4, encoder_ffn_dim=128, encoder_layers=2, num_mel_bins=16,
+                     max_source_positions=32, max_target_positions=64, vocab_size=128, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=2, decoder_start_token_id=3)
+_CLIP_B32 = dict(projection_dim=512, logit_scale_init_value=2.6592,
+                 text_config=dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8,
+                                  num_hidden_layers=12, max_position_embeddings=77, vocab_size=49408,
+                                  hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407, pad_token_id=1),
+                 vision_config=dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12,
+                                    num_hidden_layers=12, image_size=224, patch_size=32, hidden_act="quick_gelu"))
+_TINY_CLIP = dict(projection_dim=32,
+                  text_config=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
+                                   max_position_embeddings=32, vocab_size=128, bos_token_id=1, eos_token_id=2,
+                                   pad_token_id=0),
+                  vision_config=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                     num_hidden_layers=2, image_size=32, patch_size=8))
+
 # --- T5 v1.0: encoder-decoder, relative position buckets, tied LM head ---------------------------
 _T5_BASE = dict(d_ff=3072, d_kv=64, d_model=768, decoder_start_token_id=0, dropout_rate=0.1, eos_token_id=1,
                 initializer_factor=1.0, is_encoder_decoder=True, layer_norm_epsilon=1e-06, n_positions=512,
@@ -118,8 +154,19 @@ def _builtin_specs() -> tuple[ModelSpec, ...]:
         ModelSpec("llama-7b", "causal-lm", LlamaConfig, _LLAMA_2_7B, {"causal-lm": "LlamaForCausalLM"},
                   "causal-lm", _TINY_LLAMA, ("meta-llama/Llama-2-7b-hf", "llama-2-7b", "llama2-7b"),
                   "meta-llama/Llama-2-7b-hf"),
+        ModelSpec("mistral-7b", "causal-lm", MistralConfig, _MISTRAL_7B, {"causal-lm": "MistralForCausalLM"},
+                  "causal-lm", {**_TINY_DECODER, "sliding_window": 8},
+                  ("mistralai/Mistral-7B-v0.1", "mistral-7b-v0.1"), "mistralai/Mistral-7B-v0.1"),
+        ModelSpec("qwen2.5-7b", "causal-lm", Qwen2Config, _QWEN2_5_7B, {"causal-lm": "Qwen2ForCausalLM"},
+                  "causal-lm", _TINY_DECODER, ("Qwen/Qwen2.5-7B", "qwen2.5"), "Qwen/Qwen2.5-7B"),
         ModelSpec("t5-base", "seq2seq", T5Config, _T5_BASE, {"seq2seq-lm": "T5ForConditionalGeneration"},
                   "seq2seq-lm", _TINY_T5, ("google-t5/t5-base",), "google-t5/t5-base"),
+        ModelSpec("whisper-small", "seq2seq", WhisperConfig, _WHISPER_SMALL,
+                  {"speech-seq2seq": "WhisperForConditionalGeneration"}, "speech-seq2seq", _TINY_WHISPER,
+                  ("openai/whisper-small",), "openai/whisper-small"),
+        ModelSpec("clip-vit-base-patch32", "multimodal", CLIPConfig, _CLIP_B32, {"contrastive": "CLIPModel"},
+                  "contrastive", _TINY_CLIP, ("openai/clip-vit-base-patch32", "clip-base"),
+                  "openai/clip-vit-base-patch32"),
         ModelSpec("vit-base", "vision", ViTConfig, _VIT, {"image-classification": "ViTForImageClassification"},
                   "image-classification", _TINY_VIT, ("google/vit-base-patch16-224", "vit-base-patch16-224"),
                   "google/vit-base-patch16-224"),
