@@ -10,6 +10,11 @@ import subprocess
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+SHARED_MACHINE_NOTE = (
+    "measured on a shared machine loaded by other jobs (step times swing 2-5x over seconds): "
+    "the settings were timed interleaved (benchmarks/_timing.py, every setting once per round, "
+    "ratios to the plain step of the same round), which is what keeps the ratios meaningful; "
+    "absolute seconds are not; the control row (a second plain runner) shows the noise left")
 
 
 def environment() -> dict:
@@ -33,7 +38,26 @@ def environment() -> dict:
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu_model": _cpu_info("model name"),
+        # what decides 16-bit CPU speed: without avx512_bf16 / amx, bf16 matmuls run 10-60x
+        # slower than fp32
+        "cpu_flags": sorted(set((_cpu_info("flags") or "").split()) & _FLAGS),
     }
+
+
+_FLAGS = {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "fma"}
+
+
+def _cpu_info(key: str) -> str | None:
+    """The first ``key`` line of /proc/cpuinfo (Linux), else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.split(":", 1)[0].strip() == key:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def write(name: str, config: dict, rows: list[dict]) -> Path:

@@ -25,7 +25,11 @@ every other ratio. ``Ratio.low``/``high`` are the quartiles of the per-round rat
 Note 4 (what is timed). A step is a zero-argument callable; its wall time is ``clock()`` after
 ``sync()`` minus ``clock()`` before it (``sync``: ``torch.cuda.synchronize`` on a GPU, so the
 kernels a step queued are inside its time). Warm-up steps (not timed) run first, in the first
-round's order.
+round's order. Beside the wall time, the process's CPU time (``cpu_clock``, default
+``time.process_time``) of each step is kept: on a CPU with one torch thread it is the step's
+work without the time spent waiting for a core that other jobs hold, so its ratios are far
+steadier on an oversubscribed machine (``ratio(..., clock="cpu")``). With more threads it
+also counts OpenMP's spin-waits, and on a GPU it means nothing: read the wall ratios there.
 """
 
 from __future__ import annotations
@@ -93,31 +97,47 @@ class Timings:
     """Seconds of each setting in each round (round order), and the orders they ran in."""
 
     baseline: str
-    seconds: dict[str, list[float]]
+    seconds: dict[str, list[float]]                   # wall seconds, per round
+    cpu_seconds: dict[str, list[float]] = field(default_factory=dict)   # process CPU (Note 4)
     orders: list[list[str]] = field(default_factory=list)
 
-    def median_s(self, label: str) -> float:
-        return statistics.median(self.seconds[label])
+    def median_s(self, label: str, clock: str = "wall") -> float:
+        return statistics.median(self._times(clock)[label])
 
-    def ratio(self, label: str, against: str | None = None) -> Ratio:
+    def ratio(self, label: str, against: str | None = None, clock: str = "wall") -> Ratio:
         """``label``'s time over ``against``'s (default: the baseline), round by round (Note 1)."""
-        base = self.seconds[against or self.baseline]
-        return Ratio.of([t / b for t, b in zip(self.seconds[label], base)])
+        times = self._times(clock)
+        base = times[against or self.baseline]
+        return Ratio.of([t / b for t, b in zip(times[label], base)])
+
+    def _times(self, clock: str) -> dict[str, list[float]]:
+        if clock not in ("wall", "cpu"):
+            raise ValueError(f"clock={clock!r}: use 'wall' or 'cpu'")
+        return self.seconds if clock == "wall" else self.cpu_seconds
 
     def row(self, label: str, against: str | None = None) -> dict:
-        """The record fields of one setting: its median seconds, per-round seconds, ratio."""
-        return {"step_seconds_median": round(self.median_s(label), 4),
-                "step_seconds": [round(t, 4) for t in self.seconds[label]],
-                **self.ratio(label, against).to_dict()}
+        """The record fields of one setting: median and per-round seconds, wall and CPU
+        ratios (the CPU ones prefixed ``cpu_``)."""
+        out = {"step_seconds_median": round(self.median_s(label), 4),
+               "step_seconds": [round(t, 4) for t in self.seconds[label]],
+               **self.ratio(label, against).to_dict()}
+        if self.cpu_seconds.get(label):
+            out["cpu_step_seconds_median"] = round(self.median_s(label, "cpu"), 4)
+            out.update({f"cpu_{k}": v
+                        for k, v in self.ratio(label, against, "cpu").to_dict().items()})
+        return out
 
     def summary(self) -> dict:
         """What a record says about the timing itself: rounds, orders, the control's ratio."""
         out = {"timing": "interleaved (benchmarks/_timing.py): every setting once per round, "
                          "balanced Latin-square order; ratios are medians of per-round ratios to the "
-                         "baseline timed in the same round",
+                         "baseline timed in the same round; time_ratio from wall time, "
+                         "cpu_time_ratio from the process's CPU time",
                "baseline": self.baseline, "rounds": len(self.orders), "orders": self.orders}
         if CONTROL in self.seconds:
             out["control"] = self.ratio(CONTROL).to_dict()
+            if self.cpu_seconds.get(CONTROL):
+                out["control_cpu"] = self.ratio(CONTROL, clock="cpu").to_dict()
         return out
 
 
@@ -125,6 +145,7 @@ def interleave(steps: dict[str, Callable[[], object]], rounds: int, baseline: st
                warmup: int = 0, order: str = "balanced", seed: int = 0,
                sync: Callable[[], object] | None = None,
                clock: Callable[[], float] = time.perf_counter,
+               cpu_clock: Callable[[], float] = time.process_time,
                on_round: Callable[[int, int], object] | None = None) -> Timings:
     """Time every step once per round for ``rounds`` rounds (Notes 1, 2, 4)."""
     if baseline not in steps:
@@ -136,15 +157,16 @@ def interleave(steps: dict[str, Callable[[], object]], rounds: int, baseline: st
             steps[labels[i]]()
     if sync is not None:
         sync()
-    out = Timings(baseline, {label: [] for label in labels})
+    out = Timings(baseline, {label: [] for label in labels}, {label: [] for label in labels})
     for r, idx in enumerate(plan):
         if on_round is not None:
             on_round(r, rounds)
         for i in idx:
-            start = clock()
+            start, start_cpu = clock(), cpu_clock()
             steps[labels[i]]()
             if sync is not None:
                 sync()
             out.seconds[labels[i]].append(clock() - start)
+            out.cpu_seconds[labels[i]].append(cpu_clock() - start_cpu)
         out.orders.append([labels[i] for i in idx])
     return out

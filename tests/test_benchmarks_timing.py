@@ -85,20 +85,28 @@ def test_ratios_are_per_round_so_a_slow_round_cancels():
     # round r runs at speed factor slow[r] (the shared machine); a costs 1.5x plain
     slow, cost = [1.0, 3.0, 1.0, 2.0], {"plain": 1.0, timing.CONTROL: 1.0, "a": 1.5}
     state = {"round": 0}
+    cpu = FakeClock()                      # the CPU clock sees the work, not the slow phase
 
     def step(label):
         def run():
             clock.now += cost[label] * slow[state["round"]]
+            cpu.now += cost[label]
         return run
 
     t = timing.interleave({k: step(k) for k in cost}, rounds=4, baseline="plain", clock=clock,
-                          on_round=lambda r, n: state.update(round=r))
+                          cpu_clock=cpu, on_round=lambda r, n: state.update(round=r))
     assert t.ratio("a").per_round == (1.5, 1.5, 1.5, 1.5)
     assert t.ratio("a").median == 1.5
     assert t.ratio(timing.CONTROL).median == 1.0
     assert t.summary()["control"]["time_ratio"] == 1.0
     # one after another (all of a in the slow rounds) would have read 1.5 * 2.5 / 1.0
     assert t.median_s("plain") == 1.5
+    assert t.median_s("plain", "cpu") == 1.0
+    assert t.ratio("a", clock="cpu").median == 1.5
+    row = t.row("a")
+    assert row["time_ratio"] == row["cpu_time_ratio"] == 1.5
+    with pytest.raises(ValueError, match="clock='gpu'"):
+        t.ratio("a", clock="gpu")
 
 
 def test_ratio_quartiles_and_other_baseline():
