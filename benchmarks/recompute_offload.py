@@ -2,7 +2,14 @@
 host bytes, the extra FLOPs (FlopCounterMode, exact) and the step-time ratio of each setting
 against the plain step.
 
-    python benchmarks/recompute_offload.py [--repeats 3]
+    python benchmarks/recompute_offload.py [--rounds 5] [--quick]
+
+Each setting gets its own runner (same seed, same weights); peaks and FLOPs are measured one
+setting at a time, then all the runners' steps are timed interleaved (benchmarks/_timing.py:
+every setting once per round, balanced order, the ratio to the plain step of the same round,
+median over rounds, quartiles as the spread), with a second plain runner as the control. One
+torch thread: the CPU-time ratios (process CPU time per step) leave out the waits for a core
+that other jobs hold, and are the steadier figure on a loaded machine.
 
 On this CPU-only machine "host" and "device" are the same memory: the split is memfit's
 accounting (host_allocations), and offload's copies cost real time without hiding behind
@@ -13,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -27,6 +33,7 @@ import memfit  # noqa: E402
 from memfit import zoo  # noqa: E402
 
 import _record  # noqa: E402
+from _timing import CONTROL, interleave  # noqa: E402
 
 MODELS = [("gpt2", dict(n_layer=6, n_embd=256, n_head=4, vocab_size=8192, bos_token_id=0,
                         eos_token_id=0), 8, 256),
@@ -36,9 +43,15 @@ MODELS = [("gpt2", dict(n_layer=6, n_embd=256, n_head=4, vocab_size=8192, bos_to
 SETTINGS = [dict(), dict(checkpoint="all"), dict(checkpoint="every:2"),
             dict(checkpoint="selective"), dict(offload="all"),
             dict(checkpoint="all", offload="all"), dict(offload_optimizer=True)]
+QUICK_SEQ_LEN = 128
 
 
-def run_setting(spec, overrides, bs, seq, knobs, repeats):
+def label_of(knobs: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in knobs.items()) or "plain"
+
+
+def build(spec, overrides, bs, seq, knobs):
+    """A runner of one setting (one step taken), its prepared batch, peaks and FLOPs."""
     torch.manual_seed(0)
     model = spec.build(seed=0, **overrides)
     batch = spec.make_batch(model, bs, seq_len=seq, padded=True)
@@ -50,48 +63,73 @@ def run_setting(spec, overrides, bs, seq, knobs, repeats):
         runner.run(prepared)
     with FlopCounterMode(display=False) as flops:
         runner.run(prepared)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner.run(prepared)
-        times.append(time.perf_counter() - start)
-    runner.close()
-    return t.peak_bytes, t.host_peak_bytes, flops.get_total_flops(), min(times)
+    return runner, prepared, (t.peak_bytes, t.host_peak_bytes, flops.get_total_flops())
+
+
+def run_model(name, overrides, bs, seq, rounds, console):
+    spec = zoo.get(name)
+    runners, steps, measured = [], {}, {}
+    for label, knobs in [*((label_of(k), k) for k in SETTINGS), (CONTROL, {})]:
+        try:
+            with console.status(f"{name}: building {label}"):
+                runner, prepared, measured[label] = build(spec, overrides, bs, seq, knobs)
+        except ValueError as e:          # a knob this version does not have yet
+            console.print(f"[yellow]{name} {label}: skipped: {e}[/yellow]")
+            continue
+        runners.append(runner)
+        steps[label] = (lambda r=runner, p=prepared: r.run(p))
+    with console.status(f"{name}: timing {len(steps)} settings interleaved") as status:
+        timings = interleave(steps, rounds, "plain", warmup=1, on_round=lambda r, n: status.update(
+            f"{name}: timing {len(steps)} settings interleaved, round {r + 1}/{n}"))
+    for runner in runners:
+        runner.close()
+    table = Table(title=f"{name} (6 layers, width 256), batch {bs} x {seq}, AdamW, fp32 (time: "
+                        f"median [quartiles] of {rounds} interleaved rounds)")
+    for col in ("setting", "device peak", "peak ratio", "host peak", "extra FLOPs",
+                "step s", "time ratio", "CPU-time ratio"):
+        table.add_column(col, justify="right")
+    base_peak, _, base_flops = measured["plain"]
+    rows = []
+    for label in steps:
+        peak, host, flops = measured[label]
+        row = {"model": name, "setting": label, "peak_bytes": peak, "host_peak_bytes": host,
+               "flops": flops, "extra_flops": flops - base_flops,
+               "peak_ratio": round(peak / base_peak, 4), **timings.row(label)}
+        rows.append(row)
+        table.add_row(label, memfit.format_bytes(peak), f"{row['peak_ratio']:.3f}",
+                      memfit.format_bytes(host), f"{row['extra_flops'] / 1e9:+.2f} G",
+                      f"{timings.median_s(label):.3f}", str(timings.ratio(label)),
+                      str(timings.ratio(label, clock="cpu")))
+    console.print(table)
+    console.print(f"control (plain vs plain): {timings.ratio(CONTROL)} wall, "
+                  f"{timings.ratio(CONTROL, clock='cpu')} CPU time")
+    return rows, {"model": name, **timings.summary()}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=3, help="timed steps per setting (min is kept)")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="interleaved timing rounds, one step per setting each (default 5, "
+                         "--quick 3)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"gpt2 only, sequence {QUICK_SEQ_LEN}, 3 rounds: a few minutes")
     args = ap.parse_args()
+    rounds = args.rounds or (3 if args.quick else 5)
+    if rounds < 1:
+        ap.error(f"--rounds {rounds}: needs at least 1")
+    torch.set_num_threads(1)          # 2 threads fighting other jobs for 2 cores: noise
     console = Console(width=150)
-    rows = []
-    for name, overrides, bs, seq in MODELS:
-        spec = zoo.get(name)
-        table = Table(title=f"{name} (6 layers, width 256), batch {bs} x {seq}, AdamW, fp32")
-        for col in ("setting", "device peak", "peak ratio", "host peak", "extra FLOPs",
-                    "step s", "time ratio"):
-            table.add_column(col, justify="right")
-        base = None
-        for knobs in SETTINGS:
-            label = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "plain"
-            try:
-                with console.status(f"{name}: {label}"):
-                    peak, host, flops, seconds = run_setting(spec, overrides, bs, seq, knobs,
-                                                             args.repeats)
-            except ValueError as e:          # a knob this version does not have yet
-                console.print(f"[yellow]{name} {label}: skipped: {e}[/yellow]")
-                continue
-            base = base or (peak, flops, seconds)
-            row = {"model": name, "setting": label, "peak_bytes": peak, "host_peak_bytes": host,
-                   "flops": flops, "extra_flops": flops - base[1], "step_seconds": round(seconds, 4),
-                   "peak_ratio": round(peak / base[0], 4), "time_ratio": round(seconds / base[2], 4)}
-            rows.append(row)
-            table.add_row(label, memfit.format_bytes(peak), f"{row['peak_ratio']:.3f}",
-                          memfit.format_bytes(host), f"{row['extra_flops'] / 1e9:+.2f} G",
-                          f"{seconds:.3f}", f"{row['time_ratio']:.2f}")
-        console.print(table)
-    path = _record.write("recompute_offload", {"models": MODELS, "settings": SETTINGS,
-                                               "repeats": args.repeats}, rows)
+    models = [(n, o, b, QUICK_SEQ_LEN) for n, o, b, _ in MODELS[:1]] if args.quick else MODELS
+    rows, timing = [], []
+    for name, overrides, bs, seq in models:
+        r, t = run_model(name, overrides, bs, seq, rounds, console)
+        rows += r
+        timing.append(t)
+    path = _record.write("recompute_offload" + ("-quick" if args.quick else ""),
+                         {"models": models, "settings": SETTINGS, "rounds": rounds,
+                          "quick": args.quick, "timing": timing,
+                          "machine_note": _record.SHARED_MACHINE_NOTE}, rows)
     console.print(f"recorded in {path}")
 
 
