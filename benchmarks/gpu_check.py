@@ -30,6 +30,7 @@ import memfit  # noqa: E402
 from memfit import zoo  # noqa: E402
 
 import _record  # noqa: E402
+from _timing import CONTROL, interleave  # noqa: E402
 
 # (model, tiny, batch, seq_len or None, precision)
 CASES = [
@@ -72,52 +73,58 @@ def measure(spec, tiny: bool, batch_cpu: dict, precision: str) -> dict:
     return out
 
 
-def offload_overlap(console) -> dict:
+def offload_overlap(console, rounds: int = 5) -> dict:
     """How much of activation offload's copy time prefetch hides, on this GPU: step time of
     plain / offload without prefetch / offload with prefetch (gpt2, batch 8 x 1024, bf16 or
-    fp16). hidden = (t_no_prefetch - t_prefetch) / (t_no_prefetch - t_plain)."""
+    fp16). hidden = (t_no_prefetch - t_prefetch) / (t_no_prefetch - t_plain). Each setting's
+    peak is read on its own step (the others idle: their bytes are subtracted); then all the
+    steps, and a second plain one as the control, are timed interleaved (benchmarks/_timing.py:
+    each round runs every setting once; medians over rounds)."""
     from memfit.techniques.offload import Offload
 
     spec = zoo.get("gpt2")
     precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    out = {}
-    for label, prefetch in (("plain", None), ("no_prefetch", False), ("prefetch", True)):
+    out, steps, keep = {}, {}, []
+    for label, prefetch in (("plain", None), ("no_prefetch", False), ("prefetch", True),
+                            (CONTROL, None)):
+        resident = torch.cuda.memory_allocated()
         model = spec.build(device="cuda")
         batch = {k: v.cuda() for k, v in spec.make_batch(model, 8, seq_len=1024).items()}
-        handle = None
         if prefetch is not None:
-            handle = Offload(Offload.Config("all", prefetch=prefetch)).apply(model)
+            keep.append(Offload(Offload.Config("all", prefetch=prefetch)).apply(model))
         runner = memfit.fit(model, torch.optim.AdamW(model.parameters()), batch,
                             precision=precision)
-        out[f"{label}_seconds"] = _timed_steps(runner, batch, 5)
-        out[f"{label}_peak_bytes"] = torch.cuda.max_memory_allocated()
-        if handle is not None:
-            handle.remove()
-        del runner, model, batch
-        gc.collect()
-        torch.cuda.empty_cache()
+        _peak_step(runner, batch)
+        if label != CONTROL:
+            out[f"{label}_peak_bytes"] = torch.cuda.max_memory_allocated() - resident
+        steps[label] = (lambda r=runner, b=batch: r.step(b))
+    timings = interleave(steps, rounds, "plain", warmup=1, sync=torch.cuda.synchronize)
+    for label in ("plain", "no_prefetch", "prefetch"):
+        out[f"{label}_seconds"] = timings.median_s(label)
+    out["timing"] = timings.summary()
+    for handle in keep:
+        handle.remove()
+    del steps, keep
+    gc.collect()
+    torch.cuda.empty_cache()
     copy = out["no_prefetch_seconds"] - out["plain_seconds"]
     out["hidden_fraction"] = (out["no_prefetch_seconds"] - out["prefetch_seconds"]) / copy \
         if copy > 0 else None
     hidden = "n/a" if out["hidden_fraction"] is None else f"{100 * out['hidden_fraction']:.0f}%"
     console.print(f"offload (gpt2 8x1024 {precision}): plain {out['plain_seconds']:.3f} s, "
                   f"no prefetch {out['no_prefetch_seconds']:.3f} s, prefetch "
-                  f"{out['prefetch_seconds']:.3f} s; prefetch hides {hidden} of the copy time")
+                  f"{out['prefetch_seconds']:.3f} s; prefetch hides {hidden} of the copy time "
+                  f"(control {timings.ratio(CONTROL)})")
     return out
 
 
-def _timed_steps(runner, batch, repeats: int) -> float:
-    """One warm-up step, the peak statistics reset, then the fastest of ``repeats`` steps."""
+def _peak_step(runner, batch) -> None:
+    """One warm-up step, the peak statistics reset, then one step: the peak is this step's."""
     runner.step(batch)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner.step(batch)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    runner.step(batch)
+    torch.cuda.synchronize()
 
 
 def planner_check(console, spec, dry_run: bool) -> dict:
@@ -149,28 +156,42 @@ def planner_check(console, spec, dry_run: bool) -> dict:
                   f"{p.predicted_step_time_ratio:.2f}")
     if dry_run:
         return out
-    for label, kn in (("plain", {}), ("plan", knobs)):
-        model = s.build(device="cuda")
-        batch = {k: v.cuda() for k, v in batch_cpu.items()}
-        runner = memfit.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-5), batch, **kn)
-        seconds = _timed_steps(runner, batch, 3)
+    settings = (("plain", {}), ("plan", knobs), (CONTROL, {}))
+    for label, kn in settings[:2]:       # memory: one runner alive at a time
+        runner, batch = _runner(s, batch_cpu, kn)
+        _peak_step(runner, batch)
         free, total = torch.cuda.mem_get_info()
         context = total - free - torch.cuda.memory_reserved()
-        out[f"{label}_seconds"] = seconds
         out[f"{label}_reserved_bytes"] = torch.cuda.max_memory_reserved()
         out[f"{label}_device_bytes"] = torch.cuda.max_memory_reserved() + context
-        del runner, model, batch
+        del runner, batch
         gc.collect()
         torch.cuda.empty_cache()
-    out["time_ratio"] = out["plan_seconds"] / out["plain_seconds"]
+    steps = {}                           # time: all of them alive, interleaved
+    for label, kn in settings:
+        runner, batch = _runner(s, batch_cpu, kn)
+        steps[label] = (lambda r=runner, b=batch: r.step(b))
+    timings = interleave(steps, 3, "plain", warmup=1, sync=torch.cuda.synchronize)
+    out["plain_seconds"], out["plan_seconds"] = timings.median_s("plain"), timings.median_s("plan")
+    out["time_ratio"] = timings.ratio("plan").median
+    out["timing"] = timings.summary()
+    del steps
+    gc.collect()
+    torch.cuda.empty_cache()
     out["fits"] = out["plan_device_bytes"] <= out["budget_bytes"]
     fmt = memfit.format_bytes
     console.print(f"planner measured: plan {fmt(out['plan_device_bytes'])} of {budget} "
                   f"({'fits' if out['fits'] else 'OVER'}; plain {fmt(out['plain_device_bytes'])}),"
-                  f" time ratio {out['time_ratio']:.2f} (predicted "
-                  f"{p.predicted_step_time_ratio:.2f})")
+                  f" time ratio {timings.ratio('plan')} (predicted "
+                  f"{p.predicted_step_time_ratio:.2f}; control {timings.ratio(CONTROL)})")
     console.print(f"recorded in {_record.write('gpu_planner', {'budget': budget}, [out])}")
     return out
+
+
+def _runner(s, batch_cpu, knobs):
+    model = s.build(device="cuda")
+    batch = {k: v.cuda() for k, v in batch_cpu.items()}
+    return memfit.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-5), batch, **knobs), batch
 
 
 def main() -> None:

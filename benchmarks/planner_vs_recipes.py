@@ -43,10 +43,12 @@ the second step of (running sum - running sum at the marker). The profiler's fig
 blocks a kernel allocates and frees inside itself, so it is >= track's by at most the largest
 such block; both are printed for the plain step.
 
-Note 2 (times). Every method's step is timed in rounds, one step per method per round, the
-order rotated each round, so all methods share the machine's noise (this machine is shared);
-the median is kept, and ratios are against the plain step's median from the same rounds.
-Compilation happens before the rounds and is not timed.
+Note 2 (times). Every method's step is timed in rounds (benchmarks/_timing.py): one step per
+method per round, in a balanced order, so all methods share the machine's noise (this machine
+is shared); each ratio is the median over rounds of the method's time over the plain step's in
+the same round, with the quartiles as the spread. A second plain step (its own model) is timed
+as the control: its ratio should read 1.00x. Compilation happens before the rounds and is not
+timed.
 
 Note 3 (compile levels). ``activation_memory_budget`` is read when AOTAutograd partitions the
 joint graph. Setting it around the first call of ``torch.compile(model)`` is not enough: every
@@ -83,6 +85,7 @@ from memfit.api.plan import plan  # noqa: E402
 from memfit.step import canonical_step, prepare_batch  # noqa: E402
 
 import _record  # noqa: E402
+from _timing import CONTROL, Ratio, interleave  # noqa: E402
 
 # small vocabularies, so that the blocks' activations (what the levers act on) dominate
 MODELS = {
@@ -113,6 +116,7 @@ class Method:
     predicted_peak_bytes: int | None = None
     predicted_ratio: float | None = None
     times_s: list[float] = field(default_factory=list)
+    ratio: Ratio | None = None                    # to the plain step, round by round (Note 2)
 
     @property
     def median_s(self) -> float:
@@ -253,15 +257,19 @@ def _describe(knobs: dict) -> str:
     return ", ".join(parts) or "plain (nothing to change)"
 
 
-def time_rounds(methods: list[Method], rounds: int, console) -> None:
-    """Note 2: one step per method per round, order rotated each round."""
-    for r in range(rounds):
-        order = methods[r % len(methods):] + methods[:r % len(methods)]
-        with console.status(f"timing: round {r + 1}/{rounds}"):
-            for m in order:
-                start = time.perf_counter()
-                m.step()
-                m.times_s.append(time.perf_counter() - start)
+def time_rounds(methods: list[Method], control, rounds: int, console) -> dict:
+    """Note 2: every method's step (and the control's) once per round, balanced order; each
+    method's times and ratio to the plain step (``methods[0]``) filled in. Returns the
+    timing's summary (orders, the control's ratio)."""
+    steps = {f"{i}: {m.label}, {m.setting}": m.step for i, m in enumerate(methods)}
+    steps[CONTROL] = control
+    base = next(iter(steps))
+    with console.status("timing") as status:
+        timings = interleave(steps, rounds, base, on_round=lambda r, n: status.update(
+            f"timing: round {r + 1}/{n}"))
+    for key, m in zip(steps, methods):
+        m.times_s, m.ratio = timings.seconds[key], timings.ratio(key)
+    return timings.summary()
 
 
 def largest_fitting(candidates: list[Method], budget: int) -> Method:
@@ -318,13 +326,17 @@ def run_model(name: str, args, console) -> tuple[list[dict], dict]:
             planned[(kind, budget)] = m
 
     methods = [plain, hf, *uniform, *compiled, *{id(m): m for m in cache.values()}.values()]
-    time_rounds(methods, args.rounds, console)
+    control_model, control_opt = bench.fresh()
+    control = lambda: canonical_step(control_model, control_opt, bench.batch)   # noqa: E731
+    control(), control()
+    timing = time_rounds(methods, control, args.rounds, console)
     base_s = plain.median_s
 
     rows = []
     table = Table(title=f"{name} ({n_blocks} layers, width 256, vocab 2048), batch "
                         f"{bench.batch_size} x {bench.seq_len}, AdamW, CPU; time ratio vs plain "
-                        f"fp32 ({base_s:.3f} s median of {args.rounds})")
+                        f"fp32 ({base_s:.3f} s median; median [quartiles] of {args.rounds} "
+                        "per-round ratios)")
     for col in ("budget", "method", "setting", "peak", "memfit pred. peak", "measured by", "host", "fits",
                 "step s", "time ratio", "memfit pred. ratio"):
         table.add_column(col, justify="left" if col in ("method", "setting") else "right")
@@ -348,7 +360,7 @@ def run_model(name: str, args, console) -> tuple[list[dict], dict]:
                    "measured_by": m.how, "host_peak_bytes": m.host_bytes, "fits": fits,
                    "step_seconds_median": round(m.median_s, 4),
                    "step_seconds": [round(t, 4) for t in m.times_s],
-                   "time_ratio": round(m.median_s / base_s, 4),
+                   **m.ratio.to_dict(),
                    "predicted_peak_bytes": m.predicted_peak_bytes,
                    "predicted_time_ratio": None if m.predicted_ratio is None
                    else round(m.predicted_ratio, 4)}
@@ -358,7 +370,7 @@ def run_model(name: str, args, console) -> tuple[list[dict], dict]:
                           m.how,
                           fmt(m.host_bytes) if m.host_bytes else "",
                           "[red]OVER[/red]" if over else ("yes" if fits else "no"),
-                          f"{m.median_s:.3f}", f"{row['time_ratio']:.2f}",
+                          f"{m.median_s:.3f}", str(m.ratio),
                           "" if m.predicted_ratio is None else f"{m.predicted_ratio:.2f}")
             if over:
                 console.print(f"[red]planner: {name} at {fmt(budget)}: plan {m.setting} "
@@ -369,7 +381,8 @@ def run_model(name: str, args, console) -> tuple[list[dict], dict]:
                "plain_peak_profiler_bytes": plain_profiler, "floor_bytes": floor,
                "uniform_peaks": {m.setting: m.peak_bytes for m in uniform},
                "compile_peaks_profiler": {m.setting: m.peak_bytes for m in compiled},
-               "compile_note": compile_note, "plain_step_seconds_median": round(base_s, 4)}
+               "compile_note": compile_note, "plain_step_seconds_median": round(base_s, 4),
+               "timing": timing}
     if not args.json:
         console.print(table)
         console.print(f"plain step peak: track {fmt(plain.peak_bytes)}, profiler allocator "
@@ -380,6 +393,10 @@ def run_model(name: str, args, console) -> tuple[list[dict], dict]:
             f"{m.setting.rsplit(' ', 1)[-1]}: {fmt(m.peak_bytes)}" for m in compiled))
         console.print("uniform peaks (track): " + ", ".join(
             f"{m.setting.rsplit(':', 1)[-1]}: {fmt(m.peak_bytes)}" for m in uniform))
+        c = timing["control"]
+        console.print(f"control (a second plain step vs plain, should read 1.00x): "
+                      f"{c['time_ratio']:.2f}x [{c['time_ratio_q1']:.2f}-"
+                      f"{c['time_ratio_q3']:.2f}]")
         if compile_note:
             console.print(f"[yellow]{compile_note}[/yellow]")
     return rows, summary
