@@ -18,7 +18,11 @@ def test_an_int_is_bytes_by_definition():
     assert parse_bytes(11) == 11 and parse_bytes(0) == 0
 
 
-@pytest.mark.parametrize("value", ["11", "0", "1048575", 11.0, 0.5])
+def test_zero_is_zero_in_any_unit():
+    assert parse_bytes("0") == parse_bytes("0GiB") == parse_bytes(0.0) == 0
+
+
+@pytest.mark.parametrize("value", ["11", "1", "1048575", 11.0, 0.5])
 def test_a_bare_number_under_one_mib_is_refused_with_the_units(value):
     with pytest.raises(ValueError) as e:
         parse_bytes(value)

@@ -1,17 +1,42 @@
-"""memfit: make a PyTorch training step fit the GPU memory you have."""
+"""memfit: make a PyTorch training step fit the GPU memory you have.
 
-from memfit.api import Estimate, estimate, fit, largest_fitting, plan, progressive, what_if
-from memfit.api.remat import remat
-from memfit.devices import DeviceSpec, get_device, list_devices
-from memfit.errors import BudgetTooSmall, OutOfMemory, TraceError
-from memfit.knobs import Knobs
-from memfit.measure import Tracker, track
-from memfit.planner import Plan
-from memfit.runtime import Runner, StepInfo
-from memfit.units import format_bytes, parse_bytes
+Names are imported on first use (PEP 562 ``__getattr__``), so ``import memfit.cli`` (and
+``memfit --help``) does not pay for importing torch; ``from memfit import plan`` and
+``memfit.plan`` work as they always did.
+"""
 
-__all__ = ["BudgetTooSmall", "DeviceSpec", "Estimate", "Knobs", "OutOfMemory", "Plan", "Runner",
-           "StepInfo", "TraceError", "Tracker", "estimate", "fit", "format_bytes", "get_device",
-           "largest_fitting", "list_devices", "parse_bytes", "plan", "progressive", "remat",
-           "track", "what_if"]
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+# public name -> the module that defines it
+_LAZY = {
+    "Estimate": "memfit.api", "estimate": "memfit.api", "fit": "memfit.api",
+    "largest_fitting": "memfit.api", "plan": "memfit.api", "progressive": "memfit.api",
+    "what_if": "memfit.api", "remat": "memfit.api.remat",
+    "DeviceSpec": "memfit.devices", "get_device": "memfit.devices", "list_devices": "memfit.devices",
+    "BudgetTooSmall": "memfit.errors", "OutOfMemory": "memfit.errors", "TraceError": "memfit.errors",
+    "Knobs": "memfit.knobs", "Tracker": "memfit.measure", "track": "memfit.measure",
+    "Plan": "memfit.planner", "Runner": "memfit.runtime", "StepInfo": "memfit.runtime",
+    "format_bytes": "memfit.units", "parse_bytes": "memfit.units",
+}
+
+__all__ = sorted(_LAZY)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _LAZY and not name.startswith("_") and \
+            importlib.util.find_spec(f"memfit.{name}") is not None:
+        return importlib.import_module(f"memfit.{name}")    # memfit.zoo after `import memfit`
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value      # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

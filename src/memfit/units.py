@@ -2,8 +2,8 @@
 
 Note 1 (bare numbers). A number with no unit is a count of bytes, but ``"11"`` is almost always
 someone meaning 11 GiB: no training step fits in 11 bytes. So a *string* (or float) without a
-unit below 1 MiB is refused with the fix; write the unit, or ``"11B"`` / ``"11 bytes"`` when you
-do mean bytes. A Python ``int`` is bytes by definition in the API and always passes through.
+unit below 1 MiB (but above 0, which is 0 in any unit) is refused with the fix; write the unit,
+or ``"11B"`` / ``"11 bytes"`` when you do mean bytes. A Python ``int`` is bytes by definition in the API and always passes through.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def parse_bytes(value: int | float | str) -> int:
     Ints are bytes and pass through (never negative). Strings take a number and an optional
     unit, case-insensitive: decimal ``kB``/``MB``/``GB``/``TB`` (10^3, 10^6, 10^9, 10^12),
     binary ``KiB``/``MiB``/``GiB``/``TiB`` (2^10, 2^20, 2^30, 2^40), or ``B``/``bytes``.
-    A string or float with no unit is bytes too, but one under 1 MiB is refused as a likely
-    missing unit (Note 1): ``parse_bytes("11")`` raises, ``parse_bytes("11B")`` and
+    A string or float with no unit is bytes too, but one under 1 MiB (other than 0) is refused
+    as a likely missing unit (Note 1): ``parse_bytes("11")`` raises, ``parse_bytes("11B")`` and
     ``parse_bytes(11)`` are 11.
     """
     if isinstance(value, bool):
@@ -56,7 +56,7 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, float):
         if value < 0 or value != value or value == float("inf"):
             raise ValueError(f"a byte size must be a finite non-negative number, got {value}")
-        if value < MiB:
+        if 0 < value < MiB:
             raise _bare_too_small(repr(value), value)
         return int(value)
     if isinstance(value, str):
@@ -72,7 +72,7 @@ def parse_bytes(value: int | float | str) -> int:
             raise ValueError(f"a byte size cannot be negative, got {value!r}")
         if number == float("inf"):
             raise ValueError(f"a byte size must be finite, got {value!r}")
-        if unit == "" and number < MiB:
+        if unit == "" and 0 < number < MiB:
             raise _bare_too_small(match.group(1), number)
         return int(number * _UNITS[unit])
     raise ValueError(f"a byte size must be an int or a string like '11GiB', got {type(value).__name__}")

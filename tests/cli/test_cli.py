@@ -64,7 +64,7 @@ def test_config_file(tmp_path, capsys):
     (["--model", "bert-bas"], "bert-base"),
     (["--gpu", "rtx-409"], "rtx-4090"),
     (["--budget", "ten gigs"], "11GiB"),
-    (["--model", "gtx-1080-ti"], "memfit.zoo.names"),
+    (["--model", "gtx-1080-ti"], "memfit models"),
     (["--gpu", "gtx-1080-ti", "--precision", "bf16"], "fp16"),
     (["--model", "bert-base", "--seq-len", "4096"], "512"),
 ])

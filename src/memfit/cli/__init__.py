@@ -1,40 +1,65 @@
-"""``memfit`` command line: one module per subcommand, each a thin shell over the API."""
+"""``memfit`` command line: one module per subcommand, each a thin shell over the API.
+
+Nothing is imported from torch until a subcommand runs, so ``memfit --help`` answers at once.
+Bad input ends in one line, ``memfit: error: ...`` naming CLI flags, and exit status 2
+(``cli._errors``); anything else is a bug in memfit and shows its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from memfit.cli import estimate as _estimate
+from memfit.cli import gpus as _gpus
+from memfit.cli import models as _models
 from memfit.cli import plan as _plan
-from memfit.errors import MemfitError
+from memfit.cli._args import join_dash_values
+from memfit.cli._errors import cli_warnings, format_error, is_user_error
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
-_COMMANDS = {"plan": _plan, "estimate": _estimate}
+_COMMANDS = {"plan": _plan, "estimate": _estimate, "gpus": _gpus, "models": _models}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from memfit import __version__
+
     parser = argparse.ArgumentParser(
         prog="memfit",
         description="Make a PyTorch training step fit the GPU memory you have. With no "
                     "subcommand, runs `memfit plan` on its built-in default: XLM-RoBERTa-large, "
                     "batch 32, length 256, AdamW, precision auto, on a GTX 1080 Ti.",
     )
+    parser.add_argument("--version", action="version", version=f"memfit {__version__}",
+                        help="print memfit's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in _COMMANDS.items():
+    for module in _COMMANDS.values():
         module.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["plan", *argv]
-    args = parser.parse_args(argv)
     try:
-        return args.run(args) or 0
-    except (ValueError, MemfitError) as e:   # bad input or untraceable: what, and the fix
-        print(f"memfit: error: {e}", file=sys.stderr)
-        return 2
+        args = parser.parse_args(join_dash_values(argv))
+    except SystemExit as e:         # --help, --version, or argparse refusing a value (2)
+        return e.code if isinstance(e.code, int) else 2
+    with cli_warnings():
+        try:
+            return args.run(args) or 0
+        except BrokenPipeError:     # `memfit gpus | head`: the reader left; nothing to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        except KeyboardInterrupt:
+            print("memfit: interrupted", file=sys.stderr)
+            return 130
+        except Exception as e:      # bad input or a job that cannot fit: what, and the fix
+            if not is_user_error(e):
+                raise               # a bug in memfit: its traceback is the report
+            print(format_error(e), file=sys.stderr)
+            return 2

@@ -1,13 +1,27 @@
-"""Model, batch and device flags shared by subcommands."""
+"""Model, batch, device and budget flags shared by subcommands, and their checks before tracing.
+
+Nothing here imports torch at import time: ``memfit --help`` stays fast. ``prepare`` runs every
+check that needs no trace (the model's name and config, the task, the GPU, the batch's shape,
+output paths) so bad input is refused in seconds, not after a trace.
+"""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from memfit import zoo
+from memfit.cli._args import (BYTES_HELP, budget_bytes, check_output_path, int_or_auto,
+                              positive_int, reserve_bytes)
+
+__all__ = ["DEFAULT_MODEL", "DEFAULT_GPU", "OPTIMIZER_NAMES", "add_model_args",
+           "add_target_args", "add_optimizer_impl_arg", "optimizer_impl_knob", "Target",
+           "resolve_target", "check_paths", "build_model", "make_batch", "build_model_and_batch"]
 
 DEFAULT_MODEL = "xlm-roberta-large"
 DEFAULT_GPU = "gtx-1080-ti"
+# memfit.optimizers.OPTIMIZERS' names (kept here so the parser needs no torch; a test holds them equal)
+OPTIMIZER_NAMES = ("adagrad", "adam", "adamw", "momentum", "rmsprop", "sgd")
+OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 
 
 def add_model_args(p: argparse.ArgumentParser, batch_size: int = 8,
@@ -17,49 +31,151 @@ def add_model_args(p: argparse.ArgumentParser, batch_size: int = 8,
     src = g.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, metavar="NAME",
                      help=f"a built-in model (default: {DEFAULT_MODEL}); list them with "
-                          "`python -c 'import memfit.zoo as z; print(z.names())'`")
+                          "`memfit models`")
     src.add_argument("--config", default=None, metavar="PATH",
                      help="a Hugging Face config.json (or a folder holding one) instead of --model")
     g.add_argument("--task", default=None,
                    help="training head, e.g. sequence-classification, causal-lm, masked-lm "
-                        "(default: the model's usual one)")
+                        "(default: the model's usual one; `memfit models` lists each model's)")
     auto = " or 'auto': the largest that fits the budget" if lever_auto else ""
-    number = _int_or_auto if lever_auto else int
+    number = int_or_auto if lever_auto else positive_int
     g.add_argument("--batch-size", type=number, default=batch_size,
                    help=f"samples per step (default: {batch_size}){auto}")
     g.add_argument("--seq-len", "--max-seq-len", dest="seq_len", type=number, default=None,
                    help=f"tokens per sample for text models (default: 256){auto}")
-    g.add_argument("--image-size", type=int, default=None,
+    g.add_argument("--image-size", type=positive_int, default=None,
                    help="image side in pixels for vision models (default: the model's, e.g. 224)")
     g.add_argument("--padded", action="store_true",
                    help="rows of varying length with right padding instead of full rows")
+    g.add_argument("--freeze", action="append", default=[], metavar="PATTERN",
+                   help="do not train the parameters whose names match: a name, a module "
+                        "prefix (roberta.embeddings), a glob ('roberta.embeddings.*') or a regex; "
+                        "repeat for more")
+    g.add_argument("--lora-rank", type=positive_int, default=None, metavar="R",
+                   help="train LoRA adapters of rank R on every linear layer instead of the "
+                        "weights (needs `pip install peft`)")
 
 
-def _int_or_auto(text: str):
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number or 'auto'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+def add_target_args(g, *, budget_help: str) -> None:
+    """--gpu, --budget and --reserve in the argument group ``g``."""
+    g.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME",
+                   help=f"GPU to check against, or 'cpu' (default: {DEFAULT_GPU}); list them "
+                        "with `memfit gpus`")
+    g.add_argument("--budget", default=None, type=budget_bytes, metavar="BYTES",
+                   help=f"{budget_help}; {BYTES_HELP}. A number without a unit under 1 MiB is "
+                        "refused (write 11GiB, or 11B if you mean bytes)")
+    g.add_argument("--reserve", default=None, type=reserve_bytes, metavar="BYTES",
+                   help="keep this much of the GPU free (e.g. 1GiB for a desktop card that "
+                        "drives a display): subtracted from its usable memory before checking")
+
+
+def add_optimizer_impl_arg(g) -> None:
+    g.add_argument("--optimizer-impl", default="auto", choices=("auto", *OPTIMIZER_IMPLS),
+                   help="how the optimizer steps: foreach (one kernel over all parameters, "
+                        "parameter-sized temporaries; CUDA's default), fused (no such "
+                        "temporaries; Adam, AdamW, SGD, Adagrad), for-loop (foreach=False); "
+                        "auto: memfit's choice (default)")
+
+
+def optimizer_impl_knob(args) -> dict:
+    """``{"optimizer_impl": ...}`` when fixed and this memfit has the knob, else ``{}``."""
+    value = getattr(args, "optimizer_impl", "auto")
+    if value == "auto":
+        return {}
+    import dataclasses
+
+    from memfit.knobs import Knobs
+
+    if "optimizer_impl" not in {f.name for f in dataclasses.fields(Knobs)}:
+        raise ValueError(f"--optimizer-impl {value}: this version of memfit cannot model "
+                         "another optimizer implementation yet; leave it at auto")
+    return {"optimizer_impl": value}
+
+
+@dataclass(frozen=True)
+class Target:
+    """The device to fit and the bytes to fit in (``limit_bytes``), as the flags say."""
+
+    device: object            # DeviceSpec
+    limit_bytes: int          # what the step must fit: --budget, else usable - --reserve
+    budget_bytes: int | None  # what to pass the API as ``budget`` (None: the device's own)
+    reserve_bytes: int        # 0 without --reserve
+
+    def where(self) -> str:
+        from memfit.units import format_bytes
+
+        d = self.device
+        if self.budget_bytes is not None and not self.reserve_bytes:
+            return f"a budget of {format_bytes(self.limit_bytes)}"
+        if self.reserve_bytes:
+            return (f"the {d.display_name} ({format_bytes(d.usable_bytes)} usable, less "
+                    f"{format_bytes(self.reserve_bytes)} reserved = "
+                    f"{format_bytes(self.limit_bytes)})")
+        return f"the {d.display_name} ({format_bytes(self.limit_bytes)} usable)"
+
+
+def resolve_target(args) -> Target:
+    """The GPU (checked by name now, not after a trace) and the limit: ``--reserve`` lowers
+    the card's usable memory; with ``--budget`` it is refused (the budget is the limit)."""
+    from memfit.devices import get_device
+    from memfit.units import format_bytes
+
+    spec = get_device(args.gpu)
+    reserve = args.reserve or 0
+    if args.budget is not None and reserve:
+        raise ValueError("--reserve lowers the GPU's usable memory, --budget replaces it: give "
+                         "one of them (e.g. --budget set to what you want the step to use)")
+    if reserve:
+        if reserve >= spec.usable_bytes:
+            raise ValueError(f"--reserve {format_bytes(reserve)} is all of the "
+                             f"{spec.display_name}'s {format_bytes(spec.usable_bytes)} usable: "
+                             "reserve less")
+        limit = spec.usable_bytes - reserve
+        return Target(spec, limit, limit, reserve)
+    if args.budget is not None:
+        return Target(spec, args.budget, args.budget, 0)
+    return Target(spec, spec.usable_bytes, None, 0)
+
+
+def _quiet_transformers() -> None:
+    """transformers' info lines about its own defaults are not the user's business here."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
 
 
 def build_model(args):
-    """The model spec and the model on the meta device (no memory)."""
+    """The model spec and the model on the meta device (no memory), with --freeze and
+    --lora-rank applied (cli._adapt)."""
+    from memfit import zoo
+    from memfit.cli._adapt import apply_freeze, apply_lora
+
+    _quiet_transformers()
     spec = zoo.from_config_file(args.config, task=args.task) if args.config else \
         zoo.get(args.model or DEFAULT_MODEL)
-    return spec, spec.build(args.task, device="meta")
+    spec.check_task(args.task)
+    model = spec.build(args.task, device="meta")
+    if getattr(args, "lora_rank", None):
+        model = apply_lora(model, args.lora_rank, args.task or spec.default_task)
+    if getattr(args, "freeze", None):
+        apply_freeze(model, args.freeze)
+    return spec, model
 
 
 def make_batch(spec, model, args, batch_size: int, seq_len: int | None):
-    return spec.make_batch(model, batch_size, seq_len=seq_len, image_size=args.image_size,
-                           padded=args.padded, task=args.task)
+    from memfit.cli._adapt import base_model
+
+    return spec.make_batch(base_model(model), batch_size, seq_len=seq_len,
+                           image_size=args.image_size, padded=args.padded, task=args.task)
 
 
 def build_model_and_batch(args):
     """The model on the meta device (no memory) and a real batch for it."""
     spec, model = build_model(args)
     return spec, model, make_batch(spec, model, args, args.batch_size, args.seq_len)
+
+
+def check_paths(args, *flags: str) -> None:
+    """Every output file a flag names, checked before tracing."""
+    for flag in flags:
+        check_output_path(getattr(args, flag.lstrip("-").replace("-", "_"), None), flag)

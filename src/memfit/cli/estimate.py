@@ -6,11 +6,12 @@ import argparse
 import json
 import sys
 
-from rich.console import Console
-
-from memfit.cli._common import DEFAULT_GPU, add_model_args, build_model_and_batch
+from memfit.cli._args import positive_int
+from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
+                                add_target_args, build_model_and_batch, check_paths,
+                                optimizer_impl_knob, resolve_target)
+from memfit.cli._json import byte_counts_checked, spare_and_short
 from memfit.knobs import PRECISIONS
-from memfit.optimizers import OPTIMIZERS
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -24,17 +25,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--precision", default="fp32", choices=[c for c in PRECISIONS if c != "auto"],
                    help="numerics of the step (default: fp32)")
-    g.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS),
+    g.add_argument("--optimizer", default="adamw", choices=OPTIMIZER_NAMES,
                    help="optimizer whose state is counted (default: adamw)")
+    add_optimizer_impl_arg(g)
     g = p.add_argument_group("target and output")
-    g.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME",
-                   help=f"GPU to check against, or 'cpu' (default: {DEFAULT_GPU})")
-    g.add_argument("--budget", default=None, metavar="BYTES",
-                   help="check against this many bytes instead of the GPU's memory, e.g. 10GiB")
+    add_target_args(g, budget_help="check against this many device bytes instead of the "
+                                   "GPU's memory, e.g. 10GiB")
     g.add_argument("--expandable-segments", action="store_true",
                    help="model the caching allocator with expandable_segments:True "
                         "(PYTORCH_CUDA_ALLOC_CONF) instead of the default")
-    g.add_argument("--micro-batch-size", type=int, default=None, metavar="N",
+    g.add_argument("--micro-batch-size", type=positive_int, default=None, metavar="N",
                    help="accumulate the batch in micro-batches of N samples (default: none)")
     g.add_argument("--checkpoint", default=None, metavar="POLICY",
                    help="recompute blocks in backward: all, every:K, selective (default: none)")
@@ -53,40 +53,65 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _check(args) -> None:
+    """Everything that needs no trace, before the trace."""
+    check_paths(args, "--plot")
+    if args.remat and args.budget is None and not args.reserve:
+        raise ValueError("--remat simulates DTR under a budget: give --budget (e.g. 80% of the "
+                         "step's peak)")
+
+
 def run(args) -> int:
+    _check(args)                  # before the imports: bad input is refused at once
+    target = resolve_target(args)
+    impl = optimizer_impl_knob(args)
+    from rich.console import Console
+
     import memfit
+    from memfit.trace.allocator import AllocatorConfig
 
     console = Console(stderr=args.json)
     with console.status("building the model on the meta device and tracing one step..."):
         spec, model, batch = build_model_and_batch(args)
-        from memfit.trace.allocator import AllocatorConfig
-
-        est = memfit.estimate(model, batch, optimizer=args.optimizer, device=args.gpu,
-                              budget=args.budget, precision=args.precision,
+        est = memfit.estimate(model, batch, optimizer=args.optimizer, device=target.device,
+                              budget=target.budget_bytes, precision=args.precision,
                               micro_batch_size=args.micro_batch_size,
                               checkpoint=args.checkpoint, offload=args.offload,
                               offload_optimizer=args.offload_optimizer or None,
-                              remat=args.remat or None,
+                              remat=args.remat or None, **impl,
                               allocator=AllocatorConfig(expandable_segments=args.expandable_segments))
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch)
     if args.plot:
         from memfit.report import plot_timeline
 
-        plot_timeline(args.plot, est.timeline_by_category, phases=est.phases,
-                      limit_bytes=est.limit_bytes,
+        plot_timeline(args.plot, est, limit_bytes=est.limit_bytes,
                       limit_label="budget" if args.budget else f"{est.device.display_name} usable",
-                      title=f"{spec.name}, {described}, {args.precision}, {args.optimizer}")
+                      title=f"{spec.name}, {described}, {est.knobs.precision}, {args.optimizer}")
     if args.json:
         out = {"model": spec.name, "task": args.task or spec.default_task, "batch": shapes,
-               "optimizer": args.optimizer, **est.to_dict()}
+               "optimizer": args.optimizer, "reserve_bytes": target.reserve_bytes,
+               "trainable_parameters": _trainable(model), **spare_and_short(est.to_dict())}
         if args.plot:
             out["plot"] = args.plot
-        json.dump(out, sys.stdout, indent=2)
+        json.dump(byte_counts_checked(out), sys.stdout, indent=2)
         print()
         return 0
-    _print_human(console, spec, est, described, args)
+    _print_human(console, spec, model, est, described, args, target)
     return 0
+
+
+def _trainable(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def trainable_line(model, args) -> str:
+    """"trains 1.2M of 125M parameters (LoRA rank 8; frozen: ...)" for --lora-rank/--freeze."""
+    total = sum(p.numel() for p in model.parameters())
+    how = [f"LoRA rank {args.lora_rank}"] if args.lora_rank else []
+    how += [f"frozen: {' '.join(args.freeze)}"] if args.freeze else []
+    return (f"trains {_trainable(model) / 1e6:.3g}M of {total / 1e6:.4g}M parameters "
+            f"({'; '.join(how)})")
 
 
 def describe_batch(batch) -> str:
@@ -97,12 +122,14 @@ def describe_batch(batch) -> str:
     return "batch " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items())
 
 
-def _print_human(console, spec, est, described, args) -> None:
+def _print_human(console, spec, model, est, described, args, target) -> None:
     from memfit.report import breakdown_table, verdict
     from memfit.units import format_bytes
 
     console.print(f"[bold]{spec.name}[/bold] ({args.task or spec.default_task}), {described}, "
-                  f"{args.precision}, {args.optimizer}")
+                  f"{est.knobs.precision}, {args.optimizer}")
+    if args.freeze or args.lora_rank:
+        console.print(trainable_line(model, args))
     title = "Memory at the peak of one steady-state step"
     if est.basis == "cuda-model":
         title += f" (CUDA model, {est.device.display_name})"
@@ -112,11 +139,9 @@ def _print_human(console, spec, est, described, args) -> None:
                       f"allocator {format_bytes(est.reserved_bytes)}, + CUDA context "
                       f"{format_bytes(est.context_bytes)} = {format_bytes(est.device_bytes)} on "
                       "the device [yellow](unvalidated)[/yellow]")
-    where = f"on a budget of {format_bytes(est.limit_bytes)}" if args.budget else \
-        f"on the {est.device.display_name} ({format_bytes(est.device.usable_bytes)} usable)"
-    console.print(verdict(est.device_bytes, est.limit_bytes, where))
-    if est.host_peak_bytes:
-        console.print(f"host memory (offload): {format_bytes(est.host_peak_bytes)} at its peak")
+    console.print(verdict(est.device_bytes, est.limit_bytes, "on " + target.where()))
+    if est.host_peak_bytes and (args.offload not in (None, "none") or args.offload_optimizer):
+        console.print(f"host RAM for offload: {format_bytes(est.host_peak_bytes)} at its peak")
     if est.remat_peak_bytes is not None:
         console.print(f"DTR (simulated): peak {format_bytes(est.remat_peak_bytes)}, recompute "
                       f"{est.remat_recompute_flops / 1e12:.3f} TFLOP, least budget it reaches "

@@ -7,12 +7,13 @@ import json
 import sys
 import time
 
-from rich.console import Console
-
-from memfit.cli._common import DEFAULT_GPU, add_model_args, build_model, make_batch
-from memfit.cli.estimate import describe_batch
+from memfit.cli._args import positive_float, positive_int, progressive_spec
+from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
+                                add_target_args, build_model, check_paths, make_batch,
+                                optimizer_impl_knob, resolve_target)
+from memfit.cli._json import byte_counts_checked
+from memfit.cli.estimate import describe_batch, trainable_line
 from memfit.knobs import PRECISIONS
-from memfit.optimizers import OPTIMIZERS
 
 EXPORTS = ("transformers", "accelerate", "deepspeed")
 
@@ -29,10 +30,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_model_args(p, batch_size=32, lever_auto=True)
     g = p.add_argument_group("training (a flag fixes a choice; unset, memfit decides)")
     g.add_argument("--precision", default="auto", choices=PRECISIONS,
-                   help="numerics of the step (default: auto: the GPU's 16-bit autocast)")
-    g.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS),
+                   help="numerics of the step (default: auto: the GPU's 16-bit autocast; the "
+                        "plain step it is compared with is fp32)")
+    g.add_argument("--optimizer", default="adamw", choices=OPTIMIZER_NAMES,
                    help="optimizer whose state is counted (default: adamw)")
-    g.add_argument("--micro-batch-size", type=int, default=None, metavar="N",
+    add_optimizer_impl_arg(g)
+    g.add_argument("--micro-batch-size", type=positive_int, default=None, metavar="N",
                    help="fix the micro-batch size (default: memfit picks)")
     g.add_argument("--checkpoint", default=None, metavar="POLICY",
                    help="fix recompute: none, all, every:K, selective (default: memfit picks "
@@ -41,25 +44,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="fix activation offload: none, all, every:K (default: memfit picks)")
     g.add_argument("--offload-optimizer", default=None, choices=("on", "off"),
                    help="fix where the optimizer state lives (default: memfit picks)")
-    g.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
+    g.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="X",
                    help="clip the global gradient norm at X (counted in the optimizer step)")
     g = p.add_argument_group("target and output")
-    g.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME",
-                   help=f"GPU to plan for, or 'cpu' (default: {DEFAULT_GPU})")
-    g.add_argument("--budget", default=None, metavar="BYTES",
-                   help="device bytes to fit, e.g. 10GiB (default: the GPU's usable memory)")
+    add_target_args(g, budget_help="device bytes to fit, e.g. 10GiB (default: the GPU's usable "
+                                   "memory)")
     g.add_argument("--export", default=None, choices=EXPORTS,
                    help="also print the plan as Hugging Face TrainingArguments keywords, an "
                         "Accelerate config or a DeepSpeed config")
     g.add_argument("--what-if", action="store_true",
                    help="also print peak memory as sequence length, hidden size and layer "
                         "count shrink (the plain step at the plan's precision)")
-    g.add_argument("--progressive", default=None, metavar="LEN[:FRACTION]",
+    g.add_argument("--progressive", default=None, type=progressive_spec,
+                   metavar="LEN[:FRACTION]",
                    help="also size a progressive schedule: FRACTION of the steps (default 0.9) "
-                        "at length LEN, the rest at full length, each phase planned to fit")
+                        "at length LEN (below the full length), the rest at full length, each "
+                        "phase planned to fit")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="write live bytes over the step before (plain) and after (planned), "
+                   help="write device bytes over the step before (plain) and after (planned), "
                         "with the budget line")
     p.set_defaults(run=run)
     return p
@@ -69,10 +72,26 @@ def _knobs(args) -> dict:
     oo = {"on": True, "off": False}.get(args.offload_optimizer)
     return dict(precision=args.precision, micro_batch_size=args.micro_batch_size,
                 checkpoint=args.checkpoint, offload=args.offload, offload_optimizer=oo,
-                max_grad_norm=args.max_grad_norm)
+                max_grad_norm=args.max_grad_norm, **optimizer_impl_knob(args))
+
+
+def _check(args) -> None:
+    """Everything that needs no trace, before the trace: paths, knob values, the GPU."""
+    from memfit.knobs import Knobs
+
+    check_paths(args, "--plot")
+    Knobs.from_kwargs(**_knobs(args))          # policy strings etc.: ValueError naming the flag
+    if args.progressive and args.seq_len != "auto" and args.seq_len is not None and \
+            args.progressive[0] >= args.seq_len:
+        raise ValueError(f"--progressive {args.progressive[0]}: the short length must be below "
+                         f"--seq-len {args.seq_len}")
 
 
 def run(args) -> int:
+    _check(args)                  # before the imports: bad input is refused at once
+    target = resolve_target(args)
+    from rich.console import Console
+
     from memfit.api.plan import plan_traced
 
     console = Console(stderr=args.json)
@@ -80,35 +99,79 @@ def run(args) -> int:
     out: dict = {}
     with console.status("building the model on the meta device...") as status:
         spec, model = build_model(args)
-        batch_size, seq_len = _resolve_levers(spec, model, args, status, out)
+        _check_progressive_limit(spec, model, args)
+        batch_size, seq_len = _resolve_levers(spec, model, args, target, status, out)
         batch = make_batch(spec, model, args, batch_size, seq_len)
-        planned = plan_traced(model, batch, args.budget, args.optimizer, args.gpu,
+        _check_progressive(batch, args)
+        planned = plan_traced(model, batch, target.budget_bytes, args.optimizer, target.device,
                               on_progress=lambda m: status.update(m + "..."), **_knobs(args))
-        extras = _extras(spec, model, batch, args, status, planned.plan, out)
+        extras = _extras(spec, model, batch, args, target, status, planned.plan, out)
     p, seconds = planned.plan, time.perf_counter() - start
     described = describe_batch(batch)
     if args.plot:
         from memfit.report import plot_before_after
 
         plot_before_after(args.plot, planned.plain, planned.chosen, limit_bytes=p.budget_bytes,
-                          titles=(f"plain step ({p.knobs.precision})", "with the plan"),
+                          titles=(f"plain step ({planned.plain.knobs.precision})",
+                                  f"with the plan ({p.knobs.precision})"),
                           suptitle=f"{spec.name}, {described}, {args.optimizer}, {p.device}")
     if args.json:
         out.update({"model": spec.name, "task": args.task or spec.default_task,
                     "batch": {k: list(v.shape) for k, v in batch.items()},
-                    "optimizer": args.optimizer, "plain_device_bytes": planned.plain.device_bytes,
+                    "optimizer": args.optimizer, "reserve_bytes": target.reserve_bytes,
+                    "trainable_parameters": sum(t.numel() for t in model.parameters()
+                                                if t.requires_grad),
+                    "plain_precision": planned.plain.knobs.precision,
+                    "plain_device_bytes": planned.plain.device_bytes,
+                    "host_peak_bytes": _host_bytes(planned.chosen),
                     "plan": json.loads(p.to_json()), "validated": planned.chosen.validated,
                     "seconds": round(seconds, 2)})
         if args.plot:
             out["plot"] = args.plot
-        json.dump(out, sys.stdout, indent=2)
+        json.dump(byte_counts_checked(out), sys.stdout, indent=2)
         print()
         return 0
-    _print_human(console, spec, planned, described, args, seconds, extras)
+    _print_human(console, spec, model, planned, described, args, target, seconds, extras)
     return 0
 
 
-def _resolve_levers(spec, model, args, status, out: dict) -> tuple[int, int | None]:
+def _host_bytes(est) -> int:
+    """Host memory the step's offload needs (0 when nothing is offloaded)."""
+    k = est.knobs
+    offloads = k.offload_optimizer or k.offload not in (None, "none")
+    return est.host_peak_bytes if offloads else 0
+
+
+def _check_progressive_limit(spec, model, args) -> None:
+    """--progressive LEN against the model's position limit, before any trace: the full length
+    must be longer than LEN, so LEN must be below the limit."""
+    if not args.progressive:
+        return
+    from memfit.cli._adapt import base_model
+    from memfit.zoo._batches import position_limit
+
+    length = args.progressive[0]
+    config = getattr(base_model(model), "config", None)
+    limit, why = position_limit(config) if config is not None else (None, "")
+    if limit is not None and length >= limit:
+        raise ValueError(f"--progressive {length}: the short length must be below the full "
+                         f"length, and {spec.name} takes at most {limit} tokens ({why}): use "
+                         f"--progressive {min(limit // 2, 128)} or another length below {limit}")
+
+
+def _check_progressive(batch, args) -> None:
+    if not args.progressive:
+        return
+    if "input_ids" not in batch:
+        raise ValueError("--progressive shortens sequences: it needs a text model (this batch "
+                         f"has {', '.join(batch)})")
+    full = batch["input_ids"].shape[1]
+    if args.progressive[0] >= full:
+        raise ValueError(f"--progressive {args.progressive[0]}: the short length must be below "
+                         f"the full length {full} (--seq-len)")
+
+
+def _resolve_levers(spec, model, args, target, status, out: dict) -> tuple[int, int | None]:
     """--batch-size auto / --seq-len auto: the largest that fits (memfit.api.levers)."""
     batch_size, seq_len = args.batch_size, args.seq_len
     for lever in ("seq_len", "batch_size"):
@@ -119,8 +182,8 @@ def _resolve_levers(spec, model, args, status, out: dict) -> tuple[int, int | No
         status.update(f"finding the largest {lever.replace('_', ' ')} that fits...")
         found = largest_fitting(
             spec, model, lever, batch_size=batch_size if batch_size != "auto" else 1,
-            seq_len=seq_len if seq_len != "auto" else None, budget=args.budget,
-            device=args.gpu, optimizer=args.optimizer, task=args.task,
+            seq_len=seq_len if seq_len != "auto" else None, budget=target.budget_bytes,
+            device=target.device, optimizer=args.optimizer, task=args.task,
             on_progress=lambda m: status.update(m + "..."), **_lever_knobs(args))
         out[f"largest_{lever}"] = found.value
         if lever == "seq_len":
@@ -134,7 +197,7 @@ def _lever_knobs(args) -> dict:
     return {k: v for k, v in _knobs(args).items() if v is not None}
 
 
-def _extras(spec, model, batch, args, status, p, out: dict) -> dict:
+def _extras(spec, model, batch, args, target, status, p, out: dict) -> dict:
     extras = {}
     if args.export:
         export = p.export(args.export, p.batch_size)
@@ -146,18 +209,18 @@ def _extras(spec, model, batch, args, status, p, out: dict) -> dict:
 
         status.update("what if: tracing smaller sequence, hidden size and depth...")
         seq = batch["input_ids"].shape[1] if "input_ids" in batch else None
-        rows = what_if(spec, batch_size=p.batch_size, seq_len=seq, device=args.gpu,
-                       budget=args.budget, optimizer=args.optimizer, task=args.task,
+        rows = what_if(spec, batch_size=p.batch_size, seq_len=seq, device=target.device,
+                       budget=target.budget_bytes, optimizer=args.optimizer, task=args.task,
                        precision=p.knobs.precision)
         extras["what_if"] = rows
         out["what_if"] = [r.__dict__ for r in rows]
     if args.progressive:
         from memfit.api.levers import progressive
 
-        length, _, fraction = args.progressive.partition(":")
+        length, fraction = args.progressive
         status.update("sizing the progressive schedule...")
-        schedule = progressive(model, batch, args.budget, short_seq_len=int(length),
-                               short_fraction=float(fraction or 0.9), device=args.gpu,
+        schedule = progressive(model, batch, target.budget_bytes, short_seq_len=length,
+                               short_fraction=fraction, device=target.device,
                                optimizer=args.optimizer, on_progress=lambda m: status.update(m),
                                **_lever_knobs(args))
         extras["progressive"] = schedule
@@ -165,21 +228,29 @@ def _extras(spec, model, batch, args, status, p, out: dict) -> dict:
     return extras
 
 
-def _print_human(console, spec, planned, described, args, seconds: float, extras: dict) -> None:
+def _print_human(console, spec, model, planned, described, args, target, seconds: float,
+                 extras: dict) -> None:
     from memfit.report import verdict
     from memfit.units import format_bytes
 
     p, plain, chosen = planned.plan, planned.plain, planned.chosen
     console.print(f"[bold]{spec.name}[/bold] ({args.task or spec.default_task}), {described}, "
                   f"{args.optimizer}, precision {args.precision}, on {chosen.device.display_name}")
-    where = f"a budget of {format_bytes(p.budget_bytes)}" if args.budget else \
-        f"the {chosen.device.display_name} ({format_bytes(p.budget_bytes)} usable)"
-    console.print("plain step:  " + verdict(plain.device_bytes, p.budget_bytes, "on " + where))
-    console.print("with the plan: " + verdict(chosen.device_bytes, p.budget_bytes, "on " + where))
+    if args.freeze or args.lora_rank:
+        console.print(trainable_line(model, args))
+    where = "on " + target.where()
+    console.print(f"plain step ({plain.knobs.precision}, the whole batch at once): "
+                  + verdict(plain.device_bytes, p.budget_bytes, where))
+    console.print(f"with the plan ({p.knobs.precision}): "
+                  + verdict(chosen.device_bytes, p.budget_bytes, where))
+    host = _host_bytes(chosen)
+    if host:
+        console.print(f"host RAM for offload: {format_bytes(host)} at its peak (beside the "
+                      "training process's own)")
     console.print(p.explain(), markup=False, highlight=False)
     if p.predicted_step_time_ratio is not None:
-        console.print(f"[bold]predicted slowdown: {p.predicted_step_time_ratio:.2f}x[/bold] the "
-                      "plain step at the user's precision (fp32 under auto)")
+        console.print(f"[bold]predicted step time: {p.predicted_step_time_ratio:.2f}x[/bold] the "
+                      f"plain step ({plain.knobs.precision})")
     if not chosen.validated:
         console.print("[yellow]note:[/yellow] CUDA figures are a model (unvalidated until "
                       "benchmarks/gpu_check.py has run on this GPU)")

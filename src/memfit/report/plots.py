@@ -1,39 +1,64 @@
-"""PNG plots (matplotlib, headless Agg backend)."""
+"""PNG plots of a traced step (matplotlib, headless Agg backend).
+
+Note 1 (what the curve is). The plot shows what the verdict is about: device bytes. On a CPU
+target they are the live tensor bytes, so the top of the stack is the verdict's curve and its
+maximum is ``est.device_bytes``. On a GPU target the stack is the live (allocated) bytes over
+the CUDA context band; what the card holds is the caching allocator's reservation plus the
+context, and the trace knows that only at the peak (one number, ``est.device_bytes``): it is
+drawn as a level, labelled as such, not as a curve it does not have.
+
+Note 2 (a one-op peak stays visible). A step has thousands of ops and the figure ~1000 pixel
+columns; a downsampled line drops a peak that lasts one op. The ops are cut into at most
+``_BUCKETS`` runs and each run is drawn, as a step, at its highest op (with that op's split by
+category), so the drawn maximum is the true maximum, and the peak op is marked.
+
+Note 3 (markers and legend). Phases (forward / backward / optimizer) and the start of each
+micro-batch are vertical lines with labels; the legend sits outside the axes, right of them,
+so it covers no data.
+"""
 
 from __future__ import annotations
 
 from memfit.measure import CATEGORIES
-from memfit.units import GiB
+from memfit.units import GiB, MiB, format_bytes
 
-__all__ = ["plot_timeline", "plot_before_after"]
+__all__ = ["plot_timeline", "plot_before_after", "timeline_figure", "before_after_figure",
+           "micro_batch_starts", "envelope"]
 
 _COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "other": "#8c8c8c",
            "inputs": "#937860", "activations": "#c44e52", "temporaries": "#da8bc3"}
+_CONTEXT_COLOR = "#d9d9d9"
+_BUCKETS = 1200
+DEVICE_CURVE_LABEL = "device bytes"      # the line whose maximum is the verdict (CPU target)
+RESERVED_LEVEL_LABEL = "reserved + context at the peak"   # the verdict's level (GPU target)
 
 
-def plot_timeline(path: str, timeline_by_category: dict[str, list[int]], *,
-                  phases: dict[str, int] | None = None, limit_bytes: int | None = None,
-                  limit_label: str = "budget", title: str = "") -> str:
-    """Stacked live bytes per category over the ops of a step, with phases and the limit."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=110)
-    _draw(ax, timeline_by_category, phases, limit_bytes, limit_label, title)
-    ax.legend(loc="upper left", fontsize=8, ncol=2)
-    return _save(fig, path)
+def envelope(timeline: list[int], buckets: int = _BUCKETS) -> list[int]:
+    """Index of the highest op of each run of ops (Note 2); every op if there are few."""
+    n = len(timeline)
+    if n <= buckets:
+        return list(range(n))
+    out = []
+    for j in range(buckets):
+        lo, hi = j * n // buckets, (j + 1) * n // buckets
+        out.append(max(range(lo, hi), key=timeline.__getitem__))
+    return out
 
 
-def plot_before_after(path: str, before, after, *, limit_bytes: int, limit_label: str = "budget",
-                      titles: tuple[str, str] = ("before", "after"), suptitle: str = "") -> str:
-    """Two steps side by side on one scale (e.g. the plain step and the planned one): each an
-    object with ``timeline_by_category`` and ``phases`` (an ``Estimate``)."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), dpi=110, sharey=True)
-    for ax, est, title in zip(axes, (before, after), titles):
-        _draw(ax, est.timeline_by_category, est.phases, limit_bytes, limit_label, title)
-    axes[0].legend(loc="upper left", fontsize=8, ncol=2)
-    if suptitle:
-        fig.suptitle(suptitle)
-    return _save(fig, path)
+def micro_batch_starts(est) -> list[int]:
+    """First op of each micro-batch's forward (empty for one micro-batch). The trace marks only
+    the first forward; the root module's record holds the start of the last one, and the
+    micro-batches in between run the same ops, so the starts are evenly spaced between."""
+    root = est.modules.get("") if est.modules else None
+    first = est.phases.get("forward")
+    if root is None or first is None or root.fw_span is None or root.calls < 2:
+        return []
+    last, n = root.fw_span[0], root.calls
+    return [round(first + i * (last - first) / (n - 1)) for i in range(n)]
+
+
+def _unit(max_bytes: float) -> tuple[str, int]:
+    return ("GiB", GiB) if max_bytes >= GiB else ("MiB", MiB)
 
 
 def _pyplot():
@@ -44,27 +69,103 @@ def _pyplot():
     return plt
 
 
-def _draw(ax, timeline_by_category, phases, limit_bytes, limit_label, title) -> None:
-    n = len(next(iter(timeline_by_category.values()), []))
-    xs = list(range(n))
-    series = [[v / GiB for v in timeline_by_category[c]] for c in CATEGORIES]
-    ax.stackplot(xs, *series, labels=CATEGORIES, colors=[_COLORS[c] for c in CATEGORIES],
-                 linewidth=0)
+def _draw(ax, est, limit_bytes, limit_label, title, unit) -> None:
+    """One step on ``ax`` (Notes 1-3); ``unit``: (name, bytes) of the y axis."""
+    name, size = unit
+    timeline = est.timeline
+    context = est.context_bytes if est.basis == "cuda-model" else 0
+    picks = envelope(timeline)
+    n = len(timeline)
+    xs = picks + [n]                       # steps: run j spans [xs[j], xs[j + 1])
+    base = [context / size] * len(xs)
+    if context:
+        ax.fill_between(xs, 0, base, step="post", color=_CONTEXT_COLOR, linewidth=0,
+                        label=f"CUDA context ({format_bytes(context)})")
+    for c in CATEGORIES:
+        values = est.timeline_by_category[c]
+        layer = [b + values[i] / size for b, i in zip(base, picks)] + [0]
+        layer[-1] = layer[-2] if len(layer) > 1 else 0
+        ax.fill_between(xs, base, layer, step="post", color=_COLORS[c], linewidth=0, label=c)
+        base = layer
+    top = [(timeline[i] + context) / size for i in picks]
+    curve = "live tensors + CUDA context" if context else "live tensors"
+    ax.plot(xs, top + top[-1:], drawstyle="steps-post", color="black", linewidth=0.7,
+            label=f"{DEVICE_CURVE_LABEL} ({curve})" if not context else curve)
+    peak_op = max(range(n), key=timeline.__getitem__)
+    peak = (timeline[peak_op] + context) / size
+    ax.plot([peak_op], [peak], marker="v", color="black", markersize=6, linestyle="none")
+    op = est.op_log[peak_op].removeprefix("aten.") if est.op_log else ""
+    ax.annotate(f"peak {format_bytes(timeline[peak_op] + context)}\nop {peak_op} {op}",
+                (peak_op, peak), textcoords="offset points", xytext=(4, 6), fontsize=7)
+    if context:                                    # Note 1: the verdict is one number here
+        ax.axhline(est.device_bytes / size, color="black", linewidth=1.2, linestyle="-.",
+                   label=f"{RESERVED_LEVEL_LABEL}\n({format_bytes(est.device_bytes)}; known at "
+                         "the peak only)")
     if limit_bytes is not None:
-        ax.axhline(limit_bytes / GiB, color="red", linewidth=1.2, linestyle="--",
-                   label=f"{limit_label} ({limit_bytes / GiB:.2f} GiB)")
-    for name, start in (phases or {}).items():
-        ax.axvline(start, color="black", linewidth=0.6, linestyle=":")
-        ax.text(start, ax.get_ylim()[1] * 0.98, f" {name}", va="top", fontsize=8)
+        ax.axhline(limit_bytes / size, color="red", linewidth=1.2, linestyle="--",
+                   label=f"{limit_label} ({format_bytes(limit_bytes)})")
+    trans = ax.get_xaxis_transform()                # x in ops, y in axes fraction
+    for i, start in enumerate(micro_batch_starts(est)[1:], start=2):
+        ax.axvline(start, color="#555555", linewidth=0.6, linestyle=(0, (4, 3)),
+                   label="micro-batch start" if i == 2 else None)
+        ax.text(start, 0.945, f" mb {i}", transform=trans, va="top", fontsize=7, color="#555555")
+    for phase, start in (est.phases or {}).items():
+        ax.axvline(start, color="black", linewidth=0.8, linestyle=":")
+        ax.text(start, 0.99, f" {phase}", transform=trans, va="top", fontsize=8)
     ax.set_xlabel("op of the training step")
-    ax.set_ylabel("live bytes (GiB)")
-    ax.set_xlim(0, max(n - 1, 1))
+    ax.set_ylabel(f"device bytes ({name})")
+    ax.set_xlim(0, max(n, 1))
+    ax.set_ylim(0, max(peak, est.device_bytes / size, (limit_bytes or 0) / size) * 1.12)
     ax.set_title(title)
 
 
+def timeline_figure(est, *, limit_bytes: int | None = None, limit_label: str = "budget",
+                    title: str = ""):
+    """The figure of one step (an ``Estimate``): stacked bytes by category, the device-bytes
+    curve (or level, on a GPU target), the limit, phases and micro-batches (module Notes)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(12, 4.8), dpi=110, layout="constrained")
+    unit = _unit(max(est.device_bytes, limit_bytes or 0))
+    _draw(ax, est, limit_bytes, limit_label, title, unit)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=8)
+    return fig
+
+
+def before_after_figure(before, after, *, limit_bytes: int, limit_label: str = "budget",
+                        titles: tuple[str, str] = ("before", "after"), suptitle: str = ""):
+    """Two steps side by side on one scale (e.g. the plain step and the planned one)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.8), dpi=110, sharey=True,
+                             layout="constrained")
+    unit = _unit(max(before.device_bytes, after.device_bytes, limit_bytes or 0))
+    for ax, est, title in zip(axes, (before, after), titles):
+        _draw(ax, est, limit_bytes, limit_label, title, unit)
+    axes[0].set_ylim(0, max(a.get_ylim()[1] for a in axes))
+    handles: dict = {}
+    for ax in axes:                          # one legend entry per label, both panels
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize=8)
+    if suptitle:
+        fig.suptitle(suptitle)
+    return fig
+
+
+def plot_timeline(path: str, est, **kwargs) -> str:
+    """Write ``timeline_figure(est, **kwargs)`` to ``path`` (format from its suffix)."""
+    return _save(timeline_figure(est, **kwargs), path)
+
+
+def plot_before_after(path: str, before, after, **kwargs) -> str:
+    """Write ``before_after_figure(before, after, **kwargs)`` to ``path``."""
+    return _save(before_after_figure(before, after, **kwargs), path)
+
+
 def _save(fig, path: str) -> str:
-    fig.tight_layout()
-    fig.savefig(path)
     import matplotlib.pyplot as plt
-    plt.close(fig)
+
+    try:
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
     return path

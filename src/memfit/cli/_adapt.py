@@ -1,0 +1,91 @@
+"""--freeze and --lora-rank: which parameters train, set on the meta model before any trace.
+
+Note 1 (patterns). A --freeze PATTERN matches a parameter's qualified name (as
+``model.named_parameters()`` gives it) when it is the name, a module prefix of it
+(``roberta.embeddings`` freezes every parameter under that module), a shell-style glob
+(``roberta.encoder.layer.[0-5].*``, fnmatch) or a Python regular expression matching the whole
+name (``.*\\.bias``). Under --lora-rank the names are also matched without PEFT's
+``base_model.model.`` prefix, so the same pattern works with and without LoRA. A pattern that
+matches nothing is an error naming some parameters, not a silent no-op.
+
+Note 2 (LoRA). --lora-rank R wraps the model with ``peft.get_peft_model`` and a
+``LoraConfig(r=R, lora_alpha=2R, target_modules="all-linear")`` (every linear layer but the
+output head, PEFT's own rule); for the zoo's tasks PEFT's task type is set, so a
+classification head stays trainable as PEFT trains it. The base weights are frozen by PEFT;
+memfit counts what PEFT leaves trainable, as it would for the user's own PEFT model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+
+__all__ = ["apply_freeze", "apply_lora", "base_model", "LORA_TASK_TYPES"]
+
+_PEFT_PREFIX = "base_model.model."
+
+# memfit task -> peft TaskType name
+LORA_TASK_TYPES = {"sequence-classification": "SEQ_CLS", "token-classification": "TOKEN_CLS",
+                   "causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}
+
+
+def _matcher(pattern: str):
+    try:
+        regex = re.compile(pattern)
+    except re.error:
+        regex = None
+
+    def match(name: str) -> bool:
+        return (name == pattern or name.startswith(pattern.rstrip(".") + ".")
+                or fnmatch.fnmatchcase(name, pattern)
+                or (regex is not None and regex.fullmatch(name) is not None))
+    return match
+
+
+def apply_freeze(model, patterns: list[str]) -> int:
+    """Set ``requires_grad=False`` on every parameter a pattern matches (Note 1); returns how
+    many parameters were frozen. Raises ``ValueError`` for a pattern that matches nothing, or
+    when nothing is left to train."""
+    named = list(model.named_parameters())
+    frozen = 0
+    for pattern in patterns:
+        match = _matcher(pattern)
+        hits = [p for n, p in named if match(n) or match(n.removeprefix(_PEFT_PREFIX))]
+        if not hits:
+            names = [n.removeprefix(_PEFT_PREFIX) for n, _ in named]
+            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.3) or names[:3]
+            raise ValueError(f"--freeze {pattern!r} matches no parameter of "
+                             f"{type(model).__name__}; parameter names look like "
+                             f"{', '.join(close)} (a name, a module prefix, a glob or a regex)")
+        for p in hits:
+            frozen += p.requires_grad
+            p.requires_grad_(False)
+    if not any(p.requires_grad for _, p in named):
+        raise ValueError(f"--freeze {' '.join(patterns)} freezes every parameter: nothing is "
+                         "left to train (an optimizer needs at least one trainable parameter)")
+    return frozen
+
+
+def apply_lora(model, rank: int, task: str | None):
+    """The model wrapped for LoRA training by PEFT (Note 2)."""
+    try:
+        import peft
+    except ImportError:
+        raise ValueError("--lora-rank needs PEFT, which is not installed: pip install peft "
+                         "(or leave --lora-rank out)") from None
+    kwargs = {}
+    if task in LORA_TASK_TYPES:
+        kwargs["task_type"] = getattr(peft.TaskType, LORA_TASK_TYPES[task])
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", **kwargs)
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as e:
+        raise ValueError(f"--lora-rank {rank}: PEFT cannot add LoRA to "
+                         f"{type(model).__name__}: {e}") from e
+
+
+def base_model(model):
+    """The transformers model inside a PEFT wrapper (the model itself otherwise)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model

@@ -1,0 +1,125 @@
+"""Argument types and checks that run before anything is traced (nothing here imports torch).
+
+Note 1 (values that start with '-'). argparse reads ``--budget -3GiB`` as a flag followed by
+the unknown option ``-3GiB`` and answers "expected one argument". ``join_dash_values`` rewrites
+it to ``--budget=-3GiB`` before parsing, so the value reaches its type and is refused for what
+it is (negative), with the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from memfit.units import UNITS_HELP, parse_bytes
+
+__all__ = ["budget_bytes", "reserve_bytes", "positive_int", "positive_float", "int_or_auto",
+           "join_dash_values", "check_output_path", "progressive_spec", "VALUE_FLAGS", "BYTES_HELP"]
+
+# flags whose value may start with '-' (Note 1)
+VALUE_FLAGS = ("--budget", "--reserve", "--micro-batch-size", "--max-grad-norm", "--batch-size",
+               "--seq-len", "--max-seq-len", "--image-size", "--lora-rank", "--progressive")
+
+BYTES_HELP = f"a number and a unit: {UNITS_HELP}"
+
+
+def join_dash_values(argv: list[str]) -> list[str]:
+    """``[..., "--budget", "-3GiB"]`` -> ``[..., "--budget=-3GiB"]`` (Note 1)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in VALUE_FLAGS and i + 1 < len(argv) and argv[i + 1].startswith("-") and \
+                argv[i + 1] not in ("-h", "--help") and not argv[i + 1].startswith("--"):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def budget_bytes(text: str) -> int:
+    """--budget: a byte size of at least 1 byte; a bare number under 1 MiB is refused
+    (units Note 1), so ``11`` asks for a unit and ``11B`` is 11 bytes."""
+    try:
+        value = parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value == 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a budget of 0 bytes, which nothing fits: give the device bytes to "
+            f"fit, e.g. 10GiB ({UNITS_HELP})")
+    return value
+
+
+def reserve_bytes(text: str) -> int:
+    """--reserve: a byte size (0 allowed), the same reading as --budget."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive finite number")
+    return value
+
+
+def int_or_auto(text: str):
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or 'auto')") from None
+
+
+def progressive_spec(text: str) -> tuple[int, float]:
+    """--progressive LEN[:FRACTION] -> (LEN, FRACTION); FRACTION in (0, 1), default 0.9."""
+    length, sep, fraction = text.partition(":")
+    try:
+        n = int(length)
+        f = float(fraction) if sep else 0.9
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: write LEN or LEN:FRACTION, e.g. 128 or 128:0.9") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: LEN must be at least 1")
+    if not 0 < f < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: FRACTION must be between 0 and 1, e.g. 0.9")
+    return n, f
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """Refuse an output file that cannot be written, before any tracing (a missing folder, a
+    folder given as the file, a read-only place)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: that is a folder; give a file name, e.g. "
+                         f"{os.path.join(path, 'memory.png')}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it "
+                         "(mkdir -p) or write the file elsewhere")
+    if not os.access(folder, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {path}: cannot write there (permission denied); write the "
+                         "file elsewhere")
+    if not path.lower().endswith((".png", ".pdf", ".svg")):
+        raise ValueError(f"{flag} {path}: the file name must end in .png, .pdf or .svg (the "
+                         "format is taken from it)")

@@ -1,0 +1,85 @@
+"""--freeze and --lora-rank (issue 11 item 9): fewer bytes than the full step, and exactly what
+the API says for the same model frozen (or wrapped by PEFT) by hand."""
+
+import json
+
+import pytest
+
+import memfit
+from memfit import zoo
+from memfit.cli import main
+
+SHAPE = ["--seq-len", "32", "--batch-size", "2", "--gpu", "cpu"]
+
+
+def cli_json(capsys, *args):
+    assert main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _model_and_batch(config_dir):
+    spec = zoo.from_config_file(config_dir)
+    model = spec.build(device="meta")
+    return spec, model, spec.make_batch(model, 2, seq_len=32)
+
+
+def test_freeze_lowers_the_estimate_to_the_api_figure_for_that_model(capsys, tiny_gpt2):
+    full = cli_json(capsys, "estimate", "--config", tiny_gpt2, *SHAPE)
+    frozen = cli_json(capsys, "estimate", "--config", tiny_gpt2, *SHAPE,
+                      "--freeze", "transformer.wte", "--freeze", "transformer.h.0.*")
+    _, model, batch = _model_and_batch(tiny_gpt2)
+    for name, p in model.named_parameters():        # the same parameters, named by hand
+        if name.startswith(("transformer.wte.", "transformer.h.0.")):
+            p.requires_grad_(False)
+    api = memfit.estimate(model, batch, device="cpu")
+    assert frozen["peak_bytes"] == api.peak_bytes < full["peak_bytes"]
+    assert frozen["breakdown"] == api.breakdown
+    assert frozen["trainable_parameters"] == sum(p.numel() for p in model.parameters()
+                                                 if p.requires_grad)
+
+
+def test_freeze_in_plan_matches_the_api_plan(capsys, tiny_gpt2):
+    full = cli_json(capsys, "plan", "--config", tiny_gpt2, *SHAPE)
+    frozen = cli_json(capsys, "plan", "--config", tiny_gpt2, *SHAPE, "--freeze", r".*\.h\.1\..*")
+    _, model, batch = _model_and_batch(tiny_gpt2)
+    for name, p in model.named_parameters():
+        if ".h.1." in name:
+            p.requires_grad_(False)
+    api = memfit.plan(model, batch, device="cpu", precision="auto")
+    assert frozen["plan"]["predicted_device_bytes"] == api.predicted_device_bytes
+    assert frozen["plan"]["predicted_device_bytes"] < full["plan"]["predicted_device_bytes"]
+
+
+def test_lora_rank_estimates_the_peft_model(capsys, tiny_gpt2):
+    peft = pytest.importorskip("peft")
+    full = cli_json(capsys, "estimate", "--config", tiny_gpt2, *SHAPE)
+    lora = cli_json(capsys, "estimate", "--config", tiny_gpt2, *SHAPE, "--lora-rank", "4")
+    _, model, batch = _model_and_batch(tiny_gpt2)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", task_type=peft.TaskType.CAUSAL_LM))
+    api = memfit.estimate(wrapped, batch, device="cpu")
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    assert 0 < lora["trainable_parameters"] == trainable < full["trainable_parameters"]
+    assert lora["peak_bytes"] == api.peak_bytes < full["peak_bytes"]
+    assert lora["breakdown"]["optimizer"] < full["breakdown"]["optimizer"] / 10
+
+
+def test_lora_without_peft_says_how_to_install_it(capsys, tiny_gpt2, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "peft", None)    # import peft -> ImportError
+    assert main(["estimate", "--config", tiny_gpt2, *SHAPE, "--lora-rank", "4"]) == 2
+    assert "pip install peft" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--freeze", "no.such.layer"], "matches no parameter"),
+    (["--freeze", "*"], "nothing is left to train"),
+    (["--lora-rank", "0"], "at least 1"),
+])
+def test_bad_freeze_or_rank_is_one_line(capsys, tiny_gpt2, flags, needle):
+    try:
+        rc = main(["estimate", "--config", tiny_gpt2, *SHAPE, *flags])
+    except SystemExit as e:      # argparse refuses the value itself
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
