@@ -19,9 +19,13 @@ def remat(budget=None, *, model: nn.Module | None = None, optimizer=None,
     exactly when backward needs them (``memfit.techniques.remat`` Notes). ``budget`` (bytes or
     "11GiB"): live device bytes stay at or under it. Without one, eviction happens only when an
     allocation fails: on CUDA the allocator's out-of-memory error, on CPU an enclosing
-    ``memfit.track(budget=...)``'s (enter remat inside track). ``model``: the model whose
-    blocks are evictable (default: the first module called inside); ``model`` and
-    ``optimizer`` also let a CPU budget count their tensors from the start. The session's ``stats``
+    ``memfit.track(budget=...)``'s (enter remat inside track). A CPU budget counts every tensor
+    alive when the session opens (parameters, gradients, optimizer state, the batch, anything
+    else), and everything born inside, such as the state the first ``optimizer.step`` creates.
+    ``model``: the model whose blocks are evictable (default: the outermost module whose
+    forward runs first inside; its blocks are found as ``find_blocks`` finds them);
+    ``optimizer`` sorts the counted bytes into categories. Nothing is assigned on the user's
+    modules (module hooks), and the session keeps neither alive after it exits. The session's ``stats``
     (``RematStats``) say what was evicted, recomputed, refused and could not be evicted; a
     budget below what eviction can reach raises ``RematBudgetTooSmall`` (a ``BudgetTooSmall``
     and a ``memfit.OutOfMemory``) with the numbers.

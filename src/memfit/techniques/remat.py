@@ -6,7 +6,7 @@ that call go together, and one rerun of the block's forward brings them all back
 (the paper's, MegEngine's) needs a Python record and a heuristic update for every aten op; in
 eager PyTorch that is a Python dispatch call with closure capture per op, several times the cost
 of the kernels of a small layer, paid on every step even when nothing is evicted. Per block the
-bookkeeping is one wrapper call and one pack per saved tensor; the search scores at most
+bookkeeping is two module hooks per call (Note 7) and one pack per saved tensor; the search scores at most
 ``sample_size`` units (a few dozen blocks per model). The price: what is saved outside blocks
 (embeddings, the loss, the LM head's logits) is never evicted; ``RematStats`` counts those bytes
 (``outside_blocks_bytes``), and checkpoint/offload remain the levers for them.
@@ -51,38 +51,69 @@ a view shares its base's storage, which Note 2 keeps while anyone holds it.
 
 Note 6 (when to evict). Budget ``budget_bytes``: live bytes stay at or under it. On CPU a
 ``memfit.track`` counter with that budget runs under remat's dispatch mode (unless an enclosing
-``track`` already enforces one at least as tight); it counts the model's and optimizer's tensors
-from the start when the session is given them, anything else from its first use by an op. On
-CUDA ``set_per_process_memory_fraction`` makes the allocator refuse past it. Without a budget
-nothing is watched: remat evicts only when an allocation fails (CUDA: the allocator's
-``OutOfMemoryError``; CPU: an enclosing ``track(budget=...)``'s ``memfit.OutOfMemory``). Either
-way the failed op had no effect (track undoes it; the allocator allocates nothing), remat
-evicts until the missing bytes are freed and runs the op again. A short batch therefore evicts
-nothing, and a batch of another length needs no planning. When nothing more can be evicted,
-``RematBudgetTooSmall`` names the numbers (raised from forward or backward, before the
-optimizer step, so parameters and optimizer state are as they were).
+``track`` already enforces one at least as tight), and counts from the start everything alive
+when the session opens (Note 8), whatever the session was told. On CUDA
+``set_per_process_memory_fraction`` makes the allocator refuse past it (it knows every byte).
+Without a budget nothing is watched: remat evicts only when an allocation fails (CUDA: the
+allocator's ``OutOfMemoryError``; CPU: an enclosing ``track(budget=...)``'s
+``memfit.OutOfMemory``). Either way the failed op had no effect (track undoes it; the allocator
+allocates nothing), remat evicts until the missing bytes are freed and runs the op again. A
+short batch therefore evicts nothing, and a batch of another length needs no planning. When
+nothing more can be evicted, ``RematBudgetTooSmall`` names the numbers (raised from forward or
+backward, before the optimizer step, so parameters and optimizer state are as they were; or on
+entry, when what is already alive passes the budget). Optimizer state the first
+``optimizer.step`` creates inside the session is counted as it is born, like any op's output.
 Enter ``remat`` *inside* ``track``: the innermost dispatch mode sees each op first, and remat's
 must be above the counter whose error it catches.
+
+Note 7 (extension points, not patches). A block becomes evictable through two hooks of its
+own: a forward pre-hook (``with_kwargs``) that opens the unit, nulls the cache arguments (Note
+4) and pushes the unit's ``saved_tensors_hooks``, and a forward hook (``always_call``, so a
+forward that raises still pops them; ``prepend``, so the unit spans exactly the block's
+``forward``) that closes it. A recompute calls the block's own ``forward`` (hooks are not part
+of it, and the pack hooks were not around them). Nothing is assigned on the user's modules.
+Without ``model``, one global forward pre-hook waits for the model: the first module whose
+forward runs with grad enabled outside backward (the outermost module of the user's first
+call), whose blocks are then found by ``find_blocks`` and hooked; the global hook is then
+removed, so a recompute's submodule calls (inside backward) and later calls find nothing. The
+saved-tensor hooks in force when the session opened (e.g. ``track``'s) are what a unit's pack
+delegates to; remat's own outside-block counter never sees a block's tensors.
+
+Note 8 (what is alive on entry). A budget counts every byte on the device, so the session's
+counter starts with every storage alive when it opens: every tensor object Python can reach
+(the garbage collector tracks each one: parameters, buffers, optimizer state, the batch, other
+models), each leaf's ``.grad``, and as host memory (not under the budget) the tensors of any
+object with a ``host_tensors()`` method (memfit's offloaded optimizer). Fake and meta tensors
+hold no bytes and are skipped. Cyclic garbage is collected first (``gc.collect()``): a failed
+step's traceback cycles hold real bytes that nothing can reach. One collection and one walk of
+the gc's objects per session (about 0.2 s per 400k Python objects). What it cannot see: storages held only from C++ with no Python object
+(an autograd graph built before the session), counted from their first use by an op.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
+import itertools
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import flop_registry
 
-from memfit.measure import Tracker, find_blocks
+from memfit.measure import Tracker, find_blocks, storages_of
+from memfit.measure import _ledger as L
 from memfit.measure._counting import CountingMode
 from memfit.techniques._remat_evict import Eviction, RematBudgetTooSmall, RematStats
 from memfit.techniques._remat_units import Unit
 from memfit.techniques.checkpoint import CACHE_ARGS
+from memfit.units import format_bytes
 
 __all__ = ["Remat", "RematSession", "RematStats", "RematBudgetTooSmall"]
 
@@ -115,41 +146,63 @@ class _PressureMode(TorchDispatchMode):
                 s.stats.retries += 1
 
 
-class _RematForward:
-    """The instance ``forward`` of a block under remat: one ``Unit`` per call (Note 1)."""
+class _BlockHooks:
+    """Forward pre/post hooks that make each call of one block a ``Unit`` (Notes 1, 7)."""
 
-    def __init__(self, session: "RematSession", name: str, original, keep_cache: bool):
-        self.session, self.name, self.original = session, name, original
-        params = inspect.signature(original).parameters
+    def __init__(self, session: "RematSession", name: str, block: nn.Module):
+        self.session, self.name = session, name
+        params = inspect.signature(block.forward).parameters
         positional = [n for n, p in params.items() if p.kind in
                       (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        keep_cache = getattr(block, "_can_checkpoint_with_cache", False)
         self._cache_args = () if keep_cache else tuple(   # (name, position or None), Note 4
             (n, positional.index(n) if n in positional else None) for n in CACHE_ARGS
             if n in params or any(p.kind is p.VAR_KEYWORD for p in params.values()))
+        self._calls: list = []     # per call in progress: (unit, hooks, FLOPs at start) or None
+        self.handles = [block.register_forward_pre_hook(self.pre, with_kwargs=True),
+                        block.register_forward_hook(self.post, always_call=True, prepend=True)]
 
-    def __call__(self, *args, **kwargs):
+    def pre(self, block: nn.Module, args: tuple, kwargs: dict):
         s = self.session
         if not torch.is_grad_enabled() or not s.open or torch._C._current_graph_task_id() != -1:
-            return self.original(*args, **kwargs)
+            self._calls.append(None)
+            return None
         args, kwargs = list(args), dict(kwargs)
         for name, pos in self._cache_args:
             if kwargs.get(name) is not None:
                 kwargs[name] = None
             if pos is not None and pos < len(args):
                 args[pos] = None
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        unit = Unit(s, self.name, self.original, args, kwargs, outer)
+        unit = Unit(s, self.name, block.forward, args, kwargs, s.outer_hooks())
         s.admit(unit)
         unit.busy = True
-        start = s.flops
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(unit.pack, unit.unpack):
-                out = self.original(*args, **kwargs)
-        finally:
-            unit.busy = False
-        unit.finish(out, s.flops - start)
-        s.produced(unit)
-        return out
+        hooks = torch.autograd.graph.saved_tensors_hooks(unit.pack, unit.unpack)
+        hooks.__enter__()
+        self._calls.append((unit, hooks, s.flops))
+        return tuple(args), kwargs
+
+    def post(self, block: nn.Module, args: tuple, out):
+        entry = self._calls.pop() if self._calls else None
+        if entry is None:      # not a unit (no grad, backward), or called before the hooks
+            return None
+        unit, hooks, start = entry
+        hooks.__exit__(None, None, None)
+        unit.busy = False
+        if out is None and sys.exc_info()[0] is not None:
+            return None        # the forward raised (``always_call``): the unit never finished
+        unit.finish(out, self.session.flops - start)
+        self.session.produced(unit)
+        return None
+
+    def close(self) -> None:
+        """Remove the hooks; pop the saved-tensor hooks of calls a ``BaseException`` left."""
+        for h in self.handles:
+            h.remove()
+        while self._calls:
+            entry = self._calls.pop()
+            if entry is not None:
+                entry[1].__exit__(None, None, None)
+                entry[0].busy = False
 
 
 class RematSession(Eviction):
@@ -167,11 +220,11 @@ class RematSession(Eviction):
         self.flops = 0                         # FLOPs run so far (cost is counted in FLOPs)
         self._init_eviction(config.seed)
         self._outputs: dict[int, tuple] = {}   # id(output tensor) -> (weakref, unit, index)
-        self._wrapped: list[tuple[nn.Module, object]] = []
-        self._roots: set[int] = set()
-        self._depth = 0
+        self._blocks: list[_BlockHooks] = []
+        self._find_handle = None               # the global pre-hook that finds the model
         self._nested = 0                       # rematerialize calls in progress (chains)
         self._outside: set[int] = set()
+        self._below = None                     # saved-tensor hooks found on entry (or None)
         self._stack = contextlib.ExitStack()
 
     # -- context ----------------------------------------------------------------------------
@@ -183,21 +236,21 @@ class RematSession(Eviction):
             if budget is not None and device == "cuda":
                 s.enter_context(_cuda_fraction(budget))
             elif budget is not None and not _enclosing_budget_at_most(budget):
-                s.enter_context(Tracker(model=self.model, optimizer=self.optimizer,
-                                        budget=budget, device=device))
-            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+                tracker = s.enter_context(Tracker(model=self.model, optimizer=self.optimizer,
+                                                  budget=budget, device=device))
+                count_live_storages(tracker)
+                if tracker.ledger.current_bytes > budget:
+                    raise self.over_at_entry(tracker.ledger.current_bytes, budget)
+            self._below = torch._C._autograd._top_saved_tensors_default_hooks(False)
             s.enter_context(torch.autograd.graph.saved_tensors_hooks(
-                lambda x: self._pack_outside(x, outer),
-                (lambda y: outer[1](y)) if outer is not None else _identity))
+                self._pack_outside, self._unpack_outside))
             s.enter_context(_PressureMode(self))
-            if self.model is not None:
-                self._wrap(self.model)
-            else:
-                s.callback(torch.nn.modules.module.register_module_forward_pre_hook(
-                    self._pre).remove)
-                s.callback(torch.nn.modules.module.register_module_forward_hook(
-                    self._post, always_call=True).remove)
             s.callback(self._close)
+            if self.model is not None:
+                self._hook_blocks(self.model)
+            else:
+                self._find_handle = torch.nn.modules.module.register_module_forward_pre_hook(
+                    self._find_model)
         except BaseException:
             s.close()
             raise
@@ -208,13 +261,27 @@ class RematSession(Eviction):
         self._stack.close()
         return False
 
+    def over_at_entry(self, live: int, budget: int) -> RematBudgetTooSmall:
+        return RematBudgetTooSmall(
+            f"remat: budget {format_bytes(budget)} ({budget} B) is below what is already alive "
+            f"when the session opens: {format_bytes(live)} ({live} B) of tensors on the "
+            "device (parameters, gradients, optimizer state, the batch and any other live "
+            "tensor; remat Note 8), none of which remat can evict. Raise the budget to well "
+            "above that, or free what the step does not need before entering remat.",
+            floor_bytes=live, budget_bytes=budget, live_bytes=live, requested_bytes=0,
+            op="(session entry)", module=None)
+
     def _close(self) -> None:
         self.open = False
-        for block, previous in reversed(self._wrapped):
-            vars(block).pop("forward", None)
-            if previous is not None:
-                vars(block)["forward"] = previous
-        self._wrapped = []
+        if self._find_handle is not None:
+            self._find_handle.remove()
+            self._find_handle = None
+        for hooks in reversed(self._blocks):
+            hooks.close()
+        self._blocks = []
+        # what the session was given or found stays the user's alone (nothing kept alive)
+        self.model = self.optimizer = self.active = None
+        self.units, self._outputs = [], {}
 
     def _device(self) -> str:
         """Whose bytes the budget caps: the model's device, else CUDA where there is one."""
@@ -223,40 +290,46 @@ class RematSession(Eviction):
                 return p.device.type
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def _pre(self, module, args) -> None:
-        """Global pre-hook (no model given): the first module called at depth 0 is a root."""
-        if self._depth == 0 and id(module) not in self._roots:
-            self._roots.add(id(module))
-            self._wrap(module)
-        self._depth += 1
+    def _find_model(self, module: nn.Module, args) -> None:
+        """Global pre-hook (no model given): the first module to run a forward with grad
+        enabled, outside backward, is the model (Note 7); then this hook goes."""
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1 \
+                or self._find_handle is None:
+            return
+        self._find_handle.remove()
+        self._find_handle = None
+        self.model = module
+        self._hook_blocks(module)
 
-    def _post(self, module, args, out) -> None:
-        self._depth -= 1
-
-    def _wrap(self, model: nn.Module) -> None:
+    def _hook_blocks(self, model: nn.Module) -> None:
         names = self.config.blocks or tuple(find_blocks(model))
         if not names:
             log.warning("remat: %s has no repeated blocks, so nothing can be evicted (remat "
                         "Note 1); pass Remat.Config(blocks=(...)) to name them",
                         type(model).__name__)
         for name in names:
-            block = model.get_submodule(name)
-            if isinstance(vars(block).get("forward"), _RematForward):
-                continue
-            previous = vars(block).get("forward")
-            vars(block)["forward"] = _RematForward(
-                self, name, block.forward, getattr(block, "_can_checkpoint_with_cache", False))
-            self._wrapped.append((block, previous))
+            self._blocks.append(_BlockHooks(self, name, model.get_submodule(name)))
 
-    def _pack_outside(self, x, outer):
+    def outer_hooks(self):
+        """The saved-tensor hooks a block's pack and unpack delegate to: those in force, or,
+        where they are this session's own (outside every block), those found on entry."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] == self._pack_outside:
+            return self._below
+        return top
+
+    def _pack_outside(self, x):
         """Saved outside every block: never evicted; counted once per storage (Note 1)."""
-        y = outer[0](x) if outer is not None else x
+        y = self._below[0](x) if self._below is not None else x
         if isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter) and x.layout is torch.strided:
             st = x.untyped_storage()
             if st._cdata not in self._outside:
                 self._outside.add(st._cdata)
                 self.stats.outside_blocks_bytes += st.nbytes()
         return y
+
+    def _unpack_outside(self, y):
+        return self._below[1](y) if self._below is not None else y
 
     # -- units ------------------------------------------------------------------------------
     def admit(self, unit: Unit) -> None:
@@ -307,8 +380,33 @@ class RematSession(Eviction):
             self._recomputed(unit)
         return outs
 
-def _identity(x):
-    return x
+def count_live_storages(tracker: Tracker) -> int:
+    """Count in ``tracker`` every storage alive now on its device (Note 8); return the device
+    bytes this added."""
+    ledger = tracker.ledger
+    before = ledger.current_bytes
+    gc.collect()              # garbage in cycles (e.g. a failed step's traceback) is not alive
+    objects = gc.get_objects()
+    kinds = {k for k in set(map(type, objects))
+             if issubclass(k, torch.Tensor) or callable(getattr(k, "host_tensors", None))}
+    found = list(itertools.compress(objects, map(kinds.__contains__, map(type, objects))))
+    del objects
+    for holder in found:                     # memfit's host memory first: not the device's
+        if not isinstance(holder, torch.Tensor):
+            for t in holder.host_tensors():
+                for st in storages_of(t, ledger.device_type):
+                    if ledger.sid(st) is None:
+                        ledger.add(st, L.OPTIMIZER, entry=True, host=True)
+    for t in found:
+        if not isinstance(t, torch.Tensor) or isinstance(
+                t, (FakeTensor, torch.nn.parameter.UninitializedTensorMixin)) or t.is_meta:
+            continue
+        grad = t.grad if t.is_leaf and t.requires_grad else None
+        for x in (t,) if grad is None else (t, grad):
+            for st in storages_of(x, ledger.device_type):
+                if st.device.type != "meta" and ledger.sid(st) is None:
+                    ledger.add(st, L.INPUTS, entry=True)
+    return ledger.current_bytes - before
 
 
 def _enclosing_budget_at_most(budget: int) -> bool:
