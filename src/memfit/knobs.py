@@ -10,9 +10,10 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-__all__ = ["Knobs", "PRECISIONS", "NOT_YET"]
+__all__ = ["Knobs", "PRECISIONS", "OPTIMIZER_IMPLS", "NOT_YET"]
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure", "auto")
+OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 _POLICY = re.compile(r"^(none|all|selective|every:[1-9][0-9]*)$")
 
 # Knobs this version accepts but cannot apply yet, with the issue that brings them.
@@ -45,6 +46,11 @@ class Knobs:
     offload_optimizer: keep optimizer states in host memory.
     remat: dynamic tensor rematerialization (DTR).
     max_grad_norm: clip the global gradient norm to this (after unscaling), per effective batch.
+    optimizer_impl: how the torch optimizer steps: "foreach" (one kernel per op over all
+        parameters: parameter-sized temporaries; CUDA's default), "fused" (one kernel per
+        parameter group, no parameter-sized temporaries; Adam, AdamW, SGD, Adagrad), or
+        "for-loop" (one parameter at a time, ``foreach=False``; the CPU's default). ``None``: an
+        optimizer instance keeps its own; for a name or factory memfit decides.
     """
 
     precision: str | None = None
@@ -54,6 +60,7 @@ class Knobs:
     offload_optimizer: bool | None = None
     remat: bool | None = None
     max_grad_norm: float | None = None
+    optimizer_impl: str | None = None
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -61,6 +68,9 @@ class Knobs:
         mbs = self.micro_batch_size
         if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
             raise ValueError(f"micro_batch_size must be a positive int, got {mbs!r}")
+        if self.optimizer_impl is not None and self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ValueError(f"optimizer_impl={self.optimizer_impl!r} is not one of "
+                             f"{', '.join(OPTIMIZER_IMPLS)} (or None: memfit decides)")
         _check_policy("checkpoint", self.checkpoint)
         _check_policy("offload", self.offload)
         for name in ("offload_optimizer", "remat"):

@@ -85,6 +85,16 @@ class CudaModel:
                 group["foreach"] = True
 
     @staticmethod
+    def optimizer_impl(optimizer) -> str:
+        """In words, the implementation the modelled optimizer step runs (after
+        ``use_foreach``): "foreach", "fused", "for-loop", or where it steps."""
+        if hasattr(optimizer, "host_tensors"):
+            return "stepped on the host (for-loop)"
+        from memfit.optimizers import impl_of    # memfit.optimizers imports no trace module
+
+        return impl_of(optimizer, cuda=True) or type(optimizer).__name__
+
+    @staticmethod
     def host_tensors(optimizer) -> list[torch.Tensor]:
         """Optimizer state CUDA keeps on the host: 0-d ``step`` counters unless capturable or
         fused (``torch.optim.Adam._init_group``)."""
