@@ -158,9 +158,10 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     spec = resolve_device(model, device)
     k = k.replace(precision=resolve_precision(k.precision, spec))
     limit = parse_bytes(budget) if budget is not None else spec.usable_bytes
-    recipe = OptimizerRecipe(optimizer)
+    recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
+    recipe.check_impl(trainable)
     batch = prepare_batch(batch)
     check_batch(model, batch, loss_fn)
     batch_size_of(batch)
@@ -215,7 +216,8 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         peak, reserved, breakdown = mem.allocated_peak_bytes, mem.reserved_peak_bytes, mem.breakdown
         context = mem.context_bytes
         notes.append(f"CUDA model of the {spec.display_name}: attention ran "
-                     f"{_describe_calls(cuda.sdpa_calls)}; optimizer foreach; caching-allocator "
+                     f"{_describe_calls(cuda.sdpa_calls)}; optimizer "
+                     f"{cuda.optimizer_impl(runner.optimizer)}; caching-allocator "
                      "replay; context approximate. Unvalidated until benchmarks/gpu_check.py "
                      "has run on this GPU")
     sim = None
