@@ -98,3 +98,30 @@ def test_layer_norm_backward_gives_a_contiguous_grad_input_like_the_cpu_kernel()
             fixed = torch.ops.aten.native_layer_norm_backward(*fargs)
     assert [layout(t) for t in plain] != [layout(t) for t in real]
     assert [layout(t) for t in fixed] == [layout(t) for t in real]
+
+
+NORMS = {  # name -> (op, args builder(x dtype)): the affine parameters fp32, as under autocast
+    "layer_norm": lambda d: (torch.ops.aten.native_layer_norm.default,
+                             (torch.randn(2, 4, 6).to(d), [6], torch.ones(6), torch.zeros(6), 1e-5)),
+    "layer_norm_weight_only": lambda d: (torch.ops.aten.native_layer_norm.default,
+                                         (torch.randn(2, 4, 6).to(d), [6], torch.ones(6), None, 1e-5)),
+    "layer_norm_no_params": lambda d: (torch.ops.aten.native_layer_norm.default,
+                                       (torch.randn(2, 4, 6).to(d), [6], None, None, 1e-5)),
+    "group_norm": lambda d: (torch.ops.aten.native_group_norm.default,
+                             (torch.randn(2, 4, 3, 3).to(d), torch.ones(4), torch.zeros(4), 2, 4, 9, 2, 1e-5)),
+    "group_norm_no_params": lambda d: (torch.ops.aten.native_group_norm.default,
+                                       (torch.randn(2, 4, 3, 3).to(d), None, None, 2, 4, 9, 2, 1e-5)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_layer_and_group_norm_statistics_dtype_like_the_cpu_kernel(norm, dtype):
+    """Rule 4: a reduced input with fp32 parameters gets fp32 mean/rstd from the CPU kernel."""
+    op, args = NORMS[norm](dtype)
+    real = op(*args)
+    fake_mode = FakeTensorMode()
+    fargs = fake_args(fake_mode, args)
+    with fake_mode, FidelityMode():
+        fixed = op(*fargs)
+    assert [layout(t) for t in fixed] == [layout(t) for t in real]

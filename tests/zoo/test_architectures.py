@@ -1,8 +1,6 @@
 """Architectures people train today, tiny and random (their real transformers config classes, no
 hub): memfit.estimate equals memfit.track to the byte on one real CPU training step."""
 
-import json
-
 import pytest
 import torch
 import transformers as T
@@ -101,3 +99,14 @@ def test_moe_in_fp32_needs_no_bf16_pure(tmp_path):
     for precision in ("fp32", "bf16"):
         est = memfit.estimate(model, batch, optimizer="sgd", precision=precision)
         assert est.peak_bytes == track_real_step(model, batch, "sgd", precision).peak_bytes
+
+
+@pytest.mark.parametrize("name", ["modernbert", "swin"])
+def test_estimate_equals_track_under_bf16_autocast(name, tmp_path):
+    """Their norms get a bf16 input with fp32 parameters (fidelity Rule 4)."""
+    spec = spec_of(name, tmp_path)
+    model = spec.build()
+    batch = spec.make_batch(model, 2, seq_len=None if spec.family == "vision" else 16)
+    est = memfit.estimate(model, batch, optimizer="adamw", precision="bf16")
+    t = track_real_step(model, batch, "adamw", "bf16")
+    assert (est.peak_bytes, est.breakdown) == (t.peak_bytes, t.breakdown)

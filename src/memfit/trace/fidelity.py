@@ -24,6 +24,12 @@ contiguous whatever the strides of ``grad_out``; the meta decomposition gives it
 ``grad_out``'s strides. A transposed gradient (Swin's patch merging) then made the next
 ``reshape`` copy in the trace and not in the real step.
 
+Rule 4 (layer and group norm, mixed dtypes). Rule 1's case for the other norms: a bf16/fp16
+input with fp32 affine parameters (CPU autocast leaves ``layer_norm`` alone, so a norm after a
+bf16 matmul or conv gets one: ModernBERT's, Swin's) makes ``layer_norm_cpu`` /
+``group_norm_cpu`` return ``mean``/``rstd`` in fp32 (their ``mixed_type`` path); the meta
+functions return them in the input's dtype.
+
 Data-dependent ops (``nonzero``, ``unique``, ``masked_select``, boolean indexing, ``.item()``)
 are resolved from the real batch by ``memfit.trace.data_dependent`` when ``FidelityMode`` is
 given its ``DataValues``.
@@ -52,6 +58,15 @@ def _batch_norm_mixed(args, kwargs, out):
         return out
     y, mean, invstd = out
     return y, mean.to(torch.float32), invstd.to(torch.float32)
+
+
+def _norm_mixed(x, params, out):
+    """Rule 4: ``out`` is (y, mean, rstd)."""
+    if x.dtype not in _REDUCED or not any(isinstance(p, torch.Tensor) and p.dtype == torch.float32
+                                          for p in params):
+        return out
+    y, mean, rstd = out
+    return y, mean.to(torch.float32), rstd.to(torch.float32)
 
 
 def _layer_norm_backward_contiguous(args, kwargs, out):
@@ -90,6 +105,8 @@ _RULES = {
     _aten.native_batch_norm.default: _batch_norm_mixed,
     _aten._native_batch_norm_legit.default: _batch_norm_mixed,
     _aten.native_layer_norm_backward.default: _layer_norm_backward_contiguous,
+    _aten.native_layer_norm.default: lambda args, kwargs, out: _norm_mixed(args[0], args[2:4], out),
+    _aten.native_group_norm.default: lambda args, kwargs, out: _norm_mixed(args[0], args[1:3], out),
 }
 _REPLACEMENTS = {_aten._grouped_mm.default: _grouped_mm_cpu}
 
