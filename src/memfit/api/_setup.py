@@ -13,6 +13,7 @@ from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
 from memfit.runtime import Applied, Runner
+from memfit.runtime.batch_shape import BatchShapes
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
 from memfit.techniques.offload import Offload
@@ -53,7 +54,8 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
                  origin: list[torch.Tensor] | None = None, loss_fn: Callable | None = None,
                  count_fn: Callable | None = None, scheduler=None, scaler_class=None,
                  device_type: str = "cpu", autocast_impl=None, recompute_context=None,
-                 replan=None, budget_bytes: int | None = None, notes=()) -> Runner:
+                 replan=None, budget_bytes: int | None = None, notes=(),
+                 planned_batch=None) -> Runner:
     """Apply the knobs to ``model`` (in place) and wrap it in a Runner.
 
     ``plan`` is not changed (plan Note 1): what applying it did is ``runner.applied``, with
@@ -61,7 +63,8 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     ``autocast_impl`` (dtype -> context) and ``recompute_context`` (dtype or None -> context
     entered around each checkpoint recompute) let a trace model another device's autocast and
     kernels; real runs leave them None (torch.autocast is replayed by checkpoint itself).
-    ``replan(excess_bytes) -> Runner`` arms the Runner's OOM guard (runtime.oom_guard)."""
+    ``replan(excess_bytes) -> Runner`` arms the Runner's OOM guard (runtime.oom_guard).
+    ``planned_batch``: the batch the plan was made for; a larger one warns (batch_shape)."""
     if knobs.offload_optimizer and knobs.precision == "bf16-pure":
         raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
                          "master weights would be kept twice; use bf16 autocast instead")
@@ -118,7 +121,8 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
                       notes=notes)
     return Runner(model, optimizer, plan=plan, applied=applied, precision=tech,
                   accumulation=acc, loss_fn=loss_fn, scaler=scaler, scheduler=scheduler,
-                  device_type=device_type, handles=handles, contexts=contexts, replan=replan)
+                  device_type=device_type, handles=handles, contexts=contexts, replan=replan,
+                  batch_shapes=None if planned_batch is None else BatchShapes(planned_batch))
 
 
 def _merge_offload(blocks: dict[str, str], modes: dict[str, str]) -> None:

@@ -14,6 +14,7 @@ from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
 from memfit.runtime import Runner
+from memfit.runtime.batch_shape import extend_batch
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import Accumulation, batch_size_of
 from memfit.units import format_bytes, parse_bytes
@@ -23,7 +24,7 @@ __all__ = ["fit"]
 
 def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
         loss_fn: Callable | None = None, *, count_fn: Callable | None = None, scheduler=None,
-        **knobs) -> Runner:
+        max_seq_len: int | None = None, **knobs) -> Runner:
     """A ``Runner`` that trains ``model`` one effective batch per ``runner.step(batch)``.
 
     ``optimizer``: an instance over the model's parameters (rebuilt only when a knob needs
@@ -35,7 +36,10 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     ``count_fn(batch)``: what the loss averages over (default: what the model's loss counts).
     ``scheduler``: an LR scheduler (or a factory ``optimizer -> scheduler``, needed with
     bf16-pure and offload_optimizer, which rebuild the optimizer) stepped once per effective
-    batch. Knobs (``memfit.Knobs``): ``precision``, ``micro_batch_size``, ``max_grad_norm``,
+    batch. ``max_seq_len``: plan for the example extended to this many tokens (dynamic
+    padding: the longest batch), built on the ``meta`` device (runtime.batch_shape Note 1); a
+    batch larger than the one planned for warns in ``runner.step``.
+    Knobs (``memfit.Knobs``): ``precision``, ``micro_batch_size``, ``max_grad_norm``,
     ``checkpoint``, ``offload``, ``offload_optimizer``, ``remat`` (DTR around each step: under
     ``budget`` if given, else on out-of-memory). Everything is checked before the model is touched.
     """
@@ -53,23 +57,28 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     recipe.check_params(trainable)
     example = prepare_batch(batch)
     check_batch(model, example, loss_fn)
+    planned, shapes = batch, batch          # what is traced; the shapes runner.step compares
+    if max_seq_len is not None:             # batch_shape Note 1: the all-ones mask goes first
+        planned, shapes = extend_batch(example, max_seq_len), extend_batch(batch, max_seq_len)
+        check_batch(model, planned, loss_fn)
     plan = Plan(k, device=spec.name, batch_size=batch_size_of(example),
                 budget_bytes=parse_bytes(budget) if budget is not None and k.remat else None)
     if budget is not None and not k.remat:    # DTR keeps the budget at run time: nothing to plan
         if hasattr(scheduler, "step") and knobs_in.offload_optimizer is None:
             knobs_in = knobs_in.replace(offload_optimizer=False)    # it would orphan the scheduler
-        k, plan = _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, knobs_in,
+        k, plan = _fit_budget(model, optimizer, planned, spec, loss_fn, count_fn, knobs_in,
                               parse_bytes(budget))
     Accumulation(Accumulation.Config(k.micro_batch_size)).warn_if_inexact(model, example)
     device_type = next((p.device.type for p in model.parameters()), "cpu")
     replan = None
     if budget is not None and not k.remat:
-        replan = _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn,
+        replan = _replanner(model, recipe, optimizer, planned, spec, loss_fn, count_fn,
                             knobs_in.replace(precision=k.precision,
                                              offload_optimizer=k.offload_optimizer),
                             parse_bytes(budget), device_type)
     return build_runner(model, recipe, k, plan=plan, loss_fn=loss_fn, count_fn=count_fn,
-                        scheduler=scheduler, device_type=device_type, replan=replan)
+                        scheduler=scheduler, device_type=device_type, replan=replan,
+                        planned_batch=shapes)
 
 
 def _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn, fixed: Knobs,

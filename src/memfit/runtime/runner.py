@@ -32,6 +32,7 @@ from torch import nn
 
 from memfit.planner import Plan
 from memfit.runtime.applied import Applied
+from memfit.runtime.batch_shape import BatchShapes
 from memfit.runtime.oom_guard import OomGuard, check_optimizer_step, committing
 from memfit.step import compute_loss, prepare_batch
 from memfit.techniques.accumulation import Accumulation
@@ -65,7 +66,7 @@ class Runner:
                  accumulation: Accumulation, loss_fn: Callable | None = None, scaler=None,
                  scheduler=None, device_type: str = "cpu", handles=(), contexts=(),
                  replan: Callable[[int], "Runner"] | None = None,
-                 applied: Applied | None = None):
+                 applied: Applied | None = None, batch_shapes: BatchShapes | None = None):
         self.model = model
         self.optimizer = optimizer
         self.plan = plan              # as searched, never changed (Note 4)
@@ -77,6 +78,7 @@ class Runner:
         self.scheduler = scheduler
         self.device_type = device_type
         self.last_step: StepInfo | None = None
+        self.batch_shapes = batch_shapes    # the planned batch's shapes (batch_shape Note 2)
         self.handles = list(handles)      # applied techniques; ``close`` removes them
         # factories of context managers entered around each effective batch (e.g. DTR)
         self.contexts = list(contexts)
@@ -98,7 +100,10 @@ class Runner:
 
     def step(self, batch) -> float:
         """Train on one effective batch; return its loss (count-weighted, global). With
-        ``replan``, an out-of-memory error re-plans and reruns the batch (Note 3)."""
+        ``replan``, an out-of-memory error re-plans and reruns the batch (Note 3). A batch
+        larger than the planned one warns, once per shape (batch_shape Note 2)."""
+        if self.batch_shapes is not None:
+            self.batch_shapes.check(batch)
         if self.guard is not None:
             return self.guard.step(self, batch)
         return self.step_unguarded(batch)
