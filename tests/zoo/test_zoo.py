@@ -250,8 +250,10 @@ def test_meta_batch():
 def test_lookup_by_alias_and_case():
     assert zoo.names() == ["bert-base", "bert-large", "roberta-base", "roberta-large", "xlm-roberta-base",
                            "xlm-roberta-large", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-1b",
-                           "llama-7b", "mistral-7b", "qwen2.5-7b", "t5-base", "whisper-small",
-                           "clip-vit-base-patch32", "vit-base", "vit-large", "resnet-50"]
+                           "llama-7b", "llama-3-8b", "mistral-7b", "qwen2.5-7b", "gemma-2-2b", "phi-3-mini",
+                           "qwen1.5-moe-a2.7b", "deberta-v3-base", "modernbert-base", "t5-base", "whisper-small",
+                           "clip-vit-base-patch32", "vit-base", "vit-large", "convnext-tiny", "swin-tiny",
+                           "resnet-50"]
     for alias, name in [("FacebookAI/xlm-roberta-large", "xlm-roberta-large"), ("XLMR-Large", "xlm-roberta-large"),
                         ("gpt2-small", "gpt2"), ("meta-llama/Llama-2-7b-hf", "llama-7b"),
                         ("google/vit-base-patch16-224", "vit-base"), ("microsoft/resnet-50", "resnet-50"),
@@ -266,7 +268,7 @@ def test_lookup_by_alias_and_case():
 def test_unknown_name_suggests_close_names():
     with pytest.raises(ValueError, match=r"'xlm-robrta-large'.*'xlm-roberta-large'.*names\(\)"):
         zoo.get("xlm-robrta-large")
-    with pytest.raises(ValueError, match=r"Did you mean 'llama-7b', 'llama-1b'\?"):  # canonical names, once each
+    with pytest.raises(ValueError, match=r"Did you mean 'llama-7b', 'llama-1b', 'llama-3-8b'\?"):  # canonical names, once each
         zoo.get("llama")
 
 

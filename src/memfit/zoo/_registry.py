@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import difflib
 
-from transformers import (BertConfig, CLIPConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config,
-                          ResNetConfig, RobertaConfig, T5Config, ViTConfig, WhisperConfig, XLMRobertaConfig)
+from transformers import (BertConfig, CLIPConfig, ConvNextConfig, DebertaV2Config, Gemma2Config, GPT2Config,
+                          LlamaConfig, MistralConfig, ModernBertConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                          ResNetConfig, RobertaConfig, SwinConfig, T5Config, ViTConfig, WhisperConfig,
+                          XLMRobertaConfig)
 
 from memfit.zoo._spec import ModelSpec
 
@@ -80,6 +82,57 @@ _QWEN2_5_7B = dict(attention_dropout=0.0, bos_token_id=151643, eos_token_id=1516
                    rms_norm_eps=1e-06, rope_theta=1000000.0, sliding_window=131072, tie_word_embeddings=False,
                    use_cache=True, use_sliding_window=False, vocab_size=152064)
 _TINY_DECODER = {**_TINY_LLAMA, "num_key_value_heads": 2, "bos_token_id": 1, "eos_token_id": 2}
+_LLAMA_3_8B = dict(attention_bias=False, attention_dropout=0.0, bos_token_id=128000, eos_token_id=128001,
+                   hidden_act="silu", hidden_size=4096, initializer_range=0.02, intermediate_size=14336,
+                   max_position_embeddings=8192, mlp_bias=False, num_attention_heads=32, num_hidden_layers=32,
+                   num_key_value_heads=8, pretraining_tp=1, rms_norm_eps=1e-05, rope_scaling=None,
+                   rope_theta=500000.0, tie_word_embeddings=False, use_cache=True, vocab_size=128256)
+_GEMMA_2_2B = dict(attention_bias=False, attention_dropout=0.0, attn_logit_softcapping=50.0, bos_token_id=2,
+                   eos_token_id=1, final_logit_softcapping=30.0, head_dim=256,
+                   hidden_activation="gelu_pytorch_tanh", hidden_size=2304, initializer_range=0.02,
+                   intermediate_size=9216, max_position_embeddings=8192, num_attention_heads=8,
+                   num_hidden_layers=26, num_key_value_heads=4, pad_token_id=0, query_pre_attn_scalar=256,
+                   rms_norm_eps=1e-06, rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=True,
+                   vocab_size=256000)
+_TINY_GEMMA_2 = {**_TINY_DECODER, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+                 "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
+_PHI_3_MINI = dict(attention_bias=False, attention_dropout=0.0, bos_token_id=1, embd_pdrop=0.0, eos_token_id=32000,
+                   hidden_act="silu", hidden_size=3072, initializer_range=0.02, intermediate_size=8192,
+                   max_position_embeddings=4096, num_attention_heads=32, num_hidden_layers=32,
+                   num_key_value_heads=32, original_max_position_embeddings=4096, pad_token_id=32000,
+                   resid_pdrop=0.0, rms_norm_eps=1e-05, rope_scaling=None, rope_theta=10000.0,
+                   sliding_window=2047, tie_word_embeddings=False, use_cache=True, vocab_size=32064)
+_TINY_PHI_3 = {**_TINY_DECODER, "original_max_position_embeddings": 128, "sliding_window": 8, "pad_token_id": 0,
+               "eos_token_id": 2}
+_QWEN1_5_MOE = dict(attention_dropout=0.0, bos_token_id=151643, decoder_sparse_step=1, eos_token_id=151643,
+                    hidden_act="silu", hidden_size=2048, initializer_range=0.02, intermediate_size=5632,
+                    max_position_embeddings=8192, max_window_layers=21, moe_intermediate_size=1408,
+                    norm_topk_prob=False, num_attention_heads=16, num_experts=60, num_experts_per_tok=4,
+                    num_hidden_layers=24, num_key_value_heads=16, output_router_logits=False,
+                    rms_norm_eps=1e-06, rope_theta=1000000.0, router_aux_loss_coef=0.001,
+                    shared_expert_intermediate_size=5632, sliding_window=32768, tie_word_embeddings=False,
+                    use_cache=True, use_sliding_window=False, vocab_size=151936)
+_TINY_MOE = {**_TINY_DECODER, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "num_experts": 4,
+             "num_experts_per_tok": 2}
+
+# --- DeBERTa-v3 and ModernBERT: encoders with relative / rotary positions --------------------------
+_DEBERTA_V3_BASE = dict(attention_probs_dropout_prob=0.1, hidden_act="gelu", hidden_dropout_prob=0.1,
+                        hidden_size=768, initializer_range=0.02, intermediate_size=3072, layer_norm_eps=1e-07,
+                        max_position_embeddings=512, max_relative_positions=-1, norm_rel_ebd="layer_norm",
+                        num_attention_heads=12, num_hidden_layers=12, pad_token_id=0, pooler_dropout=0,
+                        pooler_hidden_act="gelu", pooler_hidden_size=768, pos_att_type=["p2c", "c2p"],
+                        position_biased_input=False, position_buckets=256, relative_attention=True,
+                        share_att_key=True, type_vocab_size=0, vocab_size=128100)
+_TINY_DEBERTA = {**_TINY_ENCODER, "pooler_hidden_size": 64, "position_buckets": 16}
+_MODERNBERT_BASE = dict(attention_bias=False, attention_dropout=0.0, bos_token_id=50281, classifier_activation="gelu",
+                        cls_token_id=50281, embedding_dropout=0.0, eos_token_id=50282, global_attn_every_n_layers=3,
+                        global_rope_theta=160000.0, hidden_activation="gelu", hidden_size=768,
+                        initializer_range=0.02, intermediate_size=1152, local_attention=128,
+                        local_rope_theta=10000.0, max_position_embeddings=8192, mlp_bias=False, mlp_dropout=0.0,
+                        norm_bias=False, norm_eps=1e-05, num_attention_heads=12, num_hidden_layers=22,
+                        pad_token_id=50283, sep_token_id=50282, vocab_size=50368)
+_TINY_MODERNBERT = {**_TINY_ENCODER, "num_hidden_layers": 3, "local_attention": 8, "bos_token_id": 1,
+                    "cls_token_id": 1, "eos_token_id": 2, "sep_token_id": 2, "pad_token_id": 0}
 
 # --- Whisper (speech seq2seq) and CLIP (contrastive image-text) -----------------------------------
 _WHISPER_SMALL = dict(activation_dropout=0.0, activation_function="gelu", attention_dropout=0.0, bos_token_id=50257,
@@ -118,6 +171,16 @@ _VIT = dict(attention_probs_dropout_prob=0.0, hidden_act="gelu", hidden_dropout_
             qkv_bias=True)
 _TINY_VIT = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
                  image_size=32, patch_size=8, num_labels=10)
+_CONVNEXT_TINY = dict(depths=[3, 3, 9, 3], drop_path_rate=0.0, hidden_act="gelu", hidden_sizes=[96, 192, 384, 768],
+                      image_size=224, layer_norm_eps=1e-12, layer_scale_init_value=1e-06, num_channels=3,
+                      num_labels=1000, patch_size=4)
+_TINY_CONVNEXT = dict(depths=[1, 1, 1, 1], hidden_sizes=[16, 32, 64, 128], num_labels=10, image_size=32)
+_SWIN_TINY = dict(attention_probs_dropout_prob=0.0, depths=[2, 2, 6, 2], drop_path_rate=0.1, embed_dim=96,
+                  hidden_act="gelu", hidden_dropout_prob=0.0, image_size=224, layer_norm_eps=1e-05, mlp_ratio=4.0,
+                  num_channels=3, num_heads=[3, 6, 12, 24], num_labels=1000, patch_size=4, qkv_bias=True,
+                  window_size=7)
+_TINY_SWIN = dict(depths=[1, 1], embed_dim=16, num_heads=[2, 4], image_size=32, patch_size=2, window_size=4,
+                  num_labels=10)
 _RESNET_50 = dict(depths=[3, 4, 6, 3], downsample_in_first_stage=False, embedding_size=64, hidden_act="relu",
                   hidden_sizes=[256, 512, 1024, 2048], layer_type="bottleneck", num_channels=3, num_labels=1000)
 _TINY_RESNET = dict(depths=[1, 1, 1, 1], embedding_size=8, hidden_sizes=[16, 32, 64, 128], num_labels=10)
@@ -154,11 +217,26 @@ def _builtin_specs() -> tuple[ModelSpec, ...]:
         ModelSpec("llama-7b", "causal-lm", LlamaConfig, _LLAMA_2_7B, {"causal-lm": "LlamaForCausalLM"},
                   "causal-lm", _TINY_LLAMA, ("meta-llama/Llama-2-7b-hf", "llama-2-7b", "llama2-7b"),
                   "meta-llama/Llama-2-7b-hf"),
+        ModelSpec("llama-3-8b", "causal-lm", LlamaConfig, _LLAMA_3_8B, {"causal-lm": "LlamaForCausalLM"},
+                  "causal-lm", _TINY_LLAMA_3, ("meta-llama/Meta-Llama-3-8B", "llama3-8b"), "meta-llama/Meta-Llama-3-8B"),
         ModelSpec("mistral-7b", "causal-lm", MistralConfig, _MISTRAL_7B, {"causal-lm": "MistralForCausalLM"},
                   "causal-lm", {**_TINY_DECODER, "sliding_window": 8},
                   ("mistralai/Mistral-7B-v0.1", "mistral-7b-v0.1"), "mistralai/Mistral-7B-v0.1"),
         ModelSpec("qwen2.5-7b", "causal-lm", Qwen2Config, _QWEN2_5_7B, {"causal-lm": "Qwen2ForCausalLM"},
                   "causal-lm", _TINY_DECODER, ("Qwen/Qwen2.5-7B", "qwen2.5"), "Qwen/Qwen2.5-7B"),
+        ModelSpec("gemma-2-2b", "causal-lm", Gemma2Config, _GEMMA_2_2B, {"causal-lm": "Gemma2ForCausalLM"},
+                  "causal-lm", _TINY_GEMMA_2, ("google/gemma-2-2b", "gemma2-2b"), "google/gemma-2-2b"),
+        ModelSpec("phi-3-mini", "causal-lm", Phi3Config, _PHI_3_MINI, {"causal-lm": "Phi3ForCausalLM"},
+                  "causal-lm", _TINY_PHI_3, ("microsoft/Phi-3-mini-4k-instruct", "phi3-mini"),
+                  "microsoft/Phi-3-mini-4k-instruct"),
+        ModelSpec("qwen1.5-moe-a2.7b", "causal-lm", Qwen2MoeConfig, _QWEN1_5_MOE, {"causal-lm": "Qwen2MoeForCausalLM"},
+                  "causal-lm", _TINY_MOE, ("Qwen/Qwen1.5-MoE-A2.7B", "qwen2-moe"), "Qwen/Qwen1.5-MoE-A2.7B"),
+        ModelSpec("deberta-v3-base", enc, DebertaV2Config, _DEBERTA_V3_BASE, _encoder_tasks("DebertaV2"),
+                  "sequence-classification", _TINY_DEBERTA, ("microsoft/deberta-v3-base",),
+                  "microsoft/deberta-v3-base"),
+        ModelSpec("modernbert-base", enc, ModernBertConfig, _MODERNBERT_BASE, _encoder_tasks("ModernBert"),
+                  "sequence-classification", _TINY_MODERNBERT, ("answerdotai/ModernBERT-base",),
+                  "answerdotai/ModernBERT-base"),
         ModelSpec("t5-base", "seq2seq", T5Config, _T5_BASE, {"seq2seq-lm": "T5ForConditionalGeneration"},
                   "seq2seq-lm", _TINY_T5, ("google-t5/t5-base",), "google-t5/t5-base"),
         ModelSpec("whisper-small", "seq2seq", WhisperConfig, _WHISPER_SMALL,
@@ -173,6 +251,12 @@ def _builtin_specs() -> tuple[ModelSpec, ...]:
         ModelSpec("vit-large", "vision", ViTConfig, {**_VIT, **_LARGE},
                   {"image-classification": "ViTForImageClassification"}, "image-classification", _TINY_VIT,
                   ("google/vit-large-patch16-224", "vit-large-patch16-224"), "google/vit-large-patch16-224"),
+        ModelSpec("convnext-tiny", "vision", ConvNextConfig, _CONVNEXT_TINY,
+                  {"image-classification": "ConvNextForImageClassification"}, "image-classification", _TINY_CONVNEXT,
+                  ("facebook/convnext-tiny-224",), "facebook/convnext-tiny-224"),
+        ModelSpec("swin-tiny", "vision", SwinConfig, _SWIN_TINY, {"image-classification": "SwinForImageClassification"},
+                  "image-classification", _TINY_SWIN, ("microsoft/swin-tiny-patch4-window7-224",),
+                  "microsoft/swin-tiny-patch4-window7-224"),
         ModelSpec("resnet-50", "vision", ResNetConfig, _RESNET_50,
                   {"image-classification": "ResNetForImageClassification"}, "image-classification", _TINY_RESNET,
                   ("microsoft/resnet-50", "resnet50"), "microsoft/resnet-50"),
