@@ -308,3 +308,28 @@ def test_a_failed_replan_leaves_the_runner_as_it_was():
     with device_track(budget) as t:             # it still trains the planned batch in budget
         train(runner, short, range(2, 3))
     assert t.peak_bytes <= budget
+
+
+@pytest.mark.parametrize("failure", ["raises", "another model"])
+def test_any_failed_replan_puts_the_techniques_back(failure):
+    # Note 5 with a checkpointed runner: re-planning that raises, or that returns a Runner over
+    # another model (adopt refuses it), leaves the checkpoint hooks on the blocks.
+    model, opt, batch, r = setup(**dict(OLD, checkpoint="all"))
+    other, _ = tiny("gpt2", batch_size=4, seq_len=16)
+
+    def replan(excess):
+        if failure == "raises":
+            raise memfit.BudgetTooSmall("nothing fits", floor_bytes=2, budget_bytes=1)
+        k = Knobs.from_kwargs(precision="fp32", **NEW)
+        return build_runner(other, OptimizerRecipe(opt), k, plan=Plan(k))
+    runner = guarded(r, replan)
+    inject_oom(model.transformer.h[1], on_calls={2})
+    hooks = _hooks(model)
+    assert any(h == (1, 1) for h in hooks)        # checkpoint's pair on each block
+    with pytest.raises(memfit.OutOfMemory) as err:
+        runner.step(batch)
+    assert "re-planning failed" in "\n".join(err.value.__notes__)
+    assert type(err.value.__cause__) is (memfit.BudgetTooSmall if failure == "raises"
+                                         else ValueError)
+    assert _hooks(model) == hooks and set(_hooks(other)) == {(0, 0)}
+    assert runner.plan is r.plan and runner.applied is r.applied

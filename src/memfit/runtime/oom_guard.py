@@ -190,11 +190,14 @@ class OomGuard:
             self._replan(runner, excess, failed)
 
     def _replan(self, runner: "Runner", excess: int, failed: "_Failure") -> None:
-        handles = list(runner.handles)
+        handles, new = list(runner.handles), None
         runner.close()
         try:
             new = self.replan(excess)
+            _check_adoptable(runner, new)
         except BaseException as e:           # Note 5: back as it was, then one clear error
+            if hasattr(new, "close"):
+                new.close()                  # a Runner over another model: its hooks go
             runner.handles = [h.reapply() for h in handles]
             if not isinstance(e, Exception):     # KeyboardInterrupt, SystemExit: as they are
                 raise
@@ -248,11 +251,15 @@ class _Failure:
         return e
 
 
-def adopt(runner: "Runner", new: "Runner") -> None:
-    """Move ``new``'s components into ``runner`` (Note 2)."""
-    if new.model is not runner.model:
+def _check_adoptable(runner: "Runner", new) -> None:
+    if not hasattr(new, "handles") or new.model is not runner.model:
         raise ValueError("replan must return a Runner over the same model (build it with "
                          "memfit.api._setup.build_runner on runner.model)")
+
+
+def adopt(runner: "Runner", new: "Runner") -> None:
+    """Move ``new``'s components into ``runner`` (Note 2)."""
+    _check_adoptable(runner, new)
     rebuilt = new.optimizer is not runner.optimizer and len(runner.optimizer.state) > 0
     runner.optimizer = new.optimizer
     runner.plan = new.plan
