@@ -62,7 +62,7 @@ def test_milp_finds_the_brute_force_optimum(traced):
         keep = rows.peak(_x(("keep",) * nb))
         low = min(rows.peak(_x(c)) for c in itertools.product(MODES, repeat=nb))
         for cap in (low + 0.25 * (keep - low), low + 0.6 * (keep - low)):
-            found = _best_for(memory, time, "fp32", m, B, oo, cap, Constraints())
+            found = _best_for(memory, time, ("fp32", None), m, B, oo, cap, Constraints())
             best = min((sum(time.mode_s(i, c[i], m, -(-B // m), B) for i in range(nb)), c)
                        for c in itertools.product(MODES, repeat=nb)
                        if rows.peak(_x(c)) <= cap)

@@ -1,9 +1,11 @@
 """``memfit.plan``: the fastest configuration predicted to fit a budget, verified by a re-trace.
 
-Note 1 (the pipeline). Trace the plain step once per candidate precision (the whole effective
-batch as one micro-batch). If one fits, nothing needs to change: take the fastest that fits.
-Else build the memory and time models from those traces (planner.memory_model,
-planner.time_model), search (planner.search), and re-trace the step with the choice applied.
+Note 1 (the pipeline). Trace the user's plain step (their precision, the whole effective
+batch as one micro-batch; ``Planned.plain``). Under "auto" on a GPU, trace the plain step at
+the searched 16-bit precision too (Note 3). If the searched plain step fits and the caller
+fixed nothing that changes it, take it. Else build the memory and time models from those
+traces (planner.memory_model, planner.time_model), search (planner.search), and re-trace the
+step with the choice applied.
 
 Note 2 (verification). The re-trace is the answer: its peak and reserved bytes are the plan's
 predictions. If it does not fit, the search runs again with the cap lowered by what was
@@ -13,17 +15,31 @@ CUDA model of ``estimate``.
 
 Note 3 (precision "auto"). On a GPU, auto searches the 16-bit precision the card has (bf16, else
 fp16 autocast): its matmuls run at least as fast as fp32 (time_model Note 2) and its activations
-take half the bytes. The step-time ratio is against the plain step at the user's precision
-(fp32 under auto), timed from the 16-bit traces (time_model Note 5). On the CPU auto is fp32.
+take half the bytes. The "plain step" is always the user's own: fp32 under auto, traced once;
+the step-time ratio is against it (time_model Note 5), so a plan that changes the precision
+says so, and a ratio below 1 is a speed-up. On the CPU auto is fp32.
 
 Note 4 (the caller's batch). The trace runs the batch as the step uses it: an all-ones
 attention mask dropped, bf16-pure's float inputs cast. ``runner.step(batch)`` keeps the
 caller's batch alive beside it, so those unused bytes are added to every prediction and check.
+
+Note 5 (the floor). One number: the least device bytes of a configuration in the search
+space, re-traced. The models propose the candidates (search Note 5: the least-memory modes
+at micro-batch 1 and at the whole batch, and uniform recompute / offload beside them); each is
+re-traced, and the least traced is the floor. It is what ``Plan.floor_bytes``, ``explain()``
+and ``BudgetTooSmall.floor_bytes`` report, and a budget of exactly the floor plans (that
+configuration), one byte less raises.
+
+Note 6 (the optimizer implementation). With ``optimizer_impl`` unset and the optimizer given
+by name or factory, the planner may switch the implementation (optimizers Note 1): each other
+one the class supports and that may need less (fused; for-loop where the default is CUDA's
+foreach) is traced once, and the search weighs it like any other knob, before the optimizer
+state leaves the device. An optimizer instance keeps its own unless ``optimizer_impl`` is set.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,21 +48,22 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from memfit.api._plan_words import global_reasons, host_bytes, too_small
 from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._validate import check_batch
 from memfit.api.estimate import Estimate, estimate
-from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.measure import storages_of
+from memfit.optimizers import OptimizerRecipe, impl_of, supports_impl
 from memfit.planner import Plan
-from memfit.planner.memory_model import MemoryModel
-from memfit.planner.search import Choice, Constraints, floor, search
+from memfit.planner.memory_model import MemoryModel, optimizer_rise_bytes
+from memfit.planner.search import Choice, Constraints, floor_candidates, search
 from memfit.planner.time_model import TimeModel
 from memfit.step import prepare_batch
 from memfit.techniques._blocks import resolve_policy
 from memfit.techniques.accumulation import Accumulation, batch_size_of
 from memfit.techniques.precision import Precision
-from memfit.units import GiB, format_bytes, parse_bytes
+from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["plan", "plan_traced", "Planned"]
 
@@ -99,67 +116,129 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     original, batch = batch, prepare_batch(batch)
     check_batch(model, batch, loss_fn)
     b = batch_size_of(batch)
-    precisions = [resolve_precision(k.precision, spec)]     # auto: one candidate (Note 3)
+    trainable = [t for t in model.parameters() if t.requires_grad]
+    recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
+    recipe.check_params(trainable)
+    recipe.check_impl(trainable)
+    p = resolve_precision(k.precision, spec)              # the one searched (Note 3)
+    user = "fp32" if k.precision in (None, "auto") else p
     fixed = _constraints(model, k, b)
     common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
                   allocator=allocator, max_grad_norm=k.max_grad_norm)
-    traces, models = {}, {}
-    for p in precisions:
+    say(f"tracing the plain step ({user}, batch {b})")
+    plain = estimate(model, batch, precision=user, optimizer_impl=k.optimizer_impl, **common)
+    base = plain
+    if p != user:
         say(f"tracing the plain step ({p}, batch {b})")
-        traces[p] = estimate(model, batch, precision=p, **common)
-        models[p] = _models(model, batch, traces[p], common, spec, p, b, say)
-    user = "fp32" if k.precision in (None, "auto") else precisions[0]
-    baseline_s = _baseline_s(models, user, b)
-    best_floor = floor(models, b, fixed)
-    held = {p: _held_bytes(original, p) for p in precisions}   # Note 4
+        base = estimate(model, batch, precision=p, optimizer_impl=k.optimizer_impl, **common)
+    key = (p, k.optimizer_impl)
+    models = {key: _models(model, batch, base, common, spec, p, b, k.optimizer_impl, say)}
+    default_impl = _modelled_impl(recipe, trainable, spec)
+    variants = _impl_variants(recipe, k, trainable, default_impl, fixed)
+    for impl in variants:
+        say(f"tracing the optimizer step with the {impl} implementation")
+        other = estimate(model, batch, precision=p, optimizer_impl=impl, allocator_replay=False,
+                         **common)
+        memory, time = models[key]
+        models[(p, impl)] = memory.with_optimizer_step(other), time.with_optimizer_step(other)
+    baseline_s = _baseline_s(models[key], plain, spec, user, p, b)
+    held = {q: _held_bytes(original, q) for q in {p, user}}   # Note 4
+    ctx = _Context(k, spec, budget_bytes, baseline_s, b, held, user, default_impl,
+                   plain.device_bytes + held[user], bool(variants))
+    floor_est, floor_choice = _least_memory(model, batch, models, fixed, k, common, held, b, say)
+    ctx.floor_bytes = floor_est.device_bytes + held[floor_choice.precision]
 
-    plain = [p for p in precisions if traces[p].device_bytes + held[p] <= budget_bytes]
-    if plain and fixed.modes is None and not fixed.offload_optimizer and \
-            fixed.micro_batch_size in (None, b):
-        p = min(plain, key=lambda q: models[q][1].step_s(b, b, ("keep",) * len(traces[q].blocks),
-                                                          False))
-        choice = _as_choice(models[p], p, b, traces[p])
-        return Planned(_make_plan(k, choice, traces[p], models[p], spec, budget_bytes, baseline_s,
-                                  best_floor, b, ["the plain step fits: nothing to change"],
-                                  held[p]), traces[p], traces[p])
+    if base.device_bytes + held[p] <= budget_bytes and fixed.keep_allowed(base.blocks) and \
+            not fixed.offload_optimizer and fixed.micro_batch_size in (None, b):
+        choice = _as_choice(models[key], key, b, base)
+        why = ["the plain step fits: nothing to change"] if p == user else []
+        return Planned(_make_plan(ctx, choice, base, models[key], why), plain, base)
 
-    margins: dict[str, int] = dict(held)
+    margins: dict = {q: held[q[0]] for q in models}
     for attempt in range(_ATTEMPTS):
         say("searching" if attempt == 0 else f"searching again (attempt {attempt + 1})")
         choice = search(models, b, budget_bytes, fixed, margins)
         if choice is None:
             break
         say(f"verifying: re-tracing {_describe(choice, b)}")
-        p = choice.precision
-        est = estimate(model, batch, precision=p,
-                       **_knob_values(choice, models[p][0].blocks, k), **common)
-        if est.device_bytes + held[p] <= budget_bytes:
+        q = choice.precision
+        est = estimate(model, batch, precision=q,
+                       **_knob_values(choice, models[choice.key][0].blocks, k), **common)
+        if est.device_bytes + held[q] <= budget_bytes:
             reasons = [] if attempt == 0 else [
                 f"the first {attempt} choice(s) re-traced over the budget; the search ran again "
-                f"{format_bytes(margins[p] - held[p])} tighter"]
-            return Planned(_make_plan(k, choice, est, models[p], spec, budget_bytes, baseline_s,
-                                      best_floor, b, reasons, held[p]), traces[p], est)
-        short = est.device_bytes + held[p] - budget_bytes + _SLACK_BYTES
-        margins[choice.precision] = margins.get(choice.precision, 0) + short
-    say("re-tracing the least-memory configuration")
-    p = best_floor.precision
-    est = estimate(model, batch, precision=p,
-                   **_knob_values(best_floor, models[p][0].blocks, k), **common)
-    if est.device_bytes + held[p] <= budget_bytes:
-        return Planned(_make_plan(k, best_floor, est, models[p], spec, budget_bytes, baseline_s,
-                                  best_floor, b, ["only the least-memory configuration fits"],
-                                  held[p]), traces[p], est)
-    raise _too_small(est.device_bytes + held[p], models, best_floor, budget_bytes, b)
+                f"{format_bytes(margins[choice.key] - held[q])} tighter"]
+            return Planned(_make_plan(ctx, choice, est, models[choice.key], reasons), plain, est)
+        short = est.device_bytes + held[q] - budget_bytes + _SLACK_BYTES
+        margins[choice.key] = margins.get(choice.key, 0) + short
+    if ctx.floor_bytes <= budget_bytes:
+        return Planned(_make_plan(ctx, floor_choice, floor_est, models[floor_choice.key],
+                                  ["only the least-memory configuration fits"]), plain, floor_est)
+    raise too_small(ctx.floor_bytes, models[floor_choice.key][0], _describe(floor_choice, b),
+                    budget_bytes)
 
 
-def _models(model, batch, est, common, spec, precision: str, b: int, say):
+@dataclass
+class _Context:
+    """What every plan of one ``plan_traced`` call shares."""
+
+    knobs: Knobs
+    spec: object
+    budget_bytes: int
+    baseline_s: float              # the plain step at the user's precision (Note 3)
+    b: int
+    held: dict[str, int]           # per precision (Note 4)
+    user: str                      # the user's precision
+    default_impl: str | None       # the optimizer implementation as given (modelled)
+    plain_bytes: int               # device bytes of the user's plain step
+    impl_searched: bool            # other optimizer implementations were weighed (Note 6)
+    floor_bytes: int = 0           # the least re-traced (Note 5)
+
+
+def _least_memory(model, batch, models, fixed, k, common, held, b, say):
+    """The floor (Note 5): every candidate ``floor_candidates`` gives, re-traced; the least."""
+    best, seen = None, {}
+    for c in floor_candidates(models, b, fixed):
+        values = _knob_values(c, models[c.key][0].blocks, k)
+        ident = (c.precision, tuple(sorted((n, str(v)) for n, v in values.items())))
+        if ident in seen:
+            continue
+        say(f"re-tracing a least-memory candidate: {_describe(c, b)}")
+        est = estimate(model, batch, precision=c.precision, **values, **common)
+        seen[ident] = est
+        total = est.device_bytes + held[c.precision]
+        if best is None or total < best[0]:
+            best = (total, est, c)
+    return best[1], best[2]
+
+
+def _modelled_impl(recipe: OptimizerRecipe, params, spec) -> str | None:
+    """The implementation the optimizer as given runs on ``spec`` (optimizers Note 1)."""
+    if recipe.impl is not None:
+        return recipe.impl
+    opt = recipe.instance if recipe.instance is not None else recipe.build(params, params)
+    return impl_of(opt, cuda=spec.kind == "cuda")
+
+
+def _impl_variants(recipe: OptimizerRecipe, k: Knobs, params, default: str | None,
+                   fixed) -> list[str]:
+    """Implementations the planner may switch to (Note 6): none when the caller fixed one or
+    passed an instance (it keeps its own), or the optimizer state is on the host."""
+    if k.optimizer_impl is not None or recipe.instance is not None or default is None or \
+            fixed.offload_optimizer:
+        return []
+    cls = recipe.optimizer_class(params)
+    return [i for i in ("fused", "for-loop") if i != default and supports_impl(cls, i)]
+
+
+def _models(model, batch, est, common, spec, precision: str, b: int, impl, say):
     """The memory and time models of one precision, from its plain trace and a second one at
     half the batch (memory_model Note 2; the second needs no allocator replay)."""
     half = None
     if b > 1:
         say(f"tracing the plain step ({precision}, batch {b // 2})")
         half = estimate(model, _first(batch, b // 2), precision=precision,
-                        allocator_replay=False, **common)
+                        allocator_replay=False, optimizer_impl=impl, **common)
     memory = MemoryModel(est, b, half)
     return memory, TimeModel(est, spec, precision, b, memory, half)
 
@@ -171,35 +250,46 @@ def _first(batch, n: int):
 
 
 def _constraints(model: nn.Module, k: Knobs, b: int) -> Constraints:
+    """What the caller fixed, knob by knob (search Note 3)."""
     modes = None
     if k.checkpoint is not None or k.offload is not None:
         per = resolve_policy(model, k.checkpoint or "none", "recompute", "Checkpoint")
         off = resolve_policy(model, k.offload or "none", "offload", "Offload")
-        modes = tuple("offload" if off.get(n) == "offload" else m for n, m in per.items())
+        modes = {}
+        for name in set(per) | set(off):
+            rec = per.get(name, "keep") if k.checkpoint is not None else None
+            moved = off.get(name) == "offload" if k.offload is not None else None
+            if moved:                       # offloaded (recomputed too: the search mirrors it)
+                modes[name] = ("offload",)
+            elif rec not in (None, "keep"):
+                modes[name] = (rec,)
+            elif rec == "keep":             # not recomputed: kept, or offloaded if free
+                modes[name] = ("keep",) if moved is False else ("keep", "offload")
+            else:                           # recompute free, not offloaded
+                modes[name] = ("keep", "recompute", "selective")
     m = k.micro_batch_size
     return Constraints(None if m is None else min(m, b), modes, k.offload_optimizer)
 
 
-def _baseline_s(models, user: str, b: int) -> float:
+def _baseline_s(pair, plain, spec, user: str, p: str, b: int) -> float:
     """Seconds of the plain step at the user's precision (Note 3, time_model Note 5)."""
-    if user in models:
-        memory, time = models[user]
-    else:
-        (memory, time), = models.values()
-        time = time.widened(user)
+    memory, time = pair
+    if user != p:
+        memory = MemoryModel(plain, b)
+        time = TimeModel(plain, spec, user, b, memory)
     return time.step_s(b, b, ("keep",) * len(memory.blocks), False)
 
 
-def _as_choice(model_pair, precision: str, b: int, est) -> Choice:
+def _as_choice(model_pair, key, b: int, est) -> Choice:
     memory, time = model_pair
     modes = ("keep",) * len(memory.blocks)
-    return Choice(precision, b, modes, False, est.peak_bytes, est.device_bytes,
-                  time.step_s(b, b, modes, False))
+    return Choice(key[0], b, modes, False, est.peak_bytes, est.device_bytes,
+                  time.step_s(b, b, modes, False), key[1])
 
 
 def _knob_values(choice: Choice, blocks: list[str], k: Knobs | None = None) -> dict:
     """The Knobs that apply ``choice`` (per-block modes as policies or tuples of names); the
-    caller's own ``checkpoint``/``offload`` where they fixed them (they may name modules that
+    caller's own ``checkpoint`` / ``offload`` where they fixed it (it may name modules that
     are not blocks, or recompute and offload one block, which the search only mirrors)."""
     def policy(kinds: dict[str, str]) -> str | tuple[str, ...]:
         if not kinds:
@@ -211,9 +301,12 @@ def _knob_values(choice: Choice, blocks: list[str], k: Knobs | None = None) -> d
     recompute = {n: m for n, m in zip(blocks, choice.modes) if m in ("recompute", "selective")}
     offload = {n: m for n, m in zip(blocks, choice.modes) if m == "offload"}
     out = dict(micro_batch_size=choice.micro_batch_size, checkpoint=policy(recompute),
-               offload=policy(offload), offload_optimizer=choice.offload_optimizer)
-    if k is not None and (k.checkpoint is not None or k.offload is not None):
-        out.update(checkpoint=k.checkpoint or "none", offload=k.offload or "none")
+               offload=policy(offload), offload_optimizer=choice.offload_optimizer,
+               optimizer_impl=choice.optimizer_impl)
+    if k is not None and k.checkpoint is not None:
+        out["checkpoint"] = k.checkpoint
+    if k is not None and k.offload is not None:
+        out["offload"] = k.offload
     return out
 
 
@@ -239,13 +332,17 @@ def _describe(choice: Choice, b: int) -> str:
     parts += [f"{n} block(s) {m}" for m, n in sorted(counts.items())]
     if choice.offload_optimizer:
         parts.append("optimizer state on the host")
+    elif choice.optimizer_impl is not None:
+        parts.append(f"{choice.optimizer_impl} optimizer")
     return ", ".join(parts)
 
 
-def _make_plan(k: Knobs, choice: Choice, est, model_pair, spec, budget_bytes: int,
-               baseline_s: float, best_floor: Choice, b: int, reasons: list[str],
-               held: int) -> Plan:
+_PLAN_FIELDS = {f.name for f in dataclasses.fields(Plan)}
+
+
+def _make_plan(ctx: _Context, choice: Choice, est, model_pair, reasons: list[str]) -> Plan:
     memory, time = model_pair
+    k, b, held = ctx.knobs, ctx.b, ctx.held[choice.precision]
     values = _knob_values(choice, memory.blocks, k)
     knobs = k.replace(precision=choice.precision, **values)
     m, n = choice.micro_batch_size, -(-b // choice.micro_batch_size)
@@ -253,66 +350,22 @@ def _make_plan(k: Knobs, choice: Choice, est, model_pair, spec, budget_bytes: in
               "saved_bytes": int(memory.saved_bytes(i, mode, m)),
               "time_s": time.mode_s(i, mode, m, n, b)}
              for i, (name, mode) in enumerate(zip(memory.blocks, choice.modes))]
-    opt = est.phases.get("optimizer")
-    opt_bytes = None
-    if opt is not None and 0 < opt < len(est.timeline):
-        opt_bytes = max(est.timeline[opt:]) - est.timeline[opt - 1]
-    p = Plan(knobs, blocks=dict(zip(memory.blocks, choice.modes)),
-             predicted_peak_bytes=est.peak_bytes + held,
-             predicted_reserved_bytes=est.reserved_bytes + held,
-             predicted_device_bytes=est.device_bytes + held,
-             predicted_step_time_ratio=choice.step_s / baseline_s, device=spec.name,
-             budget_bytes=budget_bytes, predicted_optimizer_step_bytes=opt_bytes, batch_size=b,
-             floor_bytes=min(best_floor.device_bytes, est.device_bytes) + held,
-             block_costs=costs)
-    in_opt = spec.kind == "cuda" and memory.peak_phase() == "optimizer"   # foreach on CUDA
-    p.reasons += reasons + _global_reasons(k, choice, memory, b, in_opt)
-    return p
-
-
-def _global_reasons(k: Knobs, choice: Choice, memory, b: int,
-                    plain_peak_in_optimizer: bool) -> list[str]:
-    out = []
-    if k.precision == "auto":
-        out.append(f"precision {choice.precision}: auto takes the GPU's 16-bit autocast (as fast "
-                   "or faster matmuls, half the activation bytes); fp32 on a CPU")
-    if choice.micro_batch_size < b:
-        n = -(-b // choice.micro_batch_size)
-        out.append(f"micro-batch {choice.micro_batch_size} x {n} accumulated: the largest "
-                   "micro-batch the fastest plan could afford (each extra micro-batch repeats "
-                   "the launches and weight reads)")
-    changed = [m for m in choice.modes if m != "keep"]
-    if changed:
-        counts = ", ".join(f"{changed.count(m)} {m}" for m in ("recompute", "selective", "offload")
-                           if m in changed)
-        out.append(f"blocks: {counts} of {len(choice.modes)}: the mix of modes that costs the "
-                   "least predicted time (exact MILP over every block) while every peak point "
-                   "stays under the cap; the table shows what each saves and pays")
-    if choice.offload_optimizer and plain_peak_in_optimizer:
-        out.append("the plain step peaks in the optimizer step (a foreach optimizer's "
-                   "temporaries are parameter-sized): a fused optimizer (e.g. "
-                   "torch.optim.AdamW(fused=True) on CUDA) or foreach=False would lower that "
-                   "peak without moving the state to the host; plan again with it")
-    if choice.offload_optimizer:
-        out.append("optimizer state on the host: the optimizer step runs on the CPU, which "
-                   f"frees {format_bytes(memory.optimizer_state_bytes)} of device memory that no "
-                   "recompute or offload of activations could")
-    return out
-
-
-def _too_small(floor_bytes: int, models, best_floor: Choice, budget_bytes: int,
-               b: int) -> BudgetTooSmall:
-    """The floor (re-traced) and the levers beyond memfit's knobs."""
-    memory = models[best_floor.precision][0]
-    state = memory.optimizer_state_bytes + memory.grads_bytes
-    share = budget_bytes - (floor_bytes - state)
-    ranks = math.ceil(state / share) if share > 0 else None
-    levers = ["an 8-bit optimizer (e.g. bitsandbytes AdamW8bit) to shrink optimizer state ~4x",
-              "shorter sequences (memfit plan --max-seq-len auto)"]
-    if ranks and ranks > 1:
-        levers.append(f"sharding (FSDP) over about {ranks} GPUs")
-    return BudgetTooSmall(
-        f"nothing memfit can do fits {format_bytes(budget_bytes)}: the least device memory "
-        f"any plan needs is {floor_bytes / GiB:.3g} GiB ({format_bytes(floor_bytes)}: "
-        f"{_describe(best_floor, b)}). Levers beyond this step's knobs: {'; '.join(levers)}",
-        floor_bytes=floor_bytes, budget_bytes=budget_bytes)
+    device_bytes = est.device_bytes + held
+    ratio = choice.step_s / ctx.baseline_s
+    host = host_bytes(choice, est)
+    why = reasons + global_reasons(k, choice, memory, b, ctx, ratio)
+    extra = {}
+    if "predicted_host_bytes" in _PLAN_FIELDS:
+        extra["predicted_host_bytes"] = host
+    elif host:
+        why.append(f"host RAM: the offload needs {format_bytes(host)} of host memory "
+                   "(offloaded activations and optimizer state) free beside the job")
+    return Plan(knobs, blocks=dict(zip(memory.blocks, choice.modes)),
+                predicted_peak_bytes=est.peak_bytes + held,
+                predicted_reserved_bytes=est.reserved_bytes + held,
+                predicted_device_bytes=device_bytes,
+                predicted_step_time_ratio=ratio, device=ctx.spec.name,
+                budget_bytes=ctx.budget_bytes,
+                predicted_optimizer_step_bytes=optimizer_rise_bytes(est), batch_size=b,
+                floor_bytes=min(ctx.floor_bytes, device_bytes), block_costs=costs,
+                reasons=why, **extra)

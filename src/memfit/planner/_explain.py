@@ -9,7 +9,15 @@ from memfit.units import format_bytes
 if TYPE_CHECKING:
     from memfit.planner.plan import Plan
 
-__all__ = ["explain"]
+__all__ = ["explain", "ratio_words"]
+
+
+def ratio_words(r: float) -> str:
+    """A step-time ratio in words, against the user's own step (api._plan_words Note 1):
+    below 1 a speed-up (a plan that changes the precision or the optimizer implementation can
+    be faster than the step it replaces; its reasons say which)."""
+    kind = "a speed-up" if r < 0.995 else "a slowdown" if r > 1.005 else "the same time"
+    return f"{r:.2f}x the plain step at your precision ({kind})"
 
 
 def explain(plan: "Plan") -> str:
@@ -23,9 +31,12 @@ def explain(plan: "Plan") -> str:
                      " held by the allocator"
                      + (f", {format_bytes(plan.predicted_device_bytes)} on the device"
                         if plan.predicted_device_bytes is not None else ""))
+    host = getattr(plan, "predicted_host_bytes", None)
+    if host and _offloads(plan):
+        lines.append(f"  host RAM needed by the offload: {format_bytes(host)} (offloaded "
+                     "activations and optimizer state)")
     if plan.predicted_step_time_ratio is not None:
-        lines.append(f"  predicted step time: {plan.predicted_step_time_ratio:.2f}x the plain "
-                     "step at the user's precision")
+        lines.append(f"  predicted step time: {ratio_words(plan.predicted_step_time_ratio)}")
     if plan.floor_bytes is not None:
         lines.append(f"  floor (the least any plan needs): {format_bytes(plan.floor_bytes)}")
     if plan.block_costs:
@@ -41,6 +52,13 @@ def explain(plan: "Plan") -> str:
     return "\n".join(lines)
 
 
+def _offloads(plan: "Plan") -> bool:
+    """The plan moves something to the host (else host bytes are no offload's)."""
+    k = plan.knobs
+    return bool(k.offload_optimizer) or k.offload not in (None, "none") or \
+        any("offload" in m for m in plan.blocks.values())
+
+
 def _globals(plan: "Plan") -> list[str]:
     k = plan.knobs
     out = [f"precision {k.precision or 'fp32'}"]
@@ -51,6 +69,9 @@ def _globals(plan: "Plan") -> list[str]:
         out.append(f"batch {b} in one micro-batch")
     out.append("optimizer state on the host" if k.offload_optimizer else
                "optimizer state on the device")
+    impl = getattr(k, "optimizer_impl", None)
+    if impl and not k.offload_optimizer:
+        out.append(f"{impl} optimizer")
     if k.max_grad_norm is not None:
         out.append(f"clip at {k.max_grad_norm}")
     return out

@@ -35,17 +35,25 @@ it held, and the optimizer step on the device holds parameters and gradients onl
 
 Note 6 (allocated vs device bytes). The rows are allocated bytes; on CUDA the traced ratio of
 reserved to allocated bytes at the peak, and the CUDA context, turn them into device bytes.
+
+Note 7 (the optimizer implementation). foreach, fused and for-loop steps differ only in the
+temporaries of the optimizer step (optimizers Note 1). ``with_optimizer_step(est)`` takes them
+from a plain trace with the other implementation: the step's peak above the level it starts
+from, which depends on no batch size (state and gradients only); the forward and backward
+points stay this model's. With the optimizer state on the host the step runs there, so that
+point does not change.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
 
 from memfit.techniques.checkpoint import SAVED_OPS
 
-__all__ = ["MODES", "MemoryModel", "Rows"]
+__all__ = ["MODES", "MemoryModel", "Rows", "optimizer_rise_bytes"]
 
 MODES = ("keep", "recompute", "selective", "offload")
 _STATE = ("params", "grads", "optimizer", "other")
@@ -102,6 +110,9 @@ class MemoryModel:
         self.opt_start = est.phases.get("optimizer", n)
         self.grads_bytes = float(self._grads[self.opt_start]) if self.opt_start < n else 0.0
         self.optimizer_state_bytes = float(self._opt[:self.opt_start].max(initial=0.0))
+        params = np.asarray(cats["params"], dtype=np.float64)
+        self.params_bytes = float(params[:self.opt_start].max(initial=0.0))
+        self._opt_rise: float | None = None          # Note 7
         self._spans = []
         self.saved, self.inputs, self.selective_kept = [], [], []     # (fixed, per sample)
         for name in self.blocks:
@@ -185,9 +196,11 @@ class MemoryModel:
             row = np.zeros(len(self.blocks) * nm)
             if kind == "opt":
                 v = self._at(where, m, b)
+                before = where[:1] - 1
                 if offload_optimizer:      # parameters and gradients only (Note 5)
-                    before = where[:1] - 1
                     v = self._at(before, m, b) - self._opt[before]
+                elif self._opt_rise is not None:                      # Note 7
+                    v = self._at(before, m, b) + self._opt_rise
                 const.append(float(v.max()))
                 rows.append(row)
                 labels.append(label)
@@ -211,6 +224,13 @@ class MemoryModel:
             rows.append(row)
             labels.append(label)
         return Rows(np.array(const), np.array(rows), labels)
+
+    def with_optimizer_step(self, est) -> "MemoryModel":
+        """This model with the optimizer step of ``est``, a plain trace of the same step with
+        another optimizer implementation (Note 7)."""
+        out = copy.copy(self)
+        out._opt_rise = optimizer_rise_bytes(est)
+        return out
 
     def peak_phase(self) -> str:
         """Where the traced plain step peaks: "forward/backward" or "optimizer"."""
@@ -239,6 +259,14 @@ class _Fit:
             return 0.0, at_b / self.b
         slope = (at_b - at_half) / (self.b - self.half)
         return at_b - slope * self.b, slope
+
+
+def optimizer_rise_bytes(est) -> int:
+    """What the optimizer step of ``est`` allocates above the level it starts from (>= 0)."""
+    start = est.phases.get("optimizer")
+    if start is None or not 0 < start < len(est.timeline):
+        return 0
+    return max(max(est.timeline[start:]) - est.timeline[start - 1], 0)
 
 
 def _at(pair: tuple[float, float], m: int) -> float:

@@ -16,13 +16,27 @@ once even the least-memory modes do not fit at some ``m < b``, no larger ``m < b
 search then tries ``m = b`` alone. That one can need *less* than ``m = 1``: without accumulation
 no gradient is alive during the forward (memory_model Note 5). The floor is therefore the lesser
 of ``m = 1`` and ``m = b``.
+
+Note 3 (what the caller fixed). Each knob constrains only its own side: a fixed ``checkpoint``
+fixes which blocks are recomputed (and how), so the others may still keep or offload; a fixed
+``offload`` fixes which blocks are offloaded, so the others may still keep or recompute. Per
+block that is a set of allowed modes (``Constraints.modes``); a block not named there is free.
+
+Note 4 (variants). ``models`` is keyed by ``(precision, optimizer_impl)``: one memory and time
+model per precision and optimizer implementation (``None``: the optimizer as given). The
+implementation changes only the optimizer step (memory_model Note 7, time_model Note 6).
+
+Note 5 (the floor). ``floor_candidates`` gives the least-memory configuration the models find
+at each micro-batch size that can be least (Note 2: 1 and the whole batch), and beside each
+the same with one mode in every block it changes (all recomputed, or all offloaded; the
+blocks it keeps stay kept: e.g. the last block, whose backward follows its forward at once,
+so changing it saves nothing at the peak). The models can misjudge which is least, so the
+caller re-traces them all and takes the least traced.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import itertools
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -30,7 +44,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from memfit.planner.memory_model import MODES, MemoryModel
 from memfit.planner.time_model import TimeModel
 
-__all__ = ["Choice", "Constraints", "search", "floor"]
+__all__ = ["Choice", "Constraints", "search", "floor", "floor_candidates"]
 
 _MIB = float(2 ** 20)
 
@@ -46,6 +60,12 @@ class Choice:
     allocated_bytes: int             # predicted allocated peak
     device_bytes: int                # predicted device bytes (memory_model Note 6)
     step_s: float                    # predicted step time
+    optimizer_impl: str | None = None  # the optimizer implementation (None: as given)
+
+    @property
+    def key(self) -> tuple[str, str | None]:
+        """The ``models`` key this choice was predicted with (Note 4)."""
+        return self.precision, self.optimizer_impl
 
 
 @dataclass(frozen=True)
@@ -53,8 +73,14 @@ class Constraints:
     """What the user fixed (``None``: free)."""
 
     micro_batch_size: int | None = None
-    modes: tuple[str, ...] | None = None          # per block
+    modes: dict[str, tuple[str, ...]] | None = None   # block name -> modes it may take (Note 3)
     offload_optimizer: bool | None = None
+
+    def allowed(self, name: str) -> tuple[str, ...]:
+        return MODES if self.modes is None else self.modes.get(name, MODES)
+
+    def keep_allowed(self, blocks) -> bool:
+        return all("keep" in self.allowed(n) for n in blocks)
 
 
 def _bounds(model: MemoryModel, fixed: Constraints) -> tuple[np.ndarray, np.ndarray]:
@@ -62,13 +88,16 @@ def _bounds(model: MemoryModel, fixed: Constraints) -> tuple[np.ndarray, np.ndar
     nm = len(MODES)
     lo = np.zeros(len(model.blocks) * nm)
     hi = np.zeros(len(model.blocks) * nm)
-    for i in range(len(model.blocks)):
-        allowed = model.allowed(i) if fixed.modes is None else (fixed.modes[i],)
+    for i, name in enumerate(model.blocks):
+        wanted = fixed.allowed(name)
+        allowed = [m for m in model.allowed(i) if m in wanted]
+        if not allowed:          # fixed to a mode the model cannot predict: kept as fixed
+            allowed = list(wanted)
         for j, mode in enumerate(MODES):
             if mode in allowed:
                 hi[i * nm + j] = 1.0
-        if fixed.modes is not None:
-            lo[i * nm + MODES.index(fixed.modes[i])] = 1.0
+        if len(allowed) == 1:
+            lo[i * nm + MODES.index(allowed[0])] = 1.0
     return lo, hi
 
 
@@ -99,7 +128,7 @@ def _modes_of(x: np.ndarray, nblocks: int) -> tuple[str, ...]:
     return tuple(MODES[int(np.argmax(x[i * nm:(i + 1) * nm]))] for i in range(nblocks))
 
 
-def _best_for(memory: MemoryModel, time: TimeModel, precision: str, m: int, b: int,
+def _best_for(memory: MemoryModel, time: TimeModel, key, m: int, b: int,
               oo: bool, cap_bytes: float, fixed: Constraints) -> Choice | None | bool:
     """The fastest modes at (precision, m, oo) under ``cap_bytes`` allocated; ``False`` when
     even the least-memory modes do not fit (Note 2)."""
@@ -110,7 +139,7 @@ def _best_for(memory: MemoryModel, time: TimeModel, precision: str, m: int, b: i
     cost = np.array([time.mode_s(i, mode, m, n, b) for i in range(nb) for mode in MODES])
     keep = np.zeros(nb * nm)
     keep[[i * nm for i in range(nb)]] = 1.0
-    if fixed.modes is None and rows.peak(keep) <= cap_bytes:
+    if fixed.keep_allowed(memory.blocks) and rows.peak(keep) <= cap_bytes:
         x = keep
     else:
         x = _solve(cost * 1e3, rows.A / _MIB, (cap_bytes - rows.const) / _MIB, lo, hi, nb)
@@ -118,32 +147,42 @@ def _best_for(memory: MemoryModel, time: TimeModel, precision: str, m: int, b: i
             return False
         if rows.peak(x) > cap_bytes * (1 + 1e-9):      # rounding of a near-integral answer
             return False
-    return _choice(memory, time, precision, m, b, oo, rows.peak(x), _modes_of(x, nb))
+    return _choice(memory, time, key, m, b, oo, rows.peak(x), _modes_of(x, nb))
 
 
-def _choice(memory, time, precision, m, b, oo, allocated, modes) -> Choice:
+def _choice(memory, time, key, m, b, oo, allocated, modes) -> Choice:
+    precision, impl = key
     return Choice(precision, m, modes, oo, int(allocated), memory.device_bytes(allocated),
-                  time.step_s(m, b, modes, oo))
+                  time.step_s(m, b, modes, oo), impl)
 
 
-def search(models: dict[str, tuple[MemoryModel, TimeModel]], b: int, budget_bytes: int,
-           fixed: Constraints = Constraints(), margins: dict[str, int] | None = None
+def _host_stepped_variant(models, key, oo: bool) -> bool:
+    """An optimizer on the host steps as given: another implementation changes nothing there
+    (and its re-trace would differ only by its bookkeeping), so only the given one is tried."""
+    return oo and key[1] is not None and (key[0], None) in models
+
+
+def search(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int, budget_bytes: int,
+           fixed: Constraints = Constraints(), margins: dict[tuple, int] | None = None
            ) -> Choice | None:
     """The fastest ``Choice`` predicted to fit ``budget_bytes`` device bytes (Note 1), or None.
-    ``margins``: per precision, bytes to take off the cap (what verification found missing)."""
+    ``margins``: per ``models`` key, bytes to take off the cap (what verification found
+    missing)."""
     best = None
-    for precision, (memory, time) in models.items():
-        cap_device = budget_bytes - memory.context_bytes - (margins or {}).get(precision, 0)
+    for key, (memory, time) in models.items():
+        cap_device = budget_bytes - memory.context_bytes - (margins or {}).get(key, 0)
         cap = cap_device / memory.device_ratio
         sizes = [min(fixed.micro_batch_size, b)] if fixed.micro_batch_size \
             else list(range(1, b + 1))
         places = [fixed.offload_optimizer] if fixed.offload_optimizer is not None \
             else [False, True]
         for oo in places:
+            if _host_stepped_variant(models, key, oo):
+                continue
             for m in sizes:
-                found = _best_for(memory, time, precision, m, b, oo, cap, fixed)
+                found = _best_for(memory, time, key, m, b, oo, cap, fixed)
                 if found is False and m < b and b in sizes:     # Note 2: only m = b is left
-                    found = _best_for(memory, time, precision, b, b, oo, cap, fixed)
+                    found = _best_for(memory, time, key, b, b, oo, cap, fixed)
                 if found is False:
                     break
                 if best is None or found.step_s < best.step_s:
@@ -153,34 +192,75 @@ def search(models: dict[str, tuple[MemoryModel, TimeModel]], b: int, budget_byte
     return best
 
 
-def floor(models: dict[str, tuple[MemoryModel, TimeModel]], b: int,
+def _sizes_for_floor(b: int, fixed: Constraints) -> list[int]:
+    return [min(fixed.micro_batch_size, b)] if fixed.micro_batch_size else sorted({1, b})
+
+
+def _places(fixed: Constraints) -> list[bool]:
+    return [fixed.offload_optimizer] if fixed.offload_optimizer is not None else [True, False]
+
+
+def _least_at(memory: MemoryModel, time: TimeModel, key, m: int, b: int, oo: bool,
+              fixed: Constraints) -> Choice:
+    """The modes with the fewest predicted bytes at (key, m, oo): minimise z subject to
+    const + A x <= z (bytes in MiB)."""
+    nb, nm = len(memory.blocks), len(MODES)
+    rows = memory.rows(m, b, accumulate=m < b, offload_optimizer=oo)
+    if nb == 0:
+        return _choice(memory, time, key, m, b, oo, rows.peak(np.zeros(0)), ())
+    lo, hi = _bounds(memory, fixed)
+    c = np.zeros(nb * nm + 1)
+    c[-1] = 1.0
+    A = np.hstack([rows.A / _MIB, -np.ones((len(rows.const), 1))])
+    one_hot = _one_mode_per_block(nb, nb * nm + 1)
+    integrality = np.r_[np.ones(nb * nm), 0.0]
+    res = milp(c, constraints=[LinearConstraint(one_hot, 1.0, 1.0),
+                               LinearConstraint(A, -np.inf, -rows.const / _MIB)],
+               integrality=integrality,
+               bounds=Bounds(np.r_[lo, -np.inf], np.r_[hi, np.inf]))
+    x = np.round(res.x[:-1])
+    return _choice(memory, time, key, m, b, oo, rows.peak(x), _modes_of(x, nb))
+
+
+def _uniform(memory: MemoryModel, time: TimeModel, like: Choice, mode: str, b: int,
+             fixed: Constraints) -> Choice | None:
+    """``like`` with ``mode`` in every block it does not keep, where allowed (Note 5); None if
+    no block may take it."""
+    modes = tuple(mode if old != "keep" and mode in fixed.allowed(n) and mode in memory.allowed(i)
+                  else old for i, (n, old) in enumerate(zip(memory.blocks, like.modes)))
+    if mode not in modes:
+        return None
+    m, oo = like.micro_batch_size, like.offload_optimizer
+    nm = len(MODES)
+    x = np.zeros(len(modes) * nm)
+    x[[i * nm + MODES.index(md) for i, md in enumerate(modes)]] = 1.0
+    rows = memory.rows(m, b, accumulate=m < b, offload_optimizer=oo)
+    return _choice(memory, time, like.key, m, b, oo, rows.peak(x), modes)
+
+
+def floor(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
           fixed: Constraints = Constraints()) -> Choice:
     """The configuration with the fewest predicted device bytes anywhere in the space."""
-    best = None
-    for precision, (memory, time) in models.items():
-        nb, nm = len(memory.blocks), len(MODES)
-        sizes = [min(fixed.micro_batch_size, b)] if fixed.micro_batch_size else sorted({1, b})
-        for m, oo in itertools.product(sizes, [fixed.offload_optimizer]
-                                       if fixed.offload_optimizer is not None else [True, False]):
-            rows = memory.rows(m, b, accumulate=m < b, offload_optimizer=oo)
-            lo, hi = _bounds(memory, fixed)
-            if nb == 0:
-                choice = _choice(memory, time, precision, m, b, oo, rows.peak(np.zeros(0)), ())
-                if best is None or choice.device_bytes < best.device_bytes:
-                    best = choice
-                continue
-            # minimise z subject to const + A x <= z (bytes in MiB)
-            c = np.zeros(nb * nm + 1)
-            c[-1] = 1.0
-            A = np.hstack([rows.A / _MIB, -np.ones((len(rows.const), 1))])
-            one_hot = _one_mode_per_block(nb, nb * nm + 1)
-            integrality = np.r_[np.ones(nb * nm), 0.0]
-            res = milp(c, constraints=[LinearConstraint(one_hot, 1.0, 1.0),
-                                       LinearConstraint(A, -np.inf, -rows.const / _MIB)],
-                       integrality=integrality,
-                       bounds=Bounds(np.r_[lo, -np.inf], np.r_[hi, np.inf]))
-            x = np.round(res.x[:-1])
-            choice = _choice(memory, time, precision, m, b, oo, rows.peak(x), _modes_of(x, nb))
-            if best is None or choice.device_bytes < best.device_bytes:
-                best = choice
-    return best
+    return min(floor_candidates(models, b, fixed), key=lambda c: c.device_bytes)
+
+
+def floor_candidates(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
+                     fixed: Constraints = Constraints()) -> list[Choice]:
+    """What may be the least-memory configuration (Note 5), fewest predicted bytes first."""
+    out: list[Choice] = []
+    for m in _sizes_for_floor(b, fixed):
+        least = None
+        for key, (memory, time) in models.items():
+            for oo in _places(fixed):
+                if _host_stepped_variant(models, key, oo):
+                    continue
+                c = _least_at(memory, time, key, m, b, oo, fixed)
+                if least is None or c.device_bytes < least.device_bytes:
+                    least = c
+        memory, time = models[least.key]
+        out.append(least)
+        for mode in ("recompute", "offload"):
+            u = _uniform(memory, time, least, mode, b, fixed)
+            if u is not None and u.modes != least.modes and u not in out:
+                out.append(u)
+    return sorted(out, key=lambda c: c.device_bytes)

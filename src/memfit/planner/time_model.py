@@ -25,14 +25,19 @@ down and parameters up over the link plus the host's pass over the state at its 
 bandwidth, all paid (the step waits for it), and never less than the step on the device (a
 host cannot out-run the device it serves; on a CPU target they are the same memory).
 
-Note 5 (the fp32 baseline under "auto"). The step-time ratio is against the plain fp32 step;
-under auto on a GPU it is timed from the 16-bit traces: the same ops with FLOPs at the fp32 rate
-and the bytes that grow with the batch doubled (activations fp32). Ops autocast keeps in fp32
-are then over-counted, which makes the baseline slower than it is: the ratio leans optimistic
-by at most the share of those ops' traffic.
+Note 5 (the baseline). The step-time ratio is against the user's own step: the plain step at
+the user's precision (fp32 under "auto"), traced once and timed by a model of its own
+(``api.plan`` Note 3). Where a plan changes the precision, a ratio below 1 is a speed-up.
+
+Note 6 (the optimizer implementation). ``with_optimizer_step(est)`` times the optimizer step
+from the ops of ``est``, a plain trace with another implementation (foreach: a few kernels
+over all parameters; fused: one per group; for-loop: one set per parameter, so its launches
+count); the forward and backward are this model's.
 """
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 
@@ -62,25 +67,24 @@ class TimeModel:
     """Predicted step time of one precision's trace on ``spec`` (Notes)."""
 
     def __init__(self, est, spec: DeviceSpec, precision: str, batch_size: int,
-                 memory: MemoryModel, half=None, activation_scale: float = 1.0):
+                 memory: MemoryModel, half=None):
         """``est``/``half``: the plain traces at ``batch_size`` and ``batch_size // 2`` (the
-        same two the memory model reads; ``half`` optional, Note 3). ``activation_scale``
-        multiplies the bytes that grow with the batch: 2.0 times a 16-bit trace as fp32 (Note 5)."""
+        same two the memory model reads; ``half`` optional, Note 3)."""
         self.spec, self.memory, self.b0 = spec, memory, batch_size
-        self._traces = (est, half)
         costs = _costs(est)
         f = flop_rate(spec, precision) * FLOP_EFFICIENCY
         bw = spec.memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY
         launch = _LAUNCH_S.get(spec.kind, 5e-6)
+        self._rates = (f, bw, launch)
         flops, touched, state = costs[:, 0], costs[:, 1], costs[:, 2]
         if half is not None and len(half.op_costs) == len(est.op_costs) and batch_size > 1:
             slope = (costs - _costs(half)) / (batch_size - batch_size // 2)
             fixed = costs - slope * batch_size
             self._fixed = launch + fixed[:, 0] / f + fixed[:, 1] / bw      # per micro-batch
-            self._per = slope[:, 0] / f + slope[:, 1] * activation_scale / bw   # per sample
+            self._per = slope[:, 0] / f + slope[:, 1] / bw                # per sample
         else:
             self._fixed = launch + state / bw
-            self._per = (flops / f + (touched - state) * activation_scale / bw) / self.b0
+            self._per = (flops / f + (touched - state) / bw) / self.b0
         self._matmul = np.array([is_saved_op(op) for op in est.op_log], dtype=bool)
         self.opt_start = memory.opt_start
         self._opt_touched = float(touched[self.opt_start:].sum())
@@ -92,11 +96,15 @@ class TimeModel:
             self._fw.append(_span(r.fw_span))
             self._bw.append(_span(r.bw_span))
 
-    def widened(self, precision: str) -> "TimeModel":
-        """This 16-bit trace timed as the plain ``precision`` (fp32) step (Note 5)."""
-        est, half = self._traces
-        return TimeModel(est, self.spec, precision, self.b0, self.memory, half,
-                         activation_scale=2.0)
+    def with_optimizer_step(self, est) -> "TimeModel":
+        """This model with the optimizer step timed from ``est`` (Note 6)."""
+        out = copy.copy(self)
+        f, bw, launch = self._rates
+        start = est.phases.get("optimizer", len(est.op_costs))
+        costs = _costs(est)[start:]
+        out.optimizer_s = float((launch + costs[:, 0] / f + costs[:, 1] / bw).sum())
+        out._opt_touched = float(costs[:, 1].sum())
+        return out
 
     def _cost(self, sl: slice, n: int, b: int, mask=None) -> float:
         fixed, per = self._fixed[sl], self._per[sl]

@@ -1,0 +1,81 @@
+"""One floor, the true least (issue 11 items 3 and 9).
+
+The floor is the least device memory of any configuration in the search space, re-traced
+(plan Note 5). The oracle, traced here one by one: every assignment of keep / recompute /
+offload to the two blocks of a tiny GPT-2 at micro-batch 1 and 2 with the optimizer state on
+the host, and the uniform modes (selective too) with it on the device. (The least is a mixed
+one: the last block's backward follows its forward at once, so recomputing it saves nothing
+at the peak.) The floor must be their minimum, and the same number in
+``Plan.floor_bytes``, ``explain()`` and ``BudgetTooSmall.floor_bytes``; a budget of exactly
+the floor plans, one byte less raises.
+"""
+
+import itertools
+
+import pytest
+
+import memfit
+from memfit.units import format_bytes
+from tests.helpers import tiny
+
+UNIFORM = [dict(checkpoint="none"), dict(checkpoint="all"), dict(checkpoint="selective"),
+           dict(offload="all")]
+
+
+def _mixed(blocks):
+    for modes in itertools.product(("keep", "recompute", "offload"), repeat=len(blocks)):
+        rec = tuple(n for n, m in zip(blocks, modes) if m == "recompute")
+        off = tuple(n for n, m in zip(blocks, modes) if m == "offload")
+        yield dict(checkpoint=rec or "none", offload=off or "none")
+
+
+def _brute_force(model, batch, b):
+    blocks = memfit.estimate(model, batch).blocks
+    configs = [dict(offload_optimizer=True, **c) for c in _mixed(blocks)]
+    configs += [dict(offload_optimizer=False, **c) for c in UNIFORM]
+    return min(memfit.estimate(model, batch, micro_batch_size=m, **c).device_bytes
+               for m in range(1, b + 1) for c in configs)
+
+
+def test_floor_is_the_least_traced_configuration_everywhere():
+    model, batch = tiny("gpt2", batch_size=2, seq_len=32)
+    del batch["attention_mask"]     # all ones: the plan would count it held (plan Note 4)
+    least = _brute_force(model, batch, 2)
+    free = memfit.plan(model, batch)                          # the plain step fits
+    assert free.floor_bytes == least
+    assert format_bytes(least) in free.explain()
+    at = memfit.plan(model, batch, budget=least)              # exactly the floor: plans
+    assert at.predicted_device_bytes <= least and at.floor_bytes == least
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        memfit.plan(model, batch, budget=least - 1)
+    assert info.value.floor_bytes == least
+    assert format_bytes(least) in str(info.value)
+
+
+def test_budget_too_small_names_freezing_and_lora_with_numbers():
+    """Parameters + gradients + optimizer state alone over the budget: the error says what
+    the weights alone need and that freezing / LoRA removes the rest (item 9)."""
+    model, batch = tiny("gpt2", batch_size=2, seq_len=32)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())   # fp32, AdamW
+    budget = 3 * params            # below weights + gradients + two Adam moments (4x)
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        memfit.plan(model, batch, budget=budget)
+    text = str(info.value)
+    assert "LoRA" in text and "requires_grad=False" in text
+    assert f"the weights alone need {format_bytes(params)}" in text
+    assert format_bytes(3 * params) in text          # gradients + optimizer state
+
+
+def test_a_frozen_model_plans_smaller():
+    """requires_grad=False: no gradient and no optimizer state, so the floor (optimizer state
+    on the host there) falls by at least the frozen part's gradients (its bytes, fp32)."""
+    model, batch = tiny("gpt2", batch_size=2, seq_len=32)
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        memfit.plan(model, batch, budget=2 ** 20)
+    full_floor = info.value.floor_bytes
+    frozen = [p for n, p in model.named_parameters() if ".h." in n]
+    for p in frozen:
+        p.requires_grad_(False)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+    p = memfit.plan(model, batch, budget=full_floor - 1)
+    assert p.floor_bytes <= full_floor - frozen_bytes
