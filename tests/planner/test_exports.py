@@ -187,7 +187,7 @@ def test_keywords_are_training_arguments_fields(precision):
         default = fields[key].default
         assert default is None or type(value) is type(default), key
     assert kwargs["max_grad_norm"] == 1.0
-    assert to_training_arguments(plan(), 8).config["max_grad_norm"] == 0.0   # memfit: no clipping
+    assert "max_grad_norm" not in to_training_arguments(plan(), 8).config   # the default stays
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)   # fp16 with use_cpu: accepted (5.24 + 1.15)
@@ -242,7 +242,7 @@ def test_deepspeed_defaults():
     e = to_deepspeed_config(plan(), 16)
     assert set(e.config) <= DS_TOP_KEYS
     assert e.config["zero_optimization"] == {"stage": 0}
-    assert e.config["gradient_clipping"] == 0.0       # explicit: the docs list 1.0 as default
+    assert "gradient_clipping" not in e.config        # DeepSpeed's default (1.0) stays
     assert json.loads(e.to_json()) == e.config
 
 
@@ -274,3 +274,31 @@ def test_plan_export_delegates():
                            ("deepspeed", to_deepspeed_config(p, 16))]:
         assert p.export(target, 16) == direct
         assert isinstance(direct, Export)
+
+
+def test_no_clipping_leaves_the_default_and_says_so():
+    """A plan without max_grad_norm must not write 0.0, which would silently turn off the
+    Trainer's default clipping (TrainingArguments.max_grad_norm = 1.0, read from the installed
+    transformers) and DeepSpeed's (1.0 in its config reference)."""
+    import transformers
+    default = next(f.default for f in dataclasses.fields(transformers.TrainingArguments)
+                   if f.name == "max_grad_norm")
+    assert default == 1.0
+    e = to_training_arguments(plan(), 8)
+    assert "max_grad_norm" not in e.config
+    assert any("clips the gradient norm at 1" in n for n in e.notes)
+    assert e.knobs.max_grad_norm == 1.0                 # what the export runs
+    d = to_deepspeed_config(plan(), 8)
+    assert "gradient_clipping" not in d.config and d.knobs.max_grad_norm == 1.0
+    e = to_training_arguments(plan(max_grad_norm=0.5), 8)
+    assert e.config["max_grad_norm"] == 0.5 and e.knobs.max_grad_norm == 0.5
+    assert not any("clips the gradient norm" in n for n in e.notes)
+
+
+def test_exported_knobs_are_what_the_target_runs():
+    """The Trainer keeps the optimizer on the device and recomputes layers 0, n, 2n, ..."""
+    e = _training_arguments(plan(["keep", "keep", "recompute"] * 2, offload_optimizer=True,
+                                 micro_batch_size=4), 8, NEW)
+    assert e.knobs.offload_optimizer is False and e.knobs.micro_batch_size == 4
+    assert e.knobs.checkpoint == (BLOCKS[0], BLOCKS[3])       # every_n_layers=3
+    assert to_deepspeed_config(plan(offload_optimizer=True), 8).knobs.offload_optimizer is True

@@ -12,14 +12,19 @@ What maps:
   precision          TrainingArguments fp16/bf16 and Accelerate mixed_precision are autocast
                      (fp16 with a GradScaler), as memfit's fp16/bf16. DeepSpeed: Note 2.
   micro-batching     per-device micro-batch x accumulation steps (Note 1).
-  max_grad_norm      max_grad_norm / gradient_clipping; 0.0 (off) is written out when the plan
-                     does not clip, since TrainingArguments defaults to 1.0.
+  max_grad_norm      max_grad_norm / gradient_clipping, the user's setting; a plan that does not
+                     clip leaves the target's default in place (the Trainer clips at 1.0) and
+                     the note says so: writing 0.0 would silently turn the default off.
   recompute          transformers' activation checkpointing (Note 3); DeepSpeed's
                      activation_checkpointing section (Note 4).
   recompute+offload  the ``offload`` of transformers' checkpointing, DeepSpeed's
                      cpu_checkpointing: both keep a recomputed block's inputs on the host.
   offload_optimizer  DeepSpeed ZeRO ``offload_optimizer`` (Note 5), in Accelerate through its
                      deepspeed_config section.
+What it needs: ``Export.knobs`` are memfit's knobs for exactly what the export runs (the
+target's own choices where it cannot follow the plan: no optimizer offload in the Trainer, its
+default clipping, full recompute for selective). ``memfit.api.export_traced`` re-traces them
+and fills ``predicted_device_bytes``, with a note when that exceeds the plan's budget.
 What does not: selective recompute (exported as full recompute), offload without recompute
 (exported as recompute+offload), a last micro-batch smaller than the others, DTR (``remat``).
 
@@ -62,6 +67,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from memfit.knobs import Knobs
+
 if TYPE_CHECKING:
     from memfit.planner.plan import Plan
 
@@ -79,6 +86,8 @@ class Export:
 
     config: dict
     notes: tuple[str, ...] = ()
+    knobs: "Knobs | None" = None          # memfit's knobs for what the export runs
+    predicted_device_bytes: int | None = None   # those knobs re-traced (export_traced)
 
     def to_json(self) -> str:
         """The config alone (JSON has no comments: read ``notes`` beside it)."""
@@ -144,8 +153,31 @@ def _precision(plan: "Plan") -> str:
     return p
 
 
-def _clip(plan: "Plan") -> float:
-    return float(plan.knobs.max_grad_norm) if plan.knobs.max_grad_norm is not None else 0.0
+def _clip(plan: "Plan", key: str, target: str, default: float, notes: list[str]) -> dict:
+    """The user's clipping as ``{key: value}``; none set: the target's default, said so."""
+    if plan.knobs.max_grad_norm is not None:
+        return {key: float(plan.knobs.max_grad_norm)}
+    notes.append(f"{key}: the plan does not clip (max_grad_norm unset), and the export leaves "
+                 f"{target}'s default in place: it clips the gradient norm at {default:g}. Set "
+                 f"{key}=0.0 to run without clipping, as the plan does")
+    return {}
+
+
+def _exported(plan: "Plan", b: "_Batching", acts: "_Activations", *, precision: str,
+              clip: float | None, offload_optimizer: bool, optimizer_impl: str | None) -> Knobs:
+    """memfit's knobs for what an export runs (module docstring, "What it needs")."""
+    blocks = list(plan.blocks)
+    if acts.blocks is None:
+        ckpt = "none" if acts.every is None else "all" if acts.every == 1 else f"every:{acts.every}"
+    elif not acts.recompute:
+        ckpt = "none"
+    else:
+        ckpt = tuple(blocks[i] for i in acts.recompute)
+        ckpt = "all" if len(ckpt) == len(blocks) else ckpt
+    return plan.knobs.replace(precision=precision, micro_batch_size=b.micro, checkpoint=ckpt,
+                              offload=ckpt if acts.offload else "none",
+                              offload_optimizer=offload_optimizer, max_grad_norm=clip,
+                              optimizer_impl=optimizer_impl, remat=None)
 
 
 def _common_notes(plan: "Plan", notes: list[str]) -> None:
@@ -222,7 +254,7 @@ def _training_arguments(plan: "Plan", batch_size: int, fields: frozenset[str]) -
     precision = _precision(plan)
     config = {"per_device_train_batch_size": b.micro, "gradient_accumulation_steps": b.steps,
               "fp16": precision == "fp16", "bf16": precision in ("bf16", "bf16-pure"),
-              "max_grad_norm": _clip(plan)}
+              **_clip(plan, "max_grad_norm", "the Trainer", 1.0, notes)}
     if precision == "bf16-pure":
         notes.append("bf16-pure: the Trainer's bf16 is autocast over fp32 weights; for pure bf16 "
                      "cast the model (model.to(torch.bfloat16)) before the Trainer, which then "
@@ -247,12 +279,39 @@ def _training_arguments(plan: "Plan", batch_size: int, fields: frozenset[str]) -
                          "device, so the peak may exceed memfit's prediction by those inputs")
         config[flag + "_kwargs"] = kwargs
     if plan.knobs.offload_optimizer:
-        notes.append("offload_optimizer: no TrainingArguments optim keeps its state on the host; "
-                     "pass deepspeed=to_deepspeed_config(...).config (needs deepspeed)")
+        notes.append("offload_optimizer: no TrainingArguments optim keeps its state on the host, "
+                     "so this export keeps it on the device (more memory than the plan: see "
+                     "predicted_device_bytes); for the plan's memory pass "
+                     "deepspeed=to_deepspeed_config(...).config (needs deepspeed)")
+    impl = plan.knobs.optimizer_impl if not plan.knobs.offload_optimizer else None
+    if impl == "fused":
+        config["optim"] = "adamw_torch_fused"
+        notes.append("optim adamw_torch_fused: the plan steps a fused optimizer; for another "
+                     "optimizer than AdamW pass it yourself with fused=True (optimizers=...)")
+    elif impl is not None:
+        notes.append(f"the plan steps the optimizer {impl} (foreach="
+                     f"{impl == 'foreach'}): pass it yourself (optimizers=...), no optim "
+                     "value selects that")
     notes.append("optim: the plan does not record the optimizer; set optim to the one memfit "
                  "planned with (its state is part of the predicted peak)")
     _common_notes(plan, notes)
-    return Export(config, tuple(notes))
+    clip = config.get("max_grad_norm", 1.0) or None
+    return Export(config, tuple(notes), _exported(
+        plan, b, _trainer_recomputes(acts, n, new),
+        precision="bf16" if precision == "bf16-pure" else precision, clip=clip,
+        offload_optimizer=False, optimizer_impl=impl if impl == "fused" else None))
+
+
+def _trainer_recomputes(acts: _Activations, n: int | None, new: bool) -> _Activations:
+    """What the Trainer recomputes for ``every_n_layers=n`` (Note 3): layers 0, n, 2n, ... (every
+    layer on an old transformers), offloaded only on a new one."""
+    if n is None:
+        return _Activations(acts.blocks, (), (), None, False)
+    step = n if new else 1
+    if acts.blocks is None:
+        return _Activations(None, (), (), step, acts.offload and new)
+    return _Activations(acts.blocks, tuple(range(0, acts.blocks, step)), (), None,
+                        acts.offload and new)
 
 
 def _every_n(acts: _Activations, notes: list[str]) -> int | None:
@@ -299,7 +358,7 @@ def to_accelerate_config(plan: "Plan", batch_size: int, world_size: int = 1) -> 
         ds = {"zero_stage": 2, "offload_optimizer_device": "cpu", "offload_param_device": "none",
               "zero3_init_flag": False, "gradient_accumulation_steps": b.steps}
         if plan.knobs.max_grad_norm is not None:
-            ds["gradient_clipping"] = _clip(plan)
+            ds["gradient_clipping"] = float(plan.knobs.max_grad_norm)
         config["deepspeed_config"] = ds
         notes.append("offload_optimizer: DeepSpeed ZeRO-2 with CPU optimizer offload (exports "
                      "Note 5); DeepSpeed refuses a torch optimizer with it unless "
@@ -314,7 +373,7 @@ def to_accelerate_config(plan: "Plan", batch_size: int, world_size: int = 1) -> 
                      "`with accelerator.accumulate(model):` around each micro-batch")
         if plan.knobs.max_grad_norm is not None:
             notes.append(f"in your script: accelerator.clip_grad_norm_(model.parameters(), "
-                         f"{_clip(plan)}) when accelerator.sync_gradients")
+                         f"{float(plan.knobs.max_grad_norm)}) when accelerator.sync_gradients")
     acts = _activations(plan, notes)
     if acts.recompute or acts.every is not None:
         notes.append("recompute" + ("+offload" if acts.offload else "") + ": the config has no "
@@ -322,7 +381,11 @@ def to_accelerate_config(plan: "Plan", batch_size: int, world_size: int = 1) -> 
                      "(transformers: the model's activation/gradient_checkpointing_enable, with "
                      "the keywords to_training_arguments gives)")
     _common_notes(plan, notes)
-    return Export(config, tuple(notes))
+    mixed = "bf16" if precision == "bf16-pure" else precision
+    return Export(config, tuple(notes), _exported(
+        plan, b, acts, precision=mixed, clip=plan.knobs.max_grad_norm,
+        offload_optimizer=bool(plan.knobs.offload_optimizer),
+        optimizer_impl=plan.knobs.optimizer_impl))
 
 
 # -- DeepSpeed ----------------------------------------------------------------------------------
@@ -339,7 +402,7 @@ def to_deepspeed_config(plan: "Plan", batch_size: int, world_size: int = 1) -> E
     config: dict = {"train_batch_size": b.micro * b.steps * world_size,
                     "train_micro_batch_size_per_gpu": b.micro,
                     "gradient_accumulation_steps": b.steps,
-                    "gradient_clipping": _clip(plan)}
+                    **_clip(plan, "gradient_clipping", "DeepSpeed", 1.0, notes)}
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
                           "loss_scale_window": 2000, "hysteresis": 1, "min_loss_scale": 1}
@@ -374,4 +437,13 @@ def to_deepspeed_config(plan: "Plan", batch_size: int, world_size: int = 1) -> E
                      f"deepspeed.checkpointing.checkpoint: wrap {which} with it (exports Note 4); "
                      "under the HF Trainer use to_training_arguments's checkpointing instead")
     _common_notes(plan, notes)
-    return Export(config, tuple(notes))
+    oo = bool(plan.knobs.offload_optimizer)
+    cast = precision
+    if precision in ("bf16", "bf16-pure"):          # DeepSpeed casts the model (Note 2)
+        cast = "bf16" if oo else "bf16-pure"
+        if oo:
+            notes.append("predicted_device_bytes models DeepSpeed's bf16 as autocast bf16: "
+                         "memfit cannot model bf16 weights with the optimizer on the host")
+    return Export(config, tuple(notes), _exported(
+        plan, b, acts, precision=cast, clip=config.get("gradient_clipping", 1.0) or None,
+        offload_optimizer=oo, optimizer_impl=plan.knobs.optimizer_impl))
