@@ -238,3 +238,28 @@ def test_a_trace_run_inside_track_counts_nothing_and_is_not_confused_by_it():
     assert inside.timeline == outside.timeline
     assert inside.modules == outside.modules
     assert plan.predicted_peak_bytes <= 64 * 2**20
+
+
+def test_a_forward_that_raised_inside_track_frees_its_activations():
+    """The module-backward hooks must not keep a failed forward's graph alive in the region
+    (an OOM guard retries inside it). Oracle: the live bytes before the forward. Before the
+    fix the first block's graph stayed: 542 KiB of activations."""
+    from memfit.step import prepare_batch
+    from tests.helpers import tiny
+
+    model, batch = tiny("gpt2")
+    batch = prepare_batch(batch)
+
+    def stop(module, args):
+        raise RuntimeError("stop here")
+
+    model.transformer.h[1].mlp.register_forward_pre_hook(stop)
+    with memfit.track(model) as t:
+        for v in batch.values():          # the batch is counted from its first read
+            v.view(-1)
+        before = t.ledger.current_bytes
+        with pytest.raises(RuntimeError, match="stop here"):
+            model(**batch)
+        import gc
+        gc.collect()
+        assert t.ledger.current_bytes == before

@@ -9,12 +9,16 @@ no tensors and changes no memory; but the hooks are memfit's own, so that they c
 
 Note 1 (nothing kept alive). A multi-grad "all" hook closes over the autograd nodes of the
 tensors it watches, and it is stored on those same nodes, from C++: node -> hook -> node is a
-cycle the garbage collector cannot see, so ``ModTracker``'s hooks, never removed, kept every
+cycle the garbage collector cannot see (an "any" hook holds no node; on one tensor the two
+modes are the same, so one input is watched with "any"), so ``ModTracker``'s hooks, never removed, kept every
 graph they touched alive for good, and through its ``AccumulateGrad`` nodes every parameter
-(a traced model's fakes after ``estimate``, the user's model after ``track``). Here each
-registration keeps its handle: the handles whose hooks fired are removed by a callback at the
-end of that backward pass, all others when the watch exits. The hooks reach the watch through
-a weak reference, so a graph that outlives the region keeps nothing of memfit's alive.
+(a traced model's fakes after ``estimate``, the user's model after ``track``), and inside the
+region a forward that raised kept its activations (an OOM guard's retry had less room). Here
+each registration keeps its handle: the handles whose hooks fired are removed by a callback at
+the end of that backward pass; a call whose outputs need no gradient (a forward that raised
+among them: ``always_call`` hooks see no output) has its input hook removed at once; all others
+go when the watch exits. The hooks reach the watch through a weak reference, so a graph that
+outlives the region keeps nothing of memfit's alive.
 
 Note 2 (deep copies). ``estimate`` deep-copies a model to trace it (``trace.fake``), hooks
 included; a model tracked by an enclosing ``track`` carries this watch's hooks. Copying the
@@ -100,6 +104,7 @@ class ModuleWatch:
         self._bw_handles: dict[int, object] = {}   # registration -> its multi-grad hook handle
         self._bw_fired: list[int] = []             # registrations fired in this backward pass
         self._bw_no_inputs: list[str] = []         # modules whose backward ends with the pass
+        self._calls: dict[int, list] = {}          # id(module) -> its running calls' input hooks
         self._bw_pass = False                      # a backward pass is being followed
         self._bw_removal = False                   # its end-of-pass removal is queued
         self._next_key = 0
@@ -146,6 +151,7 @@ class ModuleWatch:
         self._bw_handles.clear()
         self._bw_fired.clear()
         self._bw_no_inputs.clear()
+        self._calls.clear()
         self._bw_pass = self._bw_removal = False
         self.model = None                         # the records stay; the model is the user's
 
@@ -179,25 +185,38 @@ class ModuleWatch:
             return
         inputs = [a for a in tree_flatten(args)[0]
                   if isinstance(a, torch.Tensor) and a.requires_grad]
-        if inputs:
-            self._watch_backward(inputs, name, _ended, "all")
+        key = None
+        if inputs:    # one tensor: "any" is "all" and holds no node (Note 1)
+            key = self._watch_backward(inputs, name, _ended, "all" if len(inputs) > 1 else "any")
         else:
             self._bw_no_inputs.append(name)
+        self._calls.setdefault(id(m), []).append(key)
 
     def _bw_post_fw(self, m, args, output):
         name = self._names.get(id(m))
         if name is None or torch._C._current_graph_task_id() != -1:
             return
+        calls = self._calls.get(id(m))
+        key = calls.pop() if calls else None
         outputs = [a for a in tree_flatten(output)[0]
                    if isinstance(a, torch.Tensor) and a.requires_grad]
         if outputs:
             self._watch_backward(outputs, name, _started, "any")
+            return
+        # no output needs a gradient (or the forward raised, Note 1): no backward of this
+        # call will start, so nothing is to be watched for its end
+        if key is not None:
+            self._bw_handles.pop(key).remove()
+        elif name in self._bw_no_inputs:
+            idx = len(self._bw_no_inputs) - 1 - self._bw_no_inputs[::-1].index(name)
+            del self._bw_no_inputs[idx]
 
-    def _watch_backward(self, tensors, name: str, hook, mode: str) -> None:
+    def _watch_backward(self, tensors, name: str, hook, mode: str) -> int:
         key = self._next_key
         self._next_key += 1
         fn = functools.partial(hook, weakref.ref(self), key, name)      # Note 1: weak
         self._bw_handles[key] = register_multi_grad_hook(tensors, fn, mode=mode)
+        return key
 
     def _begin_pass(self) -> None:
         """A module's backward starts; on the pass's first, queue the ends of the modules that
