@@ -71,3 +71,13 @@ def test_an_in_place_op_forgets_the_values_and_never_writes_the_real_batch():
         with pytest.raises(DynamicOutputShapeException):
             fake.nonzero()                   # unknown now: refused as before, not guessed
     assert torch.equal(labels, LABELS)
+
+
+def test_offer_links_only_real_integer_and_bool_tensors():
+    copier = FakeCopier("cpu")
+    values = DataValues()
+    assert values.offer(copier.tensor(LABELS), LABELS)
+    assert not values.offer(copier.tensor(HIDDEN), HIDDEN)
+    meta = torch.empty(3, dtype=torch.long, device="meta")
+    assert not values.offer(copier.tensor(meta), meta)
+    assert len(values) == 1

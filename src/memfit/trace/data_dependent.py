@@ -54,9 +54,17 @@ class DataValues:
         values = cls()
         leaves = batch.values() if isinstance(batch, Mapping) else tree_flatten(batch)[0]
         for t in leaves:
-            if _is_data(t):
-                values.link(copier.tensor(t), t)
+            if isinstance(t, torch.Tensor):
+                values.offer(copier.tensor(t), t)
         return values
+
+    def offer(self, fake: torch.Tensor, real: torch.Tensor) -> bool:
+        """Link ``fake`` to ``real`` if ``real`` is data the trace may read (Note 1: a real integer or
+        bool tensor); returns whether it did. A ``FakeCopier`` can offer every tensor it fakes."""
+        if not _is_data(real):
+            return False
+        self.link(fake, real)
+        return True
 
     def link(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         """Record that ``fake`` holds the values of ``real`` (same shape and dtype)."""
