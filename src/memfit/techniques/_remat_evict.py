@@ -13,11 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
 from memfit.errors import BudgetTooSmall, OutOfMemory
 from memfit.techniques._remat_units import Unit
 from memfit.units import format_bytes
 
-__all__ = ["Eviction", "RematBudgetTooSmall", "RematStats"]
+__all__ = ["Eviction", "RematBudgetTooSmall", "RematStats", "new_bytes"]
 
 log = logging.getLogger("memfit.remat")
 
@@ -45,6 +49,8 @@ class RematStats:
     recompute_seconds: float = 0.0
     recompute_flops: int = 0          # FLOPs the recomputes ran (torch's FLOP formulas)
     retries: int = 0                  # ops run again after an eviction
+    ahead: int = 0                    # ops before which remat evicted, their outputs' bytes
+                                      # known in advance from the meta kernel (Note 6)
     max_retried_bytes: int = 0        # the largest allocation refused (and retried): on CPU the
                                       # op ran before track refused it (track Note 2)
     too_small: int = 0                # candidates skipped: would free < min_evict_bytes
@@ -69,6 +75,10 @@ class Eviction:
         if isinstance(e, OutOfMemory):
             need = e.live_bytes + e.requested_bytes - e.budget_bytes
             self.stats.max_retried_bytes = max(self.stats.max_retried_bytes, e.requested_bytes)
+        return self.free(need)
+
+    def free(self, need: int | None) -> int:
+        """Evict until ``need`` bytes are freed (one candidate when None); bytes freed."""
         freed = 0
         while need is None and freed == 0 or need is not None and freed < need:
             best = self._choose()
@@ -171,3 +181,35 @@ class Eviction:
         root = self._find(id(unit))
         self._class_cost[root] = max(0, self._class_cost.get(root, 0) - unit.cost_flops)
 
+
+
+def new_bytes(func, args, kwargs) -> int | None:
+    """Bytes of the new storages ``func`` would return, from its meta kernel run on meta
+    stand-ins of its inputs (Note 6); None when that cannot tell (no meta kernel, a
+    data-dependent shape, a tensor subclass)."""
+    returns = func._schema.returns
+    if all(r.alias_info is not None for r in returns):     # views, in-place, nothing
+        return 0
+    flat, spec = tree_flatten((args, kwargs))
+    with _disable_current_modes():
+        meta = []
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                if type(x) not in (torch.Tensor, nn.Parameter):
+                    return None
+                x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+            elif isinstance(x, torch.device):
+                x = torch.device("meta")
+            meta.append(x)
+        margs, mkwargs = tree_unflatten(meta, spec)
+        try:
+            out = func(*margs, **mkwargs)
+        except (NotImplementedError, RuntimeError):      # no meta kernel / data-dependent
+            return None
+    outs = out if len(returns) > 1 else (out,)
+    total = 0
+    for r, o in zip(returns, outs):
+        if r.alias_info is None:
+            total += sum(t.untyped_storage().nbytes() for t in tree_flatten(o)[0]
+                         if isinstance(t, torch.Tensor))
+    return total

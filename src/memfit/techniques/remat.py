@@ -57,7 +57,12 @@ when the session opens (Note 8), whatever the session was told. On CUDA
 Without a budget nothing is watched: remat evicts only when an allocation fails (CUDA: the
 allocator's ``OutOfMemoryError``; CPU: an enclosing ``track(budget=...)``'s
 ``memfit.OutOfMemory``). Either way the failed op had no effect (track undoes it; the allocator
-allocates nothing), remat evicts until the missing bytes are freed and runs the op again. A
+allocates nothing), remat evicts until the missing bytes are freed and runs the op again. On
+CPU, where track can refuse an op only after it ran (its outputs existed for an instant),
+remat evicts *before* an op whose new storages would pass a budgeted counter below it: their
+bytes come from the op's meta kernel run on meta stand-ins of its inputs (``new_bytes``; an
+op with no meta kernel or a data-dependent shape falls back to the refusal). So live bytes
+stay under the budget at every instant an op allocates, not only at op boundaries. A
 short batch therefore evicts nothing, and a batch of another length needs no planning. When
 nothing more can be evicted, ``RematBudgetTooSmall`` names the numbers (raised from forward or
 backward, before the optimizer step, so parameters and optimizer state are as they were; or on
@@ -109,8 +114,9 @@ from torch.utils.flop_counter import flop_registry
 
 from memfit.measure import Tracker, find_blocks, storages_of
 from memfit.measure import _ledger as L
+from memfit.measure import _counting
 from memfit.measure._counting import CountingMode
-from memfit.techniques._remat_evict import Eviction, RematBudgetTooSmall, RematStats
+from memfit.techniques._remat_evict import Eviction, RematBudgetTooSmall, RematStats, new_bytes
 from memfit.techniques._remat_units import Unit
 from memfit.techniques.checkpoint import CACHE_ARGS
 from memfit.units import format_bytes
@@ -131,6 +137,8 @@ class _PressureMode(TorchDispatchMode):
         kwargs = kwargs or {}
         s = self.session
         s.clock += 1
+        if s.watched and func not in _QUERIES and not getattr(_counting._host, "depth", 0):
+            s.evict_ahead(func, args, kwargs)
         while True:
             try:
                 out = func(*args, **kwargs)
@@ -225,6 +233,7 @@ class RematSession(Eviction):
         self._nested = 0                       # rematerialize calls in progress (chains)
         self._outside: set[int] = set()
         self._below = None                     # saved-tensor hooks found on entry (or None)
+        self.watched: list[tuple] = []         # (ledger, budget) of the CPU counters below
         self._stack = contextlib.ExitStack()
 
     # -- context ----------------------------------------------------------------------------
@@ -241,6 +250,10 @@ class RematSession(Eviction):
                 count_live_storages(tracker)
                 if tracker.ledger.current_bytes > budget:
                     raise self.over_at_entry(tracker.ledger.current_bytes, budget)
+            if device == "cpu":
+                self.watched = [(m.t.ledger, m.t.budget_bytes)
+                                for m in _get_current_dispatch_mode_stack()
+                                if isinstance(m, CountingMode) and m.t.budget_bytes is not None]
             self._below = torch._C._autograd._top_saved_tensors_default_hooks(False)
             s.enter_context(torch.autograd.graph.saved_tensors_hooks(
                 self._pack_outside, self._unpack_outside))
@@ -260,6 +273,16 @@ class RematSession(Eviction):
     def __exit__(self, *exc):
         self._stack.close()
         return False
+
+    def evict_ahead(self, func, args, kwargs) -> None:
+        """Before ``func`` runs, evict what its outputs would put past a CPU budget (Note 6)."""
+        over = [ledger.current_bytes - budget for ledger, budget in self.watched]
+        if max(over) < 0 and not any(u.flat for u in self.units):
+            return                       # nothing to evict: let the counter decide
+        nbytes = new_bytes(func, args, kwargs)
+        need = max(over) + (nbytes or 0)
+        if nbytes and need > 0 and self.free(need):
+            self.stats.ahead += 1
 
     def over_at_entry(self, live: int, budget: int) -> RematBudgetTooSmall:
         return RematBudgetTooSmall(
@@ -281,6 +304,7 @@ class RematSession(Eviction):
         self._blocks = []
         # what the session was given or found stays the user's alone (nothing kept alive)
         self.model = self.optimizer = self.active = None
+        self.watched = []
         self.units, self._outputs = [], {}
 
     def _device(self) -> str:
@@ -407,6 +431,13 @@ def count_live_storages(tracker: Tracker) -> int:
                 if st.device.type != "meta" and ledger.sid(st) is None:
                     ledger.add(st, L.INPUTS, entry=True)
     return ledger.current_bytes - before
+
+
+# ops that allocate nothing (asked often, e.g. by fake tensors): not worth a meta probe
+_QUERIES = {torch.ops.prim.device.default, torch.ops.aten.sym_size.int,
+            torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
+            torch.ops.aten.sym_storage_offset.default, torch.ops.aten.is_contiguous.default,
+            torch.ops.aten.is_contiguous.memory_format}
 
 
 def _enclosing_budget_at_most(budget: int) -> bool:
