@@ -63,6 +63,7 @@ MODELS = [("gpt2", dict(n_layer=6, n_embd=256, n_head=4, vocab_size=1024, bos_to
                             bos_token_id=0, eos_token_id=0, pad_token_id=0), 4, 256)]
 FRACTIONS = (0.8, 0.6, 0.4)
 QUICK_FRACTIONS = (0.6,)
+QUICK_SCALE = 2                      # --quick: sequences (and the variable lengths) halved
 VARIABLE_LENGTHS = (256, 64, 128, 32, 192, 256)
 # DTR paper (Kirisame et al., ICLR 2021), Transformer: slowdown at a budget, of a 9.9 GB baseline
 PAPER = [("8 GB", 8 / 9.9, 1.12), ("6 GB", 6 / 9.9, 1.15), ("4 GB", 4 / 9.9, 1.19)]
@@ -202,8 +203,8 @@ def main() -> None:
                     help="interleaved timing rounds, one pass per setting each (default 3, "
                          "--quick 2)")
     ap.add_argument("--quick", action="store_true",
-                    help=f"one model, budget {100 * QUICK_FRACTIONS[0]:.0f}%% of the activations only, "
-                         "2 rounds")
+                    help=f"one model, sequences / {QUICK_SCALE}, budget {100 * QUICK_FRACTIONS[0]:.0f}%% "
+                         "of the activations only, 2 rounds")
     args = ap.parse_args()
     rounds = args.rounds or (2 if args.quick else 3)
     if rounds < 1:
@@ -211,21 +212,24 @@ def main() -> None:
     torch.set_num_threads(1)
     console = Console(width=160)
     rows, timing = [], []
-    for name, overrides, bs, seq in MODELS[:1] if args.quick else MODELS:
+    models = [(n, o, b, s // QUICK_SCALE) for n, o, b, s in MODELS[:1]] if args.quick else MODELS
+    lengths = tuple(n // QUICK_SCALE for n in VARIABLE_LENGTHS) if args.quick \
+        else VARIABLE_LENGTHS
+    for name, overrides, bs, seq in models:
         r, t = run_model(name, overrides, bs, seq, rounds, console,
-                         QUICK_FRACTIONS if args.quick else FRACTIONS)
+                         QUICK_FRACTIONS if args.quick else FRACTIONS, lengths)
         rows += r
         timing.append(t)
     path = _record.write("dtr" + ("-quick" if args.quick else ""),
-                         {"models": MODELS[:1] if args.quick else MODELS,
+                         {"models": models,
                           "fractions": QUICK_FRACTIONS if args.quick else FRACTIONS,
-                          "variable_lengths": VARIABLE_LENGTHS,
+                          "variable_lengths": lengths,
                           "rounds": rounds, "paper_reference": PAPER, "quick": args.quick,
                           "timing": timing, "machine_note": _record.SHARED_MACHINE_NOTE}, rows)
     console.print(f"recorded in {path}")
 
 
-def run_model(name, overrides, bs, seq, rounds, console, fractions):
+def run_model(name, overrides, bs, seq, rounds, console, fractions, lengths):
     setup = Setup(zoo.get(name), overrides)
     model, bench = setup.base, Bench()
     batch = setup.batch(model, bs, seq)
@@ -255,7 +259,7 @@ def run_model(name, overrides, bs, seq, rounds, console, fractions):
             by_planner = None if planned is None else \
                 bench.measure(f"planner {frac}", planned, [batch], budget)
         budgets.append((frac, budget, tag, dtr, est, plan_note, by_planner))
-    variable = variable_lengths(setup, bench, bs, bd, fixed, static, console, name)
+    variable = variable_lengths(setup, bench, bs, bd, fixed, static, console, name, lengths)
     against = {k: "variable reference" for k in bench.steps if k.startswith("variable")}
     timings = bench.time(rounds, console, name, against)
 
@@ -309,20 +313,20 @@ def run_model(name, overrides, bs, seq, rounds, console, fractions):
                           f"{row['cpu_time_ratio']:.2f}" if fit else "-", note)
     console.print(table)
     console.print(f"reference (DTR paper, Transformer, time ratio): {paper}")
-    rows += variable_rows(variable, console, name, bs)
+    rows += variable_rows(variable, console, name, bs, lengths)
     return rows, {"model": name, **timings.summary(),
                   "variable_control": timings.ratio("variable control",
                                                     "variable reference").to_dict()}
 
 
-def variable_lengths(setup, bench, bs, bd, fixed, static, console, name):
+def variable_lengths(setup, bench, bs, bd, fixed, static, console, name, lengths):
     """Batches of varying length under 60 % of the longest's activations (module docstring):
     the runners measured and kept in ``bench``; (budget, plain FLOPs, [(method, Measured)])."""
     budget = fixed + int(0.6 * bd["activations"])
     best = best_fitting(static, budget)
     best_full = best_fitting(static, budget, prefix="recompute")    # whole blocks rerun
     policies = dict(static_candidates(setup.blocks))
-    batches = [setup.batch(setup.base, bs, n, seed=i) for i, n in enumerate(VARIABLE_LENGTHS)]
+    batches = [setup.batch(setup.base, bs, n, seed=i) for i, n in enumerate(lengths)]
     with console.status(f"{name}: variable lengths"):
         bench.measure("variable reference", setup.runner(), batches)
         plain = bench.measure("variable control", setup.runner(), batches)
@@ -341,9 +345,9 @@ def variable_lengths(setup, bench, bs, bd, fixed, static, console, name):
     return budget, plain.flops, results
 
 
-def variable_rows(variable, console, name, bs):
+def variable_rows(variable, console, name, bs, lengths):
     budget, plain_flops, results = variable
-    table = Table(title=f"{name}: lengths {VARIABLE_LENGTHS} x batch {bs}, budget "
+    table = Table(title=f"{name}: lengths {lengths} x batch {bs}, budget "
                   f"{memfit.format_bytes(budget)} (60 % of the longest's activations)")
     for col in ("method", "peak", "FLOPs ratio", "time ratio", "CPU-time ratio",
                 "evicting batches"):

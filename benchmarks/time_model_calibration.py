@@ -192,16 +192,23 @@ def _linear(p: Predictor, knobs: dict) -> tuple[float, float]:
 
 
 def fit_launch(points, shipped: float) -> float:
-    """Least squares on log ratios over L (Note 2), on a log grid around the shipped value:
-    each ratio is (a + b L) / (a1 + b1 L), from the model at two values of L."""
+    """Least squares on log ratios over L (Note 2): each ratio is (a + b L) / (a1 + b1 L), from
+    the model at two values of L; a log grid around the shipped value, then a finer one around
+    its best point."""
+    coeffs = [(*_linear(p, knobs), *_linear(p, {}), measured) for p, knobs, measured in points]
+
+    def losses(grid):
+        out = np.zeros_like(grid)
+        for a, b, a1, b1, measured in coeffs:
+            out += (np.log((a + b * grid) / (a1 + b1 * grid)) - np.log(measured)) ** 2
+        return out
+
     grid = np.geomspace(shipped / 1000, shipped * 100, 4001)
-    losses = np.zeros_like(grid)
-    for p, knobs, measured in points:
-        (a, b), (a1, b1) = _linear(p, knobs), _linear(p, {})
-        losses += (np.log((a + b * grid) / (a1 + b1 * grid)) - np.log(measured)) ** 2
-    best = float(grid[int(np.argmin(losses))])
+    i = int(np.argmin(losses(grid)))
+    fine = np.linspace(grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)], 2001)
+    best = float(fine[int(np.argmin(losses(fine)))])
     p, knobs, _ = points[0]
-    (a, b), (a1, b1) = _linear(p, knobs), _linear(p, {})
+    a, b, a1, b1, _ = coeffs[0]
     assert abs(p.ratio(knobs, best) - (a + b * best) / (a1 + b1 * best)) < 1e-9, \
         "the time model is not linear in its per-op constant any more: refit another way"
     return best
