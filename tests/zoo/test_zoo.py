@@ -268,7 +268,8 @@ def test_lookup_by_alias_and_case():
 def test_unknown_name_suggests_close_names():
     with pytest.raises(ValueError, match=r"'xlm-robrta-large'.*'xlm-roberta-large'.*names\(\)"):
         zoo.get("xlm-robrta-large")
-    with pytest.raises(ValueError, match=r"Did you mean 'llama-7b', 'llama-1b', 'llama-3-8b'\?"):  # canonical names, once each
+    # canonical names, once each
+    with pytest.raises(ValueError, match=r"Did you mean 'llama-7b', 'llama-1b', 'llama-3-8b'\?"):
         zoo.get("llama")
 
 
