@@ -14,7 +14,8 @@ SHARED_MACHINE_NOTE = (
     "measured on a shared machine loaded by other jobs (step times swing 2-5x over seconds): "
     "the settings were timed interleaved (benchmarks/_timing.py, every setting once per round, "
     "ratios to the plain step of the same round), which is what keeps the ratios meaningful; "
-    "absolute seconds are not; the control row (a second plain runner) shows the noise left")
+    "absolute seconds are not; the control row (a second plain runner) shows the noise left; "
+    "with one torch thread the cpu_time_ratio columns (process CPU time) are the steadier ones")
 
 
 def environment() -> dict:
