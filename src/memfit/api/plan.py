@@ -17,7 +17,9 @@ Note 3 (precision "auto"). On a GPU, auto searches the 16-bit precision the card
 fp16 autocast): its matmuls run at least as fast as fp32 (time_model Note 2) and its activations
 take half the bytes. The "plain step" is always the user's own: fp32 under auto, traced once;
 the step-time ratio is against it (time_model Note 5), so a plan that changes the precision
-says so, and a ratio below 1 is a speed-up. On the CPU auto is fp32.
+says so, and a ratio below 1 is a speed-up. Where the user's plain step fits and is predicted
+no slower (a small model, whose casts cost more launches than its matmuls save), auto keeps
+it. On the CPU auto is fp32.
 
 Note 4 (the caller's batch). The trace runs the batch as the step uses it: an all-ones
 attention mask dropped, bf16-pure's float inputs cast. ``runner.step(batch)`` keeps the
@@ -141,18 +143,25 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                          **common)
         memory, time = models[key]
         models[(p, impl)] = memory.with_optimizer_step(other), time.with_optimizer_step(other)
-    baseline_s = _baseline_s(models[key], plain, spec, user, p, b)
+    user_pair = models[key] if p == user else _user_models(plain, spec, user, b)
+    baseline_s = _plain_s(user_pair, b)
     held = {q: _held_bytes(original, q) for q in {p, user}}   # Note 4
     ctx = _Context(k, spec, budget_bytes, baseline_s, b, held, user, default_impl,
                    plain.device_bytes + held[user], bool(variants))
     floor_est, floor_choice = _least_memory(model, batch, models, fixed, k, common, held, b, say)
     ctx.floor_bytes = floor_est.device_bytes + held[floor_choice.precision]
 
-    if base.device_bytes + held[p] <= budget_bytes and fixed.keep_allowed(base.blocks) and \
-            not fixed.offload_optimizer and fixed.micro_batch_size in (None, b):
-        choice = _as_choice(models[key], key, b, base)
-        why = ["the plain step fits: nothing to change"] if p == user else []
-        return Planned(_make_plan(ctx, choice, base, models[key], why), plain, base)
+    if fixed.keep_allowed(base.blocks) and not fixed.offload_optimizer and \
+            fixed.micro_batch_size in (None, b):
+        fits = [(pair, est, q) for pair, est, q in ((models[key], base, p), (user_pair, plain, user))
+                if est.device_bytes + held[q] <= budget_bytes]
+        if fits:       # the faster plain step that fits (Note 3: auto keeps fp32 where faster)
+            pair, est, q = min(fits, key=lambda f: _plain_s(f[0], b))
+            choice = _as_choice(pair, (q, k.optimizer_impl), b, est)
+            why = ["the plain step fits: nothing to change"] if q == user else []
+            if q == user and p != user:
+                why.append(f"auto keeps {user}: the {p} step is predicted no faster here")
+            return Planned(_make_plan(ctx, choice, est, pair, why), plain, est)
 
     margins: dict = {q: held[q[0]] for q in models}
     for attempt in range(_ATTEMPTS):
@@ -271,12 +280,15 @@ def _constraints(model: nn.Module, k: Knobs, b: int) -> Constraints:
     return Constraints(None if m is None else min(m, b), modes, k.offload_optimizer)
 
 
-def _baseline_s(pair, plain, spec, user: str, p: str, b: int) -> float:
-    """Seconds of the plain step at the user's precision (Note 3, time_model Note 5)."""
+def _user_models(plain, spec, user: str, b: int):
+    """Memory and time models of the user's own plain step (Note 3, time_model Note 5)."""
+    memory = MemoryModel(plain, b)
+    return memory, TimeModel(plain, spec, user, b, memory)
+
+
+def _plain_s(pair, b: int) -> float:
+    """Seconds of a plain step (the whole batch, every block kept)."""
     memory, time = pair
-    if user != p:
-        memory = MemoryModel(plain, b)
-        time = TimeModel(plain, spec, user, b, memory)
     return time.step_s(b, b, ("keep",) * len(memory.blocks), False)
 
 
