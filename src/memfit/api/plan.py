@@ -33,9 +33,9 @@ and ``BudgetTooSmall.floor_bytes`` report, and a budget of exactly the floor pla
 configuration), one byte less raises.
 
 Note 6 (the optimizer implementation). With ``optimizer_impl`` unset and the optimizer given
-by name or factory, the planner may switch the implementation (optimizers Note 1): each other
-one the class supports and that may need less (fused; for-loop where the default is CUDA's
-foreach) is traced once, and the search weighs it like any other knob, before the optimizer
+by name or factory, the planner may switch the implementation on a GPU target (optimizers
+Note 1): each other one the class supports and that may need less than CUDA's default
+foreach (fused, for-loop) is traced once, and the search weighs it like any other knob, before the optimizer
 state leaves the device. An optimizer instance keeps its own unless ``optimizer_impl`` is set.
 """
 
@@ -136,7 +136,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     key = (p, k.optimizer_impl)
     models = {key: _models(model, batch, base, common, spec, p, b, k.optimizer_impl, say)}
     default_impl = _modelled_impl(recipe, trainable, spec)
-    variants = _impl_variants(recipe, k, trainable, default_impl, fixed)
+    variants = _impl_variants(recipe, k, trainable, default_impl, fixed, spec)
     for impl in variants:
         say(f"tracing the optimizer step with the {impl} implementation")
         other = estimate(model, batch, precision=p, optimizer_impl=impl, allocator_replay=False,
@@ -230,11 +230,12 @@ def _modelled_impl(recipe: OptimizerRecipe, params, spec) -> str | None:
 
 
 def _impl_variants(recipe: OptimizerRecipe, k: Knobs, params, default: str | None,
-                   fixed) -> list[str]:
+                   fixed, spec) -> list[str]:
     """Implementations the planner may switch to (Note 6): none when the caller fixed one or
-    passed an instance (it keeps its own), or the optimizer state is on the host."""
+    passed an instance (it keeps its own), the optimizer state is on the host, or the target
+    is a CPU (its default, the for-loop, already holds one parameter's temporaries at most)."""
     if k.optimizer_impl is not None or recipe.instance is not None or default is None or \
-            fixed.offload_optimizer:
+            fixed.offload_optimizer or spec.kind != "cuda":
         return []
     cls = recipe.optimizer_class(params)
     return [i for i in ("fused", "for-loop") if i != default and supports_impl(cls, i)]
