@@ -93,6 +93,7 @@ class Ledger:
         self._nbytes: list[int] = []        # per storage id
         self._category: list[int] = []      # per storage id
         self._refs: list[weakref.ref | None] = []
+        self._ptr: list[int] = []           # per storage id: its address (0 for a fake one)
         self._entry: dict[int, int] = {}    # storage id alive before the region -> its bytes then
         self._ev_sid: list[int] = []        # event log: storage id
         self._ev_delta: list[int] = []      # event log: +bytes at birth, -bytes at death
@@ -119,6 +120,7 @@ class Ledger:
         self._sid_of[key] = sid
         self._nbytes.append(nbytes)
         self._category.append(category)
+        self._ptr.append(0 if self.fake else storage.data_ptr())
         self._refs.append(weakref.ref(storage, lambda _, sid=sid, key=key: self._died(sid, key)))
         if host:
             self._host.add(sid)
@@ -187,6 +189,11 @@ class Ledger:
     def category_of(self, storage) -> int | None:
         sid = self._sid_of.get(storage._cdata)
         return None if sid is None else self._category[sid]
+
+    def address_events(self) -> list[tuple[int, int]]:
+        """(address, +/- bytes) of the region's births and deaths in order, host storages
+        included (an independent allocator log can be matched against it, block for block)."""
+        return [(self._ptr[s], d) for s, d in zip(self._ev_sid, self._ev_delta)]
 
     def nbytes_of_sid(self, sid: int) -> int:
         return self._nbytes[sid]
