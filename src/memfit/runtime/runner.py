@@ -90,7 +90,7 @@ class Runner:
                 self.applied = self.applied.with_note(self.guard.off_reason)
 
     def close(self) -> None:
-        """Remove the techniques applied to the model's modules (checkpoint wrappers, ...)."""
+        """Remove the techniques applied to the model's modules (checkpoint and offload hooks)."""
         while self.handles:
             self.handles.pop().remove()
 
