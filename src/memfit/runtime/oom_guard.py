@@ -14,18 +14,19 @@ Note 2 (re-planning). Outside the ``except`` block, so that the failed attempt's
 activations are already freed (the traceback held them), the guard empties the CUDA cache,
 ``close()``s the runner (its techniques come off the modules: the planner traces a copy of the
 model, which must not carry them), calls ``replan(excess_bytes)`` and adopts the new runner's
-model, optimizer, plan, applied record, precision, accumulation, handles and contexts. It keeps the old scaler (the loss scale and its growth counter carry over; a new
-plan without loss scaling drops it) and the old scheduler. The excess is ``live + requested -
-budget`` of a ``memfit.OutOfMemory``; a CUDA ``torch.OutOfMemoryError`` carries no numbers,
-so it is 0 and the re-planner tightens by its own margin. At most ``max_retries`` re-plans per
-effective batch; then the state is restored and the error re-raised with the plans tried.
-Inside ``memfit.track`` the failed attempt's activations are freed too: track's pack hook
-saves a detached alias, so no saved output holds its own ``grad_fn`` from C++ (a cycle the
-gc cannot see).
+model, optimizer, plan, applied record, precision, accumulation, handles and contexts. It keeps
+the old scaler (the loss scale and its growth counter carry over; a new plan without loss
+scaling drops it) and the old scheduler. The excess is ``live + requested - budget`` of a
+``memfit.OutOfMemory``; a CUDA ``torch.OutOfMemoryError`` carries no numbers, so it is 0 and
+the re-planner tightens by its own margin. At most ``max_retries`` re-plans per effective
+batch; then the state is restored and the error re-raised with the plans tried. Inside
+``memfit.track`` the failed attempt's activations are freed too: track's pack hook saves a
+detached alias, so no saved output holds its own ``grad_fn`` from C++ (a cycle the gc cannot
+see).
 
 Note 3 (the optimizer step is a point of no return). Before the step ``check_optimizer_step``
 compares the live device bytes plus ``plan.predicted_optimizer_step_bytes`` with
-``plan.budget_bytes`` and raises ``memfit.OutOfMemory`` (op ``optimizer.step``) while the
+``runner.applied.budget_bytes`` and raises ``memfit.OutOfMemory`` (op ``optimizer.step``) while the
 parameters are untouched. An OOM raised *inside* the step (``committing``) may leave them
 half-updated, so it is marked and the guard re-raises it without a retry. Live bytes are
 ``torch.cuda.memory_allocated()`` on CUDA; on the CPU those of the innermost running
