@@ -6,11 +6,13 @@ Oracle: ``LiveBytes``, a dispatch mode of this file (not memfit's ledger) that s
 parameters, buffers, gradients, optimizer state and batch alive before the step, then every
 tensor an op reads or returns. It is entered *outside* remat, so it sees every op's outputs,
 even those of an op remat's CPU counter would refuse after the fact (remat evicts before such
-an op runs: its Note 6). Exactness: ``torch.equal`` on every parameter against the plain step, dropout on.
+an op runs: its Note 6). Exactness: ``torch.equal`` on every parameter against the plain step,
+dropout on.
 Models: transformers' GPT-Neo and DistilBERT at tiny sizes with random weights (not in
 ``memfit.zoo``, so nothing was tuned on them).
 """
 
+import contextlib
 import gc
 import logging
 import weakref
@@ -112,13 +114,15 @@ def plain(arch, steps_before=1, steps=1):
     return oracle.peak_bytes, [p.detach().clone() for p in model.parameters()]
 
 
-def under_remat(arch, budget, steps_before=1, steps=1, given=False):
-    """The same steps in one ``remat(budget)`` session: (oracle peak, stats, parameters)."""
+def under_remat(arch, budget, steps_before=1, steps=1, given=False, in_track=False):
+    """The same steps in one ``remat(budget)`` session (inside ``track(budget=budget)`` with
+    ``in_track``): (oracle peak, stats, parameters)."""
     model, opt, batch, _ = job(arch, steps_before)
     oracle = LiveBytes(roots(model, opt, batch))
     kw = {"model": model, "optimizer": opt} if given else {}
     gc.collect()
-    with oracle, memfit.remat(budget, **kw) as s:
+    outer = memfit.track(budget=budget) if in_track else contextlib.nullcontext()
+    with oracle, outer, memfit.remat(budget, **kw) as s:
         for k in range(steps):
             torch.manual_seed(k)
             canonical_step(model, opt, batch)
@@ -138,6 +142,14 @@ def test_the_one_line_session_keeps_the_budget_by_an_independent_count(arch, cap
     assert stats.units == MODELS[arch]()[1]                # each block call once: found alone
     assert "no repeated blocks" not in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(plain(arch)[1], got))
+
+
+def test_an_enclosing_track_budget_does_not_stand_in_for_remats_own_count():
+    peak = plain("gpt-neo")[0]
+    budget = peak * 7 // 10          # track(budget) without a model counts from first use
+    measured, stats, got = under_remat("gpt-neo", budget, in_track=True)
+    assert stats.evictions > 0 and measured <= budget
+    assert all(torch.equal(a, b) for a, b in zip(plain("gpt-neo")[1], got))
 
 
 @pytest.mark.parametrize("arch", list(MODELS))

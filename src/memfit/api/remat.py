@@ -25,8 +25,8 @@ def remat(budget=None, *, model: nn.Module | None = None, optimizer=None,
     ``model``: the model whose blocks are evictable (default: the outermost module whose
     forward runs first inside; its blocks are found as ``find_blocks`` finds them);
     ``optimizer`` sorts the counted bytes into categories. Nothing is assigned on the user's
-    modules (module hooks), and the session keeps neither alive after it exits. The session's ``stats``
-    (``RematStats``) say what was evicted, recomputed, refused and could not be evicted; a
+    modules (module hooks), and the session keeps neither alive after it exits. The session's
+    ``stats`` (``RematStats``) say what was evicted, recomputed, refused and could not be evicted; a
     budget below what eviction can reach raises ``RematBudgetTooSmall`` (a ``BudgetTooSmall``
     and a ``memfit.OutOfMemory``) with the numbers.
     """

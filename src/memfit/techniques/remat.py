@@ -6,8 +6,8 @@ that call go together, and one rerun of the block's forward brings them all back
 (the paper's, MegEngine's) needs a Python record and a heuristic update for every aten op; in
 eager PyTorch that is a Python dispatch call with closure capture per op, several times the cost
 of the kernels of a small layer, paid on every step even when nothing is evicted. Per block the
-bookkeeping is two module hooks per call (Note 7) and one pack per saved tensor; the search scores at most
-``sample_size`` units (a few dozen blocks per model). The price: what is saved outside blocks
+bookkeeping is two module hooks per call (Note 7) and one pack per saved tensor; the search
+scores at most ``sample_size`` units (a few dozen blocks per model). The price: what is saved outside blocks
 (embeddings, the loss, the LM head's logits) is never evicted; ``RematStats`` counts those bytes
 (``outside_blocks_bytes``), and checkpoint/offload remain the levers for them.
 
@@ -50,9 +50,10 @@ logged at DEBUG on ``memfit.remat`` and kept in ``RematStats.refused``. Views ne
 a view shares its base's storage, which Note 2 keeps while anyone holds it.
 
 Note 6 (when to evict). Budget ``budget_bytes``: live bytes stay at or under it. On CPU a
-``memfit.track`` counter with that budget runs under remat's dispatch mode (unless an enclosing
-``track`` already enforces one at least as tight), and counts from the start everything alive
-when the session opens (Note 8), whatever the session was told. On CUDA
+``memfit.track`` counter with that budget runs under remat's dispatch mode, and counts from the
+start everything alive when the session opens (Note 8), whatever the session was told (an
+enclosing ``track(budget=...)`` is not relied on: without a model it counts tensors from
+their first use). On CUDA
 ``set_per_process_memory_fraction`` makes the allocator refuse past it (it knows every byte).
 Without a budget nothing is watched: remat evicts only when an allocation fails (CUDA: the
 allocator's ``OutOfMemoryError``; CPU: an enclosing ``track(budget=...)``'s
@@ -91,8 +92,9 @@ models), each leaf's ``.grad``, and as host memory (not under the budget) the te
 object with a ``host_tensors()`` method (memfit's offloaded optimizer). Fake and meta tensors
 hold no bytes and are skipped. Cyclic garbage is collected first (``gc.collect()``): a failed
 step's traceback cycles hold real bytes that nothing can reach. One collection and one walk of
-the gc's objects per session (about 0.2 s per 400k Python objects). What it cannot see: storages held only from C++ with no Python object
-(an autograd graph built before the session), counted from their first use by an op.
+the gc's objects per session (about 0.2 s per 400k Python objects). What it cannot see:
+storages held only from C++ with no Python object (an autograd graph built before the
+session), counted from their first use by an op.
 """
 
 from __future__ import annotations
@@ -244,7 +246,7 @@ class RematSession(Eviction):
             device = self._device()
             if budget is not None and device == "cuda":
                 s.enter_context(_cuda_fraction(budget))
-            elif budget is not None and not _enclosing_budget_at_most(budget):
+            elif budget is not None:
                 tracker = s.enter_context(Tracker(model=self.model, optimizer=self.optimizer,
                                                   budget=budget, device=device))
                 count_live_storages(tracker)
@@ -438,15 +440,6 @@ _QUERIES = {torch.ops.prim.device.default, torch.ops.aten.sym_size.int,
             torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
             torch.ops.aten.sym_storage_offset.default, torch.ops.aten.is_contiguous.default,
             torch.ops.aten.is_contiguous.memory_format}
-
-
-def _enclosing_budget_at_most(budget: int) -> bool:
-    """An active ``track`` already enforces a budget at least as tight (Note 6)."""
-    for mode in _get_current_dispatch_mode_stack():
-        if isinstance(mode, CountingMode) and mode.t.budget_bytes is not None \
-                and mode.t.budget_bytes <= budget:
-            return True
-    return False
 
 
 @contextlib.contextmanager
