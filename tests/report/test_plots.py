@@ -78,13 +78,15 @@ def test_before_after_share_one_scale_and_one_outside_legend(tiny, tmp_path):
     model, batch = tiny
     plain = memfit.estimate(model, batch, device="cpu")
     planned = memfit.estimate(model, batch, device="cpu", checkpoint="all", micro_batch_size=2)
+    assert planned.device_bytes < plain.device_bytes   # the higher panel drawn first
     fig = before_after_figure(plain, planned, limit_bytes=plain.device_bytes,
                               titles=("plain", "planned"))
     left, right = fig.axes
     assert left.get_ylim() == right.get_ylim()
     for ax, est in ((left, plain), (right, planned)):
-        top = max(_line(ax, DEVICE_CURVE_LABEL).get_ydata()) * _unit(ax)
-        assert top == pytest.approx(est.device_bytes, rel=1e-12)
+        top = max(_line(ax, DEVICE_CURVE_LABEL).get_ydata())
+        assert top * _unit(ax) == pytest.approx(est.device_bytes, rel=1e-12)
+        assert top < ax.get_ylim()[1]                       # the peak is inside the axes
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert len(labels) == len(set(labels)) and _legend_outside(fig)
     path = tmp_path / "p.png"

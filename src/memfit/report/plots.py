@@ -69,8 +69,9 @@ def _pyplot():
     return plt
 
 
-def _draw(ax, est, limit_bytes, limit_label, title, unit) -> None:
-    """One step on ``ax`` (Notes 1-3); ``unit``: (name, bytes) of the y axis."""
+def _draw(ax, est, limit_bytes, limit_label, title, unit) -> float:
+    """One step on ``ax`` (Notes 1-3); ``unit``: (name, bytes) of the y axis. Returns the top
+    of the y range it needs (everything drawn, with room for the labels)."""
     name, size = unit
     timeline = est.timeline
     context = est.context_bytes if est.basis == "cuda-model" else 0
@@ -115,8 +116,10 @@ def _draw(ax, est, limit_bytes, limit_label, title, unit) -> None:
     ax.set_xlabel("op of the training step")
     ax.set_ylabel(f"device bytes ({name})")
     ax.set_xlim(0, max(n, 1))
-    ax.set_ylim(0, max(peak, est.device_bytes / size, (limit_bytes or 0) / size) * 1.12)
+    top = max(peak, est.device_bytes / size, (limit_bytes or 0) / size) * 1.12
+    ax.set_ylim(0, top)
     ax.set_title(title)
+    return top
 
 
 def timeline_figure(est, *, limit_bytes: int | None = None, limit_label: str = "budget",
@@ -138,9 +141,9 @@ def before_after_figure(before, after, *, limit_bytes: int, limit_label: str = "
     fig, axes = plt.subplots(1, 2, figsize=(15, 4.8), dpi=110, sharey=True,
                              layout="constrained")
     unit = _unit(max(before.device_bytes, after.device_bytes, limit_bytes or 0))
-    for ax, est, title in zip(axes, (before, after), titles):
-        _draw(ax, est, limit_bytes, limit_label, title, unit)
-    axes[0].set_ylim(0, max(a.get_ylim()[1] for a in axes))
+    tops = [_draw(ax, est, limit_bytes, limit_label, title, unit)
+            for ax, est, title in zip(axes, (before, after), titles)]
+    axes[0].set_ylim(0, max(tops))            # shared: the higher step decides
     handles: dict = {}
     for ax in axes:                          # one legend entry per label, both panels
         for h, label in zip(*ax.get_legend_handles_labels()):
