@@ -47,7 +47,6 @@ CONFIGS = {  # name -> (config class, kwargs, architecture)
     "swin": (T.SwinConfig, dict(image_size=32, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
                                 window_size=4, num_labels=10), "SwinForImageClassification"),
 }
-NEEDS_BATCH_VALUES = {"deberta-v3"}   # (labels >= 0).nonzero() in its loss: trace/data_dependent.py
 
 
 def spec_of(name, tmp_path):
@@ -57,10 +56,7 @@ def spec_of(name, tmp_path):
     return zoo.from_config_file(tmp_path)
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="needs profile_step to hand FidelityMode the "
-                                            "batch's DataValues (issue 11 item 8; report of helper 8)"))
-    if n in NEEDS_BATCH_VALUES else n for n in CONFIGS])
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_estimate_equals_track(name, tmp_path):
     spec = spec_of(name, tmp_path)
     model = spec.build()

@@ -235,6 +235,6 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         phases=prof.phases, modules=prof.modules, blocks=prof.blocks, fw_flops=prof.fw_flops,
         bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=k,
         trace_seconds=prof.trace_seconds, notes=notes,
-        basis="cuda-model" if cuda else "cpu-trace", knobs_blocks=dict(runner.plan.blocks),
+        basis="cuda-model" if cuda else "cpu-trace", knobs_blocks=dict(runner.applied.blocks),
         op_costs=prof.op_costs,
     )

@@ -16,6 +16,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
+from memfit.trace.data_dependent import DataValues
+
 __all__ = ["FakeCopier"]
 
 
@@ -26,6 +28,9 @@ class FakeCopier:
         self.device = torch.device(device)
         self.mode = FakeTensorMode(allow_non_fake_inputs=False)
         self._memo: dict[int, torch.Tensor] = {}
+        # the real values of the integer/bool tensors faked (ids, labels, masks), for the
+        # data-dependent ops of a trace (memfit.trace.data_dependent Note 1)
+        self.data = DataValues()
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) in self._memo:
@@ -39,6 +44,7 @@ class FakeCopier:
             fake = nn.Parameter(fake, requires_grad=t.requires_grad)
         elif t.requires_grad:
             fake.requires_grad_(True)
+        self.data.offer(fake, t)
         self._memo[id(t)] = fake
         return fake
 

@@ -72,7 +72,7 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
     ``two_steps``: instead, count two whole steps and take the peak over the second (an
     allocator replay needs the first step's history); ``after_first(tracker)`` runs between.
     """
-    with copier.mode, FidelityMode():
+    with copier.mode, FidelityMode(copier.data):
         if not two_steps:            # two steps need no warm-up: step 1 is it
             (warm_up or (lambda: warm_up_optimizer(model, optimizer)))()
         tracker = Tracker(model=model, optimizer=optimizer, device=copier.device, fake=True)
@@ -117,8 +117,9 @@ def _trace_error(e: Exception, tracker: Tracker) -> TraceError:
     where = f" in module '{module}'" if module else ""
     return TraceError(
         f"the fake trace cannot run {op or 'an op'}{where}: {type(e).__name__}: {e}. "
-        "This op needs real data (a data-dependent shape or a Python value read from a "
-        "tensor) or has no fake implementation; pass loss_fn to avoid it, or measure the real "
-        "step with memfit.track instead.",
+        "This op needs real data the trace does not have (data-dependent ops are resolved "
+        "from the batch's integer and bool tensors, not from float ones or values computed "
+        "from the weights) or has no fake implementation. Measure the real step with "
+        "memfit.track instead (in Python, a loss_fn that avoids the op also works).",
         op=op, module=module,
     )
