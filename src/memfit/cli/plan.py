@@ -247,8 +247,9 @@ def _print_human(console, spec, model, planned, described, args, target, seconds
     if host:
         console.print(f"host RAM for offload: {format_bytes(host)} at its peak (beside the "
                       "training process's own)")
-    console.print(p.explain(), markup=False, highlight=False)
-    if p.predicted_step_time_ratio is not None:
+    explanation = p.explain()
+    console.print(explanation, markup=False, highlight=False)
+    if p.predicted_step_time_ratio is not None and "step time" not in explanation:
         console.print(f"[bold]predicted step time: {p.predicted_step_time_ratio:.2f}x[/bold] the "
                       f"plain step ({plain.knobs.precision})")
     if not chosen.validated:
