@@ -131,7 +131,7 @@ def test_progressive_phases_fit_and_run_under_the_budget():
     m_short = short.plan.knobs.micro_batch_size or 8
     m_long = long.plan.knobs.micro_batch_size or 8
     assert m_short >= m_long
-    assert long.plan.reasons != ["the plain step fits: nothing to change"]    # half the plain
+    assert long.plan.reasons != ("the plain step fits: nothing to change",)    # half the plain
     assert 0 < s.predicted_time_ratio < 1 and short.plain_flops < long.plain_flops
     assert s.phase_at(0, 100) is short and s.phase_at(89, 100) is short
     assert s.phase_at(90, 100) is long and s.phase_at(99, 100) is long

@@ -163,4 +163,4 @@ def test_fixed_checkpoint_and_offload_are_kept_verbatim():
     assert (p.knobs.checkpoint, p.knobs.offload) == ("all", "all")
     m, b = _model("gpt2")
     runner = memfit.fit(m, _sgd(m), b, budget=int(plain * 0.9), checkpoint="all", offload="all")
-    assert set(runner.plan.blocks.values()) == {"recompute+offload"}
+    assert set(runner.applied.blocks.values()) == {"recompute+offload"}

@@ -10,7 +10,7 @@ from torch import nn
 
 from memfit.devices import DeviceSpec, cpu_spec, get_device
 from memfit.knobs import Knobs
-from memfit.optimizers import OptimizerRecipe
+from memfit.optimizers import IMPL_FLAGS, OptimizerRecipe
 from memfit.planner import Plan
 from memfit.runtime import Applied, Runner
 from memfit.runtime.batch_shape import BatchShapes
@@ -87,7 +87,15 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
             handle = Offload(Offload.Config(knobs.offload)).apply(model)
             handles.append(handle)
             _merge_offload(blocks, handle.modes)
+        if knobs.optimizer_impl is not None:
+            recipe = recipe.with_impl(knobs.optimizer_impl)
         model, optimizer = tech.apply(model, recipe, origin)
+        if knobs.optimizer_impl is not None and recipe.instance is not None and \
+                optimizer is not recipe.instance and knobs.precision != "bf16-pure":
+            rebuilt = True
+            flags = ", ".join(f"{k}={v}" for k, v in IMPL_FLAGS[knobs.optimizer_impl].items())
+            notes.append(f"optimizer_impl={knobs.optimizer_impl}: the optimizer was rebuilt "
+                         f"with {flags} (runner.optimizer); the one passed in is no longer used")
         if knobs.precision == "bf16-pure":
             rebuilt = True
             notes.append("bf16-pure: the optimizer was rebuilt over fp32 master weights "

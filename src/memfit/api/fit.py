@@ -11,7 +11,7 @@ from memfit.api._validate import check_batch
 from memfit.api.plan import plan
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
-from memfit.optimizers import OptimizerRecipe
+from memfit.optimizers import OptimizerRecipe, impl_of
 from memfit.planner import Plan
 from memfit.runtime import Runner
 from memfit.runtime.batch_shape import extend_batch
@@ -55,6 +55,13 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     recipe = OptimizerRecipe(optimizer)
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
+    if k.optimizer_impl is not None and hasattr(scheduler, "step") and \
+            impl_of(optimizer, cuda=spec.kind == "cuda") != k.optimizer_impl:
+        raise ValueError(
+            f"optimizer_impl={k.optimizer_impl!r} rebuilds the optimizer, so a scheduler built "
+            "on the one passed in would drive nothing: pass scheduler=a factory, e.g. "
+            "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10), or build the optimizer with "
+            "that implementation yourself")
     example = prepare_batch(batch)
     check_batch(model, example, loss_fn)
     planned, shapes = batch, batch          # what is traced; the shapes runner.step compares
@@ -74,7 +81,8 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     if budget is not None and not k.remat:
         replan = _replanner(model, recipe, optimizer, planned, spec, loss_fn, count_fn,
                             knobs_in.replace(precision=k.precision,
-                                             offload_optimizer=k.offload_optimizer),
+                                             offload_optimizer=k.offload_optimizer,
+                                             optimizer_impl=k.optimizer_impl),
                             parse_bytes(budget), device_type)
     return build_runner(model, recipe, k, plan=plan, loss_fn=loss_fn, count_fn=count_fn,
                         scheduler=scheduler, device_type=device_type, replan=replan,
