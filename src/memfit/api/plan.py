@@ -32,6 +32,15 @@ re-traced, and the least traced is the floor. It is what ``Plan.floor_bytes``, `
 and ``BudgetTooSmall.floor_bytes`` report, and a budget of exactly the floor plans (that
 configuration), one byte less raises.
 
+Note 7 (tracing the floor cheaply). A candidate of n >= 4 whole micro-batches of m is traced
+at 2m and 3m samples and extrapolated, as ``largest_fitting`` does (levers Note 3): every
+micro-batch past the first sees the same live state, so the peak is linear in the samples (to
+the byte on a CPU). Candidates the models put more than ``_FLOOR_PRUNE`` above the least are
+not traced (the uniform variants are needed: on tiny gpt2 the least traced is uniform
+recompute at micro-batch 1, which the models put above their mixed least). The
+least is found on traces without the allocator replay, then confirmed with it (on 2m samples
+plus the linear term: an upper bound). A floor that becomes the plan is traced whole first.
+
 Note 6 (the optimizer implementation). With ``optimizer_impl`` unset and the optimizer given
 by name or factory, the planner may switch the implementation on a GPU target (optimizers
 Note 1): each other one the class supports and that may need less than CUDA's default
@@ -70,6 +79,7 @@ from memfit.units import format_bytes, parse_bytes
 __all__ = ["plan", "plan_traced", "Planned"]
 
 _ATTEMPTS = 5
+_FLOOR_PRUNE = 1.5       # floor candidates the models put this far above the least go untraced
 _SLACK_BYTES = 2 ** 20       # added to each verified shortfall, so a retry does not land on it
 
 
@@ -148,8 +158,8 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     held = {q: _held_bytes(original, q) for q in {p, user}}   # Note 4
     ctx = _Context(k, spec, budget_bytes, baseline_s, b, held, user, default_impl,
                    plain.device_bytes + held[user], bool(variants))
-    floor_est, floor_choice = _least_memory(model, batch, models, fixed, k, common, held, b, say)
-    ctx.floor_bytes = floor_est.device_bytes + held[floor_choice.precision]
+    ctx.floor_bytes, floor_choice, floor_est = _least_memory(model, batch, models, fixed, k,
+                                                             common, held, b, say)
 
     if fixed.keep_allowed(base.blocks) and not fixed.offload_optimizer and \
             fixed.micro_batch_size in (None, b):
@@ -181,6 +191,13 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         short = est.device_bytes + held[q] - budget_bytes + _SLACK_BYTES
         margins[choice.key] = margins.get(choice.key, 0) + short
     if ctx.floor_bytes <= budget_bytes:
+        if floor_est is None or floor_est.reserved_bytes == floor_est.peak_bytes and \
+                spec.kind == "cuda":        # extrapolated or not replayed: trace it whole
+            say(f"re-tracing {_describe(floor_choice, b)}")
+            floor_est = estimate(model, batch, precision=floor_choice.precision,
+                                 **_knob_values(floor_choice,
+                                                models[floor_choice.key][0].blocks, k),
+                                 **common)
         return Planned(_make_plan(ctx, floor_choice, floor_est, models[floor_choice.key],
                                   ["only the least-memory configuration fits"]), plain, floor_est)
     raise too_small(ctx.floor_bytes, models[floor_choice.key][0], _describe(floor_choice, b),
@@ -205,20 +222,47 @@ class _Context:
 
 
 def _least_memory(model, batch, models, fixed, k, common, held, b, say):
-    """The floor (Note 5): every candidate ``floor_candidates`` gives, re-traced; the least."""
-    best, seen = None, {}
-    for c in floor_candidates(models, b, fixed):
+    """The floor (Note 5): the candidates ``floor_candidates`` gives, traced; the least.
+
+    Returns ``(device_bytes, choice, estimate)``; ``estimate`` is None where the floor was
+    extrapolated (Note 7) and must be traced whole before it becomes a plan."""
+    candidates = floor_candidates(models, b, fixed)
+    cutoff = candidates[0].device_bytes * _FLOOR_PRUNE if candidates else 0
+    fast, seen = [], set()
+    for c in candidates:
         values = _knob_values(c, models[c.key][0].blocks, k)
         ident = (c.precision, tuple(sorted((n, str(v)) for n, v in values.items())))
-        if ident in seen:
+        if ident in seen or c.device_bytes > cutoff:
             continue
-        say(f"re-tracing a least-memory candidate: {_describe(c, b)}")
-        est = estimate(model, batch, precision=c.precision, **values, **common)
-        seen[ident] = est
-        total = est.device_bytes + held[c.precision]
-        if best is None or total < best[0]:
-            best = (total, est, c)
-    return best[1], best[2]
+        seen.add(ident)
+        say(f"tracing a least-memory candidate: {_describe(c, b)}")
+        total, est, slope = _accumulated_bytes(model, batch, c, values, common, b)
+        fast.append((total + held[c.precision], c, values, est, slope))
+    total, c, values, est, slope = min(fast, key=lambda f: f[0])
+    if common["device"].kind != "cuda":          # a CPU trace is exact: nothing to confirm
+        return total, c, est
+    say("confirming the least-memory configuration with the allocator replayed")
+    total, est, _ = _accumulated_bytes(model, batch, c, values, common, b, slope=slope)
+    return total + held[c.precision], c, est
+
+
+def _accumulated_bytes(model, batch, c, values, common, b, *, slope: int | None = None):
+    """Device bytes of candidate ``c``, traced; with four or more whole micro-batches from 2m
+    and 3m samples (Note 7). ``slope`` given: the allocator replayed on 2m samples plus that
+    linear term. Returns ``(bytes, estimate or None if extrapolated, slope or None)``."""
+    m = c.micro_batch_size
+    n = b // m
+    replay = slope is not None
+    if m < b and b % m == 0 and n >= 4:
+        two = estimate(model, _first(batch, 2 * m), precision=c.precision,
+                       allocator_replay=replay, **values, **common).device_bytes
+        if slope is None:
+            slope = max(estimate(model, _first(batch, 3 * m), precision=c.precision,
+                                 allocator_replay=False, **values, **common).device_bytes - two, 0)
+        return two + (n - 2) * slope, None, slope
+    est = estimate(model, batch, precision=c.precision, allocator_replay=replay, **values,
+                   **common)
+    return est.device_bytes, est, 0
 
 
 def _modelled_impl(recipe: OptimizerRecipe, params, spec) -> str | None:
