@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from memfit.cli import main
 
 SMALL = ["--model", "gpt2", "--seq-len", "128", "--batch-size", "4", "--gpu", "cpu"]
@@ -12,14 +14,19 @@ def run_json(capsys, *args):
     return json.loads(capsys.readouterr().out)
 
 
-def test_default_is_the_story_xlmr_large_batch_32_on_a_1080_ti(capsys):
-    out = run_json(capsys)
+def check_default_story(out: dict) -> None:
+    """What the README's main job must print; .ci/run applies it to `memfit --json` too."""
     assert out["model"] == "xlm-roberta-large" and out["batch"]["input_ids"] == [32, 256]
     plan = out["plan"]
     assert plan["device"] == "gtx-1080-ti" and plan["knobs"]["precision"] == "fp16"
     assert out["plain_device_bytes"] > plan["budget_bytes"]          # plain does not fit ...
     assert plan["predicted_device_bytes"] <= plan["budget_bytes"]    # ... the plan does
     assert plan["predicted_step_time_ratio"] > 0 and out["validated"] is False
+
+
+@pytest.mark.slow      # minutes: CI checks the same on its own `memfit --json` run (.ci/run)
+def test_default_is_the_story_xlmr_large_batch_32_on_a_1080_ti(capsys):
+    check_default_story(run_json(capsys))
 
 
 def test_no_subcommand_runs_plan(capsys):
