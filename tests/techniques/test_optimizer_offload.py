@@ -240,7 +240,7 @@ def test_a_fake_trace_matches_the_real_run_to_the_byte():
         fake_off = OptimizerOffload(OptimizerOffload.Config()).wrap(
             OPTIMIZERS["adamw"](fake_model.parameters()))
         canonical_step(fake_model, fake_off, fake_batch)
-        with Tracker(fake_model, fake_off, host_tensors=fake_off.host_tensors()) as fake:
+        with Tracker(fake_model, fake_off, host_tensors=fake_off.host_tensors(), fake=True) as fake:
             canonical_step(fake_model, fake_off, fake_batch)
     assert all(isinstance(t, torch._subclasses.FakeTensor) for t in fake_off.host_tensors())
     canonical_step(model, off, batch)
