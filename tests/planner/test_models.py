@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import memfit
-from memfit.api.plan import _first, _knob_values
+from memfit.api._choice import knob_values as _knob_values
+from memfit.api._floor import first_samples as _first
 from memfit.devices import get_device
 from memfit.planner.memory_model import MODES, MemoryModel
 from memfit.planner.search import Choice, Constraints, _best_for

@@ -30,16 +30,7 @@ space, re-traced. The models propose the candidates (search Note 5: the least-me
 at micro-batch 1 and at the whole batch, and uniform recompute / offload beside them); each is
 re-traced, and the least traced is the floor. It is what ``Plan.floor_bytes``, ``explain()``
 and ``BudgetTooSmall.floor_bytes`` report, and a budget of exactly the floor plans (that
-configuration), one byte less raises.
-
-Note 7 (tracing the floor cheaply). A candidate of n >= 4 whole micro-batches of m is traced
-at 2m and 3m samples and extrapolated, as ``largest_fitting`` does (levers Note 3): every
-micro-batch past the first sees the same live state, so the peak is linear in the samples (to
-the byte on a CPU). Candidates the models put more than ``_FLOOR_PRUNE`` above the least are
-not traced (the uniform variants are needed: on tiny gpt2 the least traced is uniform
-recompute at micro-batch 1, which the models put above their mixed least). The
-least is found on traces without the allocator replay, then confirmed with it (on 2m samples
-plus the linear term: an upper bound). A floor that becomes the plan is traced whole first.
+configuration), one byte less raises. How the candidates are traced: ``api._floor``.
 
 Note 6 (the optimizer implementation). With ``optimizer_impl`` unset and the optimizer given
 by name or factory, the planner may switch the implementation on a GPU target (optimizers
@@ -57,8 +48,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
+from memfit.api._choice import describe, knob_values
+from memfit.api._floor import first_samples, least_memory
 from memfit.api._plan_words import global_reasons, host_bytes, too_small
 from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._validate import check_batch
@@ -68,18 +61,17 @@ from memfit.measure import storages_of
 from memfit.optimizers import OptimizerRecipe, impl_of, supports_impl
 from memfit.planner import Plan
 from memfit.planner.memory_model import MemoryModel, optimizer_rise_bytes
-from memfit.planner.search import Choice, Constraints, floor_candidates, search
+from memfit.planner.search import Choice, Constraints, search
 from memfit.planner.time_model import TimeModel
 from memfit.step import prepare_batch
 from memfit.techniques._blocks import resolve_policy
-from memfit.techniques.accumulation import Accumulation, batch_size_of
+from memfit.techniques.accumulation import batch_size_of
 from memfit.techniques.precision import Precision
 from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["plan", "plan_traced", "Planned"]
 
 _ATTEMPTS = 5
-_FLOOR_PRUNE = 1.5       # floor candidates the models put this far above the least go untraced
 _SLACK_BYTES = 2 ** 20       # added to each verified shortfall, so a retry does not land on it
 
 
@@ -158,7 +150,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     held = {q: _held_bytes(original, q) for q in {p, user}}   # Note 4
     ctx = _Context(k, spec, budget_bytes, baseline_s, b, held, user, default_impl,
                    plain.device_bytes + held[user], bool(variants))
-    ctx.floor_bytes, floor_choice, floor_est = _least_memory(model, batch, models, fixed, k,
+    ctx.floor_bytes, floor_choice, floor_est = least_memory(model, batch, models, fixed, k,
                                                              common, held, b, say)
 
     if fixed.keep_allowed(base.blocks) and not fixed.offload_optimizer and \
@@ -179,10 +171,10 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         choice = search(models, b, budget_bytes, fixed, margins)
         if choice is None:
             break
-        say(f"verifying: re-tracing {_describe(choice, b)}")
+        say(f"verifying: re-tracing {describe(choice, b)}")
         q = choice.precision
         est = estimate(model, batch, precision=q,
-                       **_knob_values(choice, models[choice.key][0].blocks, k), **common)
+                       **knob_values(choice, models[choice.key][0].blocks, k), **common)
         if est.device_bytes + held[q] <= budget_bytes:
             reasons = [] if attempt == 0 else [
                 f"the first {attempt} choice(s) re-traced over the budget; the search ran again "
@@ -193,14 +185,14 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     if ctx.floor_bytes <= budget_bytes:
         if floor_est is None or floor_est.reserved_bytes == floor_est.peak_bytes and \
                 spec.kind == "cuda":        # extrapolated or not replayed: trace it whole
-            say(f"re-tracing {_describe(floor_choice, b)}")
+            say(f"re-tracing {describe(floor_choice, b)}")
             floor_est = estimate(model, batch, precision=floor_choice.precision,
-                                 **_knob_values(floor_choice,
+                                 **knob_values(floor_choice,
                                                 models[floor_choice.key][0].blocks, k),
                                  **common)
         return Planned(_make_plan(ctx, floor_choice, floor_est, models[floor_choice.key],
                                   ["only the least-memory configuration fits"]), plain, floor_est)
-    raise too_small(ctx.floor_bytes, models[floor_choice.key][0], _describe(floor_choice, b),
+    raise too_small(ctx.floor_bytes, models[floor_choice.key][0], describe(floor_choice, b),
                     budget_bytes)
 
 
@@ -219,50 +211,6 @@ class _Context:
     plain_bytes: int               # device bytes of the user's plain step
     impl_searched: bool            # other optimizer implementations were weighed (Note 6)
     floor_bytes: int = 0           # the least re-traced (Note 5)
-
-
-def _least_memory(model, batch, models, fixed, k, common, held, b, say):
-    """The floor (Note 5): the candidates ``floor_candidates`` gives, traced; the least.
-
-    Returns ``(device_bytes, choice, estimate)``; ``estimate`` is None where the floor was
-    extrapolated (Note 7) and must be traced whole before it becomes a plan."""
-    candidates = floor_candidates(models, b, fixed)
-    cutoff = candidates[0].device_bytes * _FLOOR_PRUNE if candidates else 0
-    fast, seen = [], set()
-    for c in candidates:
-        values = _knob_values(c, models[c.key][0].blocks, k)
-        ident = (c.precision, tuple(sorted((n, str(v)) for n, v in values.items())))
-        if ident in seen or c.device_bytes > cutoff:
-            continue
-        seen.add(ident)
-        say(f"tracing a least-memory candidate: {_describe(c, b)}")
-        total, est, slope = _accumulated_bytes(model, batch, c, values, common, b)
-        fast.append((total + held[c.precision], c, values, est, slope))
-    total, c, values, est, slope = min(fast, key=lambda f: f[0])
-    if common["device"].kind != "cuda":          # a CPU trace is exact: nothing to confirm
-        return total, c, est
-    say("confirming the least-memory configuration with the allocator replayed")
-    total, est, _ = _accumulated_bytes(model, batch, c, values, common, b, slope=slope)
-    return total + held[c.precision], c, est
-
-
-def _accumulated_bytes(model, batch, c, values, common, b, *, slope: int | None = None):
-    """Device bytes of candidate ``c``, traced; with four or more whole micro-batches from 2m
-    and 3m samples (Note 7). ``slope`` given: the allocator replayed on 2m samples plus that
-    linear term. Returns ``(bytes, estimate or None if extrapolated, slope or None)``."""
-    m = c.micro_batch_size
-    n = b // m
-    replay = slope is not None
-    if m < b and b % m == 0 and n >= 4:
-        two = estimate(model, _first(batch, 2 * m), precision=c.precision,
-                       allocator_replay=replay, **values, **common).device_bytes
-        if slope is None:
-            slope = max(estimate(model, _first(batch, 3 * m), precision=c.precision,
-                                 allocator_replay=False, **values, **common).device_bytes - two, 0)
-        return two + (n - 2) * slope, None, slope
-    est = estimate(model, batch, precision=c.precision, allocator_replay=replay, **values,
-                   **common)
-    return est.device_bytes, est, 0
 
 
 def _modelled_impl(recipe: OptimizerRecipe, params, spec) -> str | None:
@@ -291,16 +239,10 @@ def _models(model, batch, est, common, spec, precision: str, b: int, impl, say):
     half = None
     if b > 1:
         say(f"tracing the plain step ({precision}, batch {b // 2})")
-        half = estimate(model, _first(batch, b // 2), precision=precision,
+        half = estimate(model, first_samples(batch, b // 2), precision=precision,
                         allocator_replay=False, optimizer_impl=impl, **common)
     memory = MemoryModel(est, b, half)
     return memory, TimeModel(est, spec, precision, b, memory, half)
-
-
-def _first(batch, n: int):
-    """The first ``n`` samples, in storages of their own (a view would count the whole)."""
-    part = Accumulation(Accumulation.Config(n)).split(batch)[0]
-    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, part)
 
 
 def _constraints(model: nn.Module, k: Knobs, b: int) -> Constraints:
@@ -344,29 +286,6 @@ def _as_choice(model_pair, key, b: int, est) -> Choice:
                   time.step_s(b, b, modes, False), key[1])
 
 
-def _knob_values(choice: Choice, blocks: list[str], k: Knobs | None = None) -> dict:
-    """The Knobs that apply ``choice`` (per-block modes as policies or tuples of names); the
-    caller's own ``checkpoint`` / ``offload`` where they fixed it (it may name modules that
-    are not blocks, or recompute and offload one block, which the search only mirrors)."""
-    def policy(kinds: dict[str, str]) -> str | tuple[str, ...]:
-        if not kinds:
-            return "none"
-        if len(kinds) == len(blocks) and len(set(kinds.values())) == 1:
-            return "selective" if "selective" in kinds.values() else "all"
-        return tuple(f"{n}:selective" if v == "selective" else n for n, v in kinds.items())
-
-    recompute = {n: m for n, m in zip(blocks, choice.modes) if m in ("recompute", "selective")}
-    offload = {n: m for n, m in zip(blocks, choice.modes) if m == "offload"}
-    out = dict(micro_batch_size=choice.micro_batch_size, checkpoint=policy(recompute),
-               offload=policy(offload), offload_optimizer=choice.offload_optimizer,
-               optimizer_impl=choice.optimizer_impl)
-    if k is not None and k.checkpoint is not None:
-        out["checkpoint"] = k.checkpoint
-    if k is not None and k.offload is not None:
-        out["offload"] = k.offload
-    return out
-
-
 def _held_bytes(batch, precision: str) -> int:
     """Bytes of the caller's batch the step does not use but ``runner.step(batch)`` keeps alive
     beside it (Note 4): an all-ones mask that is dropped, bf16-pure's fp32 originals."""
@@ -383,24 +302,13 @@ def _held_bytes(batch, precision: str) -> int:
     return total
 
 
-def _describe(choice: Choice, b: int) -> str:
-    counts = {m: choice.modes.count(m) for m in set(choice.modes) if m != "keep"}
-    parts = [choice.precision, f"micro-batch {choice.micro_batch_size} of {b}"]
-    parts += [f"{n} block(s) {m}" for m, n in sorted(counts.items())]
-    if choice.offload_optimizer:
-        parts.append("optimizer state on the host")
-    elif choice.optimizer_impl is not None:
-        parts.append(f"{choice.optimizer_impl} optimizer")
-    return ", ".join(parts)
-
-
 _PLAN_FIELDS = {f.name for f in dataclasses.fields(Plan)}
 
 
 def _make_plan(ctx: _Context, choice: Choice, est, model_pair, reasons: list[str]) -> Plan:
     memory, time = model_pair
     k, b, held = ctx.knobs, ctx.b, ctx.held[choice.precision]
-    values = _knob_values(choice, memory.blocks, k)
+    values = knob_values(choice, memory.blocks, k)
     knobs = k.replace(precision=choice.precision, **values)
     m, n = choice.micro_batch_size, -(-b // choice.micro_batch_size)
     costs = [{"name": name, "mode": mode,

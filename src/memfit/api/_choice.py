@@ -1,0 +1,43 @@
+"""A searched ``Choice`` as the knobs that apply it, and in words."""
+
+from __future__ import annotations
+
+from memfit.knobs import Knobs
+from memfit.planner.search import Choice
+
+__all__ = ["knob_values", "describe"]
+
+
+def knob_values(choice: Choice, blocks: list[str], k: Knobs | None = None) -> dict:
+    """The Knobs that apply ``choice`` (per-block modes as policies or tuples of names); the
+    caller's own ``checkpoint`` / ``offload`` where they fixed it (it may name modules that
+    are not blocks, or recompute and offload one block, which the search only mirrors)."""
+    def policy(kinds: dict[str, str]) -> str | tuple[str, ...]:
+        if not kinds:
+            return "none"
+        if len(kinds) == len(blocks) and len(set(kinds.values())) == 1:
+            return "selective" if "selective" in kinds.values() else "all"
+        return tuple(f"{n}:selective" if v == "selective" else n for n, v in kinds.items())
+
+    recompute = {n: m for n, m in zip(blocks, choice.modes) if m in ("recompute", "selective")}
+    offload = {n: m for n, m in zip(blocks, choice.modes) if m == "offload"}
+    out = dict(micro_batch_size=choice.micro_batch_size, checkpoint=policy(recompute),
+               offload=policy(offload), offload_optimizer=choice.offload_optimizer,
+               optimizer_impl=choice.optimizer_impl)
+    if k is not None and k.checkpoint is not None:
+        out["checkpoint"] = k.checkpoint
+    if k is not None and k.offload is not None:
+        out["offload"] = k.offload
+    return out
+
+
+def describe(choice: Choice, b: int) -> str:
+    """"fp16, micro-batch 1 of 32, 18 block(s) offload, fused optimizer"."""
+    counts = {m: choice.modes.count(m) for m in set(choice.modes) if m != "keep"}
+    parts = [choice.precision, f"micro-batch {choice.micro_batch_size} of {b}"]
+    parts += [f"{n} block(s) {m}" for m, n in sorted(counts.items())]
+    if choice.offload_optimizer:
+        parts.append("optimizer state on the host")
+    elif choice.optimizer_impl is not None:
+        parts.append(f"{choice.optimizer_impl} optimizer")
+    return ", ".join(parts)

@@ -1,0 +1,91 @@
+"""The planner's floor: the least device bytes of any configuration in the search space, traced.
+
+Note 1 (which candidates). ``planner.search.floor_candidates`` proposes them (search Note 5:
+the least-memory modes at micro-batch 1 and at the whole batch, and uniform recompute /
+offload beside them); each is traced and the least traced is the floor. Candidates the models
+put more than ``FLOOR_PRUNE`` above the least are not traced (the uniform variants are needed:
+on tiny gpt2 the least traced is uniform recompute at micro-batch 1, which the models put above
+their mixed least).
+
+Note 2 (tracing a candidate cheaply). A candidate of n >= 4 whole micro-batches of m is traced
+at 2m and 3m samples and extrapolated, as ``largest_fitting`` does (levers Note 3): every
+micro-batch past the first sees the same live state, so the peak is linear in the samples (to
+the byte on a CPU). The slope is what one more micro-batch keeps alive until the step ends: its
+inputs (the caller's batch is alive throughout) and its loss weight. That does not depend on
+the per-block modes or where the optimizer state lives, so it is traced once per (precision,
+micro-batch size) and shared by the candidates after the first: each further candidate costs one
+trace of 2m samples, not two.
+
+Note 3 (CUDA). The least is found on traces without the allocator replay, then confirmed with
+it (on 2m samples plus the linear term: an upper bound). A floor that becomes the plan is traced
+whole first (``plan``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from memfit.api._choice import describe, knob_values
+from memfit.api.estimate import estimate
+from memfit.planner.search import floor_candidates
+from memfit.techniques.accumulation import Accumulation
+
+__all__ = ["FLOOR_PRUNE", "least_memory", "first_samples"]
+
+FLOOR_PRUNE = 1.5       # floor candidates the models put this far above the least go untraced
+
+
+def least_memory(model, batch, models, fixed, k, common, held, b, say):
+    """The floor (Note 1): the candidates ``floor_candidates`` gives, traced; the least.
+
+    Returns ``(device_bytes, choice, estimate)``; ``estimate`` is None where the floor was
+    extrapolated (Note 2) and must be traced whole before it becomes a plan."""
+    candidates = floor_candidates(models, b, fixed)
+    cutoff = candidates[0].device_bytes * FLOOR_PRUNE if candidates else 0
+    traced, seen, slopes = [], set(), {}
+    for c in candidates:
+        values = knob_values(c, models[c.key][0].blocks, k)
+        ident = (c.precision, tuple(sorted((n, str(v)) for n, v in values.items())))
+        if ident in seen or c.device_bytes > cutoff:
+            continue
+        seen.add(ident)
+        say(f"tracing a least-memory candidate: {describe(c, b)}")
+        shape = (c.precision, c.micro_batch_size)
+        total, est, slope = _accumulated_bytes(model, batch, c, values, common, b,
+                                               slope=slopes.get(shape))
+        slopes.setdefault(shape, slope)
+        traced.append((total + held[c.precision], c, values, est, slope))
+    total, c, values, est, slope = min(traced, key=lambda f: f[0])
+    if common["device"].kind != "cuda":          # a CPU trace is exact: nothing to confirm
+        return total, c, est
+    say("confirming the least-memory configuration with the allocator replayed")
+    total, est, _ = _accumulated_bytes(model, batch, c, values, common, b, slope=slope,
+                                       replay=True)
+    return total + held[c.precision], c, est
+
+
+def _accumulated_bytes(model, batch, c, values, common, b, *, slope: int | None = None,
+                       replay: bool = False):
+    """Device bytes of candidate ``c``, traced; with four or more whole micro-batches from 2m
+    samples plus ``slope`` per further micro-batch (traced at 3m when not given, Note 2).
+    ``replay``: with the allocator replayed. Returns ``(bytes, estimate or None if
+    extrapolated, slope or None)``."""
+    m = c.micro_batch_size
+    n = b // m
+    if m < b and b % m == 0 and n >= 4:
+        two = estimate(model, first_samples(batch, 2 * m), precision=c.precision,
+                       allocator_replay=replay, **values, **common).device_bytes
+        if slope is None:
+            slope = max(estimate(model, first_samples(batch, 3 * m), precision=c.precision,
+                                 allocator_replay=False, **values, **common).device_bytes - two, 0)
+        return two + (n - 2) * slope, None, slope
+    est = estimate(model, batch, precision=c.precision, allocator_replay=replay, **values,
+                   **common)
+    return est.device_bytes, est, None
+
+
+def first_samples(batch, n: int):
+    """The first ``n`` samples, in storages of their own (a view would count the whole)."""
+    part = Accumulation(Accumulation.Config(n)).split(batch)[0]
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, part)
