@@ -10,10 +10,11 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-__all__ = ["Knobs", "PRECISIONS", "OPTIMIZER_IMPLS", "NOT_YET"]
+__all__ = ["Knobs", "PRECISIONS", "OPTIMIZER_IMPLS", "ZERO_GRADS", "NOT_YET"]
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure", "auto")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
+ZERO_GRADS = ("before-forward", "after-forward", "keep-buffers")
 _POLICY = re.compile(r"^(none|all|selective|every:[1-9][0-9]*)$")
 
 # Knobs this version accepts but cannot apply yet, with the issue that brings them.
@@ -51,6 +52,12 @@ class Knobs:
         parameter group, no parameter-sized temporaries; Adam, AdamW, SGD, Adagrad), or
         "for-loop" (one parameter at a time, ``foreach=False``; the CPU's default). ``None``: an
         optimizer instance keeps its own; for a name or factory memfit decides.
+    zero_grad: the loop style of memfit's own step (without ``step=fn``): "before-forward"
+        (``optimizer.zero_grad()`` first: last step's gradients are freed before the forward;
+        ``None`` means this), "after-forward" (``zero_grad()`` after the forward, before
+        backward: last step's gradients stay alive through the forward), or "keep-buffers"
+        (``zero_grad(set_to_none=False)``: gradient buffers stay allocated all the time).
+        With ``step=fn`` the step decides and this must be left unset.
     """
 
     precision: str | None = None
@@ -61,6 +68,7 @@ class Knobs:
     remat: bool | None = None
     max_grad_norm: float | None = None
     optimizer_impl: str | None = None
+    zero_grad: str | None = None
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -71,6 +79,9 @@ class Knobs:
         if self.optimizer_impl is not None and self.optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(f"optimizer_impl={self.optimizer_impl!r} is not one of "
                              f"{', '.join(OPTIMIZER_IMPLS)} (or None: memfit decides)")
+        if self.zero_grad is not None and self.zero_grad not in ZERO_GRADS:
+            raise ValueError(f"zero_grad={self.zero_grad!r} is not one of {', '.join(ZERO_GRADS)} "
+                             "(or None: before-forward, memfit's default)")
         _check_policy("checkpoint", self.checkpoint)
         _check_policy("offload", self.offload)
         for name in ("offload_optimizer", "remat"):

@@ -1,18 +1,36 @@
-"""The canonical training step, shared by real runs and fake traces.
+"""The canonical training step and the user's own, shared by real runs and fake traces.
 
 One code path for both is what makes ``estimate`` equal ``track`` to the byte: the fake trace
 runs exactly this function on fake copies of the model, batch and optimizer.
+
+Note 1 (zero_grad placement). ``zero_grad`` (``memfit.Knobs``) says where the canonical step
+frees or zeroes the previous step's gradients: "before-forward" (``zero_grad(set_to_none=True)``
+first, DESIGN's canonical step), "after-forward" (the same call between forward and backward:
+last step's gradients are alive through the forward) or "keep-buffers"
+(``zero_grad(set_to_none=False)`` first: the buffers are zeroed in place and never freed).
+
+Note 2 (the user's step). ``UserStep`` wraps ``fn(model, batch, optimizer)`` and calls it as
+written: nothing in it is rewritten, so what reaches it from memfit comes only through the
+model (block hooks: recompute, offload) and the optimizer (offloaded state, another
+implementation). It marks the phases the planner reads: "forward" when the call starts and
+"optimizer" when ``optimizer.step`` is first entered (an optimizer step pre-hook, removed after
+the call); "backward" is read off the trace afterwards (``api._user_step``). Whatever ``fn``
+keeps between calls (an EMA copy, a scheduler, a GradScaler) must be made from the arguments it
+receives, e.g. in a ``weakref.WeakKeyDictionary`` keyed on the model or the optimizer: a trace
+calls it on fake copies, several times.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import numbers
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
-__all__ = ["prepare_batch", "compute_loss", "canonical_step"]
+__all__ = ["prepare_batch", "compute_loss", "canonical_step", "zero_grad", "UserStep"]
 
 _MASK_KEYS = ("attention_mask", "decoder_attention_mask")
 
@@ -62,21 +80,86 @@ def compute_loss(model: nn.Module, batch, loss_fn: Callable | None = None) -> to
     return loss
 
 
+def zero_grad(optimizer, style: str | None, where: str) -> None:
+    """``optimizer.zero_grad`` as loop ``style`` places it (Note 1); ``where`` is "start" or
+    "after-forward", the two places a step may call it."""
+    style = style or "before-forward"
+    if style == "after-forward":
+        if where == "after-forward":
+            optimizer.zero_grad(set_to_none=True)
+    elif where == "start":
+        optimizer.zero_grad(set_to_none=style == "before-forward")
+
+
 def canonical_step(model: nn.Module, optimizer, batch, loss_fn: Callable | None = None,
                    autocast: contextlib.AbstractContextManager | None = None,
-                   on_phase: Callable[[str], None] | None = None) -> torch.Tensor:
+                   on_phase: Callable[[str], None] | None = None,
+                   zero_grad_style: str | None = None) -> torch.Tensor:
     """zero_grad(set_to_none) -> forward -> loss -> backward -> optimizer.step; returns the loss.
 
     ``on_phase`` is called with "forward", "backward" and "optimizer" as each phase starts.
+    ``zero_grad_style`` moves or changes the zero_grad (Note 1; default "before-forward").
     """
     mark = on_phase or (lambda phase: None)
-    optimizer.zero_grad(set_to_none=True)
+    zero_grad(optimizer, zero_grad_style, "start")
     mark("forward")
     with autocast if autocast is not None else contextlib.nullcontext():
         loss = compute_loss(model, batch, loss_fn)
+    zero_grad(optimizer, zero_grad_style, "after-forward")
     mark("backward")
     loss.backward()
     loss = loss.detach()
     mark("optimizer")
     optimizer.step()
     return loss
+
+
+class UserStep:
+    """The user's training step ``fn(model, batch, optimizer)``, called as written (Note 2).
+
+    Calling it returns what ``fn`` returned: None, or the loss (a one-element tensor or a
+    number); anything else is refused with the fix."""
+
+    def __init__(self, fn: Callable):
+        if not callable(fn):
+            raise ValueError(f"step must be a function fn(model, batch, optimizer), got "
+                             f"{type(fn).__name__}")
+        try:
+            inspect.signature(fn).bind(None, None, None)
+        except TypeError as e:
+            raise ValueError(f"step={getattr(fn, '__name__', fn)!r} cannot be called as "
+                             f"fn(model, batch, optimizer): {e}; give it exactly those three "
+                             "positional parameters (keep other state in a closure)") from None
+        except ValueError:          # no signature to read (a builtin): let the call decide
+            pass
+        self.fn = fn
+        self.name = getattr(fn, "__qualname__", type(fn).__name__)
+
+    def __call__(self, model: nn.Module, batch, optimizer,
+                 on_phase: Callable[[str], None] | None = None):
+        mark = on_phase or (lambda phase: None)
+
+        def optimizer_starts(*args) -> None:      # a pre-hook's None keeps step's arguments
+            mark("optimizer")
+
+        handle = None
+        if hasattr(optimizer, "register_step_pre_hook"):
+            handle = optimizer.register_step_pre_hook(optimizer_starts)
+        try:
+            mark("forward")
+            out = self.fn(model, batch, optimizer)
+        finally:
+            if handle is not None:
+                handle.remove()
+        return self.check_result(out)
+
+    def check_result(self, out):
+        if out is None or isinstance(out, numbers.Real) and not isinstance(out, bool):
+            return out
+        if isinstance(out, torch.Tensor) and out.numel() == 1:
+            return out          # as is: a detach would be one more op than the real step runs
+        what = type(out).__name__
+        if isinstance(out, torch.Tensor):
+            what = f"a tensor of shape {tuple(out.shape)}"
+        raise ValueError(f"step {self.name} returned {what}: return the loss (a one-element "
+                         "tensor or a number), or None")

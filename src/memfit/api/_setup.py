@@ -55,7 +55,7 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
                  count_fn: Callable | None = None, scheduler=None, scaler_class=None,
                  device_type: str = "cpu", autocast_impl=None, recompute_context=None,
                  replan=None, budget_bytes: int | None = None, notes=(),
-                 planned_batch=None) -> Runner:
+                 planned_batch=None, user_step=None) -> Runner:
     """Apply the knobs to ``model`` (in place) and wrap it in a Runner.
 
     ``plan`` is not changed (plan Note 1): what applying it did is ``runner.applied``, with
@@ -64,7 +64,8 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     entered around each checkpoint recompute) let a trace model another device's autocast and
     kernels; real runs leave them None (torch.autocast is replayed by checkpoint itself).
     ``replan(excess_bytes) -> Runner`` arms the Runner's OOM guard (runtime.oom_guard).
-    ``planned_batch``: the batch the plan was made for; a larger one warns (batch_shape)."""
+    ``planned_batch``: the batch the plan was made for; a larger one warns (batch_shape).
+    ``user_step`` (``memfit.step.UserStep``): run it instead of memfit's loop (runner Note 5)."""
     if knobs.offload_optimizer and knobs.precision == "bf16-pure":
         raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
                          "master weights would be kept twice; use bf16 autocast instead")
@@ -130,7 +131,8 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     return Runner(model, optimizer, plan=plan, applied=applied, precision=tech,
                   accumulation=acc, loss_fn=loss_fn, scaler=scaler, scheduler=scheduler,
                   device_type=device_type, handles=handles, contexts=contexts, replan=replan,
-                  batch_shapes=None if planned_batch is None else BatchShapes(planned_batch))
+                  batch_shapes=None if planned_batch is None else BatchShapes(planned_batch),
+                  user_step=user_step)
 
 
 def _merge_offload(blocks: dict[str, str], modes: dict[str, str]) -> None:

@@ -5,7 +5,9 @@ forward under autocast, loss weighted by its share of the effective batch's coun
 (accumulation Note 1), backward (scaled under fp16), gradients reduced only on the last
 micro-batch -> once: unscale, clip, optimizer step (skipped by the scaler on inf/NaN), scale
 update, LR scheduler. With one micro-batch and no loss scaling this is exactly
-``memfit.step.canonical_step``, op for op.
+``memfit.step.canonical_step``, op for op. The knob ``zero_grad`` moves the zero_grad after the
+first micro-batch's forward ("after-forward") or zeroes the buffers in place ("keep-buffers"),
+``memfit.step`` Note 1.
 
 Note 2 (no host syncs inside). ``run`` returns tensors and never reads a value back, so the
 same code runs on fake tensors when ``estimate`` traces it; ``step`` does the bookkeeping
@@ -18,6 +20,13 @@ restored, re-planned and run again: ``oom_guard`` Notes 1-5.
 Note 4 (plan and applied). ``runner.plan`` is the plan as searched and is never changed
 (plan Note 1); ``runner.applied`` (``Applied``) is what building the Runner did: each block's
 mode as installed, whether the optimizer was rebuilt, the budget held, notes.
+
+Note 5 (the user's step). With ``user_step`` (``memfit.step.UserStep``) ``run`` calls the
+user's ``fn(model, batch, optimizer)`` instead of Note 1's loop, on the batch as given: its
+precision, accumulation, clipping and zero_grad are the user's; the plan reaches it only through
+the model's block hooks and the optimizer. ``step`` then steps the scheduler (if any) and
+returns what ``fn`` returned as a float (NaN for None). There is no OOM guard: a re-run could not
+restore what ``fn`` keeps between calls.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from memfit.planner import Plan
 from memfit.runtime.applied import Applied
 from memfit.runtime.batch_shape import BatchShapes
 from memfit.runtime.oom_guard import OomGuard, check_optimizer_step, committing
-from memfit.step import compute_loss, prepare_batch
+from memfit.step import UserStep, compute_loss, prepare_batch, zero_grad
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.precision import Precision
 
@@ -66,7 +75,8 @@ class Runner:
                  accumulation: Accumulation, loss_fn: Callable | None = None, scaler=None,
                  scheduler=None, device_type: str = "cpu", handles=(), contexts=(),
                  replan: Callable[[int], "Runner"] | None = None,
-                 applied: Applied | None = None, batch_shapes: BatchShapes | None = None):
+                 applied: Applied | None = None, batch_shapes: BatchShapes | None = None,
+                 user_step: UserStep | None = None):
         self.model = model
         self.optimizer = optimizer
         self.plan = plan              # as searched, never changed (Note 4)
@@ -79,6 +89,7 @@ class Runner:
         self.device_type = device_type
         self.last_step: StepInfo | None = None
         self.batch_shapes = batch_shapes    # the planned batch's shapes (batch_shape Note 2)
+        self.user_step = user_step          # the user's own step, run instead of Note 1's
         self.handles = list(handles)      # applied techniques; ``close`` removes them
         # factories of context managers entered around each effective batch (e.g. DTR)
         self.contexts = list(contexts)
@@ -95,7 +106,10 @@ class Runner:
             self.handles.pop().remove()
 
     def prepare(self, batch):
-        """The batch as ``run`` takes it: an all-ones mask dropped, bf16-pure inputs cast."""
+        """The batch as ``run`` takes it: an all-ones mask dropped, bf16-pure inputs cast (a
+        user step takes the batch as given, Note 5)."""
+        if self.user_step is not None:
+            return batch
         return self.precision.prepare_batch(prepare_batch(batch))
 
     def step(self, batch) -> float:
@@ -111,6 +125,8 @@ class Runner:
     def step_unguarded(self, batch) -> float:
         """One try at ``step``: an out-of-memory error propagates as is."""
         batch = self.prepare(batch)
+        if self.user_step is not None:
+            return self._step_user(batch)
         counted = int(self.accumulation.count(self.model, batch))   # this rank, whole batch
         if self.accumulation.count_fn is None and counted == 0:
             raise ValueError("the batch has nothing to learn from: every label is -100 (or "
@@ -132,15 +148,32 @@ class Runner:
             items=int(items), grad_norm=None if grad_norm is None else float(grad_norm))
         return self.last_step.loss
 
+    def _step_user(self, batch) -> float:
+        """``step`` for a user step (Note 5)."""
+        with contextlib.ExitStack() as stack:
+            for make in self.contexts:
+                stack.enter_context(make())
+            loss, _, _, n = self.run(batch)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.last_step = StepInfo(
+            loss=float("nan") if loss is None else float(loss), skipped=False, loss_scale=None,
+            micro_batches=n, items=int(self.accumulation.count(self.model, batch)),
+            grad_norm=None)
+        return self.last_step.loss
+
     def run(self, batch, on_phase: Callable[[str], None] | None = None):
         """The effective batch, without host syncs (Note 2). Returns (loss, items or None,
         grad norm or None, number of micro-batches)."""
         mark = on_phase or (lambda phase: None)
         model, opt, scaler = self.model, self.optimizer, self.scaler
+        if self.user_step is not None:        # Note 5
+            return self.user_step(model, batch, opt, mark), None, None, 1
         micro = self.accumulation.split(batch)
         world = _world(model)
         weights, total = self._weights(micro, world)
-        opt.zero_grad(set_to_none=True)
+        style = self.plan.knobs.zero_grad
+        zero_grad(opt, style, "start")
         loss_sum = None
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
@@ -150,6 +183,8 @@ class Runner:
                     loss = compute_loss(model, mb, self.loss_fn)
                 if weights is not None:
                     loss = loss * weights[i]
+                if i == 0:
+                    zero_grad(opt, style, "after-forward")
                 mark("backward")
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             loss = loss.detach()

@@ -1,0 +1,103 @@
+"""The user's own step (``step=fn``) in estimate, plan and fit: what it fixes, how it is traced.
+
+Note 1 (what the step fixes). ``fn(model, batch, optimizer)`` is the user's training step as
+written (``memfit.step`` Note 2): its precision (autocast, a GradScaler), its micro-batches,
+its clipping and where it calls ``zero_grad`` are its own, so the knobs that would change them
+(``precision`` other than "fp32", which means "nothing added", ``micro_batch_size`` other than
+the whole batch, ``max_grad_norm``, ``zero_grad``, ``remat``) are refused with the fix, and a
+``loss_fn`` has nothing to do. What memfit can still apply reaches the step through the model
+and the optimizer it is handed: per-block ``checkpoint`` / ``offload`` (block hooks),
+``offload_optimizer`` and ``optimizer_impl`` (the optimizer is rebuilt, and ``fn`` gets that
+one).
+
+Note 2 (steady state). The step is traced twice on the same fakes and the second call is
+counted (``trace.profile.profile_step(two_steps=True)``): the first call creates the optimizer
+state and whatever ``fn`` keeps between calls, and leaves whatever it leaves (gradients when its
+``zero_grad`` comes after the forward or keeps the buffers, an EMA copy, the loss it returns),
+so the counted call starts from what a real step >= 2 starts from. A ``scheduler`` factory is
+built on the fake optimizer and stepped after each call, as ``Runner.step`` does.
+
+Note 3 (the batch). The step receives the batch as given: an all-ones attention mask is kept
+(``fn`` may read it), unlike memfit's own step (``memfit.step.prepare_batch``).
+
+Note 4 (what cannot be traced). ``fn`` runs on fake tensors: a real tensor it captured from
+outside (the real model, an EMA copy made beforehand, a scheduler over the real optimizer)
+cannot meet them, and a value read back (``loss.item()``, ``float(loss)``, printing a tensor)
+does not exist. Both are refused with the fix: build such state from the arguments, return the
+loss instead of reading it.
+"""
+
+from __future__ import annotations
+
+from memfit.errors import TraceError
+from memfit.knobs import Knobs
+from memfit.step import UserStep
+
+__all__ = ["check_step_knobs", "as_user_step", "with_backward_phase", "explain_step_error",
+           "STEP_FIXED_NOTE"]
+
+STEP_FIXED_NOTE = ("step=fn: precision, micro-batch size, clipping and zero_grad placement are "
+                   "the step's own; memfit applies only per-block recompute / offload (block "
+                   "hooks) and the optimizer's placement and implementation")
+
+
+def as_user_step(step) -> UserStep | None:
+    """``step`` as a ``UserStep`` (None stays None); a non-callable is refused."""
+    if step is None or isinstance(step, UserStep):
+        return step
+    return UserStep(step)
+
+
+def check_step_knobs(k: Knobs, batch_size: int, loss_fn=None) -> Knobs:
+    """Refuse what a user step fixes itself (Note 1); returns the knobs with those left unset
+    (``precision="fp32"`` and a ``micro_batch_size`` of the whole batch mean the same)."""
+    if loss_fn is not None:
+        raise ValueError("loss_fn with step=fn: the step computes its own loss; leave loss_fn out")
+    if k.precision not in (None, "fp32"):
+        raise ValueError(f"precision={k.precision!r} with step=fn: the step's precision is its "
+                         "own (use torch.autocast and a GradScaler inside it); leave precision "
+                         "unset")
+    if k.micro_batch_size not in (None, batch_size):
+        raise ValueError(f"micro_batch_size={k.micro_batch_size} with step=fn: the step runs the "
+                         f"batch it is given ({batch_size} samples); split it inside the step, "
+                         "or leave micro_batch_size unset")
+    for name, why in (("max_grad_norm", "clip inside the step (torch.nn.utils.clip_grad_norm_)"),
+                      ("zero_grad", "the step's own zero_grad call decides"),
+                      ("remat", "DTR is not applied to a user step yet")):
+        if getattr(k, name) not in (None, False):
+            raise ValueError(f"{name}={getattr(k, name)!r} with step=fn: {why}; leave {name} "
+                             "unset")
+    return k.replace(precision=None, micro_batch_size=None)
+
+
+def with_backward_phase(phases: dict[str, int], modules) -> dict[str, int]:
+    """The traced phases with "backward" added: the first op of any module's backward (a user
+    step does not say when its backward starts); ordered by op index."""
+    out = dict(phases)
+    starts = [r.bw_span[0] for r in modules.values() if r.bw_span is not None]
+    if starts and "backward" not in out:
+        out["backward"] = min(starts)
+    return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
+_REAL_TENSOR = "Please convert all Tensors to FakeTensors"
+
+
+def explain_step_error(e: BaseException, step: UserStep) -> BaseException | None:
+    """A clear error for what a user step cannot do on fakes (Note 4), or None to re-raise."""
+    if _REAL_TENSOR in str(e):
+        return ValueError(
+            f"step {step.name} used a real tensor it did not receive (the real model, an "
+            "optimizer or scheduler built over it, an EMA copy or any tensor captured from "
+            "outside): memfit traces the step on fake copies of the model, batch and optimizer "
+            "it passes in. Build such state from those arguments, e.g. ema = "
+            "EMAS.setdefault(model, copy) with EMAS a weakref.WeakKeyDictionary, and pass a "
+            f"scheduler as scheduler=lambda opt: ... ({type(e).__name__}: {e})")
+    if isinstance(e, TraceError) and e.op is not None and "_local_scalar_dense" in e.op:
+        return TraceError(
+            f"step {step.name} reads a value back (loss.item(), float(loss), a tensor in an "
+            "if or a print): a trace has shapes, not values. Return the loss from the step "
+            "and read it outside (memfit.fit's runner.step returns it as a float); a "
+            "GradScaler's own inf check is modelled, other reads are not. "
+            f"Traced error: {e}", op=e.op, module=e.module)
+    return None
