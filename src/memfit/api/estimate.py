@@ -12,6 +12,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointError
 
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
+from memfit.api._user_step import (as_user_step, check_step_knobs, explain_step_error,
+                                   with_backward_phase)
 from memfit.api._validate import check_batch, describe_batch_mismatch
 from memfit.devices import DeviceSpec
 from memfit.errors import TraceError
@@ -122,6 +124,21 @@ class Estimate:
         }
 
 
+def _described(e: Exception, model, batch, loss_fn) -> Exception:
+    """A trace's exception as the user's mistake it reveals (the batch does not fit the
+    model's forward), chained to it; else the exception itself."""
+    if isinstance(e, TypeError) and loss_fn is None and (
+            "unexpected keyword argument" in str(e) or "required positional argument" in str(e)):
+        err = ValueError(f"the batch does not match {type(model).__name__}.forward: {e}")
+    elif isinstance(e, RuntimeError) and not isinstance(e, (TraceError, CheckpointError)) and \
+            ("shape" in str(e) or "size" in str(e)):
+        err = describe_batch_mismatch(model, batch, e)
+    else:
+        return e
+    err.__cause__ = e
+    return err
+
+
 def _describe_calls(calls: list[str]) -> str:
     if not calls:
         return "no SDPA"
@@ -131,6 +148,7 @@ def _describe_calls(calls: list[str]) -> str:
 def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
              loss_fn: Callable | None = None, *, budget=None, count_fn: Callable | None = None,
              allocator: AllocatorConfig | None = None, allocator_replay: bool = True,
+             step: Callable | None = None, scheduler: Callable | None = None,
              **knobs) -> Estimate:
     """Predict the memory of one steady-state training step of ``model`` on ``batch``.
 
@@ -149,9 +167,28 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     ``AllocatorConfig(expandable_segments=True)``), see ``memfit.trace.cuda``.
     ``allocator_replay=False`` skips that replay (one traced step instead of two: allocated
     bytes only, reserved taken equal to them), for callers that only need the timeline.
+
+    ``step``: the user's own training step ``fn(model, batch, optimizer)`` as written
+    (zero_grad wherever it is, clipping, a GradScaler, extra forwards, an EMA copy, a second
+    loss), traced instead of memfit's (``api._user_step`` Notes 1-4). It is called on FAKE
+    copies of the model, the batch (as given) and the optimizer (built as above), several
+    times per estimate (twice: the second call is the steady state that is counted); what it
+    keeps between calls must be made from those arguments (e.g. a ``weakref.WeakKeyDictionary``
+    keyed on the model or optimizer). It may return the loss or None. The step fixes its own
+    precision, micro-batch, clipping and zero_grad: those knobs are refused; ``checkpoint``,
+    ``offload``, ``offload_optimizer`` and ``optimizer_impl`` reach it through the model and
+    the optimizer. ``scheduler``: a factory ``optimizer -> LR scheduler``, built on the fake
+    optimizer and stepped after each step (as ``memfit.fit``'s runner does).
     """
     k = Knobs.from_kwargs(**knobs)
     k.check_available()
+    user = as_user_step(step)
+    if scheduler is not None and (hasattr(scheduler, "step") or not callable(scheduler)):
+        raise ValueError("estimate traces on a fake optimizer, so a scheduler built on the real "
+                         "one cannot be used: pass scheduler=a factory, e.g. "
+                         "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
+    if user is not None:
+        k = check_step_knobs(k, batch_size_of(batch), loss_fn)
     if k.precision == "auto":
         raise ValueError("estimate needs a fixed precision (fp32, fp16, bf16, bf16-pure); "
                          "'auto' is for memfit.plan and memfit.fit")
@@ -162,8 +199,9 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
     recipe.check_impl(trainable)
-    batch = prepare_batch(batch)
-    check_batch(model, batch, loss_fn)
+    if user is None:               # a user step takes the batch as given (_user_step Note 3)
+        batch = prepare_batch(batch)
+        check_batch(model, batch, loss_fn)
     batch_size_of(batch)
 
     cuda = CudaModel(spec, allocator) if spec.kind == "cuda" else None
@@ -176,14 +214,17 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         runner = build_runner(fake_model, recipe, k, plan=Plan(k), origin=trainable,
                               loss_fn=loss_fn, count_fn=count_fn, scaler_class=TraceGradScaler,
                               autocast_impl=cuda.autocast if cuda else None,
-                              recompute_context=cuda.recompute if cuda else None)
-        fake_batch = runner.precision.prepare_batch(fake_batch)
+                              recompute_context=cuda.recompute if cuda else None,
+                              scheduler=scheduler, user_step=user)
+        fake_batch = runner.prepare(fake_batch)
     if cuda:
         cuda.use_foreach(runner.optimizer)
 
     def run(on_phase):
         with cuda.kernels() if cuda else contextlib.nullcontext():
             runner.run(fake_batch, on_phase)
+            if runner.scheduler is not None:
+                runner.scheduler.step()
 
     def host_state(tracker):
         for t in cuda.host_tensors(runner.optimizer):
@@ -191,24 +232,21 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
 
     # steady state: optimizer state exists (and, under fp16, the scaler's scale: a warm-up
     # without a step, scaler Note 1); for a GPU, two whole steps for the allocator's history
-    # (cuda Note 2).
+    # (cuda Note 2). A user step always runs twice
+    # (_user_step Note 2)
     warm_up = (lambda: warm_up_scaled(runner.model, runner.optimizer, runner.scaler)) \
         if runner.scaler is not None else None
     try:
         prof, tracker = profile_step(run, copier=copier, model=runner.model,
                                      optimizer=runner.optimizer, warm_up=warm_up,
-                                     two_steps=replay,
+                                     two_steps=replay or user is not None,
                                      after_first=host_state if replay else None)
-    except TypeError as e:
-        if loss_fn is None and ("unexpected keyword argument" in str(e)
-                                or "required positional argument" in str(e)):
-            raise ValueError(f"the batch does not match {type(model).__name__}.forward: {e}") from e
-        raise
-    except RuntimeError as e:
-        if isinstance(e, (TraceError, CheckpointError)) or \
-                "shape" not in str(e) and "size" not in str(e):
-            raise
-        raise describe_batch_mismatch(model, batch, e) from e
+    except Exception as e:
+        if user is not None and (clear := explain_step_error(e, user)) is not None:
+            raise clear from e
+        raise _described(e, model, batch, loss_fn)
+    if user is not None:
+        prof.phases = with_backward_phase(prof.phases, prof.modules)
     peak, reserved, breakdown, context = prof.peak_bytes, prof.peak_bytes, prof.breakdown, 0
     notes = []
     if replay:
