@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
+from memfit.cli._listing import add_listing_parser, print_listing
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("gpus", help="list the GPUs memfit knows (names for --gpu)",
-                       description="The GPU table: the name to pass as --gpu, memory as sold and "
-                                   "as CUDA reports it (what a plan fits), the 16-bit precision "
-                                   "--precision auto takes, and peak throughput.")
-    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    p.set_defaults(run=run)
-    return p
+def add_parser(sub):
+    return add_listing_parser(
+        sub, "gpus", help="list the GPUs memfit knows (names for --gpu)",
+        description="The GPU table: the name to pass as --gpu, memory as sold and as CUDA reports "
+                    "it (what a plan fits), the 16-bit precision --precision auto takes, and peak "
+                    "throughput.", run=run)
 
 
 def rows() -> list[dict]:
@@ -34,28 +30,15 @@ def rows() -> list[dict]:
 
 
 def run(args) -> int:
-    table = rows()
-    if args.json:
-        json.dump(table, sys.stdout, indent=2)
-        print()
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
     from memfit.units import format_bytes
 
-    t = Table(title="GPUs (pass the name as --gpu; 'cpu' plans for this machine's RAM)",
-              title_justify="left")
-    t.add_column("name", no_wrap=True)
-    t.add_column("memory", justify="right", no_wrap=True)
-    t.add_column("usable", justify="right", no_wrap=True)
-    t.add_column("auto", no_wrap=True)
-    t.add_column("TFLOP/s 16-bit", justify="right", no_wrap=True)
-    t.add_column("GB/s", justify="right", no_wrap=True)
-    t.add_column("GPU")
-    for r in table:
-        t.add_row(r["name"], format_bytes(r["memory_bytes"], 0), format_bytes(r["usable_bytes"]),
-                  r["auto_precision"], f"{max(r['peak_fp16_tflops'], r['peak_bf16_tflops']):g}",
-                  str(r["memory_bandwidth_gb_per_s"]), r["display_name"].removeprefix("NVIDIA "))
-    Console().print(t)
-    return 0
+    right = {"justify": "right", "no_wrap": True}
+    columns = [("name", {"no_wrap": True}), ("memory", right), ("usable", right),
+               ("auto", {"no_wrap": True}), ("TFLOP/s 16-bit", right), ("GB/s", right),
+               ("GPU", {})]
+    return print_listing(
+        args, rows(), "GPUs (pass the name as --gpu; 'cpu' plans for this machine's RAM)",
+        columns,
+        lambda r: [r["name"], format_bytes(r["memory_bytes"], 0), format_bytes(r["usable_bytes"]),
+                   r["auto_precision"], f"{max(r['peak_fp16_tflops'], r['peak_bf16_tflops']):g}",
+                   str(r["memory_bandwidth_gb_per_s"]), r["display_name"].removeprefix("NVIDIA ")])

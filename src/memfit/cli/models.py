@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
+from memfit.cli._listing import add_listing_parser, print_listing
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("models", help="list the built-in models (names for --model)",
-                       description="The model zoo: the name to pass as --model, its family, its "
-                                   "tasks (for --task; the first is the default) and its "
-                                   "parameter count (built on the meta device: no memory).")
-    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    p.set_defaults(run=run)
-    return p
+def add_parser(sub):
+    return add_listing_parser(
+        sub, "models", help="list the built-in models (names for --model)",
+        description="The model zoo: the name to pass as --model, its family, its tasks (for "
+                    "--task; the first is the default) and its parameter count (built on the "
+                    "meta device: no memory).", run=run)
 
 
 def rows() -> list[dict]:
@@ -34,21 +30,10 @@ def rows() -> list[dict]:
 
 
 def run(args) -> int:
-    table = rows()
-    if args.json:
-        json.dump(table, sys.stdout, indent=2)
-        print()
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title="Built-in models (pass the name as --model, or --config PATH for your own)",
-              title_justify="left")
-    t.add_column("name", no_wrap=True)
-    t.add_column("family", no_wrap=True)
-    t.add_column("parameters", justify="right", no_wrap=True)
-    t.add_column("tasks (for --task; the default first)")
-    for r in table:
-        t.add_row(r["name"], r["family"], f"{r['parameters'] / 1e6:,.0f}M", ", ".join(r["tasks"]))
-    Console().print(t)
-    return 0
+    columns = [("name", {"no_wrap": True}), ("family", {"no_wrap": True}),
+               ("parameters", {"justify": "right", "no_wrap": True}),
+               ("tasks (for --task; the default first)", {})]
+    return print_listing(
+        args, rows(), "Built-in models (pass the name as --model, or --config PATH for your own)",
+        columns,
+        lambda r: [r["name"], r["family"], f"{r['parameters'] / 1e6:,.0f}M", ", ".join(r["tasks"])])
