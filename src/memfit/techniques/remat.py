@@ -100,9 +100,7 @@ session), counted from their first use by an op.
 from __future__ import annotations
 
 import contextlib
-import gc
 import inspect
-import itertools
 import logging
 import sys
 import time
@@ -110,14 +108,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import flop_registry
 
-from memfit.measure import Tracker, find_blocks, storages_of
-from memfit.measure import _ledger as L
+from memfit.measure import Tracker, find_blocks
 from memfit.measure import _counting
 from memfit.measure._counting import CountingMode
+from memfit.techniques._remat_budget import count_live_storages, cuda_fraction
 from memfit.techniques._remat_evict import Eviction, RematBudgetTooSmall, RematStats, new_bytes
 from memfit.techniques._remat_units import Unit
 from memfit.techniques.checkpoint import CACHE_ARGS
@@ -245,7 +242,7 @@ class RematSession(Eviction):
             budget = self.config.budget_bytes
             device = self._device()
             if budget is not None and device == "cuda":
-                s.enter_context(_cuda_fraction(budget))
+                s.enter_context(cuda_fraction(budget))
             elif budget is not None:
                 tracker = s.enter_context(Tracker(model=self.model, optimizer=self.optimizer,
                                                   budget=budget, device=device))
@@ -406,53 +403,11 @@ class RematSession(Eviction):
             self._recomputed(unit)
         return outs
 
-def count_live_storages(tracker: Tracker) -> int:
-    """Count in ``tracker`` every storage alive now on its device (Note 8); return the device
-    bytes this added."""
-    ledger = tracker.ledger
-    before = ledger.current_bytes
-    gc.collect()              # garbage in cycles (e.g. a failed step's traceback) is not alive
-    objects = gc.get_objects()
-    kinds = {k for k in set(map(type, objects))
-             if issubclass(k, torch.Tensor) or callable(getattr(k, "host_tensors", None))}
-    found = list(itertools.compress(objects, map(kinds.__contains__, map(type, objects))))
-    del objects
-    for holder in found:                     # memfit's host memory first: not the device's
-        if not isinstance(holder, torch.Tensor):
-            for t in holder.host_tensors():
-                for st in storages_of(t, ledger.device_type):
-                    if ledger.sid(st) is None:
-                        ledger.add(st, L.OPTIMIZER, entry=True, host=True)
-    for t in found:
-        if not isinstance(t, torch.Tensor) or isinstance(
-                t, (FakeTensor, torch.nn.parameter.UninitializedTensorMixin)) or t.is_meta:
-            continue
-        grad = t.grad if t.is_leaf and t.requires_grad else None
-        for x in (t,) if grad is None else (t, grad):
-            for st in storages_of(x, ledger.device_type):
-                if st.device.type != "meta" and ledger.sid(st) is None:
-                    ledger.add(st, L.INPUTS, entry=True)
-    return ledger.current_bytes - before
-
-
 # ops that allocate nothing (asked often, e.g. by fake tensors): not worth a meta probe
 _QUERIES = {torch.ops.prim.device.default, torch.ops.aten.sym_size.int,
             torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
             torch.ops.aten.sym_storage_offset.default, torch.ops.aten.is_contiguous.default,
             torch.ops.aten.is_contiguous.memory_format}
-
-
-@contextlib.contextmanager
-def _cuda_fraction(budget: int):
-    """The CUDA allocator refuses past ``budget`` bytes (Note 6)."""
-    dev = torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(dev).total_memory
-    before = torch.cuda.get_per_process_memory_fraction(dev)
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), dev)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(before, dev)
 
 
 class Remat:
