@@ -1,0 +1,34 @@
+"""``estimate(trainer)``: one steady-state optimizer step of ``trainer.train()``, traced."""
+
+from __future__ import annotations
+
+from memfit.api.estimate import Estimate
+from memfit.api.estimate import estimate as _estimate
+from memfit.integrations._hf_step import (TrainerStep, check_supported, trainer_batch,
+                                          trainer_optimizer, trainer_scheduler)
+
+__all__ = ["estimate"]
+
+
+def estimate(trainer, device=None, *, batch=None, budget=None, **knobs) -> Estimate:
+    """Predict the memory of one steady-state optimizer step of ``trainer.train()``.
+
+    Everything the Trainer decides is taken from it (``_hf_step`` Note 1): its own
+    ``training_step`` and ``compute_loss`` over ``gradient_accumulation_steps`` micro-batches
+    of ``per_device_train_batch_size`` samples from its data collator, the loss scaling,
+    ``bf16``/``fp16`` autocast as accelerate applies it, ``gradient_checkpointing`` with its
+    kwargs, ``max_grad_norm``, the optimizer ``args.optim`` builds (or the one the trainer was
+    given) and the ``lr_scheduler_type`` scheduler. Neither the trainer nor its model is
+    changed. ``device``: a GPU name, "cpu" or a ``DeviceSpec`` (default: where the model is);
+    ``budget`` sets what ``fits`` checks. ``batch``: the traced batch instead of the first
+    samples of the train dataset (``{"micro_batches": [...], "look_ahead": ...}``, as
+    ``trainer_batch`` makes it). ``knobs``: what memfit adds through the model and the optimizer
+    (``checkpoint``, ``offload``, ``offload_optimizer``, ``optimizer_impl``); the rest is the
+    TrainingArguments' (change them there).
+    """
+    check_supported(trainer)
+    batch = trainer_batch(trainer) if batch is None else batch
+    step = TrainerStep(trainer)
+    return _estimate(trainer.model, batch,
+                     optimizer=trainer_optimizer(trainer), device=device, budget=budget,
+                     step=step, scheduler=trainer_scheduler(trainer), **knobs)

@@ -1,0 +1,25 @@
+"""The Hugging Face ``Trainer``: estimate, plan and apply memfit to ``trainer.train()``.
+
+```python
+from memfit.integrations import transformers as mf_hf
+est = mf_hf.estimate(trainer)                  # one steady-state optimizer step of train()
+changes = mf_hf.fit(trainer, budget="11GiB")   # args / block hooks / optimizer, then:
+trainer.train()
+```
+
+``estimate`` traces the Trainer's own ``training_step`` on fakes as ``train()`` runs it
+(``_hf_step`` Notes 1-3); ``fit`` plans and applies (``_hf_fit``); ``MemfitCallback`` compares
+the prediction with the real run (``_hf_callback``).
+"""
+
+from __future__ import annotations
+
+try:
+    import transformers as _transformers  # noqa: F401  (the dependency itself)
+except ImportError as e:      # pragma: no cover - exercised only without transformers
+    raise ImportError("memfit.integrations.transformers needs Hugging Face transformers: "
+                      "pip install memfit[hf]") from e
+
+from memfit.integrations._hf_estimate import estimate
+
+__all__ = ["estimate"]
