@@ -6,7 +6,13 @@ import pytest
 
 from memfit.cli import main
 
-SMALL = ["--model", "gpt2", "--seq-len", "128", "--batch-size", "4", "--gpu", "cpu"]
+SHAPE = ["--seq-len", "32", "--batch-size", "4", "--gpu", "cpu"]
+
+
+@pytest.fixture
+def small(tiny_gpt2):
+    """A tiny GPT-2 at batch 4 on this CPU: the whole command in seconds."""
+    return ["--config", tiny_gpt2, *SHAPE]
 
 
 def run_json(capsys, *args):
@@ -29,15 +35,15 @@ def test_default_is_the_story_xlmr_large_batch_32_on_a_1080_ti(capsys):
     check_default_story(run_json(capsys))
 
 
-def test_no_subcommand_runs_plan(capsys):
-    assert main(SMALL) == 0
+def test_no_subcommand_runs_plan(small, capsys):
+    assert main(small) == 0
     text = capsys.readouterr().out
     assert "memfit plan for cpu" in text and "plain step" in text and "FITS" in text
 
 
-def test_a_budget_below_the_plain_step_changes_the_step(capsys):
-    plain = run_json(capsys, *SMALL)["plain_device_bytes"]
-    out = run_json(capsys, *SMALL, "--budget", str(int(plain * 0.6)), "--export", "deepspeed")
+def test_a_budget_below_the_plain_step_changes_the_step(small, capsys):
+    plain = run_json(capsys, *small)["plain_device_bytes"]
+    out = run_json(capsys, *small, "--budget", str(int(plain * 0.6)), "--export", "deepspeed")
     plan = out["plan"]
     assert plan["predicted_peak_bytes"] <= int(plain * 0.6)
     assert set(plan["blocks"].values()) != {"keep"} or plan["knobs"]["micro_batch_size"] < 4 \
@@ -46,16 +52,17 @@ def test_a_budget_below_the_plain_step_changes_the_step(capsys):
     assert ds["train_batch_size"] == 4
 
 
-def test_plot_before_and_after(tmp_path, capsys):
+def test_plot_before_and_after(small, tmp_path, capsys):
     path = tmp_path / "plan.png"
-    out = run_json(capsys, *SMALL, "--budget", "1.6GiB", "--plot", str(path))
+    plain = run_json(capsys, *small)["plain_device_bytes"]
+    out = run_json(capsys, *small, "--budget", str(int(plain * 0.8)), "--plot", str(path))
     assert out["plot"] == str(path) and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_below_the_floor_exits_2_with_the_floor_and_levers(capsys):
-    assert main(["plan", *SMALL, "--budget", "1MiB"]) == 2
+def test_below_the_floor_exits_2_with_the_floor_and_levers(small, capsys):
+    assert main(["plan", *small, "--budget", "1MiB"]) == 2
     err = capsys.readouterr().err
-    assert "GiB" in err and "8-bit optimizer" in err and "shorter sequences" in err
+    assert "MiB" in err and "8-bit optimizer" in err and "shorter sequences" in err
 
 
 def test_bad_lever_value_is_refused(capsys):
