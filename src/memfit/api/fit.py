@@ -7,6 +7,7 @@ from collections.abc import Callable
 from torch import nn
 
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
+from memfit.api._user_step import as_user_step, check_step_knobs
 from memfit.api._validate import check_batch
 from memfit.api.plan import plan
 from memfit.errors import BudgetTooSmall
@@ -24,7 +25,7 @@ __all__ = ["fit"]
 
 def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
         loss_fn: Callable | None = None, *, count_fn: Callable | None = None, scheduler=None,
-        max_seq_len: int | None = None, **knobs) -> Runner:
+        max_seq_len: int | None = None, step: Callable | None = None, **knobs) -> Runner:
     """A ``Runner`` that trains ``model`` one effective batch per ``runner.step(batch)``.
 
     ``optimizer``: an instance over the model's parameters (rebuilt only when a knob needs
@@ -42,9 +43,23 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     Knobs (``memfit.Knobs``): ``precision``, ``micro_batch_size``, ``max_grad_norm``,
     ``checkpoint``, ``offload``, ``offload_optimizer``, ``remat`` (DTR around each step: under
     ``budget`` if given, else on out-of-memory). Everything is checked before the model is touched.
+
+    ``step=fn``: the user's own training step ``fn(model, batch, optimizer)``; the plan is made
+    for it (``memfit.plan(step=fn)``: per-block modes and the optimizer's placement only) and
+    ``runner.step(batch)`` calls ``fn(runner.model, batch, runner.optimizer)`` with the plan
+    applied through block hooks and the optimizer (runner Note 5), then steps ``scheduler``;
+    it returns what ``fn`` returned, as a float (NaN for None). Use ``runner.optimizer``
+    (it is rebuilt when the optimizer state is offloaded) and ``runner.close()`` to remove
+    the hooks. There is no re-plan on out-of-memory for a user step.
     """
     knobs_in = Knobs.from_kwargs(**knobs)
     knobs_in.check_available()
+    user = as_user_step(step)
+    if user is not None:
+        if max_seq_len is not None:
+            raise ValueError("max_seq_len with step=fn: pass the longest batch itself (the "
+                             "step is traced on the batch as given)")
+        knobs_in = check_step_knobs(knobs_in, batch_size_of(batch), loss_fn)
     spec = resolve_device(model, device)
     k = knobs_in.replace(precision=resolve_precision(knobs_in.precision, spec))
     if (k.precision == "bf16-pure" or k.offload_optimizer) and hasattr(scheduler, "step"):
@@ -62,8 +77,9 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
             "on the one passed in would drive nothing: pass scheduler=a factory, e.g. "
             "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10), or build the optimizer with "
             "that implementation yourself")
-    example = prepare_batch(batch)
-    check_batch(model, example, loss_fn)
+    example = prepare_batch(batch) if user is None else batch
+    if user is None:
+        check_batch(model, example, loss_fn)
     planned, shapes = batch, batch          # what is traced; the shapes runner.step compares
     if max_seq_len is not None:             # batch_shape Note 1: the all-ones mask goes first
         planned, shapes = extend_batch(example, max_seq_len), extend_batch(batch, max_seq_len)
@@ -74,11 +90,12 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
         if hasattr(scheduler, "step") and knobs_in.offload_optimizer is None:
             knobs_in = knobs_in.replace(offload_optimizer=False)    # it would orphan the scheduler
         k, plan = _fit_budget(model, optimizer, planned, spec, loss_fn, count_fn, knobs_in,
-                              parse_bytes(budget))
-    Accumulation(Accumulation.Config(k.micro_batch_size)).warn_if_inexact(model, example)
+                              parse_bytes(budget), user, scheduler)
+    if user is None:
+        Accumulation(Accumulation.Config(k.micro_batch_size)).warn_if_inexact(model, example)
     device_type = next((p.device.type for p in model.parameters()), "cpu")
     replan = None
-    if budget is not None and not k.remat:
+    if budget is not None and not k.remat and user is None:
         replan = _replanner(model, recipe, optimizer, planned, spec, loss_fn, count_fn,
                             knobs_in.replace(precision=k.precision,
                                              offload_optimizer=k.offload_optimizer,
@@ -86,7 +103,7 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
                             parse_bytes(budget), device_type)
     return build_runner(model, recipe, k, plan=plan, loss_fn=loss_fn, count_fn=count_fn,
                         scheduler=scheduler, device_type=device_type, replan=replan,
-                        planned_batch=shapes)
+                        planned_batch=shapes, user_step=user)
 
 
 def _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn, fixed: Knobs,
@@ -119,8 +136,13 @@ def _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn, fixed: 
 _REPLAN_MARGIN_BYTES = 64 * 2 ** 20
 
 
-def _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, k: Knobs, budget: int):
-    """The planner's fastest configuration that fits ``budget`` (knobs the caller set kept)."""
+def _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, k: Knobs, budget: int,
+                step=None, scheduler=None):
+    """The planner's fastest configuration that fits ``budget`` (knobs the caller set kept);
+    for a user ``step``, with its ``scheduler`` factory (an instance cannot be traced, and an
+    LR scheduler holds no tensors)."""
     fixed = {name: v for name, v in k.to_dict().items() if v is not None}
+    if step is not None:
+        fixed.update(step=step, scheduler=None if hasattr(scheduler, "step") else scheduler)
     p = plan(model, batch, budget, optimizer, spec, loss_fn, count_fn=count_fn, **fixed)
     return p.knobs, p

@@ -32,6 +32,15 @@ re-traced, and the least traced is the floor. It is what ``Plan.floor_bytes``, `
 and ``BudgetTooSmall.floor_bytes`` report, and a budget of exactly the floor plans (that
 configuration), one byte less raises. How the candidates are traced: ``api._floor``.
 
+Note 7 (the user's step). With ``step=fn`` every trace above runs the user's step
+(``api._user_step`` Notes 1-4), the half-batch one on the first half of the batch. The step
+fixes its precision, micro-batch size, clipping and zero_grad, so the search keeps the whole
+batch in one micro-batch and the user's precision; it weighs only what reaches the step through
+the model and the optimizer: per-block keep / recompute / selective / offload (block hooks) and
+the optimizer state's placement. The batch is the step's as given (nothing held beside it,
+Note 4). The plan's knobs leave ``precision`` and ``micro_batch_size`` unset (the step's own)
+and its reasons say so.
+
 Note 6 (the optimizer implementation). With ``optimizer_impl`` unset and the optimizer given
 by name or factory, the planner may switch the implementation on a GPU target (optimizers
 Note 1): each other one the class supports and that may need less than CUDA's default
@@ -54,6 +63,7 @@ from memfit.api._choice import describe, knob_values
 from memfit.api._floor import first_samples, least_memory
 from memfit.api._plan_words import global_reasons, host_bytes, too_small
 from memfit.api._setup import resolve_device, resolve_precision
+from memfit.api._user_step import STEP_FIXED_NOTE, as_user_step, check_step_knobs
 from memfit.api._validate import check_batch
 from memfit.api.estimate import Estimate, estimate
 from memfit.knobs import Knobs
@@ -84,6 +94,9 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
     per-block keep / recompute / selective / offload, ``offload_optimizer``. Other arguments as
     in ``memfit.estimate``; ``on_progress(message)`` hears each stage. Raises
     ``memfit.BudgetTooSmall`` (with the floor) when nothing in the search space fits.
+    ``step=fn``: plan the user's own step ``fn(model, batch, optimizer)`` (traced as in
+    ``memfit.estimate``, several times; Note 7): only per-block modes and the optimizer's
+    placement are searched; ``scheduler``: a factory ``optimizer -> LR scheduler``.
     """
     return plan_traced(model, batch, budget, optimizer, device, loss_fn, **kwargs).plan
 
@@ -101,6 +114,7 @@ class Planned:
 def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
                 loss_fn: Callable | None = None, *, count_fn: Callable | None = None,
                 allocator=None, on_progress: Callable[[str], None] | None = None,
+                step: Callable | None = None, scheduler: Callable | None = None,
                 **knobs) -> Planned:
     """``plan``, with the plain and the chosen traces (for plots and reports)."""
     say = on_progress or (lambda message: None)
@@ -117,9 +131,14 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         warnings.warn(f"budget {format_bytes(budget_bytes)} is more than the "
                       f"{spec.display_name}'s usable {format_bytes(spec.usable_bytes)}: the plan "
                       "is for a card that large", stacklevel=3)
-    original, batch = batch, prepare_batch(batch)
-    check_batch(model, batch, loss_fn)
+    user_step = as_user_step(step)
+    original = batch
+    if user_step is None:        # a user step takes the batch as given (Note 7)
+        batch = prepare_batch(batch)
+        check_batch(model, batch, loss_fn)
     b = batch_size_of(batch)
+    if user_step is not None:
+        k = check_step_knobs(k, b, loss_fn).replace(micro_batch_size=b)
     trainable = [t for t in model.parameters() if t.requires_grad]
     recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
     recipe.check_params(trainable)
@@ -128,7 +147,8 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     user = "fp32" if k.precision in (None, "auto") else p
     fixed = _constraints(model, k, b)
     common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
-                  allocator=allocator, max_grad_norm=k.max_grad_norm)
+                  allocator=allocator, max_grad_norm=k.max_grad_norm, zero_grad=k.zero_grad,
+                  step=user_step, scheduler=scheduler)
     say(f"tracing the plain step ({user}, batch {b})")
     plain = estimate(model, batch, precision=user, optimizer_impl=k.optimizer_impl, **common)
     base = plain
@@ -147,9 +167,9 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         models[(p, impl)] = memory.with_optimizer_step(other), time.with_optimizer_step(other)
     user_pair = models[key] if p == user else _user_models(plain, spec, user, b)
     baseline_s = _plain_s(user_pair, b)
-    held = {q: _held_bytes(original, q) for q in {p, user}}   # Note 4
+    held = {q: 0 if user_step else _held_bytes(original, q) for q in {p, user}}   # Note 4
     ctx = _Context(k, spec, budget_bytes, baseline_s, b, held, user, default_impl,
-                   plain.device_bytes + held[user], bool(variants))
+                   plain.device_bytes + held[user], bool(variants), user_step is not None)
     ctx.floor_bytes, floor_choice, floor_est = least_memory(model, batch, models, fixed, k,
                                                              common, held, b, say)
 
@@ -210,6 +230,7 @@ class _Context:
     default_impl: str | None       # the optimizer implementation as given (modelled)
     plain_bytes: int               # device bytes of the user's plain step
     impl_searched: bool            # other optimizer implementations were weighed (Note 6)
+    user_step: bool = False        # planned for the user's own step (Note 7)
     floor_bytes: int = 0           # the least re-traced (Note 5)
 
 
@@ -310,6 +331,9 @@ def _make_plan(ctx: _Context, choice: Choice, est, model_pair, reasons: list[str
     k, b, held = ctx.knobs, ctx.b, ctx.held[choice.precision]
     values = knob_values(choice, memory.blocks, k)
     knobs = k.replace(precision=choice.precision, **values)
+    if ctx.user_step:              # the step's own (Note 7)
+        knobs = knobs.replace(precision=None, micro_batch_size=None)
+        reasons = [STEP_FIXED_NOTE] + reasons
     m, n = choice.micro_batch_size, -(-b // choice.micro_batch_size)
     costs = [{"name": name, "mode": mode,
               "saved_bytes": int(memory.saved_bytes(i, mode, m)),

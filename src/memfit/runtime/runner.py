@@ -154,6 +154,8 @@ class Runner:
             for make in self.contexts:
                 stack.enter_context(make())
             loss, _, _, n = self.run(batch)
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
         if self.scheduler is not None:
             self.scheduler.step()
         self.last_step = StepInfo(

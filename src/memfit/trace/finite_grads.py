@@ -1,0 +1,45 @@
+"""A GradScaler's inf check in a fake trace: the gradients are taken to be finite.
+
+``GradScaler.unscale_`` runs ``aten._amp_foreach_non_finite_check_and_unscale_``, which writes
+``found_inf`` (1 if any gradient is inf/NaN, else 0), and ``GradScaler.step`` reads it back
+(``found_inf.item()``) to decide whether the optimizer steps. A fake tensor has no value, so a
+user's own step with a real ``torch.amp.GradScaler`` would stop there. ``FiniteGradsMode``
+records, after each such check, that ``found_inf`` holds 0 (``DataValues.link``), so the read
+resolves as the real one does on finite gradients: the optimizer steps, the memory-heaviest
+branch and the one a steady-state step takes (memfit's own trace assumes the same:
+``trace.scaler.TraceGradScaler``). Nothing else is changed; the op itself runs on the fakes.
+
+It sits above ``FidelityMode`` (``trace.profile``), so its link comes after FidelityMode has
+marked the written ``found_inf`` unknown.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit.trace.data_dependent import DataValues
+
+__all__ = ["FiniteGradsMode"]
+
+_CHECK = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+
+
+class FiniteGradsMode(TorchDispatchMode):
+    """After each GradScaler inf check on fakes, ``found_inf`` is known to be 0."""
+
+    def __init__(self, data: DataValues):
+        super().__init__()
+        self.data = data
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is _CHECK:
+            found_inf = args[1] if len(args) > 1 else kwargs["found_inf"]
+            if isinstance(found_inf, FakeTensor):
+                with unset_fake_temporarily():
+                    zero = torch.zeros(found_inf.shape, dtype=found_inf.dtype)
+                self.data.link(found_inf, zero)
+        return out
