@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 
+from memfit.knobs import ZERO_GRADS
 from memfit.units import UNITS_HELP, parse_bytes
 
 __all__ = ["budget_bytes", "reserve_bytes", "positive_int", "positive_float", "int_or_auto",
-           "join_dash_values", "check_output_path", "progressive_spec", "VALUE_FLAGS", "BYTES_HELP"]
+           "join_dash_values", "check_output_path", "progressive_spec", "add_zero_grad_arg",
+           "VALUE_FLAGS", "BYTES_HELP"]
 
 # flags whose value may start with '-' (Note 1)
 VALUE_FLAGS = ("--budget", "--reserve", "--micro-batch-size", "--max-grad-norm", "--batch-size",
@@ -103,6 +105,17 @@ def progressive_spec(text: str) -> tuple[int, float]:
     if not 0 < f < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: FRACTION must be between 0 and 1, e.g. 0.9")
     return n, f
+
+
+def add_zero_grad_arg(g) -> None:
+    """--zero-grad: where the step frees or zeroes last step's gradients (Knobs.zero_grad)."""
+    g.add_argument("--zero-grad", default=None, choices=ZERO_GRADS, metavar="STYLE",
+                   help="where the training loop calls optimizer.zero_grad(): before-forward "
+                        "(first thing in the step: last step's gradients are freed before the "
+                        "forward; the default), after-forward (between forward and backward: "
+                        "they stay alive through the forward), keep-buffers "
+                        "(zero_grad(set_to_none=False): the gradient buffers are never freed). "
+                        f"One of {', '.join(ZERO_GRADS)}")
 
 
 def check_output_path(path: str | None, flag: str) -> None:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from memfit.cli._args import positive_int
+from memfit.cli._args import add_zero_grad_arg, positive_int
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model_and_batch, check_paths,
                                 optimizer_impl_knob, resolve_target)
@@ -28,6 +28,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--optimizer", default="adamw", choices=OPTIMIZER_NAMES,
                    help="optimizer whose state is counted (default: adamw)")
     add_optimizer_impl_arg(g)
+    add_zero_grad_arg(g)
     g = p.add_argument_group("target and output")
     add_target_args(g, budget_help="check against this many device bytes instead of the "
                                    "GPU's memory, e.g. 10GiB")
@@ -78,7 +79,7 @@ def run(args) -> int:
                               micro_batch_size=args.micro_batch_size,
                               checkpoint=args.checkpoint, offload=args.offload,
                               offload_optimizer=args.offload_optimizer or None,
-                              remat=args.remat or None, **impl,
+                              remat=args.remat or None, zero_grad=args.zero_grad, **impl,
                               allocator=AllocatorConfig(expandable_segments=args.expandable_segments))
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch)
@@ -130,6 +131,8 @@ def _print_human(console, spec, model, est, described, args, target) -> None:
                   f"{est.knobs.precision}, {args.optimizer}")
     if args.freeze or args.lora_rank:
         console.print(trainable_line(model, args))
+    if args.zero_grad:
+        console.print(f"loop style: zero_grad {args.zero_grad}")
     title = "Memory at the peak of one steady-state step"
     if est.basis == "cuda-model":
         title += f" (CUDA model, {est.device.display_name})"

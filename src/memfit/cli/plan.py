@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from memfit.cli._args import positive_float, positive_int, progressive_spec
+from memfit.cli._args import add_zero_grad_arg, positive_float, positive_int, progressive_spec
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model, check_paths, make_batch,
                                 optimizer_impl_knob, resolve_target)
@@ -35,6 +35,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--optimizer", default="adamw", choices=OPTIMIZER_NAMES,
                    help="optimizer whose state is counted (default: adamw)")
     add_optimizer_impl_arg(g)
+    add_zero_grad_arg(g)
     g.add_argument("--micro-batch-size", type=positive_int, default=None, metavar="N",
                    help="fix the micro-batch size (default: memfit picks)")
     g.add_argument("--checkpoint", default=None, metavar="POLICY",
@@ -72,7 +73,8 @@ def _knobs(args) -> dict:
     oo = {"on": True, "off": False}.get(args.offload_optimizer)
     return dict(precision=args.precision, micro_batch_size=args.micro_batch_size,
                 checkpoint=args.checkpoint, offload=args.offload, offload_optimizer=oo,
-                max_grad_norm=args.max_grad_norm, **optimizer_impl_knob(args))
+                max_grad_norm=args.max_grad_norm, zero_grad=args.zero_grad,
+                **optimizer_impl_knob(args))
 
 
 def _check(args) -> None:
