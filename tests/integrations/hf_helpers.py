@@ -14,12 +14,13 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 import memfit
 from memfit import zoo
 
-__all__ = ["tiny_trainer", "measure_trainer_step", "StepWindow", "dataset_of", "pad_every_row"]
+__all__ = ["tiny_trainer", "measure_trainer_step", "train_under", "StepWindow", "WholeRun",
+           "dataset_of", "pad_every_row"]
 
 
 def dataset_of(batch: dict[str, torch.Tensor]) -> list[dict]:
@@ -95,6 +96,46 @@ class StepWindow(TrainerCallback):
             t.__exit__(None, None, None)
             self.peak_bytes, self.breakdown = t.peak_bytes, t.breakdown
             self.measured = t          # the figures (a closed tracker holds no tensor)
+
+
+class WholeRun(TrainerCallback):
+    """A ``memfit.track(budget=...)`` around the whole of ``train()``, and the logged losses."""
+
+    def __init__(self, budget=None):
+        self.budget, self.tracker, self.losses = budget, None, []
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
+        self.tracker = memfit.track(model, getattr(optimizer, "optimizer", optimizer),
+                                    budget=self.budget)
+        self.tracker.__enter__()
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            self.losses.append(logs["loss"])
+
+    def on_train_end(self, args, state, control, **kw):
+        self.close()
+
+    def close(self):
+        if self.tracker is not None:
+            t, self.tracker = self.tracker, None
+            t.__exit__(None, None, None)
+            self.peak_bytes = t.peak_bytes
+
+
+def train_under(trainer: Trainer, budget=None) -> WholeRun:
+    """``trainer.train()`` under ``track(budget=...)`` from its first op to its last, logging
+    the loss of every step (``logging_steps=1`` in the arguments). The RNG is seeded with
+    ``args.seed`` first, so two runs shuffle and drop out alike whatever ran before."""
+    run = WholeRun(budget)
+    trainer.add_callback(run)
+    try:
+        set_seed(trainer.args.seed)
+        trainer.train()
+    finally:
+        run.close()
+        trainer.remove_callback(run)
+    return run
 
 
 def measure_trainer_step(trainer: Trainer, step: int = 2, budget=None) -> StepWindow:

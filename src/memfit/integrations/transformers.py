@@ -21,5 +21,6 @@ except ImportError as e:      # pragma: no cover - exercised only without transf
                       "pip install memfit[hf]") from e
 
 from memfit.integrations._hf_estimate import estimate
+from memfit.integrations._hf_fit import Changes, fit
 
-__all__ = ["estimate"]
+__all__ = ["estimate", "fit", "Changes"]
