@@ -13,7 +13,7 @@ from torch.utils.checkpoint import CheckpointError
 
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
 from memfit.api._user_step import (as_user_step, check_step_knobs, explain_step_error,
-                                   with_backward_phase)
+                                   step_notes, with_backward_phase)
 from memfit.api._validate import check_batch, describe_batch_mismatch
 from memfit.devices import DeviceSpec
 from memfit.errors import TraceError
@@ -258,6 +258,8 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
                      f"{cuda.optimizer_impl(runner.optimizer)}; caching-allocator "
                      "replay; context approximate. Unvalidated until benchmarks/gpu_check.py "
                      "has run on this GPU")
+    if user is not None:
+        notes += step_notes(user, batch)
     sim = None
     if k.remat and budget is not None:      # DTR replayed on the traced timeline
         sim = simulate_dtr(prof.timeline, spans_from_modules(prof.modules, prof.blocks), limit)
