@@ -1,0 +1,154 @@
+"""``MemfitCallback``: predicted vs measured peak of the first steps of ``trainer.train()``.
+
+Note 1 (what is measured). Each of the first ``steps`` optimizer steps is measured from its
+``on_step_begin`` to its ``on_step_end``. On CUDA: the caching allocator's
+``max_memory_allocated`` / ``max_memory_reserved`` over the step (peak stats reset at its start),
+and, when ``pynvml`` imports, the device's used memory at its end (every process and the CUDA
+context included). On CPU: a ``memfit.track`` opened at ``on_train_begin``, so everything the
+loop makes is counted from its birth, and read over each step; it is closed after the last
+measured step, and the rest of the run is not slowed down.
+
+Note 2 (what is compared). The prediction is for the steady state (optimizer state existing):
+step 1, which creates that state, is logged but not compared. From step 2 on, the measured
+allocated peak is compared with the predicted one, and on CUDA the reserved bytes with the
+predicted reserved bytes; a difference above ``tolerance`` (5%) of the prediction warns.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+from transformers import TrainerCallback
+
+import memfit
+from memfit.units import format_bytes
+
+__all__ = ["MemfitCallback", "StepMemory"]
+
+logger = logging.getLogger("memfit.integrations.transformers")
+
+
+@dataclass
+class StepMemory:
+    """One measured step (Note 1). Bytes; None where the device has no such figure."""
+
+    step: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    predicted_reserved_bytes: int | None = None
+    measured_reserved_bytes: int | None = None
+    nvml_used_bytes: int | None = None
+
+    @property
+    def error(self) -> float:
+        """(measured - predicted) / predicted, allocated peaks."""
+        return (self.measured_peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
+
+
+class MemfitCallback(TrainerCallback):
+    """Logs predicted vs measured peak at the first ``steps`` steps; warns past ``tolerance``.
+
+    ``predicted``: an ``Estimate`` (``estimate(trainer)``), the ``Changes`` of ``fit``, or the
+    predicted allocated peak in bytes. ``records`` holds a ``StepMemory`` per measured step."""
+
+    def __init__(self, predicted, steps: int = 3, tolerance: float = 0.05):
+        est = getattr(predicted, "estimate", predicted)           # Changes -> its Estimate
+        if isinstance(est, bool) or not isinstance(est, int) and not hasattr(est, "peak_bytes"):
+            raise ValueError(f"predicted={type(predicted).__name__}: give estimate(trainer), the "
+                             "Changes of fit(trainer, ...) or the predicted peak in bytes (int)")
+        self.peak_bytes = est if isinstance(est, int) else est.peak_bytes
+        self.reserved_bytes = None if isinstance(est, int) or est.device.kind != "cuda" else \
+            est.reserved_bytes
+        if not (isinstance(steps, int) and steps >= 2):
+            raise ValueError(f"steps={steps!r}: measure at least 2 steps (step 1 has no "
+                             "optimizer state yet, Note 2)")
+        if not 0 < tolerance < 1:
+            raise ValueError(f"tolerance={tolerance!r}: a fraction, e.g. 0.05")
+        self.steps, self.tolerance = steps, tolerance
+        self.records: list[StepMemory] = []
+        self._tracker = None
+        self._cuda = False
+
+    # -- events ---------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
+        self.records = []
+        p = next(model.parameters(), None) if model is not None else None
+        self._cuda = p is not None and p.device.type == "cuda"
+        if not self._cuda:
+            self._tracker = memfit.track(model, getattr(optimizer, "optimizer", optimizer))
+            self._tracker.__enter__()
+
+    def on_step_begin(self, args, state, control, **kw):
+        if state.global_step >= self.steps:
+            return
+        if self._cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        elif self._tracker is not None:
+            self._tracker.start_window()
+
+    def on_step_end(self, args, state, control, **kw):
+        step = state.global_step
+        if step > self.steps or (not self._cuda and self._tracker is None):
+            return
+        if self._cuda:
+            torch.cuda.synchronize()
+            rec = StepMemory(step, self.peak_bytes, torch.cuda.max_memory_allocated(),
+                             self.reserved_bytes, torch.cuda.max_memory_reserved(), _nvml_used())
+        else:
+            rec = StepMemory(step, self.peak_bytes, self._tracker.peak_bytes)
+            if step == self.steps:
+                self._close()
+        self.records.append(rec)
+        self._report(rec)
+
+    def on_train_end(self, args, state, control, **kw):
+        self._close()
+
+    # -- internals --------------------------------------------------------------------------
+    def _close(self) -> None:
+        if self._tracker is not None:
+            t, self._tracker = self._tracker, None
+            t.start_window()       # figures already read; a fresh resolution for the exit
+            t.__exit__(None, None, None)
+
+    def _report(self, rec: StepMemory) -> None:
+        line = (f"memfit step {rec.step}: predicted peak {format_bytes(rec.predicted_peak_bytes)}"
+                f", measured {format_bytes(rec.measured_peak_bytes)} ({rec.error:+.1%})")
+        if rec.measured_reserved_bytes is not None:
+            line += f"; reserved {format_bytes(rec.measured_reserved_bytes)}"
+            if rec.predicted_reserved_bytes is not None:
+                line += f" (predicted {format_bytes(rec.predicted_reserved_bytes)})"
+        if rec.nvml_used_bytes is not None:
+            line += f"; NVML used {format_bytes(rec.nvml_used_bytes)}"
+        logger.info(line)
+        if rec.step < 2:               # no optimizer state yet (Note 2)
+            return
+        off = [f"allocated {rec.error:+.1%}"] if abs(rec.error) > self.tolerance else []
+        if rec.predicted_reserved_bytes and rec.measured_reserved_bytes is not None:
+            r = (rec.measured_reserved_bytes - rec.predicted_reserved_bytes) / \
+                rec.predicted_reserved_bytes
+            if abs(r) > self.tolerance:
+                off.append(f"reserved {r:+.1%}")
+        if off:
+            warnings.warn(f"{line}: the measurement differs from memfit's prediction by more "
+                          f"than {self.tolerance:.0%} ({', '.join(off)}). Re-estimate with the "
+                          "batch the run takes (estimate(trainer, batch=...)); an all-ones "
+                          "attention mask is estimated as an upper bound", stacklevel=2)
+
+
+def _nvml_used() -> int | None:
+    """The device's used memory by NVML, when pynvml imports (Note 1)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    except pynvml.NVMLError:
+        return None
