@@ -73,6 +73,7 @@ def test_planned_user_step_fits_and_trains_the_same(fn):
     assert any(m != "keep" for m in plan.blocks.values())     # the budget forced a change
     assert plan.knobs.precision is None and plan.knobs.micro_batch_size is None
     assert any("step=fn" in r for r in plan.reasons)
+    assert any("no re-plan" in n for n in runner.applied.notes)
     assert t.peak_bytes <= budget
     assert t.peak_bytes == plan.predicted_peak_bytes
     assert losses == run_plain(ref, batch, fn, optimizer=sgd)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from torch import nn
 
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
-from memfit.api._user_step import as_user_step, check_step_knobs
+from memfit.api._user_step import STEP_FIXED_NOTE, as_user_step, check_step_knobs
 from memfit.api._validate import check_batch
 from memfit.api.plan import plan
 from memfit.errors import BudgetTooSmall
@@ -101,9 +101,15 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
                                              offload_optimizer=k.offload_optimizer,
                                              optimizer_impl=k.optimizer_impl),
                             parse_bytes(budget), device_type)
+    notes = []
+    if user is not None:
+        notes.append(f"step=fn: runner.step calls {user.name}(runner.model, batch, "
+                     "runner.optimizer) as written; " + STEP_FIXED_NOTE.split(": ", 1)[1] +
+                     ("; no re-plan on out-of-memory (what the step keeps could not be "
+                      "restored)" if budget is not None else ""))
     return build_runner(model, recipe, k, plan=plan, loss_fn=loss_fn, count_fn=count_fn,
                         scheduler=scheduler, device_type=device_type, replan=replan,
-                        planned_batch=shapes, user_step=user)
+                        planned_batch=shapes, user_step=user, notes=notes)
 
 
 def _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn, fixed: Knobs,
