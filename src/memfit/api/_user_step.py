@@ -15,7 +15,9 @@ counted (``trace.profile.profile_step(two_steps=True)``): the first call creates
 state and whatever ``fn`` keeps between calls, and leaves whatever it leaves (gradients when its
 ``zero_grad`` comes after the forward or keeps the buffers, an EMA copy, the loss it returns),
 so the counted call starts from what a real step >= 2 starts from. A ``scheduler`` factory is
-built on the fake optimizer and stepped after each call, as ``Runner.step`` does.
+built on the fake optimizer and stepped after each call, as ``Runner.step`` does. One call is
+one whole optimizer step (accumulate micro-batches inside it): a step that steps the optimizer
+only every k-th call would be counted at a call that does not.
 
 Note 3 (the batch). The step receives the batch as given: an all-ones attention mask is kept
 (``fn`` may read it), unlike memfit's own step (``memfit.step.prepare_batch``). transformers

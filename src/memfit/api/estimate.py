@@ -161,7 +161,9 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     ``micro_batch_size`` (the peak of the whole accumulated effective batch), ``max_grad_norm``,
     ``checkpoint``, ``offload``, ``offload_optimizer`` (host bytes in ``host_peak_bytes``),
     ``remat`` (with ``budget``: DTR simulated on the traced step, ``remat_*`` fields; the
-    traced figures stay those of the plain step); ``count_fn`` as in ``fit``.
+    traced figures stay those of the plain step), ``zero_grad`` (the loop style: "before-forward",
+    the default, "after-forward" or "keep-buffers", ``memfit.step`` Note 1); ``count_fn`` as in
+    ``fit``.
     For a GPU the CPU trace is run through models of CUDA's autocast, attention kernels,
     optimizer defaults and caching allocator (``allocator``: its settings, e.g.
     ``AllocatorConfig(expandable_segments=True)``), see ``memfit.trace.cuda``.

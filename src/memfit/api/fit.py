@@ -42,7 +42,8 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     batch larger than the one planned for warns in ``runner.step``.
     Knobs (``memfit.Knobs``): ``precision``, ``micro_batch_size``, ``max_grad_norm``,
     ``checkpoint``, ``offload``, ``offload_optimizer``, ``remat`` (DTR around each step: under
-    ``budget`` if given, else on out-of-memory). Everything is checked before the model is touched.
+    ``budget`` if given, else on out-of-memory), ``zero_grad`` (the loop style: "before-forward",
+    the default, "after-forward" or "keep-buffers"). Everything is checked before the model is touched.
 
     ``step=fn``: the user's own training step ``fn(model, batch, optimizer)``; the plan is made
     for it (``memfit.plan(step=fn)``: per-block modes and the optimizer's placement only) and
