@@ -39,6 +39,7 @@ def test_callback_warns_past_five_percent():
     assert len(caught) == 1 and "+6.0%" in str(caught[0].message)
 
 
+@pytest.mark.slow
 def test_callback_takes_the_changes_of_fit():
     trainer = tiny_trainer("gpt2", per_device_train_batch_size=4, samples=48, max_steps=3)
     changes = mf_hf.fit(trainer, int(mf_hf.estimate(trainer).peak_bytes * 0.8), verbose=False,

@@ -14,7 +14,7 @@ import memfit
 from memfit.integrations import transformers as mf_hf
 from tests.integrations.hf_helpers import tiny_trainer, train_under
 
-RUN = dict(per_device_train_batch_size=4, samples=48, max_steps=4, logging_strategy="steps",
+RUN = dict(per_device_train_batch_size=4, samples=48, max_steps=3, logging_strategy="steps",
            logging_steps=1)
 
 
@@ -74,10 +74,11 @@ def test_budget_too_small_names_the_floor():
     assert e.value.floor_bytes > 100_000
 
 
-def test_remove_puts_everything_back():
+def test_estimate_after_fit_and_remove_puts_everything_back():
     trainer = tiny_trainer("gpt2", **RUN)
     peak = mf_hf.estimate(trainer).peak_bytes
     changes = mf_hf.fit(trainer, int(peak * 0.7), verbose=False, offload_optimizer=True)
+    assert mf_hf.estimate(trainer).peak_bytes == changes.predicted_peak_bytes   # the fitted one
     changes.remove()
     assert trainer.optimizer is None and trainer.args.per_device_train_batch_size == 4
     assert mf_hf.estimate(trainer).peak_bytes == peak

@@ -6,6 +6,7 @@ from memfit.api.estimate import Estimate
 from memfit.api.estimate import estimate as _estimate
 from memfit.integrations._hf_step import (TrainerStep, check_supported, trainer_batch,
                                           trainer_optimizer, trainer_scheduler)
+from memfit.techniques.optimizer_offload import OffloadedOptimizer
 
 __all__ = ["estimate"]
 
@@ -24,11 +25,21 @@ def estimate(trainer, device=None, *, batch=None, budget=None, **knobs) -> Estim
     samples of the train dataset (``{"micro_batches": [...], "look_ahead": ...}``, as
     ``trainer_batch`` makes it). ``knobs``: what memfit adds through the model and the optimizer
     (``checkpoint``, ``offload``, ``offload_optimizer``, ``optimizer_impl``); the rest is the
-    TrainingArguments' (change them there).
+    TrainingArguments' (change them there). After ``fit`` the estimate is of the fitted trainer
+    (its arguments, the block hooks on its model, its offloaded optimizer). For a GPU
+    ``device`` the step is traced as it runs here (accelerate's autocast of this machine) and
+    put through memfit's CUDA models.
     """
     check_supported(trainer)
     batch = trainer_batch(trainer) if batch is None else batch
     step = TrainerStep(trainer)
-    return _estimate(trainer.model, batch,
-                     optimizer=trainer_optimizer(trainer), device=device, budget=budget,
+    optimizer = trainer_optimizer(trainer)
+    if isinstance(optimizer, OffloadedOptimizer):      # fit's: the class it wraps, offloaded
+        saved, trainer.optimizer = trainer.optimizer, None
+        try:
+            optimizer = trainer_optimizer(trainer)
+        finally:
+            trainer.optimizer = saved
+        knobs.setdefault("offload_optimizer", True)
+    return _estimate(trainer.model, batch, optimizer=optimizer, device=device, budget=budget,
                      step=step, scheduler=trainer_scheduler(trainer), **knobs)

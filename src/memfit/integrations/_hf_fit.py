@@ -123,7 +123,9 @@ class Changes:
         return "\n".join(lines)
 
     def remove(self) -> None:
-        """Undo: hooks off, arguments and optimizer back as they were."""
+        """Undo: hooks off, arguments and optimizer back as they were (activation checkpointing
+        that a ``train()`` since turned on stays on the model: transformers'
+        ``activation_checkpointing_disable()`` turns it off)."""
         while self._undo:
             self._undo.pop()()
 

@@ -16,7 +16,9 @@ step's clip, runs ``optimizer.step()``, ``lr_scheduler.step()`` and ``model.zero
 accelerate's ``DataLoaderShard`` reads one batch ahead: one more micro-batch is alive during
 every step but the last of an epoch. ``TrainerStep`` runs exactly this, calling the Trainer's
 own methods (a subclass's ``training_step``/``compute_loss`` included), on the fakes memfit
-passes in; the look-ahead batch is carried in the traced batch.
+passes in; the look-ahead batch is carried in the traced batch. The LR scheduler is built on
+the fake optimizer and stepped by ``estimate`` right after the step (after ``zero_grad``, not
+before it: it holds no tensors, so the order changes no byte).
 
 Note 2 (what ``train()`` does to the model first). ``train()`` turns on activation
 checkpointing (``args.gradient_checkpointing`` with its kwargs, ``use_reentrant=False`` unless
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -144,8 +146,7 @@ class _Carry:
     tr_loss: torch.Tensor | None = None         # Trainer._tr_loss
     tr_loss_step: torch.Tensor | None = None    # the last micro-batch's detached loss
     grad_norm: torch.Tensor | None = None       # the last clip's norm
-    prepared: bool = False
-    extra: dict = field(default_factory=dict)
+    prepared: bool = False          # Note 2 done on this (fake) model
 
 
 class TrainerStep:
