@@ -67,6 +67,12 @@ def test_nothing_to_change_when_it_fits():
     assert not changes.changed and "nothing changed" in str(changes)
 
 
+def test_a_fixed_choice_is_applied_even_when_the_trainer_fits():
+    trainer = tiny_trainer("gpt2", **RUN)
+    changes = mf_hf.fit(trainer, "1GiB", verbose=False, offload_optimizer=True)
+    assert changes.optimizer_offloaded and changes.args == {}
+
+
 def test_budget_too_small_names_the_floor():
     trainer = tiny_trainer("gpt2", **RUN)
     with pytest.raises(memfit.BudgetTooSmall) as e:

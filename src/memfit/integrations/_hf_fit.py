@@ -145,7 +145,8 @@ def fit(trainer, budget, device=None, *, micro_batch_size: int | None = None,
     own = Candidate(b, g, "transformers" if args.activation_checkpointing else "keep", False)
     _check_fixed(own, micro_batch_size, offload_optimizer, trainer)
     plain = _trace(trainer, own, device)
-    if plain.device_bytes <= budget_bytes:
+    own_allowed = micro_batch_size in (None, b) and not offload_optimizer
+    if plain.device_bytes <= budget_bytes and own_allowed:
         return _apply(trainer, own, plain, plain, 1.0, budget_bytes, 1, verbose)
     one = plain if g == 1 else _trace(trainer, Candidate(b, 1, own.mode, False), device)
     time = _time_model(one, args, b)
