@@ -27,13 +27,19 @@ copy is taken off the accelerator's model list again). A GradScaler (fp16 on a G
 the accelerator's scaler is a real one over the real optimizer.
 
 Note 3 (the accelerator's loop state). ``accumulate`` advances ``accelerator.step`` and sets
-``sync_gradients``; ``step_state`` starts the trace at an optimizer-step boundary (``step`` 0)
-and puts both back afterwards, so a real loop resumes where it was.
+``sync_gradients`` (on every batch at the end of a prepared dataloader: ``end_of_dataloader``);
+``step_state`` starts the trace at an optimizer-step boundary (``step`` 0) in the middle of an
+epoch (no active dataloader, e.g. one a loop broke out of) and puts all three back afterwards,
+so a real loop resumes where it was.
 
-Note 4 (the batch). ``traced_batch`` gives a list of ``gradient_accumulation_steps``
-micro-batches: the ones given (a list, all alive for the whole step, as a list of batches is in
-a real loop), or one Mapping used for each (a loop over one cached batch). A prepared
-``DataLoader`` holds one more batch (its look-ahead): add it to the list to count it.
+Note 4 (the batch). ``traced_batch`` gives ``{MICRO: [...]}``, the
+``gradient_accumulation_steps`` micro-batches of one step: the ones given (a list, all alive for
+the whole step, as a list of batches is in a real loop), or one Mapping used for each (a loop
+over one cached batch). From a DataLoader its first batch is used for each micro-batch (the
+shapes it repeats); a prepared one (accelerate's ``DataLoaderShard``) reads one batch ahead to
+know where the epoch ends, so two batches are alive during every step but the last of an
+epoch: ``AHEAD``, a copy of the first, is the look-ahead. Reading that batch draws the
+DataLoader's base seed from the global RNG: the RNG state is put back afterwards.
 """
 
 from __future__ import annotations
@@ -45,9 +51,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.data import DataLoader
 
 __all__ = ["AccelerateStep", "traced_batch", "inner_optimizer", "step_state",
-           "check_supported", "prepare_copy"]
+           "check_supported", "prepare_copy", "MICRO", "AHEAD"]
+
+MICRO = "micro_batches"      # the traced batch: {MICRO: [micro-batch, ...], AHEAD: batch}
+AHEAD = "look_ahead"
 
 
 def check_supported(accelerator) -> None:
@@ -80,32 +91,63 @@ def inner_optimizer(optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def traced_batch(accelerator, batch) -> list:
-    """The micro-batches of one optimizer step (Note 4)."""
+def traced_batch(accelerator, batch) -> dict:
+    """The micro-batches of one optimizer step, and a DataLoader's look-ahead (Note 4)."""
     g = accelerator.gradient_accumulation_steps
+    if isinstance(batch, DataLoader):
+        first = _first_batch(accelerator, batch)
+        out = {MICRO: [first] * g}
+        if _reads_ahead(batch):
+            out[AHEAD] = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
+                                  first)
+        return out
     if isinstance(batch, Mapping):
-        return [batch] * g
+        return {MICRO: [batch] * g}
     if isinstance(batch, Sequence) and batch and all(isinstance(b, Mapping) for b in batch):
         if len(batch) != g:
             raise ValueError(f"batch: {len(batch)} micro-batches given, but one optimizer step "
                              f"of this Accelerator is gradient_accumulation_steps={g} of them; "
                              f"give {g} (or one, used for each)")
-        return list(batch)
-    raise ValueError(f"batch: give one batch as the dataloader yields it (a Mapping of "
+        return {MICRO: list(batch)}
+    raise ValueError(f"batch: give the DataLoader, one batch as it yields it (a Mapping of "
                      f"tensors, called as model(**batch)) or a list of "
                      f"gradient_accumulation_steps of them, got {type(batch).__name__}")
+
+
+def _reads_ahead(loader) -> bool:
+    from accelerate.data_loader import DataLoaderShard
+    return isinstance(loader, DataLoaderShard)
+
+
+def _first_batch(accelerator, loader):
+    """The loader's first batch on the accelerator's device, the RNG state kept (Note 4);
+    a prepared loader is read through its base loader (its own iterator would register with
+    the accelerator's gradient state)."""
+    from accelerate.utils import send_to_device
+    base = getattr(loader, "base_dataloader", loader)
+    with torch.random.fork_rng(devices=[]):
+        try:
+            batch = next(iter(base))
+        except StopIteration:
+            raise ValueError("batch: the DataLoader is empty") from None
+    if not isinstance(batch, Mapping):
+        raise ValueError(f"batch: the DataLoader yields {type(batch).__name__}, but the loop "
+                         "body calls model(**batch); give step=body for other batches")
+    return send_to_device(batch, accelerator.device)
 
 
 @contextlib.contextmanager
 def step_state(accelerator):
     """Note 3: start at a step boundary, restore the loop's counters afterwards."""
     gs = accelerator.gradient_state
-    saved, sync = accelerator.step, gs.sync_gradients
+    saved, sync, loaders = accelerator.step, gs.sync_gradients, gs.dataloader_references
     accelerator.step = 0
+    gs.dataloader_references = [None]     # a mid-epoch step: not the end of a dataloader
     try:
         yield
     finally:
         accelerator.step = saved
+        gs.dataloader_references = loaders
         gs._set_sync_gradients(sync)
 
 
@@ -140,7 +182,7 @@ class AccelerateStep:
         self._carry: "weakref.WeakKeyDictionary[nn.Module, _Carry]" = weakref.WeakKeyDictionary()
         self.__qualname__ = getattr(body, "__qualname__", "accelerate loop body")
 
-    def __call__(self, model, micro_batches, optimizer):
+    def __call__(self, model, micro_batches, optimizer):      # Note 4's traced batch
         from accelerate.optimizer import AcceleratedOptimizer
         acc = self.accelerator
         carry = self._carry.setdefault(model, _Carry())
@@ -148,7 +190,8 @@ class AccelerateStep:
             prepare_copy(acc, model)
             carry.inner = optimizer
             carry.wrapped = AcceleratedOptimizer(optimizer, device_placement=False)
-        for batch in micro_batches:
+        _touch(micro_batches)          # alive all step, counted from the start (Note 4)
+        for batch in micro_batches[MICRO]:
             with acc.accumulate(model):
                 if self.body is None:
                     self._default_body(model, batch, carry)
@@ -165,3 +208,11 @@ class AccelerateStep:
             acc.clip_grad_norm_(model.parameters(), self.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
+
+
+def _touch(batch) -> None:
+    """A view of every tensor of the traced batch: a tracker counts a storage alive before the
+    trace from the first op that sees it, and the look-ahead batch is seen by no other op."""
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor):
+            t.detach()

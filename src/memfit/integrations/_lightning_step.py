@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["LoopSettings", "LightningStep", "traced_batch", "module_optimizer", "detached",
            "MICRO", "AHEAD"]
@@ -108,7 +108,8 @@ def check_module(module) -> None:
         raise ValueError("automatic_optimization=False: manual optimization calls "
                          "self.optimizers(), which needs the trainer; memfit traces automatic "
                          "optimization only (use memfit.estimate(step=fn) with your own step)")
-    if type(module).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping:
+    own = type(module).configure_gradient_clipping
+    if own is not pl.LightningModule.configure_gradient_clipping:
         raise ValueError(f"{type(module).__name__}.configure_gradient_clipping is overridden: it "
                          "needs the trainer, which a trace does not have; clip with the Trainer's "
                          "gradient_clip_val instead")
@@ -136,6 +137,7 @@ class LightningStep:
     def __call__(self, module, batch, optimizer):
         from lightning.pytorch.loops.optimization.automatic import Closure
         micro = batch[MICRO]
+        _touch(batch)                  # alive all step, counted from the start (Note 2)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*self.log.*")
             for i, b in enumerate(micro):
@@ -176,3 +178,11 @@ class LightningStep:
             self.plugin.clip_gradients(optimizer, s.gradient_clip_val,
                                        GradClipAlgorithmType(s.gradient_clip_algorithm))
         return result
+
+
+def _touch(batch) -> None:
+    """A view of every tensor of the traced batch: a tracker counts a storage alive before the
+    trace from the first op that sees it, and the look-ahead batch is seen by no other op."""
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor):
+            t.detach()

@@ -46,15 +46,17 @@ def estimate(accelerator, model, optimizer, batch, step: Callable | None = None,
     """Predict one steady-state optimizer step of an Accelerate loop (``_accelerate_step``).
 
     ``model`` and ``optimizer``: what ``accelerator.prepare`` returned (or not yet prepared);
-    neither is touched. ``batch``: one batch as the dataloader yields it (a Mapping called as
-    ``model(**batch)``, used for each of the ``gradient_accumulation_steps`` micro-batches) or
-    a list of that many. ``step``: the loop body ``fn(model, batch, optimizer)`` as written
-    inside ``with accelerator.accumulate(model):`` (default: forward, ``accelerator.backward``,
+    neither is touched. ``batch``: the DataLoader the loop iterates (its first batch used for
+    each micro-batch; a prepared one's look-ahead batch counted), one batch as it yields it (a
+    Mapping called as ``model(**batch)``, used for each of the ``gradient_accumulation_steps``
+    micro-batches) or a list of that many (``_accelerate_step`` Note 4). ``step``: the loop
+    body ``fn(model, batch, optimizer)`` as written inside ``with
+    accelerator.accumulate(model):`` (default: forward, ``accelerator.backward``,
     ``accelerator.clip_grad_norm_`` when ``max_grad_norm`` is given, ``optimizer.step()``,
     ``optimizer.zero_grad()``); it receives accelerate's optimizer wrapper over a fake copy,
-    and what it returns is kept until its next call (the loop's ``loss``). The accumulation and
-    mixed precision are the Accelerator's. ``scheduler``: a factory ``optimizer -> LR
-    scheduler``. ``knobs``: what memfit adds through the model and the optimizer
+    and what it returns is kept until its next call returns (the loop's ``loss``). The
+    accumulation and mixed precision are the Accelerator's. ``scheduler``: a factory
+    ``optimizer -> LR scheduler``. ``knobs``: what memfit adds through the model and the optimizer
     (``checkpoint``, ``offload``, ``offload_optimizer``, ``optimizer_impl``).
     """
     check_supported(accelerator)
