@@ -107,6 +107,35 @@ def test_estimate_equals_the_measured_steady_state_step(arch, accumulate):
     assert sum(est.breakdown.values()) == sum(m.breakdown.values())
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """The same rows without a length: Lightning's fetcher then reads one batch ahead."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+def collate(rows):
+    """transformers' collator, its tensors copied by an op: ``torch.tensor(list)`` runs below
+    the dispatcher, so ``track`` would see a batch only at its first use (never, for the
+    look-ahead batch of a step)."""
+    return {k: v.clone() for k, v in default_data_collator(rows).items()}
+
+
+def test_estimate_counts_the_look_ahead_of_an_unsized_loader():
+    module, batch, loader = setup("gpt2")
+    stream = DataLoader(Stream(loader.dataset), batch_size=3, collate_fn=collate)
+    est = mf_pl.estimate(module, batch, accumulate_grad_batches=2, look_ahead=True)
+    m, cb = Measure(2), mf_pl.MemfitPlan(steps=2)    # the callback finds the loader unsized
+    fit(module, stream, [m, cb], accumulate_grad_batches=2)
+    assert est.peak_bytes == m.peak_bytes
+    assert cb.predicted_peak_bytes == est.peak_bytes == cb.records[1].measured_peak_bytes
+    plain = mf_pl.estimate(module, batch, accumulate_grad_batches=2)
+    assert est.peak_bytes - plain.peak_bytes == sum(v.nbytes for v in batch.values())
+
+
 def test_estimate_with_clipping_and_bf16_equals_the_measured_step():
     module, batch, loader = setup("gpt2")
     kw = dict(accumulate_grad_batches=2, gradient_clip_val=1.0, precision="bf16-mixed")
