@@ -41,10 +41,12 @@ def test_floor_is_the_least_traced_configuration_everywhere():
     model, batch = tiny("gpt2", batch_size=2, seq_len=32)
     del batch["attention_mask"]     # all ones: the plan would count it held (plan Note 4)
     least = _brute_force(model, batch, 2)
-    free = memfit.plan(model, batch)                          # the plain step fits
+    quick = memfit.plan(model, batch)              # the plain step fits: no floor traced
+    assert quick.floor_bytes is None and "floor" not in quick.explain()
+    free = memfit.plan(model, batch, floor=True)              # asked for
     assert free.floor_bytes == least
     assert format_bytes(least) in free.explain()
-    at = memfit.plan(model, batch, budget=least)              # exactly the floor: plans
+    at = memfit.plan(model, batch, budget=least, floor=True)  # exactly the floor: plans
     assert at.predicted_device_bytes <= least and at.floor_bytes == least
     with pytest.raises(memfit.BudgetTooSmall) as info:
         memfit.plan(model, batch, budget=least - 1)
@@ -77,5 +79,5 @@ def test_a_frozen_model_plans_smaller():
     for p in frozen:
         p.requires_grad_(False)
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
-    p = memfit.plan(model, batch, budget=full_floor - 1)
+    p = memfit.plan(model, batch, budget=full_floor - 1, floor=True)
     assert p.floor_bytes <= full_floor - frozen_bytes

@@ -154,7 +154,7 @@ def test_one_micro_batch_can_need_less_than_micro_batch_one():
                             checkpoint=c).peak_bytes for c in ("none", "all", "selective")]
     assert whole.peak_bytes < min(ones)           # the premise, measured
     budget = whole.peak_bytes + 4096              # + the unused all-ones mask runner.step holds
-    p = memfit.plan(model, batch, budget=budget)
+    p = memfit.plan(model, batch, budget=budget, floor=True)
     assert p.predicted_peak_bytes <= budget and p.knobs.micro_batch_size == 2
     assert p.floor_bytes <= budget
 

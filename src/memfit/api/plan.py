@@ -30,7 +30,11 @@ space, re-traced. The models propose the candidates (search Note 5: the least-me
 at micro-batch 1 and at the whole batch, and uniform recompute / offload beside them); each is
 re-traced, and the least traced is the floor. It is what ``Plan.floor_bytes``, ``explain()``
 and ``BudgetTooSmall.floor_bytes`` report, and a budget of exactly the floor plans (that
-configuration), one byte less raises. How the candidates are traced: ``api._floor``.
+configuration), one byte less raises. How the candidates are traced: ``api._floor``. It is
+traced when the search finds nothing that fits (the least-memory configuration is then the
+answer, or ``BudgetTooSmall`` says by how much it misses), or when asked (``floor=True``); a
+plan found without it has ``floor_bytes=None``: on a large model the floor's candidates cost
+more traces than the plan itself (micro-batch 1 runs several micro-batches per trace).
 
 Note 7 (the user's step). With ``step=fn`` every trace above runs the user's step
 (``api._user_step`` Notes 1-4), the half-batch one on the first half of the batch. The step
@@ -97,6 +101,8 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
     ``step=fn``: plan the user's own step ``fn(model, batch, optimizer)`` (traced as in
     ``memfit.estimate``, several times; Note 7): only per-block modes and the optimizer's
     placement are searched; ``scheduler``: a factory ``optimizer -> LR scheduler``.
+    ``floor=True``: trace the floor (the least any configuration needs, ``Plan.floor_bytes``)
+    even when a plan fits; else only when nothing does (Note 5).
     """
     return plan_traced(model, batch, budget, optimizer, device, loss_fn, **kwargs).plan
 
@@ -115,7 +121,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                 loss_fn: Callable | None = None, *, count_fn: Callable | None = None,
                 allocator=None, on_progress: Callable[[str], None] | None = None,
                 step: Callable | None = None, scheduler: Callable | None = None,
-                **knobs) -> Planned:
+                floor: bool = False, **knobs) -> Planned:
     """``plan``, with the plain and the chosen traces (for plots and reports)."""
     say = on_progress or (lambda message: None)
     k = Knobs.from_kwargs(**knobs)
@@ -170,8 +176,17 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     held = {q: 0 if user_step else _held_bytes(original, q) for q in {p, user}}   # Note 4
     ctx = _Context(k, spec, budget_bytes, baseline_s, b, held, user, default_impl,
                    plain.device_bytes + held[user], bool(variants), user_step is not None)
-    ctx.floor_bytes, floor_choice, floor_est = least_memory(model, batch, models, fixed, k,
-                                                             common, held, b, say)
+    traced_floor = None
+
+    def least():                   # the floor, traced once (Note 5)
+        nonlocal traced_floor
+        if traced_floor is None:
+            traced_floor = least_memory(model, batch, models, fixed, k, common, held, b, say)
+            ctx.floor_bytes = traced_floor[0]
+        return traced_floor
+
+    if floor:
+        least()
 
     if fixed.keep_allowed(base.blocks) and not fixed.offload_optimizer and \
             fixed.micro_batch_size in (None, b):
@@ -202,6 +217,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
             return Planned(_make_plan(ctx, choice, est, models[choice.key], reasons), plain, est)
         short = est.device_bytes + held[q] - budget_bytes + _SLACK_BYTES
         margins[choice.key] = margins.get(choice.key, 0) + short
+    _, floor_choice, floor_est = least()
     if ctx.floor_bytes <= budget_bytes:
         if floor_est is None or floor_est.reserved_bytes == floor_est.peak_bytes and \
                 spec.kind == "cuda":        # extrapolated or not replayed: trace it whole
@@ -231,7 +247,7 @@ class _Context:
     plain_bytes: int               # device bytes of the user's plain step
     impl_searched: bool            # other optimizer implementations were weighed (Note 6)
     user_step: bool = False        # planned for the user's own step (Note 7)
-    floor_bytes: int = 0           # the least re-traced (Note 5)
+    floor_bytes: int | None = None     # the least re-traced, where traced (Note 5)
 
 
 def _modelled_impl(recipe: OptimizerRecipe, params, spec) -> str | None:
@@ -356,5 +372,6 @@ def _make_plan(ctx: _Context, choice: Choice, est, model_pair, reasons: list[str
                 predicted_step_time_ratio=ratio, device=ctx.spec.name,
                 budget_bytes=ctx.budget_bytes,
                 predicted_optimizer_step_bytes=optimizer_rise_bytes(est), batch_size=b,
-                floor_bytes=min(ctx.floor_bytes, device_bytes), block_costs=costs,
+                floor_bytes=None if ctx.floor_bytes is None else min(ctx.floor_bytes, device_bytes),
+                block_costs=costs,
                 reasons=why, **extra)

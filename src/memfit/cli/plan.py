@@ -62,6 +62,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "at length LEN (below the full length), the rest at full length, each "
                         "phase planned to fit")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--floor", action="store_true",
+                   help="also trace the floor, the least any configuration needs, when a plan "
+                        "fits (minutes on a large model; traced anyway when nothing fits)")
     g.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write device bytes over the step before (plain) and after (planned), "
                         "with the budget line")
@@ -106,7 +109,8 @@ def run(args) -> int:
         batch = make_batch(spec, model, args, batch_size, seq_len)
         _check_progressive(batch, args)
         planned = plan_traced(model, batch, target.budget_bytes, args.optimizer, target.device,
-                              on_progress=lambda m: status.update(m + "..."), **_knobs(args))
+                              on_progress=lambda m: status.update(m + "..."), floor=args.floor,
+                              **_knobs(args))
         extras = _extras(spec, model, batch, args, target, status, planned.plan, out)
     p, seconds = planned.plan, time.perf_counter() - start
     described = describe_batch(batch)
