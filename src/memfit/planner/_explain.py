@@ -61,12 +61,15 @@ def _offloads(plan: "Plan") -> bool:
 
 def _globals(plan: "Plan") -> list[str]:
     k = plan.knobs
-    out = [f"precision {k.precision or 'fp32'}"]
     b, m = plan.batch_size, k.micro_batch_size
-    if b and m and m < b:
-        out.append(f"micro-batch {m} x {-(-b // m)} accumulated (batch {b})")
-    elif b:
-        out.append(f"batch {b} in one micro-batch")
+    if k.precision is None and m is None:       # planned for the user's step=fn: its own
+        out = ["precision and micro-batches: the step's own"]
+    else:
+        out = [f"precision {k.precision or 'fp32'}"]
+        if b and m and m < b:
+            out.append(f"micro-batch {m} x {-(-b // m)} accumulated (batch {b})")
+        elif b:
+            out.append(f"batch {b} in one micro-batch")
     out.append("optimizer state on the host" if k.offload_optimizer else
                "optimizer state on the device")
     impl = getattr(k, "optimizer_impl", None)
