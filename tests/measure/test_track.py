@@ -263,3 +263,26 @@ def test_a_forward_that_raised_inside_track_frees_its_activations():
         import gc
         gc.collect()
         assert t.ledger.current_bytes == before
+
+
+def test_figures_read_inside_the_region_do_not_stick_after_it():
+    """Reading peak_bytes while tracking resolves the ledger so far; the figures after exit
+    must be the whole region's (a callback reads them step by step, then closes)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    x = torch.randn(32, 64)
+
+    def step():
+        model(x).sum().backward()
+
+    model.zero_grad(set_to_none=True)
+    with memfit.track(model) as whole:
+        step()
+        step()
+    model.zero_grad(set_to_none=True)       # the same start for both regions
+    t = memfit.track(model)
+    t.__enter__()
+    step()
+    assert t.peak_bytes > 0                 # resolved while the region is open
+    step()
+    t.__exit__(None, None, None)
+    assert t.peak_bytes == whole.peak_bytes and t.timeline == whole.timeline

@@ -115,6 +115,7 @@ class Tracker:
         self._stack.close()
         self._register_state(entry=False)
         self.ledger.close()
+        self._resolved = None       # a figure read inside the region saw only its start
         if self.device_type == "cuda":
             torch.cuda.synchronize()
             self.cuda_max_allocated_bytes = torch.cuda.max_memory_allocated()
