@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from memfit.api._setup import resolve_device
 from memfit.api.estimate import Estimate
 from memfit.api.estimate import estimate as _estimate
 from memfit.integrations._hf_step import (TrainerStep, check_supported, trainer_batch,
@@ -31,6 +32,7 @@ def estimate(trainer, device=None, *, batch=None, budget=None, **knobs) -> Estim
     put through memfit's CUDA models.
     """
     check_supported(trainer)
+    check_gpu_checkpointing(trainer, device)
     batch = trainer_batch(trainer) if batch is None else batch
     step = TrainerStep(trainer)
     optimizer = trainer_optimizer(trainer)
@@ -43,3 +45,19 @@ def estimate(trainer, device=None, *, batch=None, budget=None, **knobs) -> Estim
         knobs.setdefault("offload_optimizer", True)
     return _estimate(trainer.model, batch, optimizer=optimizer, device=device, budget=budget,
                      step=step, scheduler=trainer_scheduler(trainer), **knobs)
+
+
+def check_gpu_checkpointing(trainer, device) -> None:
+    """transformers' own activation checkpointing recomputes in backward, outside the CUDA
+    kernel models a GPU target's trace runs under (``trace.cuda``: memfit's own checkpoint
+    re-enters them, checkpoint Note 4), so its recompute would not match its forward: refused,
+    with memfit's block hooks (the same recompute) as the way."""
+    if resolve_device(trainer.model, device).kind != "cuda":
+        return
+    if trainer.args.activation_checkpointing or \
+            getattr(trainer.model, "is_activation_checkpointing", False):
+        raise ValueError(
+            "gradient_checkpointing=True with a GPU device: transformers' checkpointing "
+            "recomputes outside memfit's CUDA models, so it cannot be traced for a GPU yet. "
+            "Set gradient_checkpointing=False and pass checkpoint='all' (memfit's block hooks: "
+            "the same recompute; fit(trainer, budget) applies it), or estimate for device='cpu'")

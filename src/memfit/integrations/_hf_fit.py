@@ -37,6 +37,7 @@ import contextlib
 import copy
 from dataclasses import dataclass, field
 
+from memfit.api._setup import resolve_device
 from memfit.api.estimate import Estimate
 from memfit.errors import BudgetTooSmall
 from memfit.integrations._hf_estimate import estimate
@@ -150,7 +151,7 @@ def fit(trainer, budget, device=None, *, micro_batch_size: int | None = None,
         return _apply(trainer, own, plain, plain, 1.0, budget_bytes, 1, verbose)
     one = plain if g == 1 else _trace(trainer, Candidate(b, 1, own.mode, False), device)
     time = _time_model(one, args, b)
-    allowed = [c for c in _candidates(trainer, own)
+    allowed = [c for c in _candidates(trainer, own, resolve_device(trainer.model, device))
                if micro_batch_size in (None, c.micro_batch_size)
                and offload_optimizer in (None, c.offload_optimizer)]
     if not allowed:
@@ -203,11 +204,13 @@ def _check_fixed(own: Candidate, m, offload_optimizer, trainer) -> None:
                          "or a scheduler-free optimizer, or leave offload_optimizer unset")
 
 
-def _candidates(trainer, own: Candidate) -> list[Candidate]:
-    """Note 1's configurations (the user's own excluded)."""
+def _candidates(trainer, own: Candidate, spec) -> list[Candidate]:
+    """Note 1's configurations (the user's own excluded); for a GPU target without
+    transformers' checkpointing (``_hf_estimate.check_gpu_checkpointing``)."""
     b, B = own.micro_batch_size, own.micro_batch_size * own.accumulation
     sizes = [m for m in range(1, b + 1) if B % m == 0]
-    modes = ("transformers",) if own.mode == "transformers" else MODES
+    modes = ("transformers",) if own.mode == "transformers" else \
+        tuple(m for m in MODES if m != "transformers" or spec.kind != "cuda")
     offloads = (False,) if trainer.lr_scheduler is not None else (False, True)
     return [Candidate(m, B // m, mode, off) for m in sizes for mode in modes for off in offloads
             if Candidate(m, B // m, mode, off) != own]
