@@ -7,6 +7,7 @@ import json
 import sys
 
 from memfit.cli._args import add_zero_grad_arg, positive_int
+from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, hf_trainer
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model_and_batch, check_paths,
                                 optimizer_impl_knob, resolve_target)
@@ -29,6 +30,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="optimizer whose state is counted (default: adamw)")
     add_optimizer_impl_arg(g)
     add_zero_grad_arg(g)
+    add_hf_args_arg(g)
     g = p.add_argument_group("target and output")
     add_target_args(g, budget_help="check against this many device bytes instead of the "
                                    "GPU's memory, e.g. 10GiB")
@@ -64,6 +66,7 @@ def _check(args) -> None:
 
 def run(args) -> int:
     _check(args)                  # before the imports: bad input is refused at once
+    hf = check_hf_args(args, precision_default="fp32")
     target = resolve_target(args)
     impl = optimizer_impl_knob(args)
     from rich.console import Console
@@ -73,14 +76,17 @@ def run(args) -> int:
 
     console = Console(stderr=args.json)
     with console.status("building the model on the meta device and tracing one step..."):
-        spec, model, batch = build_model_and_batch(args)
-        est = memfit.estimate(model, batch, optimizer=args.optimizer, device=target.device,
-                              budget=target.budget_bytes, precision=args.precision,
-                              micro_batch_size=args.micro_batch_size,
-                              checkpoint=args.checkpoint, offload=args.offload,
-                              offload_optimizer=args.offload_optimizer or None,
-                              remat=args.remat or None, zero_grad=args.zero_grad, **impl,
-                              allocator=AllocatorConfig(expandable_segments=args.expandable_segments))
+        if hf is not None:             # the Trainer run of --hf-args (cli._hf_args Note 1)
+            spec, model, est, batch = _trainer_estimate(args, hf, target)
+        else:
+            spec, model, batch = build_model_and_batch(args)
+            est = memfit.estimate(
+                model, batch, optimizer=args.optimizer, device=target.device,
+                budget=target.budget_bytes, precision=args.precision,
+                micro_batch_size=args.micro_batch_size, checkpoint=args.checkpoint,
+                offload=args.offload, offload_optimizer=args.offload_optimizer or None,
+                remat=args.remat or None, zero_grad=args.zero_grad, **impl,
+                allocator=AllocatorConfig(expandable_segments=args.expandable_segments))
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch)
     if args.plot:
@@ -92,6 +98,7 @@ def run(args) -> int:
     if args.json:
         out = {"model": spec.name, "task": args.task or spec.default_task, "batch": shapes,
                "optimizer": args.optimizer, "reserve_bytes": target.reserve_bytes,
+               **({"hf_args": args.hf_args} if args.hf_args else {}),
                "trainable_parameters": _trainable(model), **spare_and_short(est.to_dict())}
         if args.plot:
             out["plot"] = args.plot
@@ -100,6 +107,18 @@ def run(args) -> int:
         return 0
     _print_human(console, spec, model, est, described, args, target)
     return 0
+
+
+def _trainer_estimate(args, values: dict, target):
+    """The estimate of the --hf-args Trainer run, and one micro-batch of it (for the output)."""
+    from memfit.cli._common import build_model, make_batch
+    from memfit.integrations import transformers as mf_hf
+
+    spec, model = build_model(args)
+    trainer = hf_trainer(spec, model, args, values)
+    est = mf_hf.estimate(trainer, device=target.device, budget=target.budget_bytes)
+    batch = make_batch(spec, model, args, trainer.args.per_device_train_batch_size, args.seq_len)
+    return spec, model, est, batch
 
 
 def _trainable(model) -> int:
@@ -127,8 +146,12 @@ def _print_human(console, spec, model, est, described, args, target) -> None:
     from memfit.report import breakdown_table, verdict
     from memfit.units import format_bytes
 
-    console.print(f"[bold]{spec.name}[/bold] ({args.task or spec.default_task}), {described}, "
-                  f"{est.knobs.precision}, {args.optimizer}")
+    if args.hf_args:
+        console.print(f"[bold]{spec.name}[/bold] ({args.task or spec.default_task}), the Trainer "
+                      f"run of {args.hf_args}: {described} per micro-batch")
+    else:
+        console.print(f"[bold]{spec.name}[/bold] ({args.task or spec.default_task}), {described}, "
+                      f"{est.knobs.precision}, {args.optimizer}")
     if args.freeze or args.lora_rank:
         console.print(trainable_line(model, args))
     if args.zero_grad:

@@ -11,6 +11,7 @@ from memfit.cli._args import add_zero_grad_arg, positive_float, positive_int, pr
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model, check_paths, make_batch,
                                 optimizer_impl_knob, resolve_target)
+from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, export_path, hf_trainer
 from memfit.cli._json import byte_counts_checked
 from memfit.cli.estimate import describe_batch, trainable_line
 from memfit.knobs import PRECISIONS
@@ -62,6 +63,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "at length LEN (below the full length), the rest at full length, each "
                         "phase planned to fit")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_hf_args_arg(g)
     g.add_argument("--floor", action="store_true",
                    help="also trace the floor, the least any configuration needs, when a plan "
                         "fits (minutes on a large model; traced anyway when nothing fits)")
@@ -94,7 +96,10 @@ def _check(args) -> None:
 
 def run(args) -> int:
     _check(args)                  # before the imports: bad input is refused at once
+    hf = check_hf_args(args, precision_default="auto")
     target = resolve_target(args)
+    if hf is not None:
+        return _run_trainer(args, hf, target)
     from rich.console import Console
 
     from memfit.api.plan import plan_traced
@@ -146,6 +151,51 @@ def _host_bytes(est) -> int:
     k = est.knobs
     offloads = k.offload_optimizer or k.offload not in (None, "none")
     return est.host_peak_bytes if offloads else 0
+
+
+def _run_trainer(args, values: dict, target) -> int:
+    """``plan --hf-args F``: fit the Trainer run of F under the budget (cli._hf_args Notes 1-2)."""
+    for flag, value in (("--what-if", args.what_if), ("--progressive", args.progressive),
+                        ("--plot", args.plot), ("--floor", args.floor)):
+        if value:
+            raise ValueError(f"{flag} is for memfit's own step, not with --hf-args")
+    if args.export not in (None, "transformers"):
+        raise ValueError(f"--export {args.export} with --hf-args: the export of a Trainer run "
+                         "is its TrainingArguments: --export transformers")
+    from rich.console import Console
+
+    from memfit.integrations import transformers as mf_hf
+
+    console = Console(stderr=args.json)
+    with console.status("building the model on the meta device and planning the Trainer run..."):
+        spec, model = build_model(args)
+        trainer = hf_trainer(spec, model, args, values)
+        changes = mf_hf.fit(trainer, target.budget_bytes, device=target.device, verbose=False)
+    out = {"model": spec.name, "hf_args": args.hf_args, "budget_bytes": changes.budget_bytes,
+           "plain_device_bytes": changes.plain_device_bytes,
+           "predicted_peak_bytes": changes.predicted_peak_bytes,
+           "predicted_device_bytes": changes.predicted_device_bytes,
+           "predicted_step_time_ratio": changes.predicted_step_time_ratio,
+           "args": {k: after for k, (before, after) in changes.args.items()},
+           "blocks": changes.blocks, "optimizer_offloaded": changes.optimizer_offloaded}
+    not_args = [what for what, on in (
+        ("per-block hooks", any(m != "keep" for m in changes.blocks.values())),
+        ("memfit's optimizer offload", changes.optimizer_offloaded)) if on]
+    if args.export:
+        path = export_path(args.hf_args)
+        path.write_text(json.dumps({**values, **out["args"]}, indent=2) + "\n")
+        out["export"] = {"path": str(path), "not_in_arguments": not_args}
+    if args.json:
+        json.dump(out, sys.stdout, indent=2)
+        print()
+        return 0
+    console.print(str(changes))
+    if args.export:
+        console.print(f"changed TrainingArguments written to {out['export']['path']}")
+        if not_args:
+            console.print(f"not TrainingArguments keywords ({', '.join(not_args)}): "
+                          "memfit.integrations.transformers.fit(trainer, budget) applies them")
+    return 0
 
 
 def _check_progressive_limit(spec, model, args) -> None:
