@@ -18,34 +18,17 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
 
 import torch
 from transformers import TrainerCallback
 
 import memfit
+from memfit.integrations._measure import StepMemory, nvml_used_bytes
 from memfit.units import format_bytes
 
 __all__ = ["MemfitCallback", "StepMemory"]
 
 logger = logging.getLogger("memfit.integrations.transformers")
-
-
-@dataclass
-class StepMemory:
-    """One measured step (Note 1). Bytes; None where the device has no such figure."""
-
-    step: int
-    predicted_peak_bytes: int
-    measured_peak_bytes: int
-    predicted_reserved_bytes: int | None = None
-    measured_reserved_bytes: int | None = None
-    nvml_used_bytes: int | None = None
-
-    @property
-    def error(self) -> float:
-        """(measured - predicted) / predicted, allocated peaks."""
-        return (self.measured_peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
 
 
 class MemfitCallback(TrainerCallback):
@@ -97,7 +80,7 @@ class MemfitCallback(TrainerCallback):
         if self._cuda:
             torch.cuda.synchronize()
             rec = StepMemory(step, self.peak_bytes, torch.cuda.max_memory_allocated(),
-                             self.reserved_bytes, torch.cuda.max_memory_reserved(), _nvml_used())
+                             self.reserved_bytes, torch.cuda.max_memory_reserved(), nvml_used_bytes())
         else:
             rec = StepMemory(step, self.peak_bytes, self._tracker.peak_bytes)
             if step == self.steps:
@@ -138,17 +121,3 @@ class MemfitCallback(TrainerCallback):
                           f"than {self.tolerance:.0%} ({', '.join(off)}). Re-estimate with the "
                           "batch the run takes (estimate(trainer, batch=...)); an all-ones "
                           "attention mask is estimated as an upper bound", stacklevel=2)
-
-
-def _nvml_used() -> int | None:
-    """The device's used memory by NVML, when pynvml imports (Note 1)."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-    except pynvml.NVMLError:
-        return None

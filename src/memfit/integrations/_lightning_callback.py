@@ -12,7 +12,7 @@ RNG: the RNG state is put back afterwards, so the run draws what it would have w
 
 Note 2 (applying). With a ``budget`` the step is planned (``memfit.plan(step=fn)``: per-block
 keep / recompute / selective / offload and the optimizer state's placement) and applied with
-``_accelerate_apply.apply_plan``: block hooks on the module, and an offloaded optimizer set as
+``_apply.apply_plan``: block hooks on the module, and an offloaded optimizer set as
 ``trainer.strategy.optimizers`` (the strategy's own setter, which also rebuilds its
 ``LightningOptimizer`` wrappers), before the first batch. An LR scheduler configured on the
 optimizer would drive the replaced one, so optimizer offload is then not considered (and the
@@ -38,8 +38,8 @@ from lightning.pytorch import Callback
 import memfit
 from memfit.api.estimate import estimate as _estimate
 from memfit.api.plan import plan as _plan
-from memfit.integrations._accelerate_apply import Changes, apply_plan
-from memfit.integrations._hf_callback import StepMemory, _nvml_used
+from memfit.integrations._apply import Changes, apply_plan
+from memfit.integrations._measure import StepMemory, nvml_used_bytes
 from memfit.integrations._lightning_step import (LightningStep, LoopSettings, check_module,
                                                  detached, traced_batch)
 from memfit.units import format_bytes, parse_bytes
@@ -157,7 +157,7 @@ class MemfitPlan(Callback):
         if self._cuda:
             torch.cuda.synchronize()
             rec = StepMemory(step, self.predicted_peak_bytes, torch.cuda.max_memory_allocated(),
-                             nvml_used_bytes=_nvml_used())
+                             nvml_used_bytes=nvml_used_bytes())
         elif self._tracker is not None:
             rec = StepMemory(step, self.predicted_peak_bytes, self._tracker.peak_bytes)
             if step == self.steps:

@@ -16,7 +16,7 @@ changes.remove()                                               # hooks off, opti
 
 ``estimate`` traces the loop body exactly as Accelerate runs it (``_accelerate_step`` Notes
 1-4) through ``memfit.estimate(step=fn)``; ``fit`` plans it with ``memfit.plan(step=fn)`` and
-applies the plan to the prepared model and optimizer (``_accelerate_apply``).
+applies the plan to the prepared model and optimizer (``_apply``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from memfit.api.estimate import Estimate
 from memfit.api.estimate import estimate as _estimate
 from memfit.api.plan import plan as _plan
-from memfit.integrations._accelerate_apply import Changes, apply_plan
+from memfit.integrations._apply import Changes, apply_plan
 from memfit.integrations._accelerate_step import (AccelerateStep, check_supported,
                                                   inner_optimizer, step_state, traced_batch)
 from memfit.units import parse_bytes
@@ -70,7 +70,7 @@ def estimate(accelerator, model, optimizer, batch, step: Callable | None = None,
 def fit(accelerator, model, optimizer, batch, budget, step: Callable | None = None, *,
         device=None, max_grad_norm: float | None = None, verbose: bool = True,
         **knobs) -> Changes:
-    """Plan the loop under ``budget`` device bytes and apply the plan (``_accelerate_apply``).
+    """Plan the loop under ``budget`` device bytes and apply the plan (``_apply``).
 
     Arguments as in ``estimate``; ``model`` and ``optimizer`` must be the prepared ones the
     loop uses. The plan (``memfit.plan(step=fn)``) weighs per-block keep / recompute /

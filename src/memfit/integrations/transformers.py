@@ -20,7 +20,8 @@ except ImportError as e:      # pragma: no cover - exercised only without transf
     raise ImportError("memfit.integrations.transformers needs Hugging Face transformers: "
                       "pip install memfit[hf]") from e
 
-from memfit.integrations._hf_callback import MemfitCallback, StepMemory
+from memfit.integrations._hf_callback import MemfitCallback
+from memfit.integrations._measure import StepMemory
 from memfit.integrations._hf_estimate import estimate
 from memfit.integrations._hf_fit import Changes, fit
 
