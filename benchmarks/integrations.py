@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
 from transformers import PrinterCallback, Trainer, TrainingArguments  # noqa: E402
 
 import memfit  # noqa: E402
@@ -37,6 +36,7 @@ from memfit import zoo  # noqa: E402
 from memfit.integrations import transformers as mf_hf  # noqa: E402
 
 import _record  # noqa: E402
+from _side_by_side import print_predicted_vs_measured  # noqa: E402
 from _timing import CONTROL, interleave  # noqa: E402
 
 MODELS = [("gpt2", dict(n_layer=6, n_embd=256, n_head=4, vocab_size=8192, bos_token_id=0,
@@ -109,23 +109,11 @@ def run_model(name, overrides, bs, seq, steps, rounds, fraction, console):
         timings = interleave(steps_of, rounds, "as configured", warmup=1,
                              on_round=lambda r, n: status.update(
                                  f"{name}: timing, round {r + 1}/{n}"))
-    table = Table(title=f"{name} (6 layers, width 256), Trainer batch {bs} x {seq}, AdamW, fp32, "
-                        f"budget {memfit.format_bytes(budget)} ({fraction:.0%} of the plain "
-                        f"step); time: {steps} steps per round, median [quartiles] of {rounds}")
-    for col in ("setting", "plan", "predicted", "measured", "pred - meas", "predicted time",
-                "time ratio", "CPU-time ratio"):
-        table.add_column(col, justify="right")
-    for row in rows:
-        row.update(timings.row(row["setting"]))
-        table.add_row(row["setting"], row["plan"], memfit.format_bytes(row["predicted_peak_bytes"]),
-                      memfit.format_bytes(row["measured_peak_bytes"]),
-                      f"{row['predicted_minus_measured_bytes']:+d} B",
-                      f"{row['predicted_step_time_ratio']:.2f}x",
-                      str(timings.ratio(row["setting"])),
-                      str(timings.ratio(row["setting"], clock="cpu")))
-    console.print(table)
-    console.print(f"control (as configured vs a second unplanned trainer): "
-                  f"{timings.ratio(CONTROL)} wall, {timings.ratio(CONTROL, clock='cpu')} CPU time")
+    print_predicted_vs_measured(
+        console, f"{name} (6 layers, width 256), Trainer batch {bs} x {seq}, AdamW, fp32, "
+        f"budget {memfit.format_bytes(budget)} ({fraction:.0%} of the plain "
+        f"step); time: {steps} steps per round, median [quartiles] of {rounds}",
+        rows, timings, "as configured vs a second unplanned trainer")
     return rows, {"model": name, **timings.summary()}
 
 

@@ -27,7 +27,6 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
 
 import memfit  # noqa: E402
 from memfit import zoo  # noqa: E402
@@ -35,6 +34,7 @@ from memfit.integrations import accelerate as mf_acc  # noqa: E402
 from memfit.step import prepare_batch  # noqa: E402
 
 import _record  # noqa: E402
+from _side_by_side import print_predicted_vs_measured  # noqa: E402
 from _timing import CONTROL, interleave  # noqa: E402
 
 MODEL = ("gpt2", dict(n_layer=6, n_embd=256, n_head=4, vocab_size=8192, bos_token_id=0,
@@ -122,25 +122,13 @@ def main() -> None:
     with console.status("timing interleaved") as status:
         timings = interleave(steps_of, args.rounds, "unplanned", warmup=1,
                              on_round=lambda r, n: status.update(f"timing, round {r + 1}/{n}"))
-    table = Table(title=f"Accelerate loop: {name} (6 layers, width 256), batch {bs} x {seq}, "
-                        f"accumulation {ACCUMULATION}, AdamW fp32, budget "
-                        f"{memfit.format_bytes(budget)} ({args.fraction:.0%} of the unplanned "
-                        f"step); time: {args.steps} steps per round, median [quartiles] of "
-                        f"{args.rounds}")
-    for col in ("setting", "plan", "predicted", "measured", "pred - meas", "predicted time",
-                "time ratio", "CPU-time ratio"):
-        table.add_column(col, justify="right")
-    for row in rows:
-        row.update(timings.row(row["setting"]))
-        table.add_row(row["setting"], row["plan"], memfit.format_bytes(row["predicted_peak_bytes"]),
-                      memfit.format_bytes(row["measured_peak_bytes"]),
-                      f"{row['predicted_minus_measured_bytes']:+d} B",
-                      f"{row['predicted_step_time_ratio']:.2f}x",
-                      str(timings.ratio(row["setting"])),
-                      str(timings.ratio(row["setting"], clock="cpu")))
-    console.print(table)
-    console.print(f"control (unplanned vs a second unplanned loop): {timings.ratio(CONTROL)} "
-                  f"wall, {timings.ratio(CONTROL, clock='cpu')} CPU time")
+    print_predicted_vs_measured(
+        console, f"Accelerate loop: {name} (6 layers, width 256), batch {bs} x {seq}, "
+        f"accumulation {ACCUMULATION}, AdamW fp32, budget "
+        f"{memfit.format_bytes(budget)} ({args.fraction:.0%} of the unplanned "
+        f"step); time: {args.steps} steps per round, median [quartiles] of "
+        f"{args.rounds}",
+        rows, timings, "unplanned vs a second unplanned loop")
     path = _record.write("integrations-accelerate",
                          {"integration": "accelerate", "model": [name, overrides, bs, seq],
                           "accumulation": ACCUMULATION, "rounds": args.rounds,

@@ -29,7 +29,6 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from transformers import default_data_collator  # noqa: E402
 
@@ -38,6 +37,7 @@ from memfit import zoo  # noqa: E402
 from memfit.integrations import lightning as mf_pl  # noqa: E402
 
 import _record  # noqa: E402
+from _side_by_side import print_predicted_vs_measured  # noqa: E402
 from _timing import CONTROL, interleave  # noqa: E402
 
 OVERRIDES = dict(n_layer=6, n_embd=256, n_head=4, vocab_size=512, bos_token_id=0, eos_token_id=0)
@@ -126,25 +126,13 @@ def main() -> None:
     with console.status("timing interleaved") as status:
         timings = interleave(steps_of, args.rounds, "unplanned", warmup=1,
                              on_round=lambda r, n: status.update(f"timing, round {r + 1}/{n}"))
-    table = Table(title=f"Lightning Trainer.fit: gpt2 (6 layers, width 256, vocabulary 512), "
-                        f"batch {BATCH} x {SEQ}, accumulate_grad_batches {ACCUMULATION}, AdamW "
-                        f"fp32, budget {memfit.format_bytes(budget)} ({args.fraction:.0%} of the "
-                        f"unplanned step); time: {args.steps} steps per fit, median [quartiles] "
-                        f"of {args.rounds}")
-    for col in ("setting", "plan", "predicted", "measured", "pred - meas", "predicted time",
-                "time ratio", "CPU-time ratio"):
-        table.add_column(col, justify="right")
-    for row in rows:
-        row.update(timings.row(row["setting"]))
-        table.add_row(row["setting"], row["plan"], memfit.format_bytes(row["predicted_peak_bytes"]),
-                      memfit.format_bytes(row["measured_peak_bytes"]),
-                      f"{row['predicted_minus_measured_bytes']:+d} B",
-                      f"{row['predicted_step_time_ratio']:.2f}x",
-                      str(timings.ratio(row["setting"])),
-                      str(timings.ratio(row["setting"], clock="cpu")))
-    console.print(table)
-    console.print(f"control (unplanned vs a second unplanned module): {timings.ratio(CONTROL)} "
-                  f"wall, {timings.ratio(CONTROL, clock='cpu')} CPU time")
+    print_predicted_vs_measured(
+        console, f"Lightning Trainer.fit: gpt2 (6 layers, width 256, vocabulary 512), "
+        f"batch {BATCH} x {SEQ}, accumulate_grad_batches {ACCUMULATION}, AdamW "
+        f"fp32, budget {memfit.format_bytes(budget)} ({args.fraction:.0%} of the "
+        f"unplanned step); time: {args.steps} steps per fit, median [quartiles] "
+        f"of {args.rounds}",
+        rows, timings, "unplanned vs a second unplanned module")
     path = _record.write("integrations-lightning",
                          {"integration": "lightning", "model": ["gpt2", OVERRIDES, BATCH, SEQ],
                           "accumulation": ACCUMULATION, "rounds": args.rounds,
