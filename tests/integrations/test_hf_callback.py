@@ -26,7 +26,7 @@ def test_callback_measures_what_was_predicted_and_stays_quiet():
     assert [r.step for r in cb.records] == [1, 2, 3]
     assert all(r.measured_peak_bytes == est.peak_bytes for r in cb.records[1:])
     assert cb.records[0].measured_peak_bytes < est.peak_bytes      # no optimizer state yet
-    assert cb._tracker is None                                     # closed after step 3
+    assert not cb._meter.measuring                                 # closed after step 3
     # the callback's own track measures what an independent one does
     assert est.peak_bytes == measure_trainer_step(tiny_trainer("gpt2", max_steps=4)).peak_bytes
 

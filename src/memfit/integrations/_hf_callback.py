@@ -19,11 +19,9 @@ from __future__ import annotations
 import logging
 import warnings
 
-import torch
 from transformers import TrainerCallback
 
-import memfit
-from memfit.integrations._measure import StepMemory, nvml_used_bytes
+from memfit.integrations._measure import StepMemory, StepMeter
 from memfit.units import format_bytes
 
 __all__ = ["MemfitCallback", "StepMemory"]
@@ -52,52 +50,32 @@ class MemfitCallback(TrainerCallback):
             raise ValueError(f"tolerance={tolerance!r}: a fraction, e.g. 0.05")
         self.steps, self.tolerance = steps, tolerance
         self.records: list[StepMemory] = []
-        self._tracker = None
-        self._cuda = False
+        self._meter = StepMeter()
 
     # -- events ---------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
         self.records = []
-        p = next(model.parameters(), None) if model is not None else None
-        self._cuda = p is not None and p.device.type == "cuda"
-        if not self._cuda:
-            self._tracker = memfit.track(model, getattr(optimizer, "optimizer", optimizer))
-            self._tracker.__enter__()
+        self._meter.open(model, getattr(optimizer, "optimizer", optimizer))
 
     def on_step_begin(self, args, state, control, **kw):
         if state.global_step >= self.steps:
             return
-        if self._cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        elif self._tracker is not None:
-            self._tracker.start_window()
+        self._meter.begin()
 
     def on_step_end(self, args, state, control, **kw):
         step = state.global_step
-        if step > self.steps or (not self._cuda and self._tracker is None):
+        if step > self.steps or not self._meter.measuring:
             return
-        if self._cuda:
-            torch.cuda.synchronize()
-            rec = StepMemory(step, self.peak_bytes, torch.cuda.max_memory_allocated(),
-                             self.reserved_bytes, torch.cuda.max_memory_reserved(), nvml_used_bytes())
-        else:
-            rec = StepMemory(step, self.peak_bytes, self._tracker.peak_bytes)
-            if step == self.steps:
-                self._close()
+        rec = self._meter.end(step, self.peak_bytes, self.reserved_bytes)
+        if step == self.steps:
+            self._meter.close()
         self.records.append(rec)
         self._report(rec)
 
     def on_train_end(self, args, state, control, **kw):
-        self._close()
+        self._meter.close()
 
     # -- internals --------------------------------------------------------------------------
-    def _close(self) -> None:
-        if self._tracker is not None:
-            t, self._tracker = self._tracker, None
-            t.start_window()       # figures already read; a fresh resolution for the exit
-            t.__exit__(None, None, None)
-
     def _report(self, rec: StepMemory) -> None:
         line = (f"memfit step {rec.step}: predicted peak {format_bytes(rec.predicted_peak_bytes)}"
                 f", measured {format_bytes(rec.measured_peak_bytes)} ({rec.error:+.1%})")

@@ -35,11 +35,10 @@ import warnings
 import torch
 from lightning.pytorch import Callback
 
-import memfit
 from memfit.api.estimate import estimate as _estimate
 from memfit.api.plan import plan as _plan
 from memfit.integrations._apply import Changes, apply_plan
-from memfit.integrations._measure import StepMemory, nvml_used_bytes
+from memfit.integrations._measure import StepMemory, StepMeter
 from memfit.integrations._lightning_step import (LightningStep, LoopSettings, check_module,
                                                  detached, traced_batch)
 from memfit.units import format_bytes, parse_bytes
@@ -73,8 +72,7 @@ class MemfitPlan(Callback):
         self.predicted_peak_bytes: int | None = None
         self.changes: Changes | None = None
         self.records: list[StepMemory] = []
-        self._tracker = None
-        self._cuda = False
+        self._meter = StepMeter()
 
     # -- on_fit_start: estimate, plan, apply (Notes 1, 2) --------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -133,50 +131,32 @@ class MemfitPlan(Callback):
     # -- measurement (Note 3) --------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
         self.records = []
-        p = next(pl_module.parameters(), None)
-        self._cuda = p is not None and p.device.type == "cuda"
-        if not self._cuda:
-            self._tracker = memfit.track(pl_module, trainer.optimizers[0])
-            self._tracker.__enter__()
+        self._meter.open(pl_module, trainer.optimizers[0])
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         g = trainer.accumulate_grad_batches
         if batch_idx % g or batch_idx // g >= self.steps:
             return
-        if self._cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        elif self._tracker is not None:
-            self._tracker.start_window()
+        self._meter.begin()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         g = trainer.accumulate_grad_batches
         step = (batch_idx + 1) // g
         if (batch_idx + 1) % g or step > self.steps or self.predicted_peak_bytes is None:
             return
-        if self._cuda:
-            torch.cuda.synchronize()
-            rec = StepMemory(step, self.predicted_peak_bytes, torch.cuda.max_memory_allocated(),
-                             nvml_used_bytes=nvml_used_bytes())
-        elif self._tracker is not None:
-            rec = StepMemory(step, self.predicted_peak_bytes, self._tracker.peak_bytes)
-            if step == self.steps:
-                self._close()
-        else:
+        rec = self._meter.end(step, self.predicted_peak_bytes)
+        if rec is None:
             return
+        if step == self.steps:
+            self._meter.close()
         self.records.append(rec)
         self._report(rec)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        self._close()
+        self._meter.close()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._tracker is not None:
-            t, self._tracker = self._tracker, None
-            t.__exit__(None, None, None)
+        self._meter.close()
 
     def _report(self, rec: StepMemory) -> None:
         line = (f"memfit step {rec.step}: predicted peak {format_bytes(rec.predicted_peak_bytes)}"

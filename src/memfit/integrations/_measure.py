@@ -1,4 +1,5 @@
-"""What the integrations' callbacks share: one measured step, and NVML's view of the card."""
+"""What the integrations' callbacks share: measuring the first steps of a real run
+(``StepMeter``), one measured step (``StepMemory``), and NVML's view of the card."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StepMemory", "nvml_used_bytes"]
+import memfit
+
+__all__ = ["StepMeter", "StepMemory", "nvml_used_bytes"]
 
 
 @dataclass
@@ -40,3 +43,49 @@ def nvml_used_bytes() -> int | None:
         return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
     except pynvml.NVMLError:
         return None
+
+
+class StepMeter:
+    """Measures steps of a real run. On CUDA: the allocator's peak over each step (stats reset
+    at its start) and NVML's used bytes at its end. Elsewhere: one ``memfit.track`` opened by
+    ``open`` (so everything the loop makes is counted from its birth), read over each step."""
+
+    def __init__(self):
+        self.cuda = False
+        self._tracker = None
+
+    def open(self, model, optimizer) -> None:
+        p = next(model.parameters(), None) if model is not None else None
+        self.cuda = p is not None and p.device.type == "cuda"
+        if not self.cuda:
+            self._tracker = memfit.track(model, optimizer)
+            self._tracker.__enter__()
+
+    @property
+    def measuring(self) -> bool:
+        return self.cuda or self._tracker is not None
+
+    def begin(self) -> None:
+        """A step starts."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        elif self._tracker is not None:
+            self._tracker.start_window()
+
+    def end(self, step: int, predicted_peak_bytes: int,
+            predicted_reserved_bytes: int | None = None) -> StepMemory | None:
+        """The step that began last, measured (None when not measuring)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return StepMemory(step, predicted_peak_bytes, torch.cuda.max_memory_allocated(),
+                              predicted_reserved_bytes, torch.cuda.max_memory_reserved(),
+                              nvml_used_bytes())
+        if self._tracker is None:
+            return None
+        return StepMemory(step, predicted_peak_bytes, self._tracker.peak_bytes)
+
+    def close(self) -> None:
+        if self._tracker is not None:
+            t, self._tracker = self._tracker, None
+            t.__exit__(None, None, None)
