@@ -9,27 +9,44 @@ itself reports 143,156 MiB there, more than 141e9 bytes). ``usable_bytes`` is th
 ``cudaMemGetInfo`` / ``torch.cuda.get_device_properties(i).total_memory`` reports: memory_bytes less
 what the driver keeps (and, on GDDR cards with ECC on, 1/16 of the memory for check bits). Figures are
 the ``total_memory`` torch prints (``total_memory=...MB``, in MiB) as found in public logs; they move
-by a few MiB between drivers. Where no such log was found the entry says so and takes
-``_DRIVER_RESERVE_FRACTION`` off the ``nvidia-smi`` total instead.
+by a few MiB between drivers. Where no such log was found the entry says so, ``usable_measured``
+is False, and ``_DRIVER_RESERVE_FRACTION`` is taken off the ``nvidia-smi`` total (or, where no
+such total is published either, off ``memory_bytes``). ``memory_bytes - usable_bytes`` is what
+the driver (and ECC) keeps of the card: ``reserved_bytes``, the line the card breakdown
+(``memfit.trace.card``) adds to a step's device bytes to give the card as NVML counts it.
 
 Note 2: tensor throughput. ``peak_fp16_flops``/``peak_bf16_flops`` are *dense* tensor-core rates
 with fp32 accumulate (what mixed-precision training runs); NVIDIA datasheets often quote the 2:4
 sparse rate, which we halve. GeForce cards run fp32-accumulate at half their fp16-accumulate rate;
 Quadro/RTX-A and datacenter cards run it at full rate. Cards without tensor cores give their plain
-fp16 rate (1/64 of fp32 on GP102). Where a card comes as SXM and PCIe, the entry is the SXM part.
+fp16 rate (1/64 of fp32 on GP102, 2x on GP100). Where a card comes as SXM and PCIe, the bare name
+is the SXM part; the PCIe parts of the A100 and H100 have entries of their own.
 
 Note 3: host link. ``host_link_bytes_per_s`` is a realistic one-direction pinned-memory copy rate,
-not the link's raw rate: PCIe 3.0 x16 ~12e9, 4.0 x16 ~25e9, 5.0 x16 ~50e9 B/s.
+not the link's raw rate: PCIe 3.0 x16 ~12e9, 4.0 x16 ~25e9 (x8: half), 5.0 x16 ~50e9 B/s; Grace
+Hopper's NVLink-C2C is given at its raw 450e9 (no copy-rate measurement found).
 
 Note 4: memory torch does not report as tensors. The CUDA context (driver state plus the
-kernels of the libraries loaded, with lazy module loading, the default since CUDA 11.7) is
-device memory that ``torch.cuda.memory_allocated`` never sees: ``cuda_context_bytes`` is a
-per-architecture figure (``_CONTEXT_BYTES``, approximate, checked by ``benchmarks/gpu_check.py``
-where a GPU is lent). The cuBLAS workspace *is* allocated through the caching allocator, at
-the first matmul, and kept: PyTorch's default ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8``
-(32 MiB) on sm90 and later and ``:4096:2:16:8`` (8 MiB + 128 KiB) before, plus a 1 MiB
-cuBLASLt workspace (``CUBLASLT_WORKSPACE_SIZE``); see ``getChosenWorkspaceSize`` in
-aten/src/ATen/cuda/CublasHandlePool.cpp.
+kernels loaded; with lazy module loading, the default since CUDA 11.7 and torch 1.13, kernels
+load as a step first runs them) is device memory that ``torch.cuda.memory_allocated`` never
+sees: ``cuda_context_bytes`` is the context as a training step leaves it, of which
+``library_kernels_bytes`` are the kernels the step loaded; ``cudnn_bytes`` is what cuDNN adds
+when a convolution runs. Their figures, each from a public measurement, depend on the
+architecture, the CUDA version and the loading mode (``memfit._cuda_overhead``, its Notes); a
+profile measured on the user's card replaces them (``DeviceSpec.load``, ``memfit calibrate``).
+The cuBLAS workspace *is* allocated through the caching allocator, at the first matmul, and
+kept: PyTorch's default ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8`` (32 MiB) on sm90 and later and
+``:4096:2:16:8`` (8 MiB + 128 KiB) before, plus a 1 MiB cuBLASLt workspace
+(``CUBLASLT_WORKSPACE_SIZE``); see ``getChosenWorkspaceSize`` in
+aten/src/ATen/cuda/CublasHandlePool.cpp. On an A10G (sm_86) the 8 MiB + 128 KiB is measured:
+8,519,680 bytes left allocated after one ``nn.Linear`` (pytorch/pytorch#95668).
+
+Note 5: the CUDA version. ``cuda_version`` is the CUDA the figures assume: what the installed
+torch was built for (``torch.version.cuda``); a CPU-only wheel has none, and then
+``ASSUMED_CUDA_VERSION`` (12.8, the default wheels') is taken and said in ``figure_notes``,
+which every estimate repeats. ``with_cuda`` / ``get_device(..., cuda_version=)`` choose
+another; an architecture that a CUDA release does not build for is refused (Blackwell needs
+12.8, CUDA 13 drops Pascal and Volta).
 """
 
 from __future__ import annotations
@@ -42,13 +59,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from memfit import _gpu_table
+from memfit._cuda_overhead import (ASSUMED_CUDA_VERSION, MAX_CUDA, MIN_CUDA, context_figure,
+                                   cudnn_figure, lazy_loading, parse_cuda_version,
+                                   step_kernels_figure)
 from memfit.units import GiB, MiB
 
-__all__ = ["DeviceSpec", "GPUS", "ALIASES", "cpu_spec", "get_device", "list_devices"]
+__all__ = ["DeviceSpec", "GPUS", "ALIASES", "cpu_spec", "get_device", "list_devices", "with_cuda"]
 
 _PCIE3 = 12e9  # B/s, PCIe 3.0 x16 one direction (Note 3)
 _PCIE4 = 25e9  # B/s, PCIe 4.0 x16
 _PCIE5 = 50e9  # B/s, PCIe 5.0 x16
+_C2C = 450e9   # B/s, NVLink-C2C (Grace Hopper) one direction, the raw rate (Note 3)
 
 # Fraction of the nvidia-smi total the driver keeps out of cudaMemGetInfo where no measured figure
 # was found (Note 1). Measured: H100 81,559 -> 81,089 MiB (0.6%), H200 143,771 -> 143,156 MiB
@@ -58,6 +80,7 @@ _DRIVER_RESERVE_FRACTION = 0.02
 _ARCH_BY_CC = {(6, 0): "pascal", (6, 1): "pascal", (7, 0): "volta", (7, 5): "turing",
                (8, 0): "ampere", (8, 6): "ampere", (8, 7): "ampere", (8, 9): "ada",
                (9, 0): "hopper", (10, 0): "blackwell", (12, 0): "blackwell"}
+# sm_60 (GP100: P100) has no tensor cores but runs fp16 at twice fp32; GP102 (sm_61) at 1/64.
 
 
 @dataclass(frozen=True)
@@ -79,6 +102,21 @@ class DeviceSpec:
     architecture: str  # "pascal", "volta", "turing", "ampere", "ada", "hopper", ..., "cpu"
     cuda_context_bytes: int = 0  # bytes the CUDA context and loaded kernels take (Note 4)
     cublas_workspace_bytes: int = 0  # bytes of cuBLAS + cuBLASLt workspace, allocated once (Note 4)
+    library_kernels_bytes: int = 0  # bytes of cuda_context_bytes a step's first kernels load (Note 4)
+    cudnn_bytes: int = 0  # bytes cuDNN adds outside the allocator when convolutions run (Note 4)
+    cuda_version: tuple[int, int] | None = None  # CUDA the figures assume (Note 5); None on CPU
+    module_loading: str = "lazy"  # "lazy" or "eager": CUDA_MODULE_LOADING (Note 4)
+    figure_notes: tuple[str, ...] = ()  # where the non-allocator figures come from (Note 5)
+    usable_measured: bool = True  # usable_bytes read off a log (False: the Note 1 fallback)
+    profile_path: str | None = None  # the device profile these figures were measured in, if any
+
+    @classmethod
+    def load(cls, path: str) -> "DeviceSpec":
+        """The device a ``memfit calibrate`` profile (JSON) describes, with its measured figures;
+        ValueError naming the file and the field for a bad one (``memfit._device_profile``)."""
+        from memfit._device_profile import load_profile
+
+        return load_profile(path)
 
     def __post_init__(self) -> None:
         where = f"DeviceSpec {self.name!r}"
@@ -96,6 +134,17 @@ class DeviceSpec:
         if self.usable_bytes > self.memory_bytes:
             raise ValueError(f"{where}: usable_bytes ({self.usable_bytes}) cannot exceed "
                              f"memory_bytes ({self.memory_bytes})")
+        for field in ("cuda_context_bytes", "cublas_workspace_bytes", "library_kernels_bytes",
+                      "cudnn_bytes"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 0:
+                raise ValueError(f"{where}: {field} must be a whole number of bytes >= 0, got "
+                                 f"{getattr(self, field)!r}")
+        if self.library_kernels_bytes > self.cuda_context_bytes:
+            raise ValueError(f"{where}: library_kernels_bytes ({self.library_kernels_bytes}) is "
+                             f"part of cuda_context_bytes ({self.cuda_context_bytes}), not more")
+        if self.module_loading not in ("lazy", "eager"):
+            raise ValueError(f"{where}: module_loading must be 'lazy' or 'eager', got "
+                             f"{self.module_loading!r}")
         if self.supports_bf16 != (self.peak_bf16_flops > 0):
             raise ValueError(f"{where}: supports_bf16={self.supports_bf16} but peak_bf16_flops="
                              f"{self.peak_bf16_flops!r}; give bf16 FLOP/s exactly when bf16 "
@@ -124,117 +173,104 @@ class DeviceSpec:
                          "or torch.bfloat16")
 
 
-_CONTEXT_BYTES = {"pascal": 300 * MiB, "volta": 320 * MiB, "turing": 320 * MiB,
-                  "ampere": 420 * MiB, "ada": 420 * MiB, "hopper": 520 * MiB,
-                  "blackwell": 560 * MiB}   # Note 4: approximate, unvalidated
-
-
 def _cublas_workspace_bytes(cc: tuple[int, int]) -> int:
     """Note 4: cuBLAS default workspace by compute capability, plus cuBLASLt's 1 MiB."""
     cublas = 4096 * 1024 * 8 if cc[0] >= 9 else (4096 * 2 + 16 * 8) * 1024
     return cublas + 1024 * 1024
 
 
-def _gpu(name: str, display_name: str, *, memory_bytes: int, usable_bytes: int, fp32: float,
-         fp16: float, bf16: float, bandwidth: float, host_link: float,
-         cc: tuple[int, int]) -> DeviceSpec:
-    """A table entry: units as in DeviceSpec (bytes, FLOP/s, B/s); architecture from ``cc``."""
-    return DeviceSpec(name=name, display_name=display_name, kind="cuda", memory_bytes=memory_bytes,
-                      usable_bytes=usable_bytes, peak_fp32_flops=fp32, peak_fp16_flops=fp16,
-                      peak_bf16_flops=bf16, memory_bandwidth_bytes_per_s=bandwidth,
-                      host_link_bytes_per_s=host_link, supports_bf16=bf16 > 0,
+def _default_cuda() -> tuple[tuple[int, int], str | None]:
+    """The CUDA the installed torch was built for, and a note when it is assumed (Note 5)."""
+    if torch.version.cuda:
+        return parse_cuda_version(torch.version.cuda), None
+    major, minor = ASSUMED_CUDA_VERSION
+    return ASSUMED_CUDA_VERSION, (f"this torch ({torch.__version__}) has no CUDA: the figures "
+                                  f"assume CUDA {major}.{minor}; pass --cuda-version / "
+                                  "cuda_version= for yours")
+
+
+def with_cuda(spec: DeviceSpec, cuda_version=None, module_loading: str | None = None) -> DeviceSpec:
+    """``spec`` with its non-allocator figures (context, kernels, cuDNN) for ``cuda_version``
+    ("12", "12.4", (12, 4); default: torch's, Note 5) and ``module_loading`` ("lazy" or
+    "eager", what ``CUDA_MODULE_LOADING`` says; default: the spec's, "lazy" for table entries,
+    torch's default since 1.13). The API reads no environment variable; the CLI's
+    ``--module-loading`` defaults to the shell's ``CUDA_MODULE_LOADING``."""
+    if spec.kind != "cuda":
+        if cuda_version is not None:
+            raise ValueError(f"cuda_version={cuda_version!r} is for a GPU; {spec.name} is not one")
+        return spec
+    if spec.profile_path is not None:
+        if cuda_version is not None and parse_cuda_version(cuda_version)[0] != spec.cuda_version[0]:
+            raise ValueError(f"the device profile {spec.profile_path} was measured under CUDA "
+                             f"{spec.cuda_version[0]}.{spec.cuda_version[1]}: measure another with "
+                             "`memfit calibrate` under the CUDA you want, or drop --cuda-version")
+        return spec
+    notes = []
+    if cuda_version is None:
+        cuda, assumed = _default_cuda()
+        notes += [assumed] if assumed else []
+    else:
+        cuda = parse_cuda_version(cuda_version)
+    low, high = MIN_CUDA.get(spec.architecture), MAX_CUDA.get(spec.architecture)
+    if low and cuda < low or high and cuda > high:
+        span = f"{low[0]}.{low[1]}" + (f" to {high[0]}.{high[1]}" if high else " or later")
+        raise ValueError(f"the {spec.display_name} ({spec.architecture}, sm_"
+                         f"{spec.compute_capability[0]}{spec.compute_capability[1]}) runs under "
+                         f"CUDA {span}, not {cuda[0]}.{cuda[1]}: give a --cuda-version in that range")
+    module_loading = module_loading or spec.module_loading
+    if module_loading not in ("lazy", "eager"):
+        raise ValueError(f"module_loading must be 'lazy' or 'eager' (CUDA_MODULE_LOADING), "
+                         f"got {module_loading!r}")
+    context = context_figure(spec.architecture, cuda, module_loading)
+    kernels = step_kernels_figure(cuda, module_loading)
+    cudnn = cudnn_figure(cuda, module_loading)
+    mode = "lazy" if lazy_loading(cuda, module_loading) else "eager"
+    notes.append(f"CUDA {cuda[0]}.{cuda[1]}, {mode} module loading: context "
+                 f"{context.bytes / MiB:.0f} MiB ({'' if context.exact else 'no measurement for '}"
+                 f"{'' if context.exact else spec.architecture + ' here; '}{context.source})"
+                 + (f" + {kernels.bytes / MiB:.0f} MiB of kernels a step loads ({kernels.source})"
+                    if kernels.bytes else ""))
+    return replace(spec, cuda_version=cuda, module_loading=module_loading,
+                   cuda_context_bytes=context.bytes + kernels.bytes,
+                   library_kernels_bytes=kernels.bytes, cudnn_bytes=cudnn.bytes,
+                   figure_notes=tuple(notes))
+
+
+def _link(name: str) -> float:
+    return {"pcie3": _PCIE3, "pcie4": _PCIE4, "pcie4x8": _PCIE4 / 2, "pcie5": _PCIE5,
+            "c2c": _C2C}[name]
+
+
+def _usable_bytes(row: dict) -> int:
+    """Note 1: the CUDA total a public log gives, else the fallback off nvidia-smi's total."""
+    if row["usable"] is not None:
+        return row["usable"] * MiB
+    total = row.get("smi", row["mem"] * 1024) * MiB
+    return int(total * (1 - _DRIVER_RESERVE_FRACTION)) // MiB * MiB
+
+
+def _gpu(row: dict) -> DeviceSpec:
+    """A table entry from one row of ``memfit._gpu_table`` (units as in DeviceSpec)."""
+    cc = row["cc"]
+    spec = DeviceSpec(name=row["name"], display_name=row["display"], kind="cuda",
+                      memory_bytes=row["mem"] * GiB, usable_bytes=_usable_bytes(row),
+                      peak_fp32_flops=row["fp32"], peak_fp16_flops=row["fp16"],
+                      peak_bf16_flops=row["bf16"], memory_bandwidth_bytes_per_s=row["bw"],
+                      host_link_bytes_per_s=_link(row["link"]), supports_bf16=row["bf16"] > 0,
                       compute_capability=cc, architecture=_ARCH_BY_CC[cc],
-                      cuda_context_bytes=_CONTEXT_BYTES[_ARCH_BY_CC[cc]],
-                      cublas_workspace_bytes=_cublas_workspace_bytes(cc))
+                      cublas_workspace_bytes=_cublas_workspace_bytes(cc),
+                      usable_measured=row["usable"] is not None)
+    return with_cuda(spec, module_loading="lazy")
 
 
-_TABLE = (
-    # NVIDIA GeForce GTX 1080 Ti spec page (3584 cores x 1582 MHz boost); Pascal GP102 runs fp16
-    # at 1/64 of fp32 and has no tensor cores. CUDA total 11,178 MiB ("10.92 GiB total capacity").
-    _gpu("gtx-1080-ti", "NVIDIA GeForce GTX 1080 Ti", memory_bytes=11 * GiB, usable_bytes=11_178 * MiB,
-         fp32=11.34e12, fp16=11.34e12 / 64, bf16=0.0, bandwidth=484e9, host_link=_PCIE3, cc=(6, 1)),
-    # NVIDIA Turing architecture whitepaper, RTX 2080 Ti reference clocks (GeForce: fp32 accumulate
-    # at half rate). CUDA total 11,019 MiB.
-    _gpu("rtx-2080-ti", "NVIDIA GeForce RTX 2080 Ti", memory_bytes=11 * GiB, usable_bytes=11_019 * MiB,
-         fp32=13.45e12, fp16=53.8e12, bf16=0.0, bandwidth=616e9, host_link=_PCIE3, cc=(7, 5)),
-    # NVIDIA T4 datasheet: 8.1 TFLOPS fp32, 65 TFLOPS mixed fp16/fp32, 320 GB/s. ECC on by default
-    # (nvidia-smi 15,360 MiB = 15/16 of 16 GiB); CUDA total 15,095-15,109 MiB across drivers.
-    _gpu("t4", "NVIDIA Tesla T4", memory_bytes=16 * GiB, usable_bytes=15_095 * MiB,
-         fp32=8.1e12, fp16=65e12, bf16=0.0, bandwidth=320e9, host_link=_PCIE3, cc=(7, 5)),
-    # NVIDIA Tesla V100 datasheet, SXM2: 15.7 TFLOPS fp32, 125 TFLOPS tensor, 900 GB/s (PCIe part:
-    # 14 / 112). CUDA total 16,160 MiB.
-    _gpu("v100-16gb", "NVIDIA Tesla V100-SXM2-16GB", memory_bytes=16 * GiB, usable_bytes=16_160 * MiB,
-         fp32=15.7e12, fp16=125e12, bf16=0.0, bandwidth=900e9, host_link=_PCIE3, cc=(7, 0)),
-    # NVIDIA Tesla V100 datasheet, SXM2 32 GB. CUDA total 32,510 MiB.
-    _gpu("v100-32gb", "NVIDIA Tesla V100-SXM2-32GB", memory_bytes=32 * GiB, usable_bytes=32_510 * MiB,
-         fp32=15.7e12, fp16=125e12, bf16=0.0, bandwidth=900e9, host_link=_PCIE3, cc=(7, 0)),
-    # NVIDIA Quadro RTX 6000 datasheet: 16.3 TFLOPS fp32, 130.5 TFLOPS tensor, 672 GB/s, PCIe 3.0.
-    # CUDA total 24,220 MiB with ECC off (its default); with ECC on about 22,698 MiB.
-    _gpu("rtx-6000", "NVIDIA Quadro RTX 6000", memory_bytes=24 * GiB, usable_bytes=24_220 * MiB,
-         fp32=16.3e12, fp16=130.5e12, bf16=0.0, bandwidth=672e9, host_link=_PCIE3, cc=(7, 5)),
-    # NVIDIA Ampere GA102 whitepaper, RTX 3090: 35.6 TFLOPS fp32, 71 TFLOPS fp16/bf16 tensor with
-    # fp32 accumulate, 936 GB/s. CUDA total 24,259-24,268 MiB.
-    _gpu("rtx-3090", "NVIDIA GeForce RTX 3090", memory_bytes=24 * GiB, usable_bytes=24_259 * MiB,
-         fp32=35.6e12, fp16=71e12, bf16=71e12, bandwidth=936e9, host_link=_PCIE4, cc=(8, 6)),
-    # NVIDIA Ada Lovelace whitepaper, RTX 4090: 82.6 TFLOPS fp32, 165.2 TFLOPS fp16/bf16 tensor with
-    # fp32 accumulate, 1008 GB/s. CUDA total 24,563 MiB on a recent driver (some report less).
-    _gpu("rtx-4090", "NVIDIA GeForce RTX 4090", memory_bytes=24 * GiB, usable_bytes=24_563 * MiB,
-         fp32=82.6e12, fp16=165.2e12, bf16=165.2e12, bandwidth=1008e9, host_link=_PCIE4, cc=(8, 9)),
-    # NVIDIA RTX A6000 datasheet: 38.7 TFLOPS fp32, 309.7 TFLOPS tensor with sparsity, 768 GB/s.
-    # CUDA total 48,676 MiB (ECC off).
-    _gpu("rtx-a6000", "NVIDIA RTX A6000", memory_bytes=48 * GiB, usable_bytes=48_676 * MiB,
-         fp32=38.7e12, fp16=309.7e12 / 2, bf16=309.7e12 / 2, bandwidth=768e9, host_link=_PCIE4,
-         cc=(8, 6)),
-    # NVIDIA L4 datasheet: 30.3 TFLOPS fp32, 242 TFLOPS fp16/bf16 with sparsity, 300 GB/s. ECC on:
-    # nvidia-smi 23,034 MiB. No measured CUDA total found: _DRIVER_RESERVE_FRACTION taken off.
-    _gpu("l4", "NVIDIA L4", memory_bytes=24 * GiB,
-         usable_bytes=int(23_034 * MiB * (1 - _DRIVER_RESERVE_FRACTION)) // MiB * MiB,
-         fp32=30.3e12, fp16=242e12 / 2, bf16=242e12 / 2, bandwidth=300e9, host_link=_PCIE4, cc=(8, 9)),
-    # NVIDIA A100 datasheet, SXM 40 GB: 19.5 TFLOPS fp32, 312 TFLOPS fp16/bf16 dense, 1555 GB/s.
-    # CUDA total 40,536 MiB.
-    _gpu("a100-40gb", "NVIDIA A100-SXM4-40GB", memory_bytes=40 * GiB, usable_bytes=40_536 * MiB,
-         fp32=19.5e12, fp16=312e12, bf16=312e12, bandwidth=1555e9, host_link=_PCIE4, cc=(8, 0)),
-    # NVIDIA A100 datasheet, SXM 80 GB: 2039 GB/s (the PCIe 80 GB part: 1935 GB/s). CUDA total about
-    # 81,251 MiB (OOM messages: "79.35 GiB total capacity").
-    _gpu("a100-80gb", "NVIDIA A100-SXM4-80GB", memory_bytes=80 * GiB, usable_bytes=81_251 * MiB,
-         fp32=19.5e12, fp16=312e12, bf16=312e12, bandwidth=2039e9, host_link=_PCIE4, cc=(8, 0)),
-    # NVIDIA H100 datasheet, SXM5: 67 TFLOPS fp32, 1979 TFLOPS fp16/bf16 with sparsity, 3.35 TB/s.
-    # CUDA total 81,082-81,090 MiB.
-    _gpu("h100-80gb", "NVIDIA H100 80GB HBM3", memory_bytes=80 * GiB, usable_bytes=81_089 * MiB,
-         fp32=67e12, fp16=1979e12 / 2, bf16=1979e12 / 2, bandwidth=3.35e12, host_link=_PCIE5,
-         cc=(9, 0)),
-    # NVIDIA H200 datasheet, SXM: 141 GB HBM3e (read as GiB, Note 1), 4.8 TB/s, 67 TFLOPS fp32,
-    # 1979 TFLOPS fp16/bf16 with sparsity. CUDA total 143,156 MiB (139.8 GiB).
-    _gpu("h200", "NVIDIA H200", memory_bytes=141 * GiB, usable_bytes=143_156 * MiB,
-         fp32=67e12, fp16=1979e12 / 2, bf16=1979e12 / 2, bandwidth=4.8e12, host_link=_PCIE5,
-         cc=(9, 0)),
-)
-
-GPUS: dict[str, DeviceSpec] = {spec.name: spec for spec in _TABLE}
-"""Known GPUs by canonical name, roughly oldest first."""
+GPUS: dict[str, DeviceSpec] = {row["name"]: _gpu(row) for row in _gpu_table.ROWS}
+"""Known GPUs by canonical name (``memfit._gpu_table``), roughly oldest first."""
 
 # Other spellings -> canonical name. Matching ignores case, separators and the words "nvidia",
 # "geforce", "tesla", "quadro" (see _normalize), so "GTX 1080 Ti" and "nvidia-geforce-gtx-1080-ti"
 # need no entry of their own. A bare model name picks the first (smallest-memory) variant, the
-# cautious choice for a memory planner: "v100" -> v100-16gb, "a100" -> a100-40gb. PCIe variants
-# resolve to the SXM entry (same memory, somewhat lower clocks and bandwidth).
-ALIASES: dict[str, str] = {
-    "1080ti": "gtx-1080-ti", "1080-ti": "gtx-1080-ti",
-    "2080ti": "rtx-2080-ti", "2080-ti": "rtx-2080-ti",
-    "t4-16gb": "t4",
-    "v100": "v100-16gb", "v100-16": "v100-16gb", "v100-32": "v100-32gb",
-    "v100-sxm2-16gb": "v100-16gb", "v100-pcie-16gb": "v100-16gb",
-    "v100-sxm2-32gb": "v100-32gb", "v100-pcie-32gb": "v100-32gb",
-    "3090": "rtx-3090", "4090": "rtx-4090",
-    "rtx6000": "rtx-6000", "quadro-rtx-6000": "rtx-6000",
-    "a6000": "rtx-a6000",
-    "a100": "a100-40gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb",
-    "a100-sxm4-40gb": "a100-40gb", "a100-pcie-40gb": "a100-40gb",
-    "a100-sxm4-80gb": "a100-80gb", "a100-80gb-pcie": "a100-80gb",
-    "h100": "h100-80gb", "h100-80": "h100-80gb", "h100-sxm": "h100-80gb", "h100-sxm5": "h100-80gb",
-    "h100-80gb-hbm3": "h100-80gb",
-    "h200-141gb": "h200", "h200-sxm": "h200",
-}
+# cautious choice for a memory planner: "v100" -> v100-16gb, "a100" -> a100-40gb.
+ALIASES: dict[str, str] = dict(_gpu_table.ALIASES)
 
 
 def _normalize(name: str) -> str:
@@ -296,22 +332,32 @@ def _spec_from_cuda(device: torch.device) -> DeviceSpec:
     fp16 = fp32 * 4 if cc >= (7, 0) else fp32 / 64
     bf16 = fp16 if cc >= (8, 0) else 0.0
     link = _PCIE5 if cc >= (9, 0) else _PCIE4 if cc >= (8, 0) else _PCIE3
-    return DeviceSpec(name=_normalize(props.name) or f"cuda-{index}", display_name=props.name,
+    spec = DeviceSpec(name=_normalize(props.name) or f"cuda-{index}", display_name=props.name,
                       kind="cuda", memory_bytes=-(-total // GiB) * GiB, usable_bytes=total,
                       peak_fp32_flops=fp32, peak_fp16_flops=fp16, peak_bf16_flops=bf16,
                       memory_bandwidth_bytes_per_s=500e9, host_link_bytes_per_s=link,
                       supports_bf16=bf16 > 0, compute_capability=cc,
                       architecture=_ARCH_BY_CC.get(cc, f"sm_{cc[0]}{cc[1]}"),
-                      cuda_context_bytes=_CONTEXT_BYTES.get(_ARCH_BY_CC.get(cc), 400 * MiB),
                       cublas_workspace_bytes=_cublas_workspace_bytes(cc))
+    return with_cuda(spec)
 
 
-def get_device(name_or_spec: DeviceSpec | str | torch.device) -> DeviceSpec:
+def get_device(name_or_spec: DeviceSpec | str | torch.device, *, cuda_version=None,
+               module_loading: str | None = None) -> DeviceSpec:
     """Resolve a device: a DeviceSpec (as is), "cpu", "cuda"/"cuda:N"/torch.device, or a GPU name.
 
     GPU names are the keys of :data:`GPUS` or :data:`ALIASES`, in any case and spacing
     ("GTX 1080 Ti", "1080ti", "a100-80"). Raises ValueError, with close names, for unknown ones.
+    ``cuda_version`` ("12", "12.4") and ``module_loading`` ("lazy", "eager") choose the CUDA the
+    context figures assume (Note 5, ``with_cuda``); by default, torch's and lazy.
     """
+    spec = _resolve(name_or_spec)
+    if cuda_version is None and module_loading is None:
+        return spec
+    return with_cuda(spec, cuda_version, module_loading)
+
+
+def _resolve(name_or_spec) -> DeviceSpec:
     if isinstance(name_or_spec, DeviceSpec):
         return name_or_spec
     if isinstance(name_or_spec, torch.device):
@@ -329,6 +375,8 @@ def get_device(name_or_spec: DeviceSpec | str | torch.device) -> DeviceSpec:
         return cpu_spec()
     if text == "cuda" or re.fullmatch(r"cuda:\d+", text):
         return _spec_from_cuda(torch.device(text))
+    if text.endswith(".json"):
+        return DeviceSpec.load(name_or_spec.strip())
     key = _normalize(text)
     if key in _INDEX:
         return GPUS[_INDEX[key]]
@@ -336,4 +384,5 @@ def get_device(name_or_spec: DeviceSpec | str | torch.device) -> DeviceSpec:
     suggestions = list(dict.fromkeys(_INDEX[c] for c in close))[:3]
     hint = f"did you mean {', '.join(repr(s) for s in suggestions)}? " if suggestions else ""
     raise ValueError(f"unknown device {name_or_spec!r}: {hint}List the known GPUs with "
-                     "memfit.devices.list_devices(), or pass 'cpu', 'cuda' or a DeviceSpec")
+                     "memfit.devices.list_devices(), or pass 'cpu', 'cuda', a device profile "
+                     "(FILE.json from `memfit calibrate`) or a DeviceSpec")

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from memfit.devices import DeviceSpec, cpu_spec, get_device
+from memfit.devices import DeviceSpec, cpu_spec, get_device, with_cuda
 from memfit.knobs import Knobs
 from memfit.optimizers import IMPL_FLAGS, OptimizerRecipe
 from memfit.planner import Plan
@@ -24,14 +24,19 @@ from memfit.techniques.remat import Remat
 __all__ = ["resolve_device", "resolve_precision", "build_runner"]
 
 
-def resolve_device(model: nn.Module, device) -> DeviceSpec:
+def resolve_device(model: nn.Module, device, cuda_version=None) -> DeviceSpec:
+    """``device`` (a name, "cpu", "cuda", a profile FILE.json, a DeviceSpec), else where the
+    model is; ``cuda_version`` ("12.4") sets the CUDA its context figures assume
+    (``memfit.devices.with_cuda``; refused for the CPU)."""
     if device is not None:
-        return get_device(device)
-    for p in model.parameters():
-        if p.device.type == "cuda":
-            return get_device(p.device)
-        break
-    return cpu_spec()
+        spec = get_device(device)
+    else:
+        spec = cpu_spec()
+        for p in model.parameters():
+            if p.device.type == "cuda":
+                spec = get_device(p.device)
+            break
+    return spec if cuda_version is None else with_cuda(spec, cuda_version)
 
 
 def resolve_precision(precision: str | None, spec: DeviceSpec) -> str:

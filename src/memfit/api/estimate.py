@@ -25,6 +25,7 @@ from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.trace import FakeCopier, profile_step
 from memfit.trace.allocator import AllocatorConfig
+from memfit.trace.card import CardBreakdown, card_breakdown
 from memfit.trace.cuda import CudaModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
 from memfit.trace.scaler import TraceGradScaler, warm_up_scaled
@@ -39,7 +40,8 @@ class Estimate:
 
     peak_bytes: int
     reserved_bytes: int                # allocator reservation at the peak (== peak on CPU)
-    context_bytes: int                 # CUDA context outside the allocator (0 on CPU)
+    context_bytes: int                 # bytes outside the allocator: context, kernels, cuDNN
+                                       # (``card``'s outside_allocator_bytes; 0 on CPU)
     host_peak_bytes: int               # peak of memfit's host memory (offload), not the device
     breakdown: dict[str, int]          # category -> bytes at the peak
     timeline: list[int]                # live bytes after each op of the step
@@ -63,10 +65,13 @@ class Estimate:
     remat_floor_bytes: int | None = None         # the least budget the simulation reaches
     # per op of the timeline: FLOPs, bytes touched, of which training state, bytes allocated
     op_costs: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # for a GPU: device_bytes line by line, and the driver's share of the card (trace.card)
+    card: CardBreakdown | None = None
 
     @property
     def device_bytes(self) -> int:
-        """What the step holds on the device: reserved bytes plus the CUDA context."""
+        """What the step holds on the device (nvidia-smi's per-process figure): reserved bytes
+        plus what lives outside the allocator (``card.lines`` add up to it)."""
         return self.reserved_bytes + self.context_bytes
 
     @property
@@ -121,6 +126,9 @@ class Estimate:
             "remat_peak_bytes": self.remat_peak_bytes,
             "remat_recompute_flops": self.remat_recompute_flops,
             "remat_floor_bytes": self.remat_floor_bytes,
+            "card": self.card.to_dict() if self.card is not None else None,
+            "cuda_version": ".".join(map(str, self.device.cuda_version))
+            if self.device.cuda_version else None,
         }
 
 
@@ -149,7 +157,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
              loss_fn: Callable | None = None, *, budget=None, count_fn: Callable | None = None,
              allocator: AllocatorConfig | None = None, allocator_replay: bool = True,
              step: Callable | None = None, scheduler: Callable | None = None,
-             **knobs) -> Estimate:
+             cuda_version=None, **knobs) -> Estimate:
     """Predict the memory of one steady-state training step of ``model`` on ``batch``.
 
     Traces zero_grad -> forward -> loss -> backward -> optimizer.step on fake tensors (no real
@@ -169,6 +177,11 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     ``AllocatorConfig(expandable_segments=True)``), see ``memfit.trace.cuda``.
     ``allocator_replay=False`` skips that replay (one traced step instead of two: allocated
     bytes only, reserved taken equal to them), for callers that only need the timeline.
+    ``cuda_version`` ("12", "12.4"): the CUDA whose context and kernels the card figure counts
+    (default: what the installed torch was built for; a CPU wheel assumes 12.8 and says so in
+    ``notes``); ``device`` may also be a profile from ``memfit calibrate`` (FILE.json or
+    ``DeviceSpec.load``), whose measured figures are then used. ``card`` breaks
+    ``device_bytes`` down as NVML counts it (``memfit.trace.card``).
 
     ``step``: the user's own training step ``fn(model, batch, optimizer)`` as written
     (zero_grad wherever it is, clipping, a GradScaler, extra forwards, an EMA copy, a second
@@ -194,7 +207,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     if k.precision == "auto":
         raise ValueError("estimate needs a fixed precision (fp32, fp16, bf16, bf16-pure); "
                          "'auto' is for memfit.plan and memfit.fit")
-    spec = resolve_device(model, device)
+    spec = resolve_device(model, device, cuda_version)
     k = k.replace(precision=resolve_precision(k.precision, spec))
     limit = parse_bytes(budget) if budget is not None else spec.usable_bytes
     recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
@@ -250,16 +263,20 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     if user is not None:
         prof.phases = with_backward_phase(prof.phases, prof.modules)
     peak, reserved, breakdown, context = prof.peak_bytes, prof.peak_bytes, prof.breakdown, 0
-    notes = []
+    notes, card = [], None
     if replay:
         mem = cuda.replay(tracker)
         peak, reserved, breakdown = mem.allocated_peak_bytes, mem.reserved_peak_bytes, mem.breakdown
-        context = mem.context_bytes
+        card = card_breakdown(spec, reserved, prof.op_log)
+        context = card.outside_allocator_bytes
+        where = f"measured in {spec.profile_path}" if spec.profile_path else \
+            "from public measurements"
         notes.append(f"CUDA model of the {spec.display_name}: attention ran "
                      f"{_describe_calls(cuda.sdpa_calls)}; optimizer "
                      f"{cuda.optimizer_impl(runner.optimizer)}; caching-allocator "
-                     "replay; context approximate. Unvalidated until benchmarks/gpu_check.py "
-                     "has run on this GPU")
+                     f"replay; context and library kernels {where}. Unvalidated until "
+                     "benchmarks/gpu_check.py (or memfit calibrate) has run on this GPU")
+        notes += list(card.notes)
     if user is not None:
         notes += step_notes(user, batch)
     sim = None
@@ -278,5 +295,5 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=k,
         trace_seconds=prof.trace_seconds, notes=notes,
         basis="cuda-model" if cuda else "cpu-trace", knobs_blocks=dict(runner.applied.blocks),
-        op_costs=prof.op_costs,
+        op_costs=prof.op_costs, card=card,
     )

@@ -1,0 +1,102 @@
+"""The whole card as NVML counts it: the step's device bytes, line by line, and the driver's share.
+
+Note 1 (the lines). What a training process holds on the card (``nvidia-smi``'s per-process
+figure, ``Estimate.device_bytes``) is the caching allocator's reserved bytes plus what lives
+outside it: the CUDA context with the kernels the step loaded, cuDNN's kernels when a convolution
+ran, NCCL's buffers under ``torch.distributed``. The reserved bytes are split into the cuBLAS /
+cuBLASLt workspace (allocated through the allocator at the first matmul, one per handle and
+stream: one for a step on the default stream) and the rest. ``lines`` adds up to
+``device_bytes`` exactly, by construction (a test holds it).
+
+Note 2 (the card). The card's total as NVML reports it (``memory_bytes``) less what the driver
+and ECC keep is the total ``cudaMemGetInfo`` reports (``usable_bytes``). ``card_used_bytes`` adds
+the driver's share to the step's device bytes: what ``nvidia-smi``'s "Memory-Usage" reads with
+the step alone on the card. ``fits`` compares ``device_bytes`` with ``usable_bytes`` (or a
+budget), which is the same comparison as ``card_used_bytes`` with ``memory_bytes``; the planner
+uses the same ``device_bytes``, so there is one number for both.
+
+Note 3 (convolutions). The trace knows whether a convolution ran (an ``aten.convolution`` or
+``aten.convolution_backward`` in its op log): only then is cuDNN's figure added.
+
+Note 4 (NCCL). memfit estimates one process (no sharding knob yet): the NCCL line is 0, kept so
+that its place is visible (``memfit._cuda_overhead`` Note 5 has the measured figures).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CardBreakdown", "card_breakdown", "ran_convolution", "LINES"]
+
+LINES = ("allocator", "cublas_workspace", "cuda_context", "library_kernels", "cudnn", "nccl")
+
+
+@dataclass(frozen=True)
+class CardBreakdown:
+    """A step's bytes on the card (Note 1) and the driver's share (Note 2). Bytes."""
+
+    allocator_bytes: int         # reserved by the caching allocator, less the cuBLAS workspace
+    cublas_workspace_bytes: int  # cuBLAS + cuBLASLt workspace, inside the allocator's reservation
+    cuda_context_bytes: int      # driver and runtime state, torch's kernels at init
+    library_kernels_bytes: int   # kernels the step's first ops loaded (cuBLAS, torch's), lazily
+    cudnn_bytes: int             # cuDNN's kernels, when a convolution ran (Note 3)
+    nccl_bytes: int              # NCCL buffers under torch.distributed (Note 4: 0 for now)
+    driver_reserved_bytes: int   # what the driver and ECC keep of the card (Note 2)
+    card_total_bytes: int        # the card's memory as NVML reports it (memory_bytes)
+    notes: tuple[str, ...] = ()  # where the non-allocator figures come from
+
+    @property
+    def lines(self) -> dict[str, int]:
+        """Line -> bytes; adds up exactly to ``device_bytes`` (Note 1)."""
+        return {"allocator": self.allocator_bytes, "cublas_workspace": self.cublas_workspace_bytes,
+                "cuda_context": self.cuda_context_bytes,
+                "library_kernels": self.library_kernels_bytes, "cudnn": self.cudnn_bytes,
+                "nccl": self.nccl_bytes}
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.allocator_bytes + self.cublas_workspace_bytes
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        """Bytes outside the caching allocator: ``Estimate.context_bytes``."""
+        return self.cuda_context_bytes + self.library_kernels_bytes + self.cudnn_bytes + \
+            self.nccl_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.lines.values())
+
+    @property
+    def card_used_bytes(self) -> int:
+        """The step's bytes plus the driver's share: nvidia-smi's used with the step alone."""
+        return self.device_bytes + self.driver_reserved_bytes
+
+    def to_dict(self) -> dict:
+        return {**{f"{k}_bytes": v for k, v in self.lines.items()},
+                "device_bytes": self.device_bytes,
+                "driver_reserved_bytes": self.driver_reserved_bytes,
+                "card_used_bytes": self.card_used_bytes, "card_total_bytes": self.card_total_bytes,
+                "notes": list(self.notes)}
+
+
+def ran_convolution(op_log) -> bool:
+    """Whether a convolution ran in the traced step (Note 3)."""
+    return any(op.startswith(("aten.convolution", "aten.cudnn_convolution")) for op in op_log)
+
+
+def card_breakdown(spec, reserved_bytes: int, op_log) -> CardBreakdown:
+    """The card lines of a step on ``spec`` that reserves ``reserved_bytes`` (Notes 1-4)."""
+    assert spec.kind == "cuda", spec.name
+    workspace = min(spec.cublas_workspace_bytes, reserved_bytes)
+    conv = ran_convolution(op_log)
+    notes = list(spec.figure_notes)
+    if conv and spec.cudnn_bytes:
+        notes.append(f"a convolution ran: cuDNN's kernels {spec.cudnn_bytes} B added")
+    return CardBreakdown(
+        allocator_bytes=reserved_bytes - workspace, cublas_workspace_bytes=workspace,
+        cuda_context_bytes=spec.cuda_context_bytes - spec.library_kernels_bytes,
+        library_kernels_bytes=spec.library_kernels_bytes,
+        cudnn_bytes=spec.cudnn_bytes if conv else 0, nccl_bytes=0,
+        driver_reserved_bytes=spec.memory_bytes - spec.usable_bytes,
+        card_total_bytes=spec.memory_bytes, notes=tuple(notes))
