@@ -14,11 +14,19 @@ from memfit.devices import ALIASES, GPUS, DeviceSpec, cpu_spec, get_device, list
 from memfit.units import GiB, MiB
 
 # Compute capability -> architecture, from NVIDIA's CUDA GPUs list (developer.nvidia.com/cuda-gpus).
-ARCH_OF_CC = {(6, 1): "pascal", (7, 0): "volta", (7, 5): "turing", (8, 0): "ampere",
-              (8, 6): "ampere", (8, 9): "ada", (9, 0): "hopper"}
+ARCH_OF_CC = {(6, 0): "pascal", (6, 1): "pascal", (7, 0): "volta", (7, 5): "turing",
+              (8, 0): "ampere", (8, 6): "ampere", (8, 9): "ada", (9, 0): "hopper",
+              (10, 0): "blackwell", (12, 0): "blackwell"}
 
 REQUIRED = ["gtx-1080-ti", "rtx-2080-ti", "t4", "v100-16gb", "v100-32gb", "rtx-3090", "rtx-4090",
-            "rtx-6000", "rtx-a6000", "l4", "a100-40gb", "a100-80gb", "h100-80gb", "h200"]
+            "rtx-6000", "rtx-a6000", "l4", "a100-40gb", "a100-80gb", "h100-80gb", "h200",
+            # issue 13
+            "a10g", "a10", "l40s", "l40", "rtx-3060", "rtx-3080", "rtx-3080-12gb",
+            "rtx-4060-ti-16gb", "rtx-4080", "rtx-5090", "rtx-a4000", "rtx-a5000", "p100",
+            "a100-pcie-40gb", "a100-pcie-80gb", "h100-pcie", "h100-nvl", "gh200", "b200"]
+# host links that are not their generation's x16 PCIe (Note 3): the 4060 Ti is PCIe 4.0 x8;
+# GH200 reaches its Grace CPU over NVLink-C2C (450 GB/s each way).
+LINK_EXCEPTIONS = {"rtx-4060-ti-16gb": 12.5e9, "gh200": 450e9}
 
 
 def test_table_has_every_required_card():
@@ -43,12 +51,21 @@ def test_entry_is_self_consistent(name):
     # doubled fp32 lanes and halve fp32-accumulate); Pascal's fp16 is 1/64 of fp32.
     if spec.compute_capability >= (7, 0):
         assert spec.peak_fp16_flops > 1.9 * spec.peak_fp32_flops
+    elif spec.compute_capability == (6, 0):   # GP100 (P100): fp16 at twice fp32
+        assert spec.peak_fp16_flops == pytest.approx(2 * spec.peak_fp32_flops, rel=0.01)
     else:
         assert spec.peak_fp16_flops == pytest.approx(spec.peak_fp32_flops / 64)
     # Newer host links on newer cards (Note 3): Hopper PCIe 5, Ampere/Ada PCIe 4, older PCIe 3.
     expected_link = 50e9 if spec.compute_capability >= (9, 0) else (
         25e9 if spec.compute_capability >= (8, 0) else 12e9)
-    assert spec.host_link_bytes_per_s == expected_link
+    assert spec.host_link_bytes_per_s == LINK_EXCEPTIONS.get(name, expected_link)
+    # NVML's total (where known) lies between the CUDA total and the memory as sold
+    if spec.nvml_total_bytes:
+        assert spec.usable_bytes < spec.nvml_total_bytes <= spec.memory_bytes
+    # no public CUDA total: the documented fallback off nvidia-smi's total, else off memory_bytes
+    if not spec.usable_measured:
+        total = spec.nvml_total_bytes or spec.memory_bytes
+        assert spec.usable_bytes == int(total * (1 - devices._DRIVER_RESERVE_FRACTION)) // MiB * MiB
 
 
 def test_datasheet_figures():
@@ -86,7 +103,13 @@ def test_datasheet_figures():
     ("nvidia-geforce-gtx-1080-ti", "gtx-1080-ti"), ("NVIDIA GeForce GTX 1080 Ti", "gtx-1080-ti"),
     ("GTX-1080-TI", "gtx-1080-ti"), ("  gtx_1080_ti ", "gtx-1080-ti"),
     ("a100", "a100-40gb"), ("a100-80", "a100-80gb"), ("A100-SXM4-80GB", "a100-80gb"),
-    ("NVIDIA A100 80GB PCIe", "a100-80gb"), ("h100", "h100-80gb"),
+    ("NVIDIA A100 80GB PCIe", "a100-pcie-80gb"), ("A100-PCIE-40GB", "a100-pcie-40gb"),
+    ("h100", "h100-80gb"), ("NVIDIA H100 PCIe", "h100-pcie"), ("H100 NVL", "h100-nvl"),
+    ("NVIDIA A10G", "a10g"), ("A10", "a10"), ("L40S", "l40s"), ("Tesla P100-PCIE-16GB", "p100"),
+    ("RTX 3060", "rtx-3060"), ("3080", "rtx-3080"), ("RTX 3080 12GB", "rtx-3080-12gb"),
+    ("4060-ti-16gb", "rtx-4060-ti-16gb"), ("RTX 4080", "rtx-4080"), ("5090", "rtx-5090"),
+    ("a4000", "rtx-a4000"), ("RTX A5000", "rtx-a5000"), ("NVIDIA GH200 480GB", "gh200"),
+    ("B200", "b200"), ("V100-SXM2-32GB", "v100-32gb"),
     ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("v100", "v100-16gb"), ("Tesla V100-PCIE-32GB", "v100-32gb"),
     ("rtx6000", "rtx-6000"), ("quadro-rtx-6000", "rtx-6000"), ("Quadro RTX 6000", "rtx-6000"),
     ("a6000", "rtx-a6000"), ("NVIDIA RTX A6000", "rtx-a6000"), ("Tesla T4", "t4"),
@@ -210,11 +233,11 @@ def test_cuda_known_card_uses_table_and_measured_total(monkeypatch):
 
 
 def test_cuda_unknown_card_is_measured_and_warned(monkeypatch):
-    _fake_cuda(monkeypatch, name="NVIDIA GeForce RTX 5090", major=12, minor=0,
+    _fake_cuda(monkeypatch, name="NVIDIA RTX PRO 6000 Blackwell", major=12, minor=0,
                total_memory=32_607 * MiB, multi_processor_count=170)
     with pytest.warns(UserWarning, match="rough guesses"):
         spec = get_device(torch.device("cuda"))
-    assert spec.display_name == "NVIDIA GeForce RTX 5090"
+    assert spec.display_name == "NVIDIA RTX PRO 6000 Blackwell"
     assert spec.usable_bytes == 32_607 * MiB and spec.memory_bytes == 32 * GiB
     assert spec.supports_bf16 and spec.architecture == "blackwell"
     assert spec.compute_capability == (12, 0)
@@ -234,3 +257,42 @@ def test_cublas_workspace_follows_pytorchs_default_config():
     assert get_device("h100").cublas_workspace_bytes == 4096 * 1024 * 8 + 1024**2
     assert get_device("a100").cublas_workspace_bytes == (4096 * 2 + 16 * 8) * 1024 + 1024**2
     assert get_device("gtx-1080-ti").cuda_context_bytes > 0
+
+
+def test_issue13_datasheet_figures():
+    # NVIDIA A10 datasheet: 31.2 TFLOPS fp32, 125 TFLOPS bf16 dense, 600 GB/s, 24 GB; NVML total
+    # 23,028 MiB (thundergolfer.com/blog/nvidia-gpu-memory-capacity)
+    a10 = GPUS["a10"]
+    assert (a10.peak_fp32_flops, a10.peak_bf16_flops, a10.memory_bandwidth_bytes_per_s) == \
+        (31.2e12, 125e12, 600e9)
+    assert a10.nvml_total_bytes == 23_028 * MiB and not a10.usable_measured
+    # L40S datasheet: 91.6 TFLOPS fp32, 362.05 TFLOPS bf16 dense, 864 GB/s; NVML 46,068 MiB
+    l40s = GPUS["l40s"]
+    assert (l40s.peak_fp32_flops, l40s.peak_bf16_flops) == (91.6e12, 362.05e12)
+    assert l40s.nvml_total_bytes == 46_068 * MiB
+    # Tesla P100 PCIe datasheet: 9.3 / 18.7 TFLOPS fp32 / fp16, 732 GB/s, no bf16
+    p100 = GPUS["p100"]
+    assert (p100.peak_fp32_flops, p100.peak_fp16_flops, p100.supports_bf16) == (9.3e12, 18.7e12,
+                                                                                 False)
+    # H100 PCIe: 2 TB/s, 1513 sparse -> 756.5 dense; NVL: 94 GB, 3.9 TB/s
+    assert GPUS["h100-pcie"].peak_bf16_flops == pytest.approx(756.5e12)
+    assert GPUS["h100-nvl"].memory_bytes == 94 * GiB
+    assert GPUS["a100-pcie-80gb"].memory_bandwidth_bytes_per_s == 1935e9
+    assert GPUS["b200"].compute_capability == (10, 0)
+    assert GPUS["rtx-5090"].compute_capability == (12, 0) and GPUS["rtx-5090"].memory_bytes == 32 * GiB
+
+
+def test_measured_cublas_workspace_on_sm86():
+    # pytorch/pytorch#95668: 8,519,680 B left allocated after one nn.Linear on an A10G
+    # (torch 2.0, before the 1 MiB cuBLASLt workspace)
+    assert get_device("a10g").cublas_workspace_bytes - 1024**2 == 8_519_680
+
+
+def test_gpus_command_lists_every_entry(capsys):
+    from memfit.cli import main
+
+    assert main(["gpus", "--json"]) == 0
+    import json
+
+    names = [r["name"] for r in json.loads(capsys.readouterr().out)]
+    assert names == list(GPUS) and set(REQUIRED) <= set(names)

@@ -109,6 +109,7 @@ class DeviceSpec:
     figure_notes: tuple[str, ...] = ()  # where the non-allocator figures come from (Note 5)
     usable_measured: bool = True  # usable_bytes read off a log (False: the Note 1 fallback)
     profile_path: str | None = None  # the device profile these figures were measured in, if any
+    nvml_total_bytes: int = 0  # the card's total as NVML / nvidia-smi reports it; 0: not known
 
     @classmethod
     def load(cls, path: str) -> "DeviceSpec":
@@ -259,7 +260,8 @@ def _gpu(row: dict) -> DeviceSpec:
                       host_link_bytes_per_s=_link(row["link"]), supports_bf16=row["bf16"] > 0,
                       compute_capability=cc, architecture=_ARCH_BY_CC[cc],
                       cublas_workspace_bytes=_cublas_workspace_bytes(cc),
-                      usable_measured=row["usable"] is not None)
+                      usable_measured=row["usable"] is not None,
+                      nvml_total_bytes=row.get("smi", 0) * MiB)
     return with_cuda(spec, module_loading="lazy")
 
 

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from memfit.cli import calibrate as _calibrate
 from memfit.cli import estimate as _estimate
 from memfit.cli import gpus as _gpus
 from memfit.cli import models as _models
@@ -20,7 +21,8 @@ from memfit.cli._errors import cli_warnings, format_error, is_user_error
 
 __all__ = ["main", "build_parser"]
 
-_COMMANDS = {"plan": _plan, "estimate": _estimate, "gpus": _gpus, "models": _models}
+_COMMANDS = {"plan": _plan, "estimate": _estimate, "gpus": _gpus, "models": _models,
+             "calibrate": _calibrate}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,12 +14,12 @@ import os
 from memfit.knobs import ZERO_GRADS
 from memfit.units import UNITS_HELP, parse_bytes
 
-__all__ = ["budget_bytes", "reserve_bytes", "positive_int", "positive_float", "int_or_auto",
+__all__ = ["budget_bytes", "reserve_bytes", "cuda_version", "positive_int", "positive_float", "int_or_auto",
            "join_dash_values", "check_output_path", "progressive_spec", "add_zero_grad_arg",
            "VALUE_FLAGS", "BYTES_HELP"]
 
 # flags whose value may start with '-' (Note 1)
-VALUE_FLAGS = ("--budget", "--reserve", "--micro-batch-size", "--max-grad-norm", "--batch-size",
+VALUE_FLAGS = ("--budget", "--reserve", "--cuda-version", "--micro-batch-size", "--max-grad-norm", "--batch-size",
                "--seq-len", "--max-seq-len", "--image-size", "--lora-rank", "--progressive")
 
 BYTES_HELP = f"a number and a unit: {UNITS_HELP}"
@@ -60,6 +60,17 @@ def reserve_bytes(text: str) -> int:
         return parse_bytes(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cuda_version(text: str) -> str:
+    """--cuda-version: "12", "12.4", "11.8" (checked here; the device checks its range)."""
+    from memfit._cuda_overhead import parse_cuda_version
+
+    try:
+        major, minor = parse_cuda_version(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return f"{major}.{minor}"
 
 
 def positive_int(text: str) -> int:

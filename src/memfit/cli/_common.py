@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from memfit.cli._args import (BYTES_HELP, budget_bytes, check_output_path, int_or_auto,
-                              positive_int, reserve_bytes)
+from memfit.cli._args import (BYTES_HELP, budget_bytes, check_output_path, cuda_version,
+                              int_or_auto, positive_int, reserve_bytes)
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_GPU", "OPTIMIZER_NAMES", "add_model_args",
            "add_target_args", "add_optimizer_impl_arg", "optimizer_impl_knob", "Target",
-           "resolve_target", "check_paths", "build_model", "make_batch", "build_model_and_batch"]
+           "resolve_target", "resolve_device", "check_paths", "build_model", "make_batch", "build_model_and_batch"]
 
 DEFAULT_MODEL = "xlm-roberta-large"
 DEFAULT_GPU = "gtx-1080-ti"
@@ -57,10 +57,21 @@ def add_model_args(p: argparse.ArgumentParser, batch_size: int = 8,
 
 
 def add_target_args(g, *, budget_help: str) -> None:
-    """--gpu, --budget and --reserve in the argument group ``g``."""
-    g.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME",
+    """--gpu, --device, --cuda-version, --module-loading, --budget and --reserve in ``g``."""
+    g.add_argument("--gpu", default=None, metavar="NAME",
                    help=f"GPU to check against, or 'cpu' (default: {DEFAULT_GPU}); list them "
                         "with `memfit gpus`")
+    g.add_argument("--device", default=None, metavar="FILE.json",
+                   help="a device profile written by `memfit calibrate` on your GPU: its measured "
+                        "context, kernels and memory replace the table's (instead of --gpu)")
+    g.add_argument("--cuda-version", default=None, type=cuda_version, metavar="X.Y",
+                   help="CUDA version whose context and kernels to count, e.g. 12 or 11.8 "
+                        "(default: what the installed torch was built for; a CPU-only torch "
+                        "assumes 12.8 and says so)")
+    g.add_argument("--module-loading", default=None, choices=("lazy", "eager"),
+                   help="CUDA_MODULE_LOADING of the run (default: this shell's "
+                        "CUDA_MODULE_LOADING, else lazy, torch's default): eager loads every "
+                        "kernel at start, a larger context")
     g.add_argument("--budget", default=None, type=budget_bytes, metavar="BYTES",
                    help=f"{budget_help}; {BYTES_HELP}. A number without a unit under 1 MiB is "
                         "refused (write 11GiB, or 11B if you mean bytes)")
@@ -117,10 +128,9 @@ class Target:
 def resolve_target(args) -> Target:
     """The GPU (checked by name now, not after a trace) and the limit: ``--reserve`` lowers
     the card's usable memory; with ``--budget`` it is refused (the budget is the limit)."""
-    from memfit.devices import get_device
     from memfit.units import format_bytes
 
-    spec = get_device(args.gpu)
+    spec = resolve_device(args)
     reserve = args.reserve or 0
     if args.budget is not None and reserve:
         raise ValueError("--reserve lowers the GPU's usable memory, --budget replaces it: give "
@@ -135,6 +145,37 @@ def resolve_target(args) -> Target:
     if args.budget is not None:
         return Target(spec, args.budget, args.budget, 0)
     return Target(spec, spec.usable_bytes, None, 0)
+
+
+def resolve_device(args):
+    """The DeviceSpec of --gpu or --device, with --cuda-version and --module-loading applied."""
+    import os
+
+    from memfit.devices import DeviceSpec, get_device, with_cuda
+
+    gpu, profile = getattr(args, "gpu", None), getattr(args, "device", None)
+    if gpu is not None and profile is not None:
+        raise ValueError("--gpu names a GPU from the table, --device a measured profile of "
+                         "one: give one of them")
+    if profile is not None:
+        spec = DeviceSpec.load(profile)
+    else:
+        spec = get_device(gpu or DEFAULT_GPU)
+    version = getattr(args, "cuda_version", None)
+    loading = getattr(args, "module_loading", None)
+    if spec.kind != "cuda":
+        if version is not None:
+            raise ValueError(f"--cuda-version {version} is for a GPU; --gpu {gpu} is not one")
+        return spec
+    if loading is None and spec.profile_path is None:
+        loading = "eager" if os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER" \
+            else None
+    if spec.profile_path is not None and loading not in (None, spec.module_loading):
+        raise ValueError(f"--module-loading {loading}: the profile {profile} was measured with "
+                         f"{spec.module_loading} loading; calibrate again under the other")
+    if version is None and loading is None:
+        return spec
+    return with_cuda(spec, version, loading)
 
 
 def _quiet_transformers() -> None:

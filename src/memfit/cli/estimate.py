@@ -109,6 +109,19 @@ def run(args) -> int:
     return 0
 
 
+def card_line(card) -> str:
+    """The card breakdown in one line: each non-zero line, then the driver's share (trace.card)."""
+    from memfit.units import format_bytes
+
+    names = {"allocator": "tensors and cache", "cublas_workspace": "cuBLAS workspace",
+             "cuda_context": "CUDA context", "library_kernels": "kernels loaded",
+             "cudnn": "cuDNN", "nccl": "NCCL"}
+    parts = " + ".join(f"{names[k]} {format_bytes(v)}" for k, v in card.lines.items() if v)
+    return (f"on the card: {parts} = {format_bytes(card.device_bytes)}; with the driver's "
+            f"{format_bytes(card.driver_reserved_bytes)}, nvidia-smi would show "
+            f"{format_bytes(card.card_used_bytes)} of {format_bytes(card.card_total_bytes)}")
+
+
 def _trainer_estimate(args, values: dict, target):
     """The estimate of the --hf-args Trainer run, and one micro-batch of it (for the output)."""
     from memfit.cli._common import build_model, make_batch
@@ -162,9 +175,12 @@ def _print_human(console, spec, model, est, described, args, target) -> None:
     console.print(breakdown_table(est.breakdown, est.peak_bytes, title=title))
     if est.basis == "cuda-model":
         console.print(f"allocated peak {format_bytes(est.peak_bytes)}, reserved by the caching "
-                      f"allocator {format_bytes(est.reserved_bytes)}, + CUDA context "
+                      f"allocator {format_bytes(est.reserved_bytes)}, + outside it "
                       f"{format_bytes(est.context_bytes)} = {format_bytes(est.device_bytes)} on "
-                      "the device [yellow](unvalidated)[/yellow]")
+                      "the device" + ("" if est.device.profile_path else
+                                      " [yellow](unvalidated)[/yellow]"))
+        if est.card is not None:
+            console.print(card_line(est.card))
     console.print(verdict(est.device_bytes, est.limit_bytes, "on " + target.where()))
     if est.host_peak_bytes and (args.offload not in (None, "none") or args.offload_optimizer):
         console.print(f"host RAM for offload: {format_bytes(est.host_peak_bytes)} at its peak")

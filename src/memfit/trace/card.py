@@ -8,11 +8,13 @@ cuBLASLt workspace (allocated through the allocator at the first matmul, one per
 stream: one for a step on the default stream) and the rest. ``lines`` adds up to
 ``device_bytes`` exactly, by construction (a test holds it).
 
-Note 2 (the card). The card's total as NVML reports it (``memory_bytes``) less what the driver
-and ECC keep is the total ``cudaMemGetInfo`` reports (``usable_bytes``). ``card_used_bytes`` adds
-the driver's share to the step's device bytes: what ``nvidia-smi``'s "Memory-Usage" reads with
-the step alone on the card. ``fits`` compares ``device_bytes`` with ``usable_bytes`` (or a
-budget), which is the same comparison as ``card_used_bytes`` with ``memory_bytes``; the planner
+Note 2 (the card). The card's total as NVML reports it (``nvml_total_bytes`` where a public
+nvidia-smi total is known, else ``memory_bytes``; ECC check bits are already outside NVML's
+total) less what the driver keeps is the total ``cudaMemGetInfo`` reports (``usable_bytes``). ``card_used_bytes`` adds
+the driver's share to the step's device bytes: what NVML's used (nvidia-smi's "Memory-Usage" on
+drivers that count the driver's reservation as used) reads with the step alone on the card.
+``fits`` compares ``device_bytes`` with ``usable_bytes`` (or a budget), which is the same
+comparison as ``card_used_bytes`` with ``card_total_bytes``; the planner
 uses the same ``device_bytes``, so there is one number for both.
 
 Note 3 (convolutions). The trace knows whether a convolution ran (an ``aten.convolution`` or
@@ -42,7 +44,7 @@ class CardBreakdown:
     cudnn_bytes: int             # cuDNN's kernels, when a convolution ran (Note 3)
     nccl_bytes: int              # NCCL buffers under torch.distributed (Note 4: 0 for now)
     driver_reserved_bytes: int   # what the driver and ECC keep of the card (Note 2)
-    card_total_bytes: int        # the card's memory as NVML reports it (memory_bytes)
+    card_total_bytes: int        # the card's memory as NVML reports it (Note 2)
     notes: tuple[str, ...] = ()  # where the non-allocator figures come from
 
     @property
@@ -98,5 +100,5 @@ def card_breakdown(spec, reserved_bytes: int, op_log) -> CardBreakdown:
         cuda_context_bytes=spec.cuda_context_bytes - spec.library_kernels_bytes,
         library_kernels_bytes=spec.library_kernels_bytes,
         cudnn_bytes=spec.cudnn_bytes if conv else 0, nccl_bytes=0,
-        driver_reserved_bytes=spec.memory_bytes - spec.usable_bytes,
-        card_total_bytes=spec.memory_bytes, notes=tuple(notes))
+        driver_reserved_bytes=(spec.nvml_total_bytes or spec.memory_bytes) - spec.usable_bytes,
+        card_total_bytes=spec.nvml_total_bytes or spec.memory_bytes, notes=tuple(notes))
