@@ -352,7 +352,7 @@ def _make_plan(ctx: _Context, choice: Choice, est, model_pair, reasons: list[str
         reasons = [STEP_FIXED_NOTE] + reasons
     m, n = choice.micro_batch_size, -(-b // choice.micro_batch_size)
     costs = [{"name": name, "mode": mode,
-              "saved_bytes": int(memory.saved_bytes(i, mode, m)),
+              "saved_bytes": int(memory.held_saved_bytes(i, mode, m)),
               "time_s": time.mode_s(i, mode, m, n, b)}
              for i, (name, mode) in enumerate(zip(memory.blocks, choice.modes))]
     device_bytes = est.device_bytes + held

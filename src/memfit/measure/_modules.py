@@ -24,6 +24,12 @@ Note 2 (deep copies). ``estimate`` deep-copies a model to trace it (``trace.fake
 included; a model tracked by an enclosing ``track`` carries this watch's hooks. Copying the
 watch with it would copy the outer tracker (and its model). A watch is therefore its own deep
 copy: on the copy's modules its hooks find no name and do nothing.
+
+Note 3 (several passes). A step that runs a module more than once (micro-batches accumulated
+inside a user's step, an extra forward) has one span per forward call and per backward, and the
+saved bytes of each call (each storage once per call; ``saved_bytes`` counts each storage once
+in all). ``fw_span`` / ``bw_span`` are the last forward and the first backward, as before.
+Forward calls during a backward (a checkpoint's recompute) are not calls: the hooks skip them.
 """
 
 from __future__ import annotations
@@ -59,10 +65,14 @@ class ModuleRecord:
     bw_ops: int = 0
     fw_span: tuple[int, int] | None = None  # first and last op index of its (last) forward
     bw_span: tuple[int, int] | None = None  # ... and of its (first) backward, in timeline ops
+    fw_spans: list = field(default_factory=list)   # every forward call's span, by start (Note 3)
+    bw_spans: list = field(default_factory=list)   # every backward's span, by start
+    call_saved_bytes: list = field(default_factory=list)  # saved bytes of each forward call
     fw_peak_bytes: int = 0    # live bytes peak while its forward ran (whole device, not only its own)
     bw_peak_bytes: int = 0    # live bytes peak while its backward ran
     is_block: bool = False    # one of the model's repeated layers (see ``find_blocks``)
     _saved: set = field(default_factory=set, repr=False)
+    _call_saved: set = field(default_factory=set, repr=False)
 
 
 def find_blocks(model: nn.Module) -> list[str]:
@@ -166,6 +176,8 @@ class ModuleWatch:
         if rec.calls == 0:
             rec.input_bytes = _unique_bytes(tree_flatten((args, kwargs))[0])
         rec.calls += 1
+        rec.call_saved_bytes.append(0)
+        rec._call_saved = set()
         self.stack.append(name)
         self._on_enter(name, "fw")
 
@@ -265,8 +277,9 @@ class ModuleWatch:
             rec.calls = rec.saved_bytes = rec.fw_flops = rec.bw_flops = 0
             rec.fw_touched_bytes = rec.bw_touched_bytes = rec.fw_ops = rec.bw_ops = 0
             rec.fw_span = rec.bw_span = None
+            rec.fw_spans, rec.bw_spans, rec.call_saved_bytes = [], [], []
             rec.input_bytes = 0
-            rec._saved = set()
+            rec._saved, rec._call_saved = set(), set()
 
     def saved(self, storage, sid: int, nbytes: int) -> None:
         """Attribute a storage saved for backward to every module now running forward."""
@@ -275,6 +288,9 @@ class ModuleWatch:
             if sid not in rec._saved:
                 rec._saved.add(sid)
                 rec.saved_bytes += nbytes
+            if sid not in rec._call_saved and rec.call_saved_bytes:
+                rec._call_saved.add(sid)
+                rec.call_saved_bytes[-1] += nbytes
 
     def flops(self, n: int, backward: bool) -> None:
         for name in self.stack:

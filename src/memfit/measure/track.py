@@ -290,10 +290,17 @@ class Tracker:
             if phase == "fw":
                 rec.fw_peak_bytes = max(rec.fw_peak_bytes, peak)
                 rec.fw_span = span or rec.fw_span          # the last forward call
+                if span:
+                    rec.fw_spans.append(span)
             else:
                 rec.bw_peak_bytes = max(rec.bw_peak_bytes, peak)
                 if rec.bw_span is None:                    # the first backward
                     rec.bw_span = span
+                if span:
+                    rec.bw_spans.append(span)
+        for rec in self.watch.records.values():            # _modules Note 3
+            rec.fw_spans.sort()
+            rec.bw_spans.sort()
 
     @contextlib.contextmanager
     def undo_on_oom(self, func, args):

@@ -21,7 +21,7 @@ forward reruns, so S comes back plus the forward's temporaries. ``selective`` ke
 the matmul-like ops (checkpoint's ``SAVED_OPS``) allocated in its forward; the rest comes back in
 backward. ``offload`` keeps what ``recompute`` keeps, on the safe side (its input may leave the
 device too); at its backward S comes back, and the prefetch of the next block's S rides on top.
-A block whose spans the trace did not see (e.g. run twice) can only be kept.
+A block whose passes the trace cannot pair (Note 8) can only be kept.
 
 Note 4 (where the peak can be). At each block's forward peak, at each block's backward peak,
 along every stretch of ops outside the blocks (embeddings, head, loss), and in the optimizer
@@ -42,6 +42,14 @@ from a plain trace with the other implementation: the step's peak above the leve
 from, which depends on no batch size (state and gradients only); the forward and backward
 points stay this model's. With the optimizer state on the host the step runs there, so that
 point does not change.
+
+Note 8 (passes). A user's step may run a block several times (micro-batches accumulated inside
+the step). Each forward call that saved bytes is paired with the backward that follows it (the
+latest unpaired forward ending before the backward starts), and each pair is a *unit* with its
+own spans and saved bytes: at a point, the pending units count, each saving what its pass
+saved; a block's mode applies to all its passes (block hooks act on every call). Forwards that
+saved nothing (under ``no_grad``) are no passes. A block with a forward left without a backward,
+or a backward without a forward, can only be kept.
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ import numpy as np
 
 from memfit.techniques.checkpoint import SAVED_OPS
 
-__all__ = ["MODES", "MemoryModel", "Rows", "optimizer_rise_bytes"]
+__all__ = ["MODES", "MemoryModel", "Rows", "block_passes", "optimizer_rise_bytes"]
 
 MODES = ("keep", "recompute", "selective", "offload")
 _STATE = ("params", "grads", "optimizer", "other")
@@ -113,69 +121,86 @@ class MemoryModel:
         params = np.asarray(cats["params"], dtype=np.float64)
         self.params_bytes = float(params[:self.opt_start].max(initial=0.0))
         self._opt_rise: float | None = None          # Note 7
-        self._spans = []
-        self.saved, self.inputs, self.selective_kept = [], [], []     # (fixed, per sample)
-        for name in self.blocks:
-            r = est.modules[name]
-            h = half.modules.get(name) if half is not None else None
-            ok = r.fw_span is not None and r.bw_span is not None and \
-                r.fw_span[0] > 0 and r.bw_span[0] > r.fw_span[1]
-            self._spans.append((r.fw_span, r.bw_span) if ok else None)
-            kept = _selective_kept(est, r) if ok else r.input_bytes
-            hkept = _selective_kept(half, h) if ok and h is not None and h.fw_span else None
-            self.saved.append(fit.pair(r.saved_bytes, h.saved_bytes if h else None))
-            self.inputs.append(fit.pair(r.input_bytes, h.input_bytes if h else None))
-            self.selective_kept.append(fit.pair(kept, hkept))
+        # one unit per pass of a block: (block, forward span, backward span) (Note 8)
+        self._units: list[tuple[int, tuple, tuple]] = []
+        self.saved, self.inputs, self.selective_kept = [], [], []     # per unit: (fixed, per sample)
+        for i, name in enumerate(self.blocks):
+            r, h = est.modules[name], half.modules.get(name) if half is not None else None
+            passes = block_passes(r)
+            hpasses = block_passes(h) if h is not None else None
+            if hpasses is not None and len(hpasses) != len(passes or ()):
+                hpasses = None
+            for j, (fw, bw, saved) in enumerate(passes or ()):
+                hp = hpasses[j] if hpasses else None
+                self._units.append((i, fw, bw))
+                self.saved.append(fit.pair(saved, hp[2] if hp else None))
+                self.inputs.append(fit.pair(r.input_bytes, h.input_bytes if hp else None))
+                self.selective_kept.append(fit.pair(
+                    _selective_kept(est, r, fw, saved),
+                    _selective_kept(half, h, hp[0], hp[2]) if hp else None))
+        self._units_of = [[u for u, unit in enumerate(self._units) if unit[0] == i]
+                          for i in range(len(self.blocks))]
         self._points = self._build_points(n)
 
     # -- per block ----------------------------------------------------------------------------
     def allowed(self, i: int) -> tuple[str, ...]:
-        return MODES if self._spans[i] is not None else ("keep",)
+        return MODES if self._units_of[i] else ("keep",)
 
     def saved_bytes(self, i: int, mode: str, m: int) -> float:
-        """Bytes block ``i`` no longer holds, at micro-batch ``m``, while its data is pending."""
-        if mode == "keep" or self._spans[i] is None:
-            return 0.0
-        kept = self.selective_kept[i] if mode == "selective" else self.inputs[i]
-        return max(_at(self.saved[i], m) - _at(kept, m), 0.0)
+        """Bytes block ``i`` no longer holds, at micro-batch ``m``, while its data is pending,
+        summed over its passes (the bytes an offload moves each way)."""
+        return sum(self.unit_saved_bytes(u, mode, m) for u in self._units_of[i])
 
-    def _extra_bw(self, i: int, mode: str, m: int) -> float:
-        """Bytes the block's backward holds above the plain one's (Note 3)."""
+    def held_saved_bytes(self, i: int, mode: str, m: int) -> float:
+        """The most block ``i`` no longer holds at one time (its largest pass)."""
+        return max((self.unit_saved_bytes(u, mode, m) for u in self._units_of[i]), default=0.0)
+
+    def passes(self, i: int) -> list[tuple[int, tuple, tuple]]:
+        """Block ``i``'s passes: ``(unit, forward span, backward span)`` each (Note 8)."""
+        return [(u, self._units[u][1], self._units[u][2]) for u in self._units_of[i]]
+
+    def unit_saved_bytes(self, u: int, mode: str, m: int) -> float:
+        """What one pass (unit ``u``) of its block no longer holds while its data is pending."""
         if mode == "keep":
             return 0.0
-        back = self.saved_bytes(i, mode, m)
+        kept = self.selective_kept[u] if mode == "selective" else self.inputs[u]
+        return max(_at(self.saved[u], m) - _at(kept, m), 0.0)
+
+    def _extra_bw(self, u: int, mode: str, m: int) -> float:
+        """Bytes unit ``u``'s backward holds above the plain one's (Note 3)."""
+        if mode == "keep":
+            return 0.0
+        back = self.unit_saved_bytes(u, mode, m)
         if mode == "offload":
             return 2 * back                  # its own data back, and the next block's prefetch
-        return back + self._fw_temporaries[i] * m
+        return back + self._fw_temporaries[u] * m
 
     # -- points (Note 4) --------------------------------------------------------------------
     def _build_points(self, n: int) -> list[tuple]:
-        """(label, kind, index or index array, pending blocks, running block)."""
-        spans = self._spans
+        """(label, kind, index or index array, pending units, running unit)."""
+        units = self._units
         inside = np.zeros(n, dtype=bool)
         self._fw_temporaries = []
         points = []
-        for i, s in enumerate(spans):
-            if s is None:
-                self._fw_temporaries.append(0.0)
-                continue
-            (a, e), (c, d) = s
+        for u, (i, (a, e), (c, d)) in enumerate(units):
             inside[a:e + 1] = True
             inside[c:d + 1] = True
             peak_fw = a + int(np.argmax(self._total[a:e + 1]))
             grow = self._act[e] - self._act[a - 1]                   # per sample
             self._fw_temporaries.append(max(self._act[peak_fw] - self._act[a - 1] - grow, 0.0))
-            pending = [k for k, o in enumerate(spans) if o and o[0][1] < a and o[1][0] > a]
-            points.append((f"forward of {self.blocks[i]}", "fw", (a - 1, peak_fw), pending, i))
-            pending = [k for k, o in enumerate(spans) if o and o[0][1] < c and o[1][0] >= c]
+            name = self.blocks[i] if len(self._units_of[i]) == 1 else \
+                f"{self.blocks[i]} (pass {self._units_of[i].index(u) + 1})"
+            pending = [k for k, o in enumerate(units) if o[1][1] < a and o[2][0] > a]
+            points.append((f"forward of {name}", "fw", (a - 1, peak_fw), pending, u))
+            pending = [k for k, o in enumerate(units) if o[1][1] < c and o[2][0] >= c]
             peak_bw = c + int(np.argmax(self._total[c:d + 1]))
-            points.append((f"backward of {self.blocks[i]}", "bw", (c - 1, peak_bw), pending, i))
+            points.append((f"backward of {name}", "bw", (c - 1, peak_bw), pending, u))
         # stretches outside every block, grouped by the blocks pending there
         start = None
         key = None
         for t in range(self.opt_start + 1):
             if t < self.opt_start and not inside[t]:
-                pend = tuple(k for k, o in enumerate(spans) if o and o[0][1] < t < o[1][0])
+                pend = tuple(k for k, o in enumerate(units) if o[1][1] < t < o[2][0])
                 if start is None or pend != key:
                     if start is not None:
                         points.append(("outside the blocks", "seg", np.arange(start, t), list(key),
@@ -215,12 +240,14 @@ class MemoryModel:
             if offload_optimizer:
                 v = v - self._opt[idx]
             const.append(float(v.max()))
-            for k in pending:
+            for u in pending:
+                k = self._units[u][0]
                 for j, mode in enumerate(MODES):
-                    row[k * nm + j] -= self.saved_bytes(k, mode, m)
+                    row[k * nm + j] -= self.unit_saved_bytes(u, mode, m)
             if kind == "bw":
+                k = self._units[running][0]
                 for j, mode in enumerate(MODES):
-                    row[running * nm + j] += self._extra_bw(running, mode, m)
+                    row[k * nm + j] += self._extra_bw(running, mode, m)
             rows.append(row)
             labels.append(label)
         return Rows(np.array(const), np.array(rows), labels)
@@ -277,9 +304,32 @@ def _sum(cats: dict, names) -> np.ndarray:
     return np.sum([np.asarray(cats[c], dtype=np.float64) for c in names], axis=0)
 
 
-def _selective_kept(est, r) -> int:
-    """Inputs plus what the matmul-like ops allocated in the block's forward (Note 3)."""
-    a, e = r.fw_span
+def _selective_kept(est, r, fw_span, saved: int) -> int:
+    """Inputs plus what the matmul-like ops allocated in one forward pass (Note 3)."""
+    a, e = fw_span
     made = sum(c[3] for c, op in zip(est.op_costs[a:e + 1], est.op_log[a:e + 1])
                if is_saved_op(op))
-    return min(r.input_bytes + made, r.saved_bytes)
+    return min(r.input_bytes + made, saved)
+
+
+def block_passes(r) -> list[tuple[tuple, tuple, int]] | None:
+    """A block's passes, ``(forward span, backward span, saved bytes)`` each, or None where the
+    trace cannot pair them (Note 8)."""
+    if r is None:
+        return None
+    calls = r.call_saved_bytes
+    fws = [(span, saved) for span, saved in zip(r.fw_spans, calls) if saved > 0] \
+        if len(calls) == len(r.fw_spans) else []
+    if not fws or len(r.bw_spans) != len(fws):
+        return None
+    out, free = [], list(fws)
+    for bw in r.bw_spans:
+        before = [f for f in free if f[0][1] < bw[0]]
+        if not before:
+            return None
+        fw, saved = before[-1]
+        free.remove(before[-1])
+        if fw[0] < 1:
+            return None
+        out.append((fw, bw, saved))
+    return sorted(out)

@@ -90,11 +90,9 @@ class TimeModel:
         self._opt_touched = float(touched[self.opt_start:].sum())
         self.optimizer_s = float(self._fixed[self.opt_start:].sum() + self._per[self.opt_start:].sum()
                                  * self.b0)
-        self._fw, self._bw = [], []
-        for name in memory.blocks:
-            r = est.modules[name]
-            self._fw.append(_span(r.fw_span))
-            self._bw.append(_span(r.bw_span))
+        # per block, its passes: (unit, forward ops, backward ops) (memory_model Note 8)
+        self._passes = [[(u, _span(fw), _span(bw)) for u, fw, bw in memory.passes(i)]
+                        for i in range(len(memory.blocks))]
 
     def with_optimizer_step(self, est) -> "TimeModel":
         """This model with the optimizer step timed from ``est`` (Note 6)."""
@@ -117,23 +115,23 @@ class TimeModel:
         return self._cost(slice(0, self.opt_start), n, b)
 
     def mode_s(self, i: int, mode: str, m: int, n: int, b: int) -> float:
-        """What block ``i`` in ``mode`` adds to the step (Note 4)."""
-        fw = self._fw[i]
-        if mode == "keep" or fw is None:
+        """What block ``i`` in ``mode`` adds to the step (Note 4), summed over its passes."""
+        if mode == "keep":
             return 0.0
         if mode == "recompute":
-            return self._cost(fw, n, b)
+            return sum(self._cost(fw, n, b) for _, fw, _ in self._passes[i])
         if mode == "selective":
-            return self._cost(fw, n, b, ~self._matmul)
-        moved = self.memory.saved_bytes(i, "offload", m)                  # bytes each way
-        link = moved / self.spec.host_link_bytes_per_s
-        fw_s = self._cost(fw, 1, m)
-        bw_s = self._cost(self._bw[i], 1, m) if self._bw[i] is not None else 0.0
-        read = moved / (self.spec.memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY)
-        if self.spec.kind != "cuda":          # no copy streams: nothing hides a transfer
-            fw_s = bw_s = 0.0
-        per_micro = max(link - fw_s, 0.0) + max(link - bw_s, 0.0) + 2 * read
-        return per_micro * b / m
+            return sum(self._cost(fw, n, b, ~self._matmul) for _, fw, _ in self._passes[i])
+        total = 0.0
+        for u, fw, bw in self._passes[i]:
+            moved = self.memory.unit_saved_bytes(u, "offload", m)             # bytes each way
+            link = moved / self.spec.host_link_bytes_per_s
+            fw_s, bw_s = self._cost(fw, 1, m), self._cost(bw, 1, m)
+            read = moved / (self.spec.memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY)
+            if self.spec.kind != "cuda":          # no copy streams: nothing hides a transfer
+                fw_s = bw_s = 0.0
+            total += max(link - fw_s, 0.0) + max(link - bw_s, 0.0) + 2 * read
+        return total * b / m
 
     def optimizer_step_s(self, offload_optimizer: bool) -> float:
         if not offload_optimizer:
@@ -154,5 +152,5 @@ def _costs(est) -> np.ndarray:
     return np.asarray(est.op_costs, dtype=np.float64).reshape(-1, 4)
 
 
-def _span(span) -> slice | None:
-    return None if span is None else slice(span[0], span[1] + 1)
+def _span(span) -> slice:
+    return slice(span[0], span[1] + 1)
