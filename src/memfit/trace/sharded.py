@@ -1,0 +1,121 @@
+"""Tracing one rank of an N-rank job in one process: a fake process group, and what
+``track``'s counter must see under FSDP2.
+
+Note 1 (the fake process group). As PyTorch's own FSDP2 memory-tracker tests do,
+``dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=N)``: a group whose
+collectives return at once without moving data (``FakeProcessGroup``). Under ``FakeTensorMode``
+the collectives' tensors are fakes, so FSDP2 and DDP run their real code -- sharding, the
+all-gather and reduce-scatter buffers they allocate, prefetch, resharding, the reducer's
+buckets -- and the counter sees every one of those tensors as it does on a real rank. Rank 0
+is traced: FSDP2 pads every shard to the same size, so every rank holds the same bytes (the
+tests check each rank). The group is destroyed on exit, also when the trace raises. A process
+that already has a default group (inside ``torchrun``) cannot hold a second one: then
+``fake_process_group`` refuses with the fix (trace before ``init_process_group``, or in a
+subprocess); c10d has one default group per process and swapping it in and out would leave
+the user's group's collectives half-registered.
+
+Note 2 (two things ``track`` does not see yet; ``counting_fsdp``). (a) DTensor's
+``__tensor_flatten__`` lists ``device_mesh`` beside ``_local_tensor`` (torch >= 2.10), and the
+counter's ``storages_of`` asks every listed name for its storage: it raises ``AttributeError:
+'DeviceMesh' object has no attribute 'layout'`` on the first sharded parameter. (b) FSDP2
+frees and re-allocates the unsharded parameters with ``UntypedStorage.resize_`` (to 0, then to
+full size: ``_fsdp_param.free_storage``/``alloc_storage``), which no dispatch mode sees: the
+counter would count each unsharded parameter as an input alive since the region's start, at
+its full size, and never its free. ``counting_fsdp()`` closes both for as long as it is
+entered: ``storages_of`` skips inner attributes that are not tensors, and a storage resize is
+reported to every running tracker (the ledger's own ``resize``, or a new storage counted from
+then on). A real run must be measured inside it too (the tests do). Both belong in
+``memfit.measure`` (``_ledger.storages_of`` and the ``CountingMode``); until then this is the
+one place they are patched, restored on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["fake_process_group", "counting_fsdp"]
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int):
+    """A fake default process group of ``world_size`` ranks (this process is rank 0), and a
+    CPU ``DeviceMesh`` over it; destroyed on exit (Note 1). Yields the mesh."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: give the number of ranks, an int >= 1")
+    if not dist.is_available():
+        raise ValueError("this PyTorch build has no torch.distributed: a sharded estimate "
+                         "needs it")
+    if dist.is_initialized():
+        raise ValueError("a default process group is already initialized in this process "
+                         f"(backend {dist.get_backend()!r}, world size {dist.get_world_size()}): "
+                         "a sharded estimate traces under a fake group of its own, and c10d "
+                         "holds one default group per process. Call estimate_sharded before "
+                         "init_process_group (e.g. on rank 0 before torchrun's group is made), "
+                         "or run it in a subprocess")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _storages_of(t: torch.Tensor, device_type: str | None = None):
+    """``_ledger.storages_of`` that looks only at inner *tensors* (Note 2a)."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None and not isinstance(t, torch._subclasses.FakeTensor):
+        names, _ = flatten()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _storages_of(inner, device_type)
+        return
+    yield from _ORIGINAL_STORAGES_OF(t, device_type)
+
+
+def _resize(storage, nbytes):
+    """``UntypedStorage.resize_``, reported to the running trackers (Note 2b)."""
+    out = _ORIGINAL_RESIZE(storage, nbytes)
+    from memfit.measure import _ledger as L
+    from memfit.measure.track import _running
+    for tracker in _running:
+        led = tracker.ledger
+        if (storage.device.type == "meta") != led.fake or storage.device.type not in (
+                led.device_type, "meta"):
+            continue
+        if led.sid(storage) is not None:
+            led.resize(storage)
+        elif storage.nbytes() > 0:
+            led.add(storage, L.TEMPORARIES, entry=False)
+    return out
+
+
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+_OWN_RESIZE = "resize_" in vars(torch.UntypedStorage)    # else inherited from the C base
+_ORIGINAL_STORAGES_OF = None
+
+
+@contextlib.contextmanager
+def counting_fsdp():
+    """While entered, ``track`` (and a trace's tracker) count FSDP2's DTensor parameters and
+    its storage resizes (Note 2). Re-entrant."""
+    global _ORIGINAL_STORAGES_OF
+    from memfit.measure import _ledger, _modules
+    if _ledger.storages_of is _storages_of:          # already inside
+        yield
+        return
+    _ORIGINAL_STORAGES_OF = _ledger.storages_of
+    _ledger.storages_of = _modules.storages_of = _storages_of
+    torch.UntypedStorage.resize_ = _resize
+    try:
+        yield
+    finally:
+        if _OWN_RESIZE:
+            torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE
+        else:
+            del torch.UntypedStorage.resize_         # the C base's method shows through again
+        _ledger.storages_of = _modules.storages_of = _ORIGINAL_STORAGES_OF
