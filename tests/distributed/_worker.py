@@ -46,7 +46,8 @@ def in_place_reduce_scatter():
 
 
 def measure(model, batch, optimizer, config: Sharding.Config, mesh, knobs: dict) -> dict:
-    """Shard ``model``, run one step, then measure the next (the estimate's steady state)."""
+    """Shard ``model``, run two steps, then measure the next: the steady state (DDP rebuilds
+    its buckets at step 2, ``api._sharded`` Note 4)."""
     sharded = Sharding(config).apply(model, mesh)
     if config.kind == "fsdp":
         comm = in_place_reduce_scatter()
@@ -56,6 +57,7 @@ def measure(model, batch, optimizer, config: Sharding.Config, mesh, knobs: dict)
     k = Knobs.from_kwargs(**knobs)
     runner = build_runner(sharded, OptimizerRecipe(optimizer), k, plan=Plan(k))
     batch = runner.prepare(prepare_batch(batch))
+    runner.run(batch)
     runner.run(batch)
     with counting_fsdp(), memfit.track(runner.model, runner.optimizer) as t:
         runner.run(batch)

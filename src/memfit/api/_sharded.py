@@ -23,10 +23,18 @@ sync only on the last micro-batch, as the Runner does), ``checkpoint``, ``offloa
 ``max_grad_norm``, ``zero_grad`` and ``optimizer_impl`` work as in ``estimate``; fp16's
 GradScaler, bf16-pure's master weights, ``offload_optimizer`` and ``remat`` are refused (each
 rebuilds the optimizer or the parameters under FSDP2's DTensors, untested here).
+
+Note 4 (DDP's warm-up). DDP's reducer rebuilds its buckets once, at the second step's
+forward, in the order the first backward produced the gradients; rank 0 broadcasts that order
+and every rank reads it back, which fakes cannot. The buckets' total is the gradients' bytes
+whatever the order (flat buffers, no padding on the CPU), so the trace's warm-up step runs
+under ``no_sync`` (the reducer records no order and never rebuilds) and the counted step is
+like a real run's third: the real runs of the tests measure step 3, after the rebuild.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from torch import nn
@@ -41,7 +49,7 @@ from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.techniques.sharding import Sharding
 from memfit.trace import FakeCopier, profile_step
-from memfit.trace.sharded import counting_fsdp, fake_process_group
+from memfit.trace.sharded import counting_fsdp, fake_process_group, trace_ddp_hook
 from memfit.units import parse_bytes
 
 __all__ = ["estimate_sharded"]
@@ -95,7 +103,9 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
     fake_batch = copier.tree(batch)
     with fake_process_group(world_size) as mesh, counting_fsdp():
         with copier.mode:
-            sharded = Sharding(config).apply(fake_model, mesh)
+            sharded = Sharding(config).apply(fake_model, mesh, init_sync=False)
+            if config.kind == "ddp":
+                trace_ddp_hook(sharded)
             runner = build_runner(sharded, recipe, k, plan=Plan(k), origin=trainable,
                                   loss_fn=loss_fn, count_fn=count_fn)
             fake_batch = runner.prepare(fake_batch)
@@ -103,8 +113,12 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
         def run(on_phase):
             runner.run(fake_batch, on_phase)
 
+        def warm_up():                           # DDP: without its bucket rebuild (Note 4)
+            with sharded.no_sync() if config.kind == "ddp" else contextlib.nullcontext():
+                run(lambda _: None)
+
         prof, _ = profile_step(run, copier=copier, model=runner.model,
-                               optimizer=runner.optimizer, warm_up=lambda: run(lambda _: None))
+                               optimizer=runner.optimizer, warm_up=warm_up)
     notes = [_describe(config, world_size)]
     if spec.kind == "cuda":
         notes.append("GPU target: the CPU trace's allocated bytes; CUDA's autocast kernels, the "

@@ -69,14 +69,15 @@ class Sharding:
     def __init__(self, config: Config | None = None):
         self.config = config or Sharding.Config()
 
-    def apply(self, model: nn.Module, mesh) -> nn.Module:
+    def apply(self, model: nn.Module, mesh, *, init_sync: bool = True) -> nn.Module:
         """Shard ``model`` in place over ``mesh`` (FSDP2), or wrap it (DDP); return the model
-        to train (the DDP wrapper, or ``model`` itself)."""
+        to train (the DDP wrapper, or ``model`` itself). ``init_sync=False``: DDP skips its
+        start-up check and broadcast of the parameters (a trace's fakes have no values)."""
         c = self.config
         if c.kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
             return DistributedDataParallel(model, process_group=mesh.get_group(),
-                                           bucket_cap_mb=c.bucket_cap_mb)
+                                           bucket_cap_mb=c.bucket_cap_mb, init_sync=init_sync)
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         kwargs = {"mesh": mesh, "reshard_after_forward": c.reshard_after_forward}
         if c.mp_policy == "bf16":

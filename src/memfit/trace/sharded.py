@@ -14,6 +14,15 @@ that already has a default group (inside ``torchrun``) cannot hold a second one:
 subprocess); c10d has one default group per process and swapping it in and out would leave
 the user's group's collectives half-registered.
 
+Note 3 (DDP under the fake group). DDP's C++ reducer runs on fakes: it allocates its gradient
+buckets (fakes, counted) and copies each gradient into its bucket. Two things need a hand: its
+start-up check reads parameter values (``init_sync=False`` skips it and the broadcast, which
+happen before any step), and its built-in all-reduce hook expects the fake group's future to
+hold the reduced bucket, which ``FakeWork``'s holds None. ``trace_ddp_hook`` registers the
+hook DDP's default amounts to -- divide the bucket by the world size in place, all-reduce it
+in place, a future done with the bucket itself -- so the step allocates what the default does
+(nothing beyond the bucket) and the reducer copies the bucket back into the gradients.
+
 Note 2 (two things ``track`` does not see yet; ``counting_fsdp``). (a) DTensor's
 ``__tensor_flatten__`` lists ``device_mesh`` beside ``_local_tensor`` (torch >= 2.10), and the
 counter's ``storages_of`` asks every listed name for its storage: it raises ``AttributeError:
@@ -36,7 +45,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["fake_process_group", "counting_fsdp"]
+__all__ = ["fake_process_group", "counting_fsdp", "trace_ddp_hook"]
 
 
 @contextlib.contextmanager
@@ -62,6 +71,19 @@ def fake_process_group(world_size: int):
         yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
+
+
+def trace_ddp_hook(ddp) -> None:
+    """DDP's default all-reduce as a Python comm hook that a fake group can complete (Note 3)."""
+    def hook(group, bucket):
+        buf = bucket.buffer()
+        buf.div_(group.size())
+        dist.all_reduce(buf, group=group)
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    ddp.register_comm_hook(ddp.process_group, hook)
 
 
 def _storages_of(t: torch.Tensor, device_type: str | None = None):
