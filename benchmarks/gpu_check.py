@@ -1,9 +1,14 @@
 """Every GPU check in one run (well under 8 minutes on one GPU): for several zoo models, small
 and full-size, the real training step's memory beside memfit's prediction.
 
-Measured on step 2 (after ``torch.cuda.reset_peak_memory_stats()``): ``max_memory_allocated``,
-``max_memory_reserved``, and the device-level used memory (``cudaMemGetInfo``: total - free,
-which includes the CUDA context). Predicted: ``memfit.estimate(..., device=<this GPU>)``.
+First, before anything else touches CUDA, ``memfit.calibrate`` measures this GPU (context,
+library kernels, workspace, allocator, one small step) and the profile is recorded as
+``benchmarks/results/device_profile-<date>.json``. Each case is then measured with the same
+routine (``memfit.calibrate.measure_step``) on step 2 (after
+``torch.cuda.reset_peak_memory_stats()``): ``max_memory_allocated``, ``max_memory_reserved``, and
+the device-level used memory (``cudaMemGetInfo``: total - free, which includes the CUDA
+context). Predicted: ``memfit.estimate(..., device=<this GPU>)`` with the table's figures, and
+the device bytes again with the measured profile's (``predicted_device_profiled_bytes``).
 Pass marks: allocated within 3%, reserved within 5% (the targets of issue 3).
 
     python benchmarks/gpu_check.py            # on a machine with a CUDA GPU
@@ -49,24 +54,14 @@ CASES = [
 
 
 def measure(spec, tiny: bool, batch_cpu: dict, precision: str) -> dict:
-    """Two real Runner steps on the GPU; the second one's memory."""
+    """Two real Runner steps on the GPU; the second one's memory (memfit.calibrate Note 4)."""
+    from memfit.calibrate import measure_step
+
     model = spec.build(tiny=tiny, device="cuda")
     batch = {k: v.cuda() for k, v in batch_cpu.items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     runner = memfit.fit(model, opt, batch, precision=precision)
-    runner.step(batch)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    runner.step(batch)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    free, total = torch.cuda.mem_get_info()
-    out = {"measured_allocated_bytes": torch.cuda.max_memory_allocated(),
-           "measured_reserved_bytes": torch.cuda.max_memory_reserved(),
-           "measured_device_used_bytes": total - free,
-           "measured_context_bytes": total - free - torch.cuda.memory_reserved(),
-           "step_seconds": round(seconds, 4)}
+    out = measure_step(runner.step, batch)
     del runner, opt, model, batch
     gc.collect()
     torch.cuda.empty_cache()
@@ -204,6 +199,17 @@ def main() -> None:
     if not args.dry_run and not torch.cuda.is_available():
         console.print("[red]no CUDA device: run on a GPU machine, or pass --dry-run[/red]")
         raise SystemExit(2)
+    profiled = None
+    if not args.dry_run:            # first: the context is measured in a fresh process
+        from memfit.calibrate import calibrate, write_profile
+
+        with console.status("calibrating this GPU (memfit calibrate)"):
+            profile = calibrate()
+        _record.RESULTS.mkdir(exist_ok=True)
+        path = _record.RESULTS / f"device_profile-{time.strftime('%Y-%m-%d')}.json"
+        write_profile(profile, str(path))
+        profiled = memfit.DeviceSpec.load(str(path))
+        console.print(f"device profile recorded in {path}")
     spec = memfit.get_device(args.gpu or ("cuda" if torch.cuda.is_available() else "h200"))
     table = Table(title=f"gpu_check on {spec.display_name}: predicted vs measured, step 2")
     for col in ("model", "batch", "prec", "pred alloc", "meas alloc", "err", "pred reserved",
@@ -227,6 +233,10 @@ def main() -> None:
                "predicted_reserved_bytes": est.reserved_bytes,
                "predicted_device_used_bytes": est.device_bytes,
                "predicted_context_bytes": est.context_bytes, "estimate_seconds": round(est_s, 3),
+               "predicted_card": est.card.to_dict() if est.card is not None else None,
+               "predicted_device_profiled_bytes": None if profiled is None else
+               est.reserved_bytes + profiled.cuda_context_bytes
+               + (profiled.cudnn_bytes if est.card and est.card.cudnn_bytes else 0),
                "attention": est.notes[0] if est.notes else ""}
         if not args.dry_run:
             with console.status(f"{name}: two real steps"):

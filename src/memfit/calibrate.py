@@ -139,13 +139,13 @@ def measure_allocator() -> dict:
                                                    r["modelled_reserved_bytes"] for r in rows)}
 
 
-def measure_step(step: Callable[[], object]) -> dict:
-    """One warm-up call of ``step``, the peak statistics reset, one more: its memory (Note 4)."""
-    step()
+def measure_step(step: Callable[..., object], *args) -> dict:
+    """One warm-up ``step(*args)``, the peak statistics reset, one more: its memory (Note 4)."""
+    step(*args)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    step()
+    step(*args)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     used = _used()
@@ -172,7 +172,7 @@ def _zoo_step(model_name: str, batch_size: int, seq_len: int) -> dict:
     runner = memfit.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-5), batch,
                         precision=precision)
     before = _outside()
-    out = measure_step(lambda: runner.step(batch))
+    out = measure_step(runner.step, batch)
     out["step_kernels_bytes"] = max(out["measured_context_bytes"] - before, 0)
     out.update(model=model_name, tiny=True, batch=[batch_size, seq_len], precision=precision,
                predicted_allocated_bytes=est.peak_bytes, predicted_reserved_bytes=est.reserved_bytes,
