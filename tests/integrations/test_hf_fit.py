@@ -173,6 +173,25 @@ def test_fit_plans_blocks_under_accumulation_and_train_stays_in_budget_bitwise()
     assert run.losses == ref.losses and len(run.losses) == 3
 
 
-def test_precision_is_the_arguments_own():
-    with pytest.raises(ValueError, match="bf16=True"):
-        mf_hf.fit(tiny_trainer("gpt2", **RUN), "1MiB", precision="auto")
+def test_precision_changes_only_when_allowed_and_train_matches_a_bf16_trainer_bitwise():
+    # the budget is the fp32 step's own bytes minus one: fp32 needs a change, bf16 fits kept
+    fp32 = mf_hf.estimate(tiny_trainer("gpt2", **RUN)).device_bytes
+    ref = train_under(tiny_trainer("gpt2", bf16=True, **RUN))
+    trainer = tiny_trainer("gpt2", **RUN)
+    changes = mf_hf.fit(trainer, fp32 - 1, verbose=False, precision="bf16",
+                        offload_optimizer=False, micro_batch_size=4)
+    assert changes.args == {"bf16": (False, True), "mixed_precision": ("no", "bf16")}
+    assert trainer.accelerator.mixed_precision == "bf16"
+    assert mf_hf.estimate(trainer).device_bytes == changes.predicted_device_bytes < fp32
+    run = train_under(trainer, budget=fp32 - 1)
+    assert run.losses == ref.losses          # the same autocast as a trainer built with bf16
+    changes.remove()
+    assert trainer.accelerator.mixed_precision == "no" and not trainer.args.bf16
+    assert mf_hf.estimate(trainer).device_bytes == fp32
+    # by default, and under "auto" on a CPU target (fp32, as memfit.plan's), numerics stay
+    for precision in (None, "auto"):
+        changes = mf_hf.fit(tiny_trainer("gpt2", **RUN), fp32 - 1, verbose=False,
+                            precision=precision)
+        assert "bf16" not in changes.args and changes.candidate.precision == "fp32"
+    with pytest.raises(ValueError, match="precision='int8'"):
+        mf_hf.fit(tiny_trainer("gpt2", **RUN), "1MiB", precision="int8")

@@ -12,12 +12,14 @@ MILP and the verification are the planner's, run over the Trainer's real step
 (``_hf_plan`` Notes 1-3). A trainer that already checkpoints with transformers' own
 activation checkpointing keeps it (its blocks take no memfit hooks then).
 
-Note 2 (numerics). The precision is the user's: fit changes where bytes live and how the
-batch is split, never the numerics of a step. ``precision`` other than None is refused: a
-16-bit plan would need the Trainer's accelerator rebuilt at another mixed precision, which
-accelerate's process-wide ``AcceleratorState`` refuses once created ("cannot be changed,
-restart your runtime"); set ``bf16=True`` in the TrainingArguments before building the Trainer
-and fit plans that run.
+Note 2 (numerics). By default the precision is the user's: fit changes where bytes live and
+how the batch is split, never the numerics of a step. ``precision="auto"`` allows the 16-bit
+precision the target device has (bf16, else fp16, on a GPU; a CPU target keeps fp32, as
+``memfit.plan``'s auto does), weighed beside the user's own by the same models;
+``precision="bf16"`` / ``"fp16"`` asks for that one. A chosen precision is set in the
+TrainingArguments (``bf16`` / ``fp16`` / ``mixed_precision``) and the trainer's accelerator is
+rebuilt at it (``_hf_precision`` Note 1): that is what ``train()`` autocasts with. Under
+"auto" a trainer that fits as configured is left as it is.
 
 Note 3 (applying). TrainingArguments are set on ``trainer.args`` (and the trainer's cached
 batch size); the plan's per-block modes and optimizer placement are applied as ``memfit.plan``'s
@@ -40,7 +42,8 @@ from memfit.api._setup import resolve_device
 from memfit.api.estimate import Estimate
 from memfit.errors import BudgetTooSmall
 from memfit.integrations._apply import apply_plan
-from memfit.integrations._hf_plan import Candidate, TrainerModels, set_args, trace, \
+from memfit.integrations._hf_plan import Candidate, TrainerModels, set_args, trace
+from memfit.integrations._hf_precision import precisions_for, rebuild, unwrap_autocast, \
     user_precision
 from memfit.integrations._hf_step import check_supported, trainer_optimizer
 from memfit.knobs import Knobs
@@ -97,9 +100,8 @@ class Changes:
         return "\n".join(lines)
 
     def remove(self) -> None:
-        """Undo: hooks off, arguments and optimizer back as they were (activation checkpointing
-        that a ``train()`` since turned on stays on the model: transformers'
-        ``activation_checkpointing_disable()`` turns it off)."""
+        """Undo: hooks off, arguments, optimizer and accelerator back as they were (a changed
+        precision: the autocast a ``train()`` since wrapped the forward in comes off too)."""
         while self._undo:
             self._undo.pop()()
 
@@ -110,34 +112,30 @@ def fit(trainer, budget, device=None, *, micro_batch_size: int | None = None,
     """Plan ``trainer.train()`` under ``budget`` device bytes and apply the plan (Notes 1-3).
 
     ``budget``: bytes or "11GiB"; ``device`` as in ``estimate``. ``micro_batch_size`` /
-    ``offload_optimizer`` fix those choices (None: memfit's to make); ``precision``: None, the
-    arguments' own (Note 2). Returns the ``Changes`` (also printed unless ``verbose=False``);
-    ``trainer.train()`` then runs as it always does. ``on_progress(message)`` hears each trace.
+    ``offload_optimizer`` fix those choices (None: memfit's to make); ``precision``: None (the
+    arguments' own), "auto", "bf16" or "fp16" (Note 2). Returns the ``Changes`` (also printed
+    unless ``verbose=False``); ``trainer.train()`` then runs as it always does. ``on_progress(message)`` hears each trace.
     Raises ``memfit.BudgetTooSmall`` with the least configuration's bytes when nothing fits."""
     say = on_progress or (lambda message: None)
     check_supported(trainer)
-    if precision is not None:
-        raise ValueError(f"precision={precision!r}: fit keeps the TrainingArguments' precision "
-                         "(accelerate cannot change a created Trainer's mixed precision in this "
-                         "process); build the Trainer with bf16=True (or fp16=True) and fit it, "
-                         "or leave precision unset")
     budget_bytes = parse_bytes(budget)
     args = trainer.args
+    spec = resolve_device(trainer.model, device)
+    precisions = precisions_for(precision, args, spec)
     b, g = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    own = Candidate(b, g, (), (), False, user_precision(args), bool(args.activation_checkpointing))
+    own = Candidate(b, g, (), (), False, user_precision(args),
+                    bool(args.activation_checkpointing))
     _check_fixed(own, micro_batch_size, offload_optimizer, trainer)
     if trainer.lr_scheduler is not None:
         offload_optimizer = False           # Note 3: a given scheduler holds the old optimizer
     say(f"tracing the trainer as configured ({own.describe()})")
     plain = trace(trainer, own, device)
-    own_allowed = micro_batch_size in (None, b) and not offload_optimizer
+    own_allowed = micro_batch_size in (None, b) and not offload_optimizer and \
+        own.precision in precisions
     if plain.device_bytes <= budget_bytes and own_allowed:
         return _apply(trainer, own, plain, plain, 1.0, budget_bytes, 1, verbose)
     say("tracing one micro-batch (and half of one) for the planner's models")
-    models = TrainerModels(trainer, device, resolve_device(trainer.model, device),
-                           one=plain if g == 1 else None)
-    own = Candidate(b, g, tuple(models.blocks), ("keep",) * len(models.blocks), False,
-                    own.precision, own.checkpointing)
+    models = TrainerModels(trainer, device, spec, precisions, one=plain if g == 1 else None)
     sizes = [m for m in models.sizes if micro_batch_size in (None, m)]
     found = models.plan(budget_bytes, sizes, offload_optimizer, say)
     floor_bytes = None
@@ -152,7 +150,7 @@ def fit(trainer, budget, device=None, *, micro_batch_size: int | None = None,
         why = [] if attempt == 0 else [
             f"the first {attempt} choice(s) re-traced over the budget; the search ran again "
             "tighter"]
-    ratio = models.step_s(c) / models.step_s(own)
+    ratio = models.step_s(c) / models.plain_s()
     return _apply(trainer, c, est, plain, ratio, budget_bytes, 1 + models.traced, verbose,
                   models=models, reasons=why, floor_bytes=floor_bytes)
 
@@ -203,12 +201,20 @@ def _apply(trainer, c: Candidate, est: Estimate, plain: Estimate, ratio: float,
             changed[k] = (before[k], getattr(args, k))
     saved_b = trainer._train_batch_size
     trainer._train_batch_size = args.train_batch_size
+    kept = {k: getattr(trainer, k) for k in _ACCELERATOR}
 
     def restore_args():
         for k, v in before.items():
             setattr(args, k, v)
         trainer._train_batch_size = saved_b
+        if "mixed_precision" in changed:          # the shared state, then the trainer's own
+            unwrap_autocast(trainer.model)
+            rebuild(trainer)
+            for k, v in kept.items():
+                setattr(trainer, k, v)
     undo.append(restore_args)
+    if "mixed_precision" in changed:
+        rebuild(trainer)                          # what train() autocasts with (Note 2)
     plan = _plan_of(c, est, budget_bytes, ratio, reasons, floor_bytes,
                     getattr(est.device, "name", str(est.device)))
     blocks = {}
@@ -238,4 +244,6 @@ def _swap_optimizer(trainer, new):
     return lambda: setattr(trainer, "optimizer", old)
 
 
-_ARG_NAMES = ("per_device_train_batch_size", "gradient_accumulation_steps")
+_ARG_NAMES = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16",
+              "mixed_precision")
+_ACCELERATOR = ("accelerator", "gather_function", "is_deepspeed_enabled", "is_fsdp_enabled")

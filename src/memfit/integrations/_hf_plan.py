@@ -20,8 +20,8 @@ the user chose is not offered). ``search`` runs once per m with m fixed and the 
 predicted choice over all m wins. A trainer that checkpoints with transformers' own
 activation checkpointing keeps it: its blocks are then fixed to "keep" for memfit's hooks
 (they already recompute), and only m and the optimizer's placement are searched. The models
-are keyed as the planner's, ``(precision, None)``; the precision is the arguments' own
-(``_hf_fit`` Note 2).
+are keyed as the planner's, ``(precision, None)``: one pair per precision fit may use (the
+arguments' own unless ``fit(precision=...)`` allows another, ``_hf_precision`` Note 2).
 
 Note 3 (verification, and the floor). As in ``api.plan`` Notes 2 and 5: the choice is re-traced
 with the Trainer's real step configured as chosen (``trace``: its TrainingArguments on a copy
@@ -41,21 +41,17 @@ from dataclasses import dataclass
 from memfit.api._choice import knob_values
 from memfit.api.estimate import Estimate
 from memfit.integrations._hf_estimate import estimate
+from memfit.integrations._hf_precision import at_precision, set_precision, user_precision
 from memfit.planner.memory_model import MemoryModel
 from memfit.planner.search import Choice, Constraints, floor_candidates, search
 from memfit.planner.time_model import TimeModel
 
-__all__ = ["Candidate", "TrainerModels", "trace", "configured", "user_precision", "ATTEMPTS",
+__all__ = ["Candidate", "TrainerModels", "trace", "configured", "set_args", "ATTEMPTS",
            "FLOOR_PRUNE"]
 
 ATTEMPTS = 5
 FLOOR_PRUNE = 1.5         # floor candidates the models put this far above the least go untraced
 _SLACK_BYTES = 2 ** 20    # added to each verified shortfall, as api.plan does
-
-
-def user_precision(args) -> str:
-    """The precision the TrainingArguments run: "bf16", "fp16" or "fp32"."""
-    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
 @dataclass(frozen=True)
@@ -108,20 +104,24 @@ class Candidate:
 
 @contextlib.contextmanager
 def configured(trainer, c: Candidate):
-    """The trainer with ``c``'s TrainingArguments, for one trace; restored after."""
+    """The trainer with ``c``'s TrainingArguments (and, at another precision, an accelerator
+    built at it: ``_hf_precision``), for one trace; restored after."""
     saved_args, saved_b = trainer.args, trainer._train_batch_size
-    trainer.args = set_args(copy.copy(saved_args), c)
-    trainer._train_batch_size = trainer.args.train_batch_size
     try:
-        yield trainer
+        with at_precision(trainer, c.precision):
+            trainer.args = set_args(copy.copy(trainer.args), c)
+            trainer._train_batch_size = trainer.args.train_batch_size
+            yield trainer
     finally:
         trainer.args, trainer._train_batch_size = saved_args, saved_b
 
 
 def set_args(args, c: Candidate):
-    """``c``'s TrainingArguments on ``args`` (in place; its precision is the arguments' own)."""
+    """``c``'s TrainingArguments on ``args`` (in place)."""
     args.per_device_train_batch_size = c.micro_batch_size
     args.gradient_accumulation_steps = c.accumulation
+    if c.precision != user_precision(args):
+        set_precision(args, c.precision)
     return args
 
 
@@ -135,9 +135,11 @@ class TrainerModels:
     """The planner's memory and time models of the Trainer's step (Note 1), and the search
     over them (Notes 2 and 3)."""
 
-    def __init__(self, trainer, device, spec, one: Estimate | None = None):
-        """``one``: the trace of one micro-batch of b, where the caller has it (the plain step
-        of a trainer that does not accumulate)."""
+    def __init__(self, trainer, device, spec, precisions: list[str],
+                 one: Estimate | None = None):
+        """``precisions``: those searched (``_hf_precision.precisions_for``); ``one``: the trace
+        of one micro-batch of b at the user's precision, where the caller has it (the plain
+        step of a trainer that does not accumulate)."""
         args = trainer.args
         self.trainer, self.device, self.spec = trainer, device, spec
         self.precision = user_precision(args)
@@ -146,18 +148,25 @@ class TrainerModels:
         self.checkpointing = bool(args.activation_checkpointing)
         self.sizes = [m for m in range(1, self.b + 1) if self.total % m == 0]
         self.blocks: list[str] = []
-        traced = one is None
-        self.one = self._plain(self.b) if traced else one
-        half = self._plain(self.b // 2) if self.b > 1 else None
-        memory = MemoryModel(self.one, self.b, half)
-        self.blocks = list(memory.blocks)
-        self.models = {(self.precision, None): (memory, TimeModel(self.one, spec, self.precision,
-                                                                  self.b, memory, half))}
-        self.traced = traced + (half is not None)
+        self.models: dict[tuple, tuple[MemoryModel, TimeModel]] = {}
+        self.traced = 0
+        for p in precisions:
+            full = one if p == self.precision and one is not None else self._plain(p, self.b)
+            half = self._plain(p, self.b // 2) if self.b > 1 else None
+            memory = MemoryModel(full, self.b, half)
+            self.blocks = list(memory.blocks)
+            self.models[(p, None)] = memory, TimeModel(full, spec, p, self.b, memory, half)
+        if (self.precision, None) in self.models:
+            self.baseline = self.models[(self.precision, None)][1]
+        else:                  # the user's own step times the ratio (api.plan Note 3)
+            full = one if one is not None else self._plain(self.precision, self.b)
+            memory = MemoryModel(full, self.b)
+            self.baseline = TimeModel(full, spec, self.precision, self.b, memory)
 
-    def _plain(self, m: int) -> Estimate:
+    def _plain(self, precision: str, m: int) -> Estimate:
         """The Trainer's step on one micro-batch of ``m``, as configured otherwise (Note 1)."""
-        c = Candidate(m, 1, (), (), False, self.precision, self.checkpointing)
+        c = Candidate(m, 1, (), (), False, precision, self.checkpointing)
+        self.traced += 1
         with configured(self.trainer, c):
             return estimate(self.trainer, self.device)
 
@@ -168,6 +177,11 @@ class TrainerModels:
         """Predicted seconds of one optimizer step of ``c`` (time model)."""
         _, time = self.models[(c.precision, None)]
         return time.step_s(c.micro_batch_size, self.total, c.modes, c.offload_optimizer)
+
+    def plain_s(self) -> float:
+        """Predicted seconds of the trainer's step as configured (the ratio's baseline)."""
+        n = len(self.blocks)
+        return self.baseline.step_s(self.b, self.total, ("keep",) * n, False)
 
     def constraints(self, m: int | None, offload_optimizer: bool | None) -> Constraints:
         modes = {n: ("keep",) for n in self.blocks} if self.checkpointing else None
