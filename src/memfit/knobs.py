@@ -10,15 +10,32 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-__all__ = ["Knobs", "PRECISIONS", "OPTIMIZER_IMPLS", "ZERO_GRADS", "NOT_YET"]
+__all__ = ["Knobs", "PRECISIONS", "OPTIMIZER_IMPLS", "ZERO_GRADS", "SHARDINGS", "OPTIMIZER_STATES",
+           "NOT_YET"]
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure", "auto")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 ZERO_GRADS = ("before-forward", "after-forward", "keep-buffers")
+SHARDINGS = ("none", "ddp", "fsdp")
+OPTIMIZER_STATES = ("fp32", "bf16", "8bit", "4bit")
 _POLICY = re.compile(r"^(none|all|selective|every:[1-9][0-9]*)$")
 
 # Knobs this version accepts but cannot apply yet, with the issue that brings them.
-NOT_YET: dict[str, str] = {}
+NOT_YET: dict[str, str] = {
+    "optimizer_state": "low-bit optimizer states",
+    "gpus": "planning over several GPUs",
+    "sharding": "planning over several GPUs",
+    "reshard_after_forward": "FSDP2 in the planner",
+    "fsdp_offload": "FSDP2 in the planner",
+}
+# per knob, the values that mean "off" beside None / False / "none"
+_OFF = {"gpus": (1,), "optimizer_state": ("fp32",)}
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value is not None and value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)} "
+                         "(or None: memfit decides)")
 
 
 def _check_policy(name: str, value) -> None:
@@ -58,6 +75,14 @@ class Knobs:
         backward: last step's gradients stay alive through the forward), or "keep-buffers"
         (``zero_grad(set_to_none=False)``: gradient buffers stay allocated all the time).
         With ``step=fn`` the step decides and this must be left unset.
+    optimizer_state: the dtype of the optimizer's state: "fp32" (torch's), "bf16", "8bit" or
+        "4bit" (low-bit optimizers; they change the numerics).
+    gpus: data-parallel ranks (an int >= 1) or "auto" (the fewest that fit).
+    sharding: "none", "ddp" (replicated, gradient buckets) or "fsdp" (FSDP2 ``fully_shard``).
+    reshard_after_forward: FSDP2's: free the unsharded parameters after a block's forward
+        (True), keep them to the backward (False), or reshard to a group of this many ranks.
+    fsdp_offload: FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer
+        state on the host.
     """
 
     precision: str | None = None
@@ -69,6 +94,11 @@ class Knobs:
     max_grad_norm: float | None = None
     optimizer_impl: str | None = None
     zero_grad: str | None = None
+    optimizer_state: str | None = None
+    gpus: int | str | None = None
+    sharding: str | None = None
+    reshard_after_forward: bool | int | None = None
+    fsdp_offload: bool | None = None
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -82,9 +112,19 @@ class Knobs:
         if self.zero_grad is not None and self.zero_grad not in ZERO_GRADS:
             raise ValueError(f"zero_grad={self.zero_grad!r} is not one of {', '.join(ZERO_GRADS)} "
                              "(or None: before-forward, memfit's default)")
+        _check_choice("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
+        _check_choice("sharding", self.sharding, SHARDINGS)
+        g = self.gpus
+        if g is not None and g != "auto" and (isinstance(g, bool) or not isinstance(g, int)
+                                              or g < 1):
+            raise ValueError(f"gpus must be an int >= 1 or 'auto', got {g!r}")
+        r = self.reshard_after_forward
+        if r is not None and not isinstance(r, bool) and (not isinstance(r, int) or r < 2):
+            raise ValueError(f"reshard_after_forward must be True, False or a group size >= 2, "
+                             f"got {r!r}")
         _check_policy("checkpoint", self.checkpoint)
         _check_policy("offload", self.offload)
-        for name in ("offload_optimizer", "remat"):
+        for name in ("offload_optimizer", "remat", "fsdp_offload"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be True or False, got {v!r}")
@@ -108,7 +148,7 @@ class Knobs:
         """Refuse knobs this version cannot apply yet (set to anything but off)."""
         for name, what in NOT_YET.items():
             v = getattr(self, name)
-            if v not in (None, False, "none"):
+            if v not in (None, False, "none") + _OFF.get(name, ()):
                 raise ValueError(f"{name}={v!r} needs {what}, which this version of memfit does "
                                  f"not have yet; leave {name} unset")
 
