@@ -30,6 +30,12 @@ and every rank reads it back, which fakes cannot. The buckets' total is the grad
 whatever the order (flat buffers, no padding on the CPU), so the trace's warm-up step runs
 under ``no_sync`` (the reducer records no order and never rebuilds) and the counted step is
 like a real run's third: the real runs of the tests measure step 3, after the rebuild.
+
+Note 5 (which mode shards). ``fully_shard`` runs outside the fake mode: it makes every new
+tensor from the (fake) parameters themselves, which keeps them fake, while
+``reshard_after_forward=<int>`` builds its smaller mesh from the real rank tensor of the
+``DeviceMesh``, which the fake mode refuses. DDP runs inside it: its C++ reducer allocates
+the buckets with ``at::empty``, which must make fakes.
 """
 
 from __future__ import annotations
@@ -102,10 +108,11 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
     fake_model.train(model.training)
     fake_batch = copier.tree(batch)
     with fake_process_group(world_size) as mesh, counting_fsdp():
-        with copier.mode:
+        with copier.mode if config.kind == "ddp" else contextlib.nullcontext():   # Note 5
             sharded = Sharding(config).apply(fake_model, mesh, init_sync=False)
-            if config.kind == "ddp":
-                trace_ddp_hook(sharded)
+        if config.kind == "ddp":
+            trace_ddp_hook(sharded)
+        with copier.mode:
             runner = build_runner(sharded, recipe, k, plan=Plan(k), origin=trainable,
                                   loss_fn=loss_fn, count_fn=count_fn)
             fake_batch = runner.prepare(fake_batch)
