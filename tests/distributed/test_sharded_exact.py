@@ -1,11 +1,12 @@
 """estimate_sharded equals each rank of a real gloo job to the byte (peak and breakdown).
 
 The oracle: N real processes (``torch.multiprocessing.spawn``, gloo on the CPU) shard the
-same tiny model with the same ``techniques.sharding`` settings, run memfit's Runner for one
-step and measure the next with ``memfit.track`` (``_worker``; its Note 1 says why FSDP2's
+same tiny model with the same ``techniques.sharding`` settings, run memfit's Runner for two
+steps and measure the third with ``memfit.track`` (``_worker``; its Note 1 says why FSDP2's
 reduce-scatter runs in place there). The estimate traces one rank in this process under a
 fake process group. Every rank must equal the estimate: peak bytes and the breakdown at the
-peak, exactly.
+peak, exactly. One real job runs all the cases of a tier (a spawn costs ~10 s of imports on
+this machine); each case is its own test.
 """
 
 import itertools
@@ -27,33 +28,57 @@ def fsdp(reshard=True, mp=None):
 DDP = {"kind": "ddp"}
 GRID = [fsdp(r, mp) for r, mp in itertools.product([True, False], [None, "bf16"])] + [DDP]
 
-
-def check(arch: str, world_size: int, configs: list[dict], knobs: dict | None = None,
-          optimizer: str = "adamw"):
-    knobs = knobs or {}
-    real = real_ranks(world_size, [(arch, c, knobs, optimizer) for c in configs])
-    for i, c in enumerate(configs):
-        model, batch = tiny(arch)
-        est = estimate_sharded(model, batch, optimizer, device="cpu", world_size=world_size,
-                               sharding=c["kind"],
-                               reshard_after_forward=c.get("reshard_after_forward", True),
-                               mp_policy=c.get("mp_policy"), **knobs)
-        assert not dist.is_initialized()             # the fake group is gone
-        for rank in range(world_size):
-            got = real[rank][i]
-            assert (got["peak_bytes"], got["breakdown"]) == (est.peak_bytes, est.breakdown), \
-                f"{arch} {c} rank {rank}"
+# default tier: every architecture, each setting at least once, on 2 ranks
+DEFAULT = [("gpt2", fsdp(True, None)), ("gpt2", fsdp(False, "bf16")), ("gpt2", DDP),
+           ("llama-1b", fsdp(True, "bf16")), ("llama-1b", DDP), ("bert-base", fsdp(False, None))]
+SLOW = {2: [(a, c) for a in ARCHS for c in GRID],
+        4: [(a, c) for a in ARCHS for c in GRID] + [("gpt2", fsdp(2, None)),
+                                                   ("llama-1b", fsdp(2, "bf16"))]}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_two_ranks_representative(arch):
-    """Default tier: per architecture, FSDP2 fp32 resharding, FSDP2 bf16 kept unsharded, DDP."""
-    check(arch, 2, [fsdp(True, None), fsdp(False, "bf16"), DDP])
+def _name(case):
+    arch, c = case
+    if c["kind"] == "ddp":
+        return f"{arch}-ddp"
+    return f"{arch}-reshard{c['reshard_after_forward']}-{c['mp_policy'] or 'fp32'}"
+
+
+_real: dict = {}
+
+
+def real(world_size: int, cases: list) -> list[list[dict]]:
+    key = (world_size, tuple(map(_name, cases)))
+    if key not in _real:
+        _real[key] = real_ranks(world_size, [(a, c, {}, "adamw") for a, c in cases])
+    return _real[key]
+
+
+def check(world_size: int, cases: list, case):
+    measured = real(world_size, cases)
+    i = cases.index(case)
+    arch, c = case
+    model, batch = tiny(arch)
+    est = estimate_sharded(model, batch, "adamw", device="cpu", world_size=world_size,
+                           sharding=c["kind"],
+                           reshard_after_forward=c.get("reshard_after_forward", True),
+                           mp_policy=c.get("mp_policy"))
+    assert not dist.is_initialized()                 # the fake group is gone
+    for rank in range(world_size):
+        got = measured[rank][i]
+        assert (got["peak_bytes"], got["breakdown"]) == (est.peak_bytes, est.breakdown), \
+            f"{_name(case)} rank {rank}"
+
+
+@pytest.mark.parametrize("case", DEFAULT, ids=map(_name, DEFAULT))
+def test_two_ranks(case):
+    check(2, DEFAULT, case)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_grid(arch, world_size):
-    """Slow tier: reshard True/False x fp32/bf16 policy, and DDP, on 2 and 4 ranks."""
-    check(arch, world_size, GRID)
+@pytest.mark.parametrize("world_size,case",
+                         [(w, c) for w, cs in SLOW.items() for c in cs],
+                         ids=[f"{w}-{_name(c)}" for w, cs in SLOW.items() for c in cs])
+def test_grid(world_size, case):
+    """3 architectures x reshard True/False x fp32/bf16 policy, and DDP, on 2 and 4 ranks;
+    on 4, reshard_after_forward=2 too."""
+    check(world_size, SLOW[world_size], case)
