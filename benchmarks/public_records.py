@@ -289,7 +289,10 @@ def main(argv: list[str] | None = None) -> dict:
         records = [r for r in records if r["id"] in args.only]
     elif args.quick:
         records = [r for r in records if r["quick"]]
-    results = [predict(r) for r in records]
+    results = []
+    for r in records:
+        print(f"{r['id']}: tracing", file=sys.stderr, flush=True)
+        results.append(predict(r))
     rows = [row for res in results for row in res["rows"]]
     out = {"summary": summary(rows), "results": results}
     if args.json:
