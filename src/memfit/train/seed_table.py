@@ -1,0 +1,156 @@
+"""The seed's memory table: XLM-R base and large x sequence length x fp32 / fp16 AMP x
+checkpointing off / on x batch size, predicted for a GPU, and memfit's own plan as last rows.
+
+Note 1 (the same numbers as ``memfit estimate``). Each row is one ``memfit.estimate`` call with
+exactly the arguments ``memfit estimate --model M --batch-size B --seq-len S --precision P
+[--checkpoint all] --gpu G`` passes (model on the meta device, the zoo's batch, AdamW, the
+default allocator): a row's bytes are that command's, by construction, and a test holds a
+sample of rows to it.
+
+Note 2 (cost, and the cache). A row costs one trace (tens of seconds for XLM-R large on a
+loaded 2-core machine; trace time depends on the number of ops, not on batch or length). A
+row's result is kept in ``~/.cache/memfit/bench-seed/`` (or ``MEMFIT_CACHE``) under a key of
+the row, the device, torch's version and a hash of memfit's own source files, so a rerun costs
+nothing and any change to memfit traces again. ``use_cache=False`` ignores it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["Row", "seed_rows", "estimate_row", "plan_row", "cache_key", "MODELS", "SEQ_LENS"]
+
+MODELS = ("xlm-roberta-base", "xlm-roberta-large")
+SEQ_LENS = (128, 256, 512)
+PRECISIONS = ("fp32", "fp16")
+CHECKPOINTS = ("none", "all")
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    seq_len: int
+    precision: str            # fp32 | fp16 (AMP autocast with loss scaling)
+    checkpoint: str           # none | all
+    batch_size: int
+    tiny: bool = False        # the zoo's tiny twin (tests)
+
+
+def seed_rows(models=MODELS, seq_lens=SEQ_LENS, batch_sizes=(8, 16, 32), precisions=PRECISIONS,
+              checkpoints=CHECKPOINTS, tiny: bool = False) -> list[Row]:
+    return [Row(m, s, p, c, b, tiny) for m in models for s in seq_lens for p in precisions
+            for c in checkpoints for b in batch_sizes]
+
+
+_SOURCE_HASH: str | None = None
+
+
+def _source_hash() -> str:
+    global _SOURCE_HASH
+    if _SOURCE_HASH is None:
+        root = Path(__file__).resolve().parents[1]
+        h = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+        _SOURCE_HASH = h.hexdigest()[:16]
+    return _SOURCE_HASH
+
+
+def cache_key(kind: str, row: Row, device) -> str:
+    import torch
+
+    text = json.dumps([kind, asdict(row), device.name, device.cuda_version,
+                       device.module_loading, device.usable_bytes, torch.__version__,
+                       _source_hash()])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MEMFIT_CACHE") or Path.home() / ".cache" / "memfit") / "bench-seed"
+
+
+def _cached(kind: str, row: Row, device, use_cache: bool, compute) -> dict:
+    path = _cache_dir() / f"{cache_key(kind, row, device)}.json"
+    if use_cache and path.is_file():
+        try:
+            return {**json.loads(path.read_text()), "cached": True}
+        except ValueError:
+            pass                                  # a damaged entry: trace again
+    result = compute()
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result))
+            os.replace(tmp, path)
+        except OSError:
+            pass                                  # a read-only home: no cache, same numbers
+    return {**result, "cached": False}
+
+
+_MODELS: dict = {}
+
+
+def _model(name: str, tiny: bool):
+    """The model on the meta device, as ``memfit estimate`` builds it (cli._common.build_model)."""
+    key = (name, tiny)
+    if key not in _MODELS:
+        from transformers.utils import logging
+
+        from memfit import zoo
+
+        logging.set_verbosity_error()
+        spec = zoo.get(name)
+        _MODELS[key] = (spec, spec.build(None, tiny=tiny, device="meta"))
+    return _MODELS[key]
+
+
+def _batch(row: Row):
+    spec, model = _model(row.model, row.tiny)
+    return spec.make_batch(model, row.batch_size, seq_len=row.seq_len, image_size=None,
+                           padded=False, task=None)
+
+
+def estimate_row(row: Row, device, use_cache: bool = True) -> dict:
+    """The row's ``memfit estimate`` figures (Note 1)."""
+    def compute() -> dict:
+        import memfit
+        from memfit.trace.allocator import AllocatorConfig
+
+        _, model = _model(row.model, row.tiny)
+        est = memfit.estimate(model, _batch(row), optimizer="adamw", device=device, budget=None,
+                              precision=row.precision, micro_batch_size=None,
+                              checkpoint=None if row.checkpoint == "none" else row.checkpoint,
+                              offload=None, offload_optimizer=None, remat=None, zero_grad=None,
+                              allocator=AllocatorConfig(expandable_segments=False))
+        return {"peak_bytes": est.peak_bytes, "reserved_bytes": est.reserved_bytes,
+                "device_bytes": est.device_bytes, "fits": est.fits,
+                "limit_bytes": est.limit_bytes, "trace_seconds": est.trace_seconds}
+    return _cached("estimate", row, device, use_cache, compute)
+
+
+def plan_row(model_name: str, seq_len: int, batch_size: int, device, tiny: bool = False,
+             use_cache: bool = True) -> dict:
+    """``memfit plan --model M --batch-size B --seq-len S --gpu G``'s choice (precision auto)."""
+    row = Row(model_name, seq_len, "auto", "auto", batch_size, tiny)
+
+    def compute() -> dict:
+        import memfit
+
+        _, model = _model(model_name, tiny)
+        p = memfit.plan(model, _batch(row), None, "adamw", device, precision="auto")
+        modes = sorted(set(p.blocks.values()))
+        return {"precision": p.knobs.precision,
+                "micro_batch_size": p.knobs.micro_batch_size or batch_size,
+                "blocks": "/".join(modes) if modes else "keep",
+                "recompute_blocks": sum(m == "recompute" for m in p.blocks.values()),
+                "offload_optimizer": bool(p.knobs.offload_optimizer),
+                "peak_bytes": p.predicted_peak_bytes, "reserved_bytes": p.predicted_reserved_bytes,
+                "device_bytes": p.predicted_device_bytes,
+                "step_time_ratio": p.predicted_step_time_ratio}
+    return _cached("plan", row, device, use_cache, compute)
