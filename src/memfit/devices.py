@@ -324,7 +324,8 @@ def _spec_from_cuda(device: torch.device) -> DeviceSpec:
     known = _INDEX.get(_normalize(props.name))
     if known is not None:
         spec = GPUS[known]
-        return replace(spec, usable_bytes=total, memory_bytes=max(spec.memory_bytes, total))
+        return replace(spec, usable_bytes=total, memory_bytes=max(spec.memory_bytes, total),
+                       usable_measured=True)
     cc = (int(props.major), int(props.minor))
     warnings.warn(f"{props.name} (sm_{cc[0]}{cc[1]}) is not in memfit.devices.GPUS: its memory is "
                   "measured, but FLOP/s and bandwidth are rough guesses; pass a DeviceSpec with "
