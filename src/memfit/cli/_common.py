@@ -65,9 +65,9 @@ def add_target_args(g, *, budget_help: str) -> None:
                    help="a device profile written by `memfit calibrate` on your GPU: its measured "
                         "context, kernels and memory replace the table's (instead of --gpu)")
     g.add_argument("--cuda-version", default=None, type=cuda_version, metavar="X.Y",
-                   help="CUDA version whose context and kernels to count, e.g. 12 or 11.8 "
-                        "(default: what the installed torch was built for; a CPU-only torch "
-                        "assumes 12.8 and says so)")
+                   help="CUDA version whose context and kernels to count, e.g. 12.4 or 11.8 "
+                        "(a bare 12 reads as 12.8, 11 as 11.8; default: what the installed torch "
+                        "was built for; a CPU-only torch assumes 12.8 and says so)")
     g.add_argument("--module-loading", default=None, choices=("lazy", "eager"),
                    help="CUDA_MODULE_LOADING of the run (default: this shell's "
                         "CUDA_MODULE_LOADING, else lazy, torch's default): eager loads every "

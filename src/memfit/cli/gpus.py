@@ -9,7 +9,8 @@ def add_parser(sub):
     return add_listing_parser(
         sub, "gpus", help="list the GPUs memfit knows (names for --gpu)",
         description="The GPU table: the name to pass as --gpu, memory as sold and as CUDA reports "
-                    "it (what a plan fits), the 16-bit precision --precision auto takes, and peak "
+                    "it (what a plan fits; '~' where no public log gives it and memfit takes 2% "
+                    "off the card's total), the 16-bit precision --precision auto takes, and peak "
                     "throughput.", run=run)
 
 
@@ -21,6 +22,9 @@ def rows() -> list[dict]:
         aliases.setdefault(name, []).append(alias)
     return [{"name": d.name, "display_name": d.display_name, "architecture": d.architecture,
              "memory_bytes": d.memory_bytes, "usable_bytes": d.usable_bytes,
+             "usable_measured": d.usable_measured, "nvml_total_bytes": d.nvml_total_bytes or None,
+             "compute_capability": list(d.compute_capability),
+             "cuda_context_bytes": d.cuda_context_bytes,
              "auto_precision": "bf16" if d.supports_bf16 else "fp16",
              "peak_fp32_tflops": round(d.peak_fp32_flops / 1e12, 2),
              "peak_fp16_tflops": round(d.peak_fp16_flops / 1e12, 2),
@@ -37,8 +41,10 @@ def run(args) -> int:
                ("auto", {"no_wrap": True}), ("TFLOP/s 16-bit", right), ("GB/s", right),
                ("GPU", {})]
     return print_listing(
-        args, rows(), "GPUs (pass the name as --gpu; 'cpu' plans for this machine's RAM)",
+        args, rows(), "GPUs (pass the name as --gpu; 'cpu' plans for this machine's RAM; "
+                      "~: usable not published, estimated)",
         columns,
-        lambda r: [r["name"], format_bytes(r["memory_bytes"], 0), format_bytes(r["usable_bytes"]),
+        lambda r: [r["name"], format_bytes(r["memory_bytes"], 0),
+                   ("" if r["usable_measured"] else "~") + format_bytes(r["usable_bytes"]),
                    r["auto_precision"], f"{max(r['peak_fp16_tflops'], r['peak_bf16_tflops']):g}",
                    str(r["memory_bandwidth_gb_per_s"]), r["display_name"].removeprefix("NVIDIA ")])
