@@ -101,8 +101,10 @@ ROWS = (
     # tensor with fp32 accumulate, 716.8 GB/s. No CUDA total found.
     dict(name="rtx-4080", display="NVIDIA GeForce RTX 4080", mem=16, usable=None,
          fp32=48.7e12, fp16=97.5e12, bf16=97.5e12, bw=716.8e9, link="pcie4", cc=(8, 9)),
-    # NVIDIA RTX Blackwell GPU architecture whitepaper, RTX 5090: 104.8 TFLOPS fp32, 209.5 TFLOPS
-    # fp16/bf16 tensor with fp32 accumulate (dense), 32 GB GDDR7, 1792 GB/s, PCIe 5.0. No CUDA total.
+    # NVIDIA RTX Blackwell whitepaper, RTX 5090: 104.8 TFLOPS fp32, 32 GB GDDR7, 1792 GB/s, PCIe
+    # 5.0; fp16 tensor 838 TFLOPS with sparsity and fp16 accumulate (also in
+    # https://www.spheron.network/blog/nvidia-rtx-5090-specs/): dense 419, and with fp32
+    # accumulate half of that on GeForce, 209.5. No CUDA total found.
     dict(name="rtx-5090", display="NVIDIA GeForce RTX 5090", mem=32, usable=None,
          fp32=104.8e12, fp16=209.5e12, bf16=209.5e12, bw=1792e9, link="pcie5", cc=(12, 0)),
     # NVIDIA RTX A4000 datasheet: 19.2 TFLOPS fp32, 153.4 TFLOPS tensor with sparsity, 16 GB,
@@ -140,10 +142,13 @@ ROWS = (
     # public pinned-copy measurement found). No CUDA total found.
     dict(name="gh200", display="NVIDIA GH200 480GB", mem=96, usable=None,
          fp32=67e12, fp16=1979e12 / 2, bf16=1979e12 / 2, bw=4.0e12, link="c2c", cc=(9, 0)),
-    # NVIDIA HGX B200 spec (per GPU of 8): 180 GB HBM3e, 8 TB/s, 75 TFLOPS fp32, 4.5 PFLOPS
-    # fp16/bf16 with sparsity (2.25 dense), PCIe 5.0 to the host. No CUDA total found.
+    # NVIDIA Blackwell datasheet, HGX B200 at 1000 W (per GPU, as tabulated in
+    # https://glennklockwood.com/garden/processors/B200): 80 TFLOPS fp32, 2250 TFLOPS fp16/bf16
+    # dense (4500 with sparsity), 8 TB/s; HGX B200 sells 180 GB of its 192 GB HBM3e (nvidia-smi
+    # "179 GB" in https://docs.vultr.com/inference-cookbook/cuda/getting-started/hardware-overview,
+    # not in MiB). PCIe 5.0 to an x86 host taken. No CUDA total found.
     dict(name="b200", display="NVIDIA B200", mem=180, usable=None,
-         fp32=75e12, fp16=2.25e15, bf16=2.25e15, bw=8.0e12, link="pcie5", cc=(10, 0)),
+         fp32=80e12, fp16=2.25e15, bf16=2.25e15, bw=8.0e12, link="pcie5", cc=(10, 0)),
 )
 
 # Other spellings -> canonical name (devices: matching ignores case, separators and the words
