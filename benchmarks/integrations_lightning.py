@@ -6,9 +6,9 @@ planned run's time against the unplanned one.
     python benchmarks/integrations_lightning.py [--rounds 3] [--steps 4] [--fraction 0.8]
 
 A tiny-vocabulary GPT-2 (6 layers, width 256) wrapped in a LightningModule as users do, batch
-8 x 256, ``accumulate_grad_batches=1`` (with 2, ``plan(step=fn)`` finds no per-block saving
-and no plan fits: an open bug of steps that run several micro-batches), AdamW fp32; the budget is ``--fraction`` of the
-unplanned step's predicted peak. The plan keeps the optimizer on the device (an optimizer the
+8 x 256, ``accumulate_grad_batches=2`` (each block runs two passes per optimizer step:
+planner memory_model Note 8), AdamW fp32; the budget is ``--fraction`` of the unplanned step's
+predicted peak. The plan keeps the optimizer on the device (an optimizer the
 strategy rebuilds at every ``fit`` would leave the offloaded one behind), so it stays applied to
 the module after its ``fit`` (block hooks; ``_lightning_callback`` Note 2) and the timed runs
 are plain ``Trainer.fit`` calls of ``--steps`` steps on the planned and the unplanned module,
@@ -41,7 +41,7 @@ from _side_by_side import print_predicted_vs_measured  # noqa: E402
 from _timing import CONTROL, interleave  # noqa: E402
 
 OVERRIDES = dict(n_layer=6, n_embd=256, n_head=4, vocab_size=512, bos_token_id=0, eos_token_id=0)
-BATCH, SEQ, ACCUMULATION = 8, 256, 1
+BATCH, SEQ, ACCUMULATION = 8, 256, 2
 
 
 class Wrapped(L.LightningModule):
