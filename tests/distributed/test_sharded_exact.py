@@ -31,7 +31,8 @@ GRID = [fsdp(r, mp) for r, mp in itertools.product([True, False], [None, "bf16"]
 # default tier: every architecture, each setting at least once, on 2 ranks
 DEFAULT = [("gpt2", fsdp(True, None)), ("gpt2", fsdp(False, "bf16")), ("gpt2", DDP),
            ("llama-1b", fsdp(True, "bf16")), ("llama-1b", DDP), ("bert-base", fsdp(False, None))]
-SLOW = {2: [(a, c) for a in ARCHS for c in GRID],
+OFFLOAD = {**fsdp(True, None), "offload": True}
+SLOW = {2: [(a, c) for a in ARCHS for c in GRID] + [("gpt2", OFFLOAD)],
         4: [(a, c) for a in ARCHS for c in GRID] + [("gpt2", fsdp(2, None)),
                                                    ("llama-1b", fsdp(2, "bf16"))]}
 
@@ -40,7 +41,8 @@ def _name(case):
     arch, c = case
     if c["kind"] == "ddp":
         return f"{arch}-ddp"
-    return f"{arch}-reshard{c['reshard_after_forward']}-{c['mp_policy'] or 'fp32'}"
+    return (f"{arch}-reshard{c['reshard_after_forward']}-{c['mp_policy'] or 'fp32'}"
+            + ("-offload" if c.get("offload") else ""))
 
 
 _real: dict = {}
@@ -61,7 +63,7 @@ def check(world_size: int, cases: list, case):
     est = estimate_sharded(model, batch, "adamw", device="cpu", world_size=world_size,
                            sharding=c["kind"],
                            reshard_after_forward=c.get("reshard_after_forward", True),
-                           mp_policy=c.get("mp_policy"))
+                           mp_policy=c.get("mp_policy"), fsdp_offload=c.get("offload", False))
     assert not dist.is_initialized()                 # the fake group is gone
     for rank in range(world_size):
         got = measured[rank][i]
@@ -80,5 +82,6 @@ def test_two_ranks(case):
                          ids=[f"{w}-{_name(c)}" for w, cs in SLOW.items() for c in cs])
 def test_grid(world_size, case):
     """3 architectures x reshard True/False x fp32/bf16 policy, and DDP, on 2 and 4 ranks;
-    on 4, reshard_after_forward=2 too."""
+    on 4, reshard_after_forward=2 too; on 2, FSDP2's CPU offload (exact on a CPU target, where
+    it moves nothing)."""
     check(world_size, SLOW[world_size], case)

@@ -16,7 +16,10 @@ the same step in real 2- and 4-process gloo jobs and compare each rank's ``track
 (``basis="cpu-trace"``, reserved taken equal): memfit's CUDA models (autocast kernels, the
 caching allocator's replay) are not applied under sharding yet, nor the collectives' stream
 ordering (on a GPU FSDP2 frees a buffer when the collective stream is done with it, not
-when Python drops it); a note says so.
+when Python drops it); a note says so. ``fsdp_offload`` is exact for a CPU target, where
+host and device are one memory and FSDP2's offload moves nothing; for a GPU target it is
+refused (the trace would have to tell the host's sharded state from the device's buffers, and
+model the per-group copy of the shard to the device before each all-gather).
 
 Note 3 (knobs). ``precision`` ("fp32" or "bf16" autocast), ``micro_batch_size`` (gradient
 sync only on the last micro-batch, as the Runner does), ``checkpoint``, ``offload``,
@@ -95,6 +98,10 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
     if k.precision == "bf16" and mp_policy is not None:
         raise ValueError("precision='bf16' (autocast) and mp_policy='bf16' both cast the "
                          "compute: pick one (mp_policy='bf16' is FSDP2's)")
+    if fsdp_offload and spec.kind == "cuda":
+        raise ValueError("fsdp_offload for a GPU target is not supported yet: the CPU trace "
+                         "cannot tell the host's sharded state from the device's buffers "
+                         "(Note 2); estimate without it, or for device='cpu'")
     limit = parse_bytes(budget) if budget is not None else spec.usable_bytes
     recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
     trainable = [p for p in model.parameters() if p.requires_grad]
