@@ -5,6 +5,7 @@ from __future__ import annotations
 from memfit.api._setup import resolve_device
 from memfit.api.estimate import Estimate
 from memfit.api.estimate import estimate as _estimate
+from memfit.integrations._hf_recompute import check
 from memfit.integrations._hf_step import (TrainerStep, check_supported, trainer_batch,
                                           trainer_optimizer, trainer_scheduler)
 from memfit.techniques.optimizer_offload import OffloadedOptimizer
@@ -29,7 +30,7 @@ def estimate(trainer, device=None, *, batch=None, budget=None, **knobs) -> Estim
     TrainingArguments' (change them there). After ``fit`` the estimate is of the fitted trainer
     (its arguments, the block hooks on its model, its offloaded optimizer). For a GPU
     ``device`` the step is traced as it runs here (accelerate's autocast of this machine) and
-    put through memfit's CUDA models.
+    put through memfit's CUDA models (transformers' checkpointing included: ``_hf_recompute``).
     """
     check_supported(trainer)
     check_gpu_checkpointing(trainer, device)
@@ -48,16 +49,10 @@ def estimate(trainer, device=None, *, batch=None, budget=None, **knobs) -> Estim
 
 
 def check_gpu_checkpointing(trainer, device) -> None:
-    """transformers' own activation checkpointing recomputes in backward, outside the CUDA
-    kernel models a GPU target's trace runs under (``trace.cuda``: memfit's own checkpoint
-    re-enters them, checkpoint Note 4), so its recompute would not match its forward: refused,
-    with memfit's block hooks (the same recompute) as the way."""
+    """transformers' own activation checkpointing for a GPU target is traced with its recompute
+    under the CUDA models (``_hf_recompute``), through checkpoint's ``context_fn``: refused only
+    where that cannot be passed (``use_reentrant=True``), with the fix."""
     if resolve_device(trainer.model, device).kind != "cuda":
         return
-    if trainer.args.activation_checkpointing or \
-            getattr(trainer.model, "is_activation_checkpointing", False):
-        raise ValueError(
-            "gradient_checkpointing=True with a GPU device: transformers' checkpointing "
-            "recomputes outside memfit's CUDA models, so it cannot be traced for a GPU yet. "
-            "Set gradient_checkpointing=False and pass checkpoint='all' (memfit's block hooks: "
-            "the same recompute; fit(trainer, budget) applies it), or estimate for device='cpu'")
+    if trainer.args.activation_checkpointing:
+        check(trainer.args.activation_checkpointing_kwargs)

@@ -27,9 +27,10 @@ or fp16 where the device supports it) with outputs converted to fp32. A trace re
 deep copy of the model as it is *now*, usually before ``train()``: on its first call the step
 does the same two things to that copy, through the model's own
 ``activation_checkpointing_enable`` and accelerate's own ``prepare_model`` (device placement
-off; the copy is taken off the accelerator's model list again). The user's model and the
-trainer are not changed; the trainer's loop state the step touches (the accumulation count,
-accelerate's sync flag, the mixed-mesh cache) is restored after the call.
+off; the copy is taken off the accelerator's model list again). For a GPU target the copy's
+checkpointing recomputes under the same CUDA models as its forward (``_hf_recompute``). The
+user's model and the trainer are not changed; the trainer's loop state the step touches (the
+accumulation count, accelerate's sync flag, the mixed-mesh cache) is restored after the call.
 
 Note 3 (the batch). ``trainer_batch`` collates the trainer's train dataset with the trainer's
 own collator (unused columns removed as ``get_train_dataloader`` does), in dataset order:
@@ -48,6 +49,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, IterableDataset
+
+from memfit.integrations._hf_recompute import model_recompute
 
 __all__ = ["TrainerStep", "trainer_batch", "trainer_optimizer", "trainer_scheduler",
            "check_supported", "MICRO", "AHEAD"]
@@ -196,6 +199,7 @@ class TrainerStep:
             offload = kw.pop("offload", False)
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw or None,
                                                   every_n_layers=every, offload=offload)
+        model_recompute(model)          # for a GPU target: its recompute in the models too
         acc = t.accelerator
         if acc.native_amp and not getattr(model, "_is_accelerate_prepared", False) and \
                 "forward" not in vars(model):
