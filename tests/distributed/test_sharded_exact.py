@@ -32,17 +32,22 @@ GRID = [fsdp(r, mp) for r, mp in itertools.product([True, False], [None, "bf16"]
 DEFAULT = [("gpt2", fsdp(True, None)), ("gpt2", fsdp(False, "bf16")), ("gpt2", DDP),
            ("llama-1b", fsdp(True, "bf16")), ("llama-1b", DDP), ("bert-base", fsdp(False, None))]
 OFFLOAD = {**fsdp(True, None), "offload": True}
-SLOW = {2: [(a, c) for a in ARCHS for c in GRID] + [("gpt2", OFFLOAD)],
+# memfit's own knobs under sharding: recompute every block, two micro-batches (gradient sync on
+# the last only), clipping (a DTensor norm under FSDP2)
+KNOBS = {"checkpoint": "all", "micro_batch_size": 2, "max_grad_norm": 1.0}
+SLOW = {2: [(a, c) for a in ARCHS for c in GRID] + [("gpt2", OFFLOAD), ("gpt2", fsdp(), KNOBS),
+                                                   ("llama-1b", DDP, KNOBS)],
         4: [(a, c) for a in ARCHS for c in GRID] + [("gpt2", fsdp(2, None)),
                                                    ("llama-1b", fsdp(2, "bf16"))]}
 
 
 def _name(case):
-    arch, c = case
+    arch, c, *knobs = case
+    extra = "".join(f"-{k}={v}" for k, v in (knobs[0] if knobs else {}).items())
     if c["kind"] == "ddp":
-        return f"{arch}-ddp"
+        return f"{arch}-ddp{extra}"
     return (f"{arch}-reshard{c['reshard_after_forward']}-{c['mp_policy'] or 'fp32'}"
-            + ("-offload" if c.get("offload") else ""))
+            + ("-offload" if c.get("offload") else "") + extra)
 
 
 _real: dict = {}
@@ -51,19 +56,21 @@ _real: dict = {}
 def real(world_size: int, cases: list) -> list[list[dict]]:
     key = (world_size, tuple(map(_name, cases)))
     if key not in _real:
-        _real[key] = real_ranks(world_size, [(a, c, {}, "adamw") for a, c in cases])
+        _real[key] = real_ranks(world_size, [(a, c, k[0] if k else {}, "adamw")
+                                             for a, c, *k in cases])
     return _real[key]
 
 
 def check(world_size: int, cases: list, case):
     measured = real(world_size, cases)
     i = cases.index(case)
-    arch, c = case
+    arch, c, *knobs = case
     model, batch = tiny(arch)
     est = estimate_sharded(model, batch, "adamw", device="cpu", world_size=world_size,
                            sharding=c["kind"],
                            reshard_after_forward=c.get("reshard_after_forward", True),
-                           mp_policy=c.get("mp_policy"), fsdp_offload=c.get("offload", False))
+                           mp_policy=c.get("mp_policy"), fsdp_offload=c.get("offload", False),
+                           **(knobs[0] if knobs else {}))
     assert not dist.is_initialized()                 # the fake group is gone
     for rank in range(world_size):
         got = measured[rank][i]
