@@ -1,0 +1,309 @@
+"""Low-bit optimizer states (``optimizer_state="bf16" | "8bit" | "4bit"``) through torchao.
+
+Note 1 (what is built). The user's Adam or AdamW (class, hyper-parameters, param groups) is
+rebuilt as torchao's low-bit optimizer over the same parameters: ``AdamW8bit``/``Adam8bit``
+(block-wise dynamic 8-bit moments, 256 values per fp32 scale; Dettmers et al.,
+https://arxiv.org/abs/2110.02861), ``AdamW4bit``/``Adam4bit`` (4-bit, 128 per scale; Li et al.,
+https://arxiv.org/abs/2309.01507), or for "bf16" torchao's ``_AdamW`` base with its moments
+held as bf16 tensors (rounded to nearest when stored) and, where the parameters themselves are
+bf16, torchao's stochastic rounding of the update (``bf16_stochastic_round``). As in torchao,
+only tensors of at least 4096 values whose size the block divides are quantized; the others
+keep fp32 moments. Only Adam and AdamW have low-bit versions; anything else is refused, as
+are ``amsgrad``, ``maximize`` and ``differentiable`` (torchao's step has none of them). The
+numerics change: the plan must say so (``NUMERICS_NOTE``).
+
+Note 2 (the step: eager, every op at the top). torchao's ``step`` runs ``single_param_adam``
+under ``torch.compile(fullgraph=True)``. That cannot be traced or measured: torch.compile
+refuses to run under a (non-infra) ``TorchDispatchMode`` ("non-infra torch dispatch mode
+present", and with ``fullgraph=True`` it raises), which is what ``memfit.track`` and the fake
+trace are; and on CPU inductor builds C++ (gcc, here about two minutes for a 2-layer MLP).
+Calling torchao's function eagerly is no better for accounting: its state subclasses
+(``OptimState8bit``/``OptimState4bit``) quantize inside their ``__torch_dispatch__`` of
+``copy_``, and a dispatch mode sees only that outer op, so a counter would miss the
+quantization's temporaries (int64 codes, parameter-sized, per state). So ``step`` here is
+torchao's ``single_param_adam`` with the subclass ops unrolled: dequantize is the subclass's
+own Python ``dequantize()`` and the store is its ``copy_`` body (``scale_tensor``, then
+``quantize_8bit_with_qmap``/``quantize_4bit_with_qmap`` and the 4-bit packing), all torchao
+functions called at the top, so every temporary is an op the counter sees, in the estimate as
+in a real run. It is bitwise equal to torchao's eager step (a test holds it to that); the
+compiled step fuses these ops and allocates less, so on a GPU the estimate is an upper bound
+for a user who compiles. ``lr`` stays a float (torchao turns it into a tensor, which LR
+schedulers then must ``fill_``); a tensor ``lr`` also works.
+
+Note 3 (accounting). State tensors are torchao's wrapper subclasses; ``memfit.track`` counts
+their inner storages (codes, scales, and one qmap per state: 1 KiB at 8 bits, 64 B at 4 bits)
+through ``__tensor_flatten__``. ``state_bytes`` gives the exact state bytes of a parameter
+list, what a planner should weigh (bytes per parameter of state: fp32 8, bf16 4, 8bit
+2 + 8/256, 4bit 1 + 8/128, plus a 4-byte step per tensor).
+
+Note 4 (torchao's caches). torchao builds its quantization maps once per process
+(``functools.lru_cache`` over ``tensor.tolist()``); built first under a fake trace they would
+fail (a fake has no values), so they are built here, outside every mode, before any state.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memfit.optimizers import OptimizerRecipe
+
+__all__ = ["LowBitOptimizer", "LowBitRecipe", "STATES", "LOW_BIT_CLASSES", "NUMERICS_NOTE",
+           "state_bytes", "is_low_bit"]
+
+STATES = ("bf16", "8bit", "4bit")
+# torch class -> the torchao classes built for it, per state (Note 1)
+LOW_BIT_CLASSES = {"Adam": ("Adam8bit", "Adam4bit", "_AdamW (bf16 state)"),
+                   "AdamW": ("AdamW8bit", "AdamW4bit", "_AdamW (bf16 state)")}
+NUMERICS_NOTE = ("changes the numerics: the optimizer's moments are stored in {what} instead "
+                 "of fp32 (torchao), so updates differ from fp32 Adam by the quantization error")
+_WHAT = {"bf16": "bf16", "8bit": "8 bits (block-wise, 256 values per fp32 scale)",
+         "4bit": "4 bits (block-wise, 128 values per fp32 scale)"}
+_BLOCK = {"8bit": 256, "4bit": 128}
+_MIN_NUMEL = 4096          # torchao quantizes tensors of at least this many values (Note 1)
+
+
+def _torchao(state: str):
+    try:
+        import torchao.optim as ao_optim
+        from torchao.optim import quant_utils, subclass_4bit, subclass_8bit
+    except ImportError as e:
+        raise ValueError(f"optimizer_state={state!r} needs torchao (>= 0.18), which is not "
+                         "installed: pip install torchao, or leave optimizer_state unset "
+                         "(fp32)") from e
+    return ao_optim, quant_utils, subclass_8bit, subclass_4bit
+
+
+@functools.cache
+def _classes() -> dict[tuple[str, bool], type]:
+    """(state, is_adamw) -> an eager-stepping subclass of torchao's optimizer (Note 2)."""
+    ao, _, s8, s4 = _torchao("8bit")
+    with _disable_current_modes():       # Note 4
+        for mod in (s8, s4):
+            mod.get_qmap_signed()
+            mod.get_qmap_unsigned()
+    out = {}
+    for adamw in (True, False):
+        prefix = "AdamW" if adamw else "Adam"
+        for state, base in (("8bit", getattr(ao, prefix + "8bit")),
+                            ("4bit", getattr(ao, prefix + "4bit"))):
+            out[state, adamw] = type(f"Eager{base.__name__}", (_EagerStep, base), {})
+        out["bf16", adamw] = type(f"{prefix}Bf16State", (_EagerStep, ao._AdamW),
+                                  {"_decoupled": adamw, "__init__": _bf16_init,
+                                   "_new_buffer": _bf16_new_buffer})
+    return out
+
+
+class _EagerStep:
+    """torchao's step, eager and unrolled (Note 2); mixed in before a torchao class."""
+
+    state_name = "low-bit"
+
+    def add_param_group(self, param_group: dict) -> None:
+        torch.optim.Optimizer.add_param_group(self, param_group)    # lr stays a float (Note 2)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("low-bit Adam does not support sparse gradients")
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = self._new_buffer(p, True)
+                    state["exp_avg_sq"] = self._new_buffer(p, False)
+                state["step"] += 1
+                _adam(p.detach(), p.grad, state, group, self.is_adamw,
+                      self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+        return loss
+
+
+def _bf16_init(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+               amsgrad=False):
+    """``_AdamW``'s constructor, with the class's own weight-decay style (Note 1)."""
+    _torchao("bf16")[0]._AdamW.__init__(self, params, lr, betas, eps, weight_decay, amsgrad,
+                                        bf16_stochastic_round=True)
+    self.is_adamw = self._decoupled
+
+
+def _bf16_new_buffer(self, p, signed):
+    return torch.zeros_like(p, dtype=torch.bfloat16)     # moments as plain bf16 (Note 1)
+
+
+def _load(x: torch.Tensor) -> torch.Tensor:
+    """A state as fp32: a subclass's own ``dequantize()`` (top-level ops), else ``.float()``."""
+    return x.dequantize() if hasattr(x, "dequantize") and hasattr(x, "qmap") else x.float()
+
+
+def _store(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, with torchao's subclass ``copy_`` body unrolled (Note 2)."""
+    _, q, s8, s4 = _torchao("8bit")
+    if isinstance(dst, s8.OptimState8bit):
+        scaled, scale = q.scale_tensor(src, dst.block_size)
+        dst.codes.copy_(q.quantize_8bit_with_qmap(scaled, dst.qmap))
+        dst.scale.copy_(scale)
+    elif isinstance(dst, s4.OptimState4bit):
+        scaled, scale = q.scale_tensor(src.view(-1), dst.block_size)
+        codes = q.quantize_4bit_with_qmap(scaled, dst.qmap)
+        dst.codes.copy_((codes[::2] << 4) | codes[1::2])
+        dst.scale.copy_(scale)
+    else:
+        dst.copy_(src)
+
+
+def _adam(p, grad, state, group, is_adamw: bool, stochastic_round: bool) -> None:
+    """torchao's ``single_param_adam`` (0.18), op for op (Note 2)."""
+    lr, (beta1, beta2) = group["lr"], group["betas"]
+    weight_decay, eps, step = group["weight_decay"], group["eps"], state["step"]
+    p_f32 = p.float()
+    grad_f32 = grad.float()
+    if is_adamw:
+        p_f32 = p_f32 - lr * weight_decay * p_f32
+    else:
+        grad_f32 = grad_f32 + weight_decay * p_f32
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    exp_avg_f32 = _load(state["exp_avg"]).lerp(grad_f32, 1 - beta1)
+    exp_avg_sq_f32 = _load(state["exp_avg_sq"]).lerp(grad_f32.square(), 1 - beta2)
+    _store(state["exp_avg"], exp_avg_f32)
+    _store(state["exp_avg_sq"], exp_avg_sq_f32)
+    denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
+    p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
+    if stochastic_round:
+        p.copy_(_torchao("bf16")[1]._fp32_to_bf16_sr(p_f32))
+    else:
+        p.copy_(p_f32)
+
+
+def is_low_bit(optimizer) -> bool:
+    return isinstance(optimizer, _EagerStep)
+
+
+def state_bytes(params, state: str) -> int:
+    """The exact bytes of optimizer state Adam keeps for ``params`` (tensors or shapes) under
+    ``state`` ("fp32" too): a planner's weight for this lever (Note 3)."""
+    total = 0
+    for p in params:
+        numel = math.prod(p.shape) if hasattr(p, "shape") else math.prod(p)
+        total += 4                                   # the step counter, a 0-dim fp32 tensor
+        block = _BLOCK.get(state)
+        if state == "bf16":
+            total += 2 * 2 * numel
+        elif block is not None and numel >= _MIN_NUMEL and numel % block == 0:
+            code_bytes = numel if state == "8bit" else numel // 2
+            qmap = 256 * 4 if state == "8bit" else 16 * 4
+            total += 2 * (code_bytes + numel // block * 4 + qmap)
+        else:
+            total += 2 * 4 * numel
+    return total
+
+
+class LowBitOptimizer:
+    """Rebuild the user's Adam/AdamW with low-bit states through torchao (Notes 1-4)."""
+
+    @dataclass(frozen=True)
+    class Config:
+        state: str = "8bit"      # "bf16" | "8bit" | "4bit": how the moments are stored
+
+        def __post_init__(self):
+            if self.state not in STATES:
+                raise ValueError(f"LowBitOptimizer.Config.state={self.state!r} is not one of "
+                                 f"{', '.join(STATES)} (fp32: leave the optimizer as it is)")
+
+    def __init__(self, config: "LowBitOptimizer.Config"):
+        self.config = config
+
+    def note(self) -> str:
+        """What applying this did, for ``runner.applied.notes`` and a plan's reasons."""
+        return (f"optimizer_state={self.config.state}: the optimizer was rebuilt as torchao's "
+                f"low-bit Adam (runner.optimizer); this "
+                + NUMERICS_NOTE.format(what=_WHAT[self.config.state]))
+
+    def recipe(self, recipe: OptimizerRecipe) -> "LowBitRecipe":
+        """``recipe`` building the low-bit optimizer instead (the user's optimizer is checked
+        now when it is an instance, else when it is first built)."""
+        if recipe.impl is not None:
+            raise ValueError(f"optimizer_impl={recipe.impl!r} has no effect with "
+                             f"optimizer_state={self.config.state!r}: torchao's low-bit Adam "
+                             "steps one parameter at a time; leave optimizer_impl unset")
+        _torchao(self.config.state)
+        out = LowBitRecipe(recipe.spec, self)
+        if recipe.instance is not None:
+            _check_class(recipe.instance, self.config.state)
+        return out
+
+    def rebuild(self, optimizer: torch.optim.Optimizer,
+                new_of: dict[int, torch.Tensor] | None = None) -> torch.optim.Optimizer:
+        """``optimizer``'s groups and hyper-parameters, its params replaced by
+        ``new_of[id(p)]`` (default: the same), as the low-bit optimizer. State is not copied."""
+        if is_low_bit(optimizer):
+            return optimizer
+        adamw = _check_class(optimizer, self.config.state)
+        cls = _classes()[self.config.state, adamw]
+        groups = []
+        for g in optimizer.param_groups:
+            kept = {k: v for k, v in g.items() if k not in _TORCH_ONLY}
+            kept["params"] = [p if new_of is None else new_of[id(p)] for p in g["params"]]
+            groups.append(kept)
+        d = optimizer.defaults
+        return cls(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
+                   weight_decay=d["weight_decay"])
+
+
+# torch's Adam keys torchao's step does not read (the checked ones are refused first)
+_TORCH_ONLY = {"foreach", "fused", "maximize", "capturable", "differentiable",
+               "decoupled_weight_decay"}
+
+
+def _check_class(optimizer, state: str) -> bool:
+    """True for AdamW-style (decoupled) weight decay; a ValueError for anything torchao cannot
+    rebuild (Note 1)."""
+    if is_low_bit(optimizer):
+        return optimizer.is_adamw
+    cls = type(optimizer)
+    if not isinstance(optimizer, torch.optim.Adam):    # torch's AdamW subclasses Adam
+        have = "; ".join(f"{k} -> {', '.join(v)}" for k, v in LOW_BIT_CLASSES.items())
+        raise ValueError(f"optimizer_state={state!r}: {cls.__name__} has no low-bit version; "
+                         f"torchao has them for Adam and AdamW only ({have}). Use "
+                         "torch.optim.AdamW (or Adam), or leave optimizer_state unset")
+    for g in optimizer.param_groups:
+        bad = [k for k in ("amsgrad", "maximize", "differentiable") if g.get(k)]
+        if bad:
+            raise ValueError(f"optimizer_state={state!r}: torchao's low-bit Adam has no "
+                             f"{bad[0]}=True; set {bad[0]}=False or leave optimizer_state unset")
+    return isinstance(optimizer, torch.optim.AdamW) or bool(
+        optimizer.defaults.get("decoupled_weight_decay"))
+
+
+class LowBitRecipe(OptimizerRecipe):
+    """An ``OptimizerRecipe`` whose ``build`` makes the low-bit optimizer (Note 1)."""
+
+    def __init__(self, spec, technique: LowBitOptimizer):
+        super().__init__(spec)
+        self.technique = technique
+
+    def with_impl(self, impl):
+        if impl is not None:
+            self.technique.recipe(OptimizerRecipe(self.spec, impl))     # raises
+        return self
+
+    def optimizer_class(self, params):
+        adamw = _check_class(self.instance if self.instance is not None
+                             else self.factory(params), self.technique.config.state)
+        return _classes()[self.technique.config.state, adamw]
+
+    def build(self, params, origin):
+        if self.instance is None:
+            return self.technique.rebuild(self.factory(params))
+        return self.technique.rebuild(self.instance, {id(o): n for o, n in zip(origin, params)})
