@@ -13,7 +13,9 @@ from memfit.cli import bench as bench_cmd
 from memfit.cli import train as train_cmd
 from memfit.cli._args import join_dash_values
 from memfit.cli._errors import cli_warnings, format_error, is_user_error
-from memfit.train import make_toxic_csv
+from memfit.train import TrainConfig, make_toxic_csv, train
+from memfit.train.data import load_table
+from memfit.train.tokenizer import train_tokenizer
 
 
 def cli(argv: list[str]) -> tuple[int, str, str]:
@@ -42,3 +44,35 @@ def cli(argv: list[str]) -> tuple[int, str, str]:
 @pytest.fixture(scope="session")
 def toxic_csv(tmp_path_factory):
     return str(make_toxic_csv(tmp_path_factory.mktemp("data") / "toxic.csv", 400, seed=0))
+
+
+STEPS = 24
+
+
+def quiet(_text):
+    pass
+
+
+@pytest.fixture(scope="session")
+def tokenizer_file(toxic_csv, tmp_path_factory):
+    """One tokenizer for every run here, so runs differ only in what is tested."""
+    table = load_table(toxic_csv, "comment_text", "toxic")
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tokenizer(table.texts, 1000).backend.save(str(path))
+    return str(path)
+
+
+def config(toxic_csv, tokenizer_file, output, **kw) -> TrainConfig:
+    values = dict(data=toxic_csv, output=str(output), model="xlm-roberta-base", tiny=True,
+                  tokenizer=tokenizer_file, batch_size=16, max_steps=STEPS, epochs=3, lr=3e-3,
+                  max_len=64, warmup_fraction=0.25, save_every=8, eval_every=12, measure_steps=2)
+    values.update(kw)
+    return TrainConfig(**values)
+
+
+@pytest.fixture(scope="session")
+def full_run(toxic_csv, tokenizer_file, tmp_path_factory):
+    cfg = config(toxic_csv, tokenizer_file, tmp_path_factory.mktemp("runs") / "full")
+    return cfg, train(cfg, say=quiet)
+
+

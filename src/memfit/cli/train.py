@@ -144,7 +144,12 @@ def config_from_args(args):
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
         with open(saved) as f:
             values = {k: v for k, v in json.load(f).items() if k in fields}
-        values.setdefault("output", os.path.dirname(saved))
+        run_folder = os.path.dirname(saved)
+        if args.output is not None and os.path.abspath(args.output) != os.path.abspath(run_folder):
+            raise ValueError(f"--output {args.output} with --resume: a resumed run continues in "
+                             f"its own folder ({run_folder}); leave --output out, or copy the "
+                             "run folder first")
+        values["output"] = run_folder      # the folder resumed, wherever it was first written
     for flag, field in _FLAG_FIELDS.items():
         v = getattr(args, flag)
         if v is not None:

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["require", "INSTALL_HINT"]
+__all__ = ["require", "INSTALL_HINT", "MissingDependency"]
 
 INSTALL_HINT = "pip install 'memfit[train]'"
+
+
+class MissingDependency(ImportError, ValueError):
+    """An optional library is not installed. An ImportError (what it is), and a ValueError so
+    the command line shows its one line with the fix, not a traceback."""
 
 
 def require(name: str):
@@ -18,5 +23,5 @@ def require(name: str):
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise ImportError(f"memfit train needs the {name!r} package, which is not installed: "
+        raise MissingDependency(f"memfit train needs the {name!r} package, which is not installed: "
                           f"{INSTALL_HINT} (or pip install {name})") from e

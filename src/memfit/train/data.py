@@ -46,6 +46,8 @@ def _read(path: str, flag: str):
     if os.path.getsize(path) == 0:
         raise ValueError(f"{flag} {path}: the file is empty; it needs a header row and at least "
                          "one row of data")
+    if fmt == "csv" and _lines(path) < 2:
+        raise ValueError(f"{flag} {path}: the file has a header but no rows of data")
     datasets = require("datasets")
     datasets.disable_progress_bars()
     try:
@@ -58,6 +60,17 @@ def _read(path: str, flag: str):
             raise
         raise ValueError(f"{flag} {path}: cannot be read as {fmt.upper()}: "
                          f"{type(e).__name__}: {str(e).strip()[:300]}") from e
+
+
+def _lines(path: str, enough: int = 2) -> int:
+    """Non-blank lines, counted up to ``enough``."""
+    n = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            n += bool(line.strip())
+            if n >= enough:
+                break
+    return n
 
 
 def load_table(path, text_column: str, label_column: str, *, flag: str = "--data",
@@ -128,8 +141,8 @@ def _labels(values, name: str, path: str) -> tuple[list[int], int]:
     if len(seen) != k:
         missing = sorted(set(range(k)) - set(seen))
         raise ValueError(f"--label-column {name!r}: the labels of {path} are "
-                         f"{', '.join(map(str, seen[:10]))}; class ids must be 0..K-1 with none "
-                         f"missing (no row has {', '.join(map(str, missing[:10]))}): renumber them")
+                         f"{', '.join(map(str, seen[:10]))}; labels must be 0/1 or class ids 0..K-1 "
+                         f"with none missing (no row has {', '.join(map(str, missing[:10]))}): renumber them")
     return out, k
 
 

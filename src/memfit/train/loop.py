@@ -146,6 +146,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None, say=print, progress=No
                 ids = short if step < short_steps else p.train_ids
                 batch = {k: v.to(device) for k, v in
                          collate(ids, p.train.labels, batches[done], p.encoder.pad_id).items()}
+                lr = p.runner.optimizer.param_groups[0]["lr"]     # this step's
                 start = time.perf_counter()
                 meter.begin()
                 try:
@@ -160,7 +161,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None, say=print, progress=No
                 tokens += n_tokens
                 info = p.runner.last_step
                 record = {"kind": "train", "step": step, "epoch": epoch + done / len(batches),
-                          "loss": last_loss, "lr": p.runner.scheduler.get_last_lr()[0],
+                          "loss": last_loss, "lr": lr,
                           "seq_len": int(batch["input_ids"].shape[1]), "tokens": tokens,
                           "tokens_per_s": n_tokens / seconds, "skipped": info.skipped,
                           "loss_scale": info.loss_scale, "micro_batches": info.micro_batches,

@@ -55,8 +55,11 @@ def check_output(cfg: TrainConfig, resuming: bool) -> None:
         raise ValueError(f"--output {out} already holds a run (checkpoints/); continue it with "
                          f"--resume {out}, or give another --output")
     parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise ValueError(f"--output {out}: the folder {parent} does not exist; create it first")
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"--output {out}: cannot create a folder under {parent}; give "
+                         "another --output")
 
 
 def _tables(cfg: TrainConfig) -> tuple[Table, Table, str]:
