@@ -4,8 +4,8 @@ The oracle: N real processes (``torch.multiprocessing.spawn``, gloo on the CPU) 
 same tiny model with the same ``techniques.sharding`` settings, run memfit's Runner for two
 steps and measure the third with ``memfit.track`` (``_worker``; its Note 1 says why FSDP2's
 reduce-scatter runs in place there). The estimate traces one rank in this process under a
-fake process group. Every rank must equal the estimate: peak bytes and the breakdown at the
-peak, exactly. One real job runs all the cases of a tier (a spawn costs ~10 s of imports on
+fake process group. Every rank must equal the estimate of that rank (``rank=``): peak bytes
+and the breakdown at the peak, exactly; rank 0, the default, holds the most. One real job runs all the cases of a tier (a spawn costs ~10 s of imports on
 this machine); each case is its own test.
 """
 
@@ -61,21 +61,29 @@ def real(world_size: int, cases: list) -> list[list[dict]]:
     return _real[key]
 
 
-def check(world_size: int, cases: list, case):
+def check(world_size: int, cases: list, case, every_rank: bool = False):
+    """``every_rank``: trace each rank; else only those measured unlike rank 0's estimate."""
     measured = real(world_size, cases)
     i = cases.index(case)
     arch, c, *knobs = case
     model, batch = tiny(arch)
-    est = estimate_sharded(model, batch, "adamw", device="cpu", world_size=world_size,
-                           sharding=c["kind"],
-                           reshard_after_forward=c.get("reshard_after_forward", True),
-                           mp_policy=c.get("mp_policy"), fsdp_offload=c.get("offload", False),
-                           **(knobs[0] if knobs else {}))
-    assert not dist.is_initialized()                 # the fake group is gone
+
+    def estimate(rank):
+        est = estimate_sharded(model, batch, "adamw", device="cpu", world_size=world_size,
+                               sharding=c["kind"],
+                               reshard_after_forward=c.get("reshard_after_forward", True),
+                               mp_policy=c.get("mp_policy"), fsdp_offload=c.get("offload", False),
+                               rank=rank, **(knobs[0] if knobs else {}))
+        assert not dist.is_initialized()                 # the fake group is gone
+        return est.peak_bytes, est.breakdown
+
+    first = estimate(0)
     for rank in range(world_size):
-        got = measured[rank][i]
-        assert (got["peak_bytes"], got["breakdown"]) == (est.peak_bytes, est.breakdown), \
-            f"{_name(case)} rank {rank}"
+        got = measured[rank][i]["peak_bytes"], measured[rank][i]["breakdown"]
+        # a rank that holds less (uneven chunks, trace.sharded Note 1) is traced as itself
+        expected = first if rank == 0 or (got == first and not every_rank) else estimate(rank)
+        assert got == expected, f"{_name(case)} rank {rank}"
+        assert got[0] <= first[0]                      # rank 0 holds the most
 
 
 @pytest.mark.parametrize("case", DEFAULT, ids=map(_name, DEFAULT))
@@ -91,4 +99,4 @@ def test_grid(world_size, case):
     """3 architectures x reshard True/False x fp32/bf16 policy, and DDP, on 2 and 4 ranks;
     on 4, reshard_after_forward=2 too; on 2, FSDP2's CPU offload (exact on a CPU target, where
     it moves nothing)."""
-    check(world_size, SLOW[world_size], case)
+    check(world_size, SLOW[world_size], case, every_rank=True)

@@ -70,14 +70,15 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
                      loss_fn: Callable | None = None, *, world_size: int,
                      sharding: str = "fsdp", reshard_after_forward: bool | int = True,
                      mp_policy: str | None = None, fsdp_offload: bool = False,
-                     bucket_cap_mb: float = 25.0, budget=None, count_fn: Callable | None = None,
+                     bucket_cap_mb: float = 25.0, rank: int = 0, budget=None, count_fn: Callable | None = None,
                      **knobs) -> Estimate:
     """Predict one rank's memory for a steady-state step of ``model`` trained on ``batch``
     (one rank's batch) by ``world_size`` ranks with FSDP2 (``sharding="fsdp"``) or DDP.
 
     ``reshard_after_forward``, ``mp_policy`` (None or "bf16": ``MixedPrecisionPolicy(bf16,
     reduce fp32)``), ``fsdp_offload`` (``CPUOffloadPolicy``) are FSDP2's; ``bucket_cap_mb``
-    DDP's. ``optimizer``, ``device``, ``loss_fn``, ``budget``, ``count_fn`` and the knobs as in
+    DDP's. ``rank``: the rank traced; 0 (the default) holds the most where a dimension does not
+    split evenly over the ranks (``trace.sharded`` Note 1). ``optimizer``, ``device``, ``loss_fn``, ``budget``, ``count_fn`` and the knobs as in
     ``memfit.estimate`` (Note 3). Traced on fake tensors under a fake process group (Notes 1,
     2): ``model`` may be on ``meta`` and is not touched; no process group may be initialized
     in this process (``trace.sharded`` Note 1).
@@ -114,7 +115,7 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
     fake_model = copier.module(model)
     fake_model.train(model.training)
     fake_batch = copier.tree(batch)
-    with fake_process_group(world_size) as mesh, counting_fsdp():
+    with fake_process_group(world_size, rank) as mesh, counting_fsdp():
         with copier.mode if config.kind == "ddp" else contextlib.nullcontext():   # Note 5
             sharded = Sharding(config).apply(fake_model, mesh, init_sync=False)
         if config.kind == "ddp":
@@ -133,7 +134,7 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
 
         prof, _ = profile_step(run, copier=copier, model=runner.model,
                                optimizer=runner.optimizer, warm_up=warm_up)
-    notes = [_describe(config, world_size)]
+    notes = [_describe(config, world_size, rank)]
     if spec.kind == "cuda":
         notes.append("GPU target: the CPU trace's allocated bytes; CUDA's autocast kernels, the "
                      "caching allocator and the collectives' stream-ordered frees are not "
@@ -148,11 +149,12 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
         knobs_blocks=dict(runner.applied.blocks), op_costs=prof.op_costs)
 
 
-def _describe(config: Sharding.Config, world_size: int) -> str:
+def _describe(config: Sharding.Config, world_size: int, rank: int) -> str:
     if config.kind == "ddp":
         return (f"DDP over {world_size} ranks (bucket_cap_mb={config.bucket_cap_mb}): figures "
-                "of one rank")
+                f"of rank {rank}")
     mp = "fp32" if config.mp_policy is None else "bf16 params, fp32 reduce"
     return (f"FSDP2 over {world_size} ranks: fully_shard per block and at the root, "
             f"reshard_after_forward={config.reshard_after_forward}, {mp}"
-            + (", CPU offload" if config.offload else "") + ": figures of one rank")
+            + (", CPU offload" if config.offload else "") + f": figures of rank {rank}"
+            + (" (the largest where dimensions split unevenly)" if rank == 0 else ""))

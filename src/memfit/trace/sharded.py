@@ -6,9 +6,13 @@ Note 1 (the fake process group). As PyTorch's own FSDP2 memory-tracker tests do,
 collectives return at once without moving data (``FakeProcessGroup``). Under ``FakeTensorMode``
 the collectives' tensors are fakes, so FSDP2 and DDP run their real code -- sharding, the
 all-gather and reduce-scatter buffers they allocate, prefetch, resharding, the reducer's
-buckets -- and the counter sees every one of those tensors as it does on a real rank. Rank 0
-is traced: FSDP2 pads every shard to the same size, so every rank holds the same bytes (the
-tests check each rank). The group is destroyed on exit, also when the trace raises. A process
+buckets -- and the counter sees every one of those tensors as it does on a real rank. One rank
+is traced (``rank``, default 0). Ranks differ where a dimension does not split evenly: FSDP2
+chunks dim 0 with ``torch.chunk``, so the first ranks get full chunks and the last a smaller
+or an empty one; every shard's storage is padded to the full chunk, but what is made *from*
+the local shard (the optimizer's state, ``zeros_like`` of it) is not. Rank 0 holds the most
+(tiny bert on 4 ranks: its 2-row token-type table leaves ranks 2 and 3 empty, 1,032 B less).
+The group is destroyed on exit, also when the trace raises. A process
 that already has a default group (inside ``torchrun``) cannot hold a second one: then
 ``fake_process_group`` refuses with the fix (trace before ``init_process_group``, or in a
 subprocess); c10d has one default group per process and swapping it in and out would leave
@@ -49,11 +53,13 @@ __all__ = ["fake_process_group", "counting_fsdp", "trace_ddp_hook"]
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int):
-    """A fake default process group of ``world_size`` ranks (this process is rank 0), and a
-    CPU ``DeviceMesh`` over it; destroyed on exit (Note 1). Yields the mesh."""
+def fake_process_group(world_size: int, rank: int = 0):
+    """A fake default process group of ``world_size`` ranks (this process is ``rank``), and
+    a CPU ``DeviceMesh`` over it; destroyed on exit (Note 1). Yields the mesh."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: give the number of ranks, an int >= 1")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r}: give a rank in 0..{world_size - 1}")
     if not dist.is_available():
         raise ValueError("this PyTorch build has no torch.distributed: a sharded estimate "
                          "needs it")
@@ -66,7 +72,7 @@ def fake_process_group(world_size: int):
                          "or run it in a subprocess")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:
