@@ -5,8 +5,9 @@ same tiny model with the same ``techniques.sharding`` settings, run memfit's Run
 steps and measure the third with ``memfit.track`` (``_worker``; its Note 1 says why FSDP2's
 reduce-scatter runs in place there). The estimate traces one rank in this process under a
 fake process group. Every rank must equal the estimate of that rank (``rank=``): peak bytes
-and the breakdown at the peak, exactly; rank 0, the default, holds the most. One real job runs all the cases of a tier (a spawn costs ~10 s of imports on
-this machine); each case is its own test.
+and the breakdown at the peak, exactly; rank 0, the default, holds the most. One real job runs
+all the cases of a tier (a spawn costs ~10 s of imports on this machine); each case is its own
+test.
 """
 
 import itertools

@@ -70,16 +70,16 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
                      loss_fn: Callable | None = None, *, world_size: int,
                      sharding: str = "fsdp", reshard_after_forward: bool | int = True,
                      mp_policy: str | None = None, fsdp_offload: bool = False,
-                     bucket_cap_mb: float = 25.0, rank: int = 0, budget=None, count_fn: Callable | None = None,
-                     **knobs) -> Estimate:
+                     bucket_cap_mb: float = 25.0, rank: int = 0, budget=None,
+                     count_fn: Callable | None = None, **knobs) -> Estimate:
     """Predict one rank's memory for a steady-state step of ``model`` trained on ``batch``
     (one rank's batch) by ``world_size`` ranks with FSDP2 (``sharding="fsdp"``) or DDP.
 
     ``reshard_after_forward``, ``mp_policy`` (None or "bf16": ``MixedPrecisionPolicy(bf16,
     reduce fp32)``), ``fsdp_offload`` (``CPUOffloadPolicy``) are FSDP2's; ``bucket_cap_mb``
     DDP's. ``rank``: the rank traced; 0 (the default) holds the most where a dimension does not
-    split evenly over the ranks (``trace.sharded`` Note 1). ``optimizer``, ``device``, ``loss_fn``, ``budget``, ``count_fn`` and the knobs as in
-    ``memfit.estimate`` (Note 3). Traced on fake tensors under a fake process group (Notes 1,
+    split evenly over the ranks (``trace.sharded`` Note 1). ``optimizer``, ``device``,
+    ``loss_fn``, ``budget``, ``count_fn`` and the knobs as in ``memfit.estimate`` (Note 3). Traced on fake tensors under a fake process group (Notes 1,
     2): ``model`` may be on ``meta`` and is not touched; no process group may be initialized
     in this process (``trace.sharded`` Note 1).
     """
