@@ -1,0 +1,307 @@
+"""Parameter offload: the weights of chosen blocks live on the host, fetched to the device just
+before the block runs (forward, and again for its backward), with the next block prefetched
+(ZeRO-3 offload / FSDP2's ``CPUOffloadPolicy``, for one device).
+
+Note 1 (the host copy is the optimizer's twin). Parameter offload composes with optimizer
+offload and needs it: ``OffloadedOptimizer`` already keeps an fp32 host twin of every
+parameter and steps the twins (its Note 1), so the twin *is* the host copy of the weight and
+nothing is duplicated. The device parameter of an offloaded block is *released* between uses
+(``p.data`` set to a one-element placeholder expanded to the parameter's shape: its storage is
+freed, while the ``nn.Parameter`` object, its shape (what ``zeros_like``, gradient checks and
+clipping read), its ``.grad`` and every reference to it stay) and *fetched* (a new device
+tensor copied from the twin, in the parameter's dtype, set as ``p.data``) when needed. The optimizer's copy of an
+updated twin back to the device is replaced, for offloaded parameters, by a release
+(``copy_to_device``, passed to ``OptimizerOffload``): the next fetch brings the new value.
+Values are the plain offloaded step's to the bit: both copy the same twin into the device
+parameter, and the math never changes.
+
+Note 2 (forward). A forward pre-hook on each chosen block fetches its parameters (unless a
+prefetch already did) and prefetches the next offloaded block (blocks in execution order,
+``memfit.measure.find_blocks``); a forward post-hook (``always_call``) releases them. Inside
+backward (a checkpoint's recompute calling the block) the pre-hook only fetches. Frozen
+parameters (``requires_grad=False``) have no twin and stay on the device: not done yet.
+
+Note 3 (backward: saved tensors). What a block saves for backward often is, or views, a
+parameter's device storage (``addmm`` saves ``W.t()``; layer norm saves ``W``). Such a save
+would keep the released storage alive, so while a block runs forward, a
+``saved_tensors_hooks`` pair replaces each save whose storage is one of the block's fetched
+parameters by a handle (parameter, view geometry); unpacking it fetches the parameter if it
+was released, prefetches the previous offloaded block (Note 2's order, reversed), and returns
+the same view on the fetched storage. Other saves go to the hooks found outside (an observer
+like ``memfit.track``, or ``Offload``), exactly as without parameter offload.
+
+Note 4 (release after backward). A parameter's device copy is released by its
+post-accumulate-grad hook: every node that saved it produces a gradient for it, so all of them
+have run once its gradient is accumulated. Gradients stay on the device until the optimizer
+step copies them to the host (as under optimizer offload alone); moving each one to the host
+as it is produced (FSDP's CPU offload) would need ``OffloadedOptimizer`` to accept host
+gradients: not done yet.
+
+Note 5 (accounting and copies). Fetched weights are born as device tensors (an op the counter
+sees) and die at release; twins are host memory (``OffloadedOptimizer.host_tensors``). So
+the estimate counts exactly what the device holds at each op, and CPU runs (where both are one
+memory) are split as on a GPU. Copies are synchronous on the compute stream (``non_blocking``
+from pinned twins on CUDA, ordered by the stream): a prefetch is issued early but overlaps
+compute only once copies move to a side stream (``Offload`` Note 6): not done yet.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from memfit.measure import find_blocks
+from memfit.techniques._blocks import check_names, resolve_policy
+
+__all__ = ["ParamOffload", "ParamOffloadHandle", "ParamOffloadStats"]
+
+@dataclass
+class ParamOffloadStats:
+    """Counters since ``apply``; bytes are device parameter bytes."""
+
+    fetches: int = 0               # parameters copied host -> device
+    fetched_bytes: int = 0
+    prefetches: int = 0            # of those, for a block not running yet (Note 2, 3)
+    releases: int = 0              # device copies freed
+
+
+@dataclass(eq=False, slots=True)
+class _Saved:
+    """What autograd holds for a save of a parameter's storage (Note 3)."""
+
+    param: nn.Parameter
+    block: str                     # the offloaded block that holds it
+    view: tuple                    # (storage offset, shape, strides) of the save
+
+
+@dataclass(eq=False)
+class _Fetcher:
+    """The runtime of one handle: module hooks, saved-tensor hooks, fetch and release."""
+
+    twin_of: dict[int, torch.Tensor]          # id(param) -> its host twin
+    params_of: dict[str, list[nn.Parameter]]  # block name -> its offloaded parameters
+    prefetch: bool
+    stats: ParamOffloadStats = field(default_factory=ParamOffloadStats)
+    _resident: set = field(default_factory=set)   # id(param) whose device copy is valid
+    _order: list = field(default_factory=list)    # offloaded blocks in execution order
+    _reached: set = field(default_factory=set)    # blocks fetched for this backward
+    _storage: dict = field(default_factory=dict)  # storage _cdata -> param, while fetched
+    _contexts: list = field(default_factory=list)
+    _block_of: dict = field(default_factory=dict)  # id(param) -> its block
+
+    def __post_init__(self):
+        self._block_of = {id(p): n for n, ps in self.params_of.items() for p in ps}
+
+    # -- fetch / release (Note 1) -----------------------------------------------------------
+    def fetch(self, name: str, ahead: bool = False) -> None:
+        for p in self.params_of[name]:
+            if id(p) not in self._resident:
+                self.fetch_one(p, ahead)
+
+    def fetch_one(self, p: nn.Parameter, ahead: bool = False) -> None:
+        twin = self.twin_of[id(p)]
+        p.data = twin.detach().to(device=p.device, dtype=p.dtype, copy=True,
+                                  non_blocking=twin.device.type != p.device.type)
+        self._resident.add(id(p))
+        self._storage[p.untyped_storage()._cdata] = p
+        self.stats.fetches += 1
+        self.stats.fetched_bytes += p.numel() * p.element_size()
+        self.stats.prefetches += ahead
+
+    def release(self, p: nn.Parameter) -> None:
+        if id(p) not in self._resident:
+            return
+        self._storage.pop(p.untyped_storage()._cdata, None)
+        self._resident.discard(id(p))
+        p.data = p.data.new_zeros((1,)).expand(p.shape)      # a placeholder (Note 1)
+        self.stats.releases += 1
+
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``OptimizerOffload``'s copy of an updated twin: a release for offloaded parameters
+        (Note 1), else the default copy."""
+        if id(dst) in self.twin_of:
+            self.release(dst)
+        else:
+            dst.copy_(src, non_blocking=src.device.type != dst.device.type)
+
+    def _neighbour(self, name: str, step: int) -> str | None:
+        if not self.prefetch or name not in self._order:
+            return None
+        i = self._order.index(name) + step
+        return self._order[i] if 0 <= i < len(self._order) else None
+
+    # -- module hooks (Note 2) --------------------------------------------------------------
+    def enter(self, name: str, module, args) -> None:
+        in_backward = torch._C._current_graph_task_id() != -1
+        self.fetch(name)
+        if in_backward:
+            self._contexts.append((module, None))
+            return
+        self._reached.discard(name)
+        nxt = self._neighbour(name, +1)
+        if nxt is not None:
+            self.fetch(nxt, ahead=True)
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        ctx = torch.autograd.graph.saved_tensors_hooks(
+            functools.partial(self.pack, outer), functools.partial(self.unpack, outer))
+        ctx.__enter__()
+        self._contexts.append((module, ctx))
+
+    def exit(self, name: str, module, args, output) -> None:
+        if self._contexts and self._contexts[-1][0] is module:
+            ctx = self._contexts.pop()[1]
+            if ctx is None:
+                return
+            ctx.__exit__(None, None, None)
+        if torch._C._current_graph_task_id() == -1:
+            for p in self.params_of[name]:
+                self.release(p)
+
+    # -- saved tensor hooks (Note 3) --------------------------------------------------------
+    def pack(self, outer, t):
+        p = self._storage.get(t.untyped_storage()._cdata) if isinstance(t, torch.Tensor) \
+            and t.layout is torch.strided else None
+        if p is not None:
+            return _Saved(p, self._block_of[id(p)],
+                          (t.storage_offset(), tuple(t.shape), t.stride()))
+        return t if outer is None else ("outer", outer[0](t))
+
+    def unpack(self, outer, packed):
+        if isinstance(packed, _Saved):
+            p, name = packed.param, packed.block
+            if name not in self._reached:        # backward reaches this block (Note 3)
+                self._reached.add(name)
+                self.fetch(name)
+                prev = self._neighbour(name, -1)
+                if prev is not None and prev not in self._reached:
+                    self._reached.add(prev)
+                    self.fetch(prev, ahead=True)
+            elif id(p) not in self._resident:
+                self.fetch_one(p)
+            offset, shape, stride = packed.view
+            return p.detach().as_strided(shape, stride, offset)
+        if outer is None:
+            return packed
+        return outer[1](packed[1])
+
+    def after_grad(self, p: nn.Parameter) -> None:      # Note 4
+        self.release(p)
+
+
+class ParamOffloadHandle:
+    """What ``ParamOffload.apply`` did: ``modes`` (block -> "keep" | "offload"), live
+    ``stats``; ``remove()`` fetches every weight back and takes the hooks off (the optimizer
+    stays offloaded)."""
+
+    def __init__(self, modes: dict[str, str], fetcher: _Fetcher, hooks: list):
+        self.modes = modes
+        self.stats = fetcher.stats
+        self._fetcher = fetcher
+        self._hooks = hooks
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for name in self._fetcher.params_of:
+            self._fetcher.fetch(name)
+
+
+class ParamOffload:
+    """Keep the weights of chosen blocks on the host between uses (Notes 1-5)."""
+
+    @dataclass(frozen=True)
+    class Config:
+        # "none" | "all" | "every:K" | a tuple of block names (as ``Offload.Config.policy``)
+        policy: str | tuple[str, ...] = "none"
+        prefetch: bool = True     # fetch the next block ahead (forward) / the previous (backward)
+
+        def __post_init__(self):
+            p = self.policy
+            if isinstance(p, str) and p == "selective":
+                raise ValueError("ParamOffload.Config.policy='selective' is a checkpoint "
+                                 "policy: use 'all', 'every:K' or block names")
+            if not isinstance(p, (str, tuple)):
+                raise ValueError(f"ParamOffload.Config.policy={p!r} must be a str or a tuple "
+                                 "of block names")
+            if not isinstance(self.prefetch, bool):
+                raise ValueError(f"ParamOffload.Config.prefetch={self.prefetch!r} must be a "
+                                 "bool")
+
+    def __init__(self, config: "ParamOffload.Config"):
+        self.config = config
+
+    def resolve(self, model: nn.Module) -> dict[str, str]:
+        """Block name -> "keep" | "offload", blocks in execution order."""
+        return resolve_policy(model, self.config.policy, "offload", "ParamOffload")
+
+    def apply(self, model: nn.Module, optimizer, offload: "OptimizerOffload.Config | None" = None
+              ) -> tuple:
+        """Offload ``optimizer`` (a torch optimizer over ``model``'s parameters, not yet
+        offloaded) with ``OptimizerOffload(offload)`` and hook the chosen blocks of ``model``:
+        returns ``(offloaded optimizer, ParamOffloadHandle)``. Everything is checked before
+        the model is touched."""
+        from memfit.techniques.optimizer_offload import OffloadedOptimizer, OptimizerOffload
+        if isinstance(optimizer, OffloadedOptimizer) or not isinstance(
+                optimizer, torch.optim.Optimizer):
+            raise ValueError("ParamOffload.apply takes the optimizer before optimizer offload "
+                             "(it offloads it itself, param_offload Note 1)")
+        pending = self._prepare(model)
+        wrapped = OptimizerOffload(offload or OptimizerOffload.Config(),
+                                   copy_to_device=pending.copy_to_device).wrap(optimizer)
+        return wrapped, pending.attach(wrapped)
+
+    def _prepare(self, model: nn.Module) -> "_Pending":
+        modes = self.resolve(model)
+        chosen = [n for n, m in modes.items() if m == "offload"]
+        check_names(model, chosen, find_blocks(model))
+        nested = [(a, b) for a in chosen for b in chosen if b.startswith(a + ".")]
+        if nested:
+            raise ValueError(f"blocks {nested[0]} are nested: offload the outer one's "
+                             "parameters only")
+        return _Pending(self.config, model, modes, chosen)
+
+
+class _Pending:
+    """A checked parameter-offload policy, waiting for the offloaded optimizer (Note 1)."""
+
+    def __init__(self, config, model, modes, chosen):
+        self.config, self.model, self.modes, self.chosen = config, model, modes, chosen
+        self._fetcher: _Fetcher | None = None
+
+    def copy_to_device(self, dst, src) -> None:
+        """For ``OptimizerOffload(copy_to_device=...)`` (Note 1)."""
+        if self._fetcher is None:
+            dst.copy_(src)
+        else:
+            self._fetcher.copy_to_device(dst, src)
+
+    def attach(self, optimizer) -> ParamOffloadHandle:
+        twin_of = {id(p): h for p, h in zip(optimizer.params, optimizer.host_params)}
+        blocks = {n: self.model.get_submodule(n) for n in self.chosen}
+        params_of = {}
+        for n, b in blocks.items():
+            ps = [p for p in b.parameters() if p.requires_grad]
+            frozen = [p for p in ps if id(p) not in twin_of]
+            if frozen:
+                raise ValueError(f"block {n!r} has {len(frozen)} trainable parameter(s) the "
+                                 "optimizer does not hold: build it from model.parameters()")
+            params_of[n] = ps
+        offloaded = {id(p) for ps in params_of.values() for p in ps}
+        fetcher = _Fetcher({i: twin_of[i] for i in offloaded}, params_of,
+                           self.config.prefetch, _order=list(self.chosen))
+        hooks = []
+        for n, b in blocks.items():
+            hooks.append(b.register_forward_pre_hook(functools.partial(fetcher.enter, n)))
+            hooks.append(b.register_forward_hook(functools.partial(fetcher.exit, n),
+                                                 prepend=True, always_call=True))
+        for ps in params_of.values():
+            for p in ps:
+                hooks.append(p.register_post_accumulate_grad_hook(fetcher.after_grad))
+                fetcher._resident.add(id(p))         # valid until the first release
+                fetcher._storage[p.untyped_storage()._cdata] = p
+        self._fetcher = fetcher
+        return ParamOffloadHandle(self.modes, fetcher, hooks)
