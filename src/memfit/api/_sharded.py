@@ -79,9 +79,10 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
     reduce fp32)``), ``fsdp_offload`` (``CPUOffloadPolicy``) are FSDP2's; ``bucket_cap_mb``
     DDP's. ``rank``: the rank traced; 0 (the default) holds the most where a dimension does not
     split evenly over the ranks (``trace.sharded`` Note 1). ``optimizer``, ``device``,
-    ``loss_fn``, ``budget``, ``count_fn`` and the knobs as in ``memfit.estimate`` (Note 3). Traced on fake tensors under a fake process group (Notes 1,
-    2): ``model`` may be on ``meta`` and is not touched; no process group may be initialized
-    in this process (``trace.sharded`` Note 1).
+    ``loss_fn``, ``budget``, ``count_fn`` and the knobs as in ``memfit.estimate`` (Note 3).
+    Traced on fake tensors under a fake process group (Notes 1, 2): ``model`` may be on
+    ``meta`` and is not touched; no process group may be initialized in this process
+    (``trace.sharded`` Note 1).
     """
     config = Sharding.Config(kind=sharding, reshard_after_forward=reshard_after_forward,
                              mp_policy=mp_policy, offload=fsdp_offload,
