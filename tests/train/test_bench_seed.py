@@ -1,0 +1,82 @@
+"""``memfit bench seed``: each row's numbers equal ``memfit estimate``'s for the same flags (the
+oracle is the estimate command itself, run through ``memfit.cli.main``), a rerun reads the
+cache and prints the same numbers, and bad flags are refused in one line."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from memfit.cli import main as memfit_main
+from tests.train.conftest import cli
+
+
+def estimate_cli(argv) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert memfit_main(["estimate", *argv, "--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+def bench_json(argv, monkeypatch, tmp_path) -> dict:
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "cache"))
+    code, out, err = cli(["bench", "seed", *argv, "--json"])
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_a_tiny_row_equals_memfit_estimate_and_the_cache_repeats_it(monkeypatch, tmp_path):
+    from memfit import zoo
+
+    argv = ["--tiny", "--models", "base", "--seq-lens", "32", "--batch-sizes", "4",
+            "--precisions", "fp16", "--checkpointing", "on", "--no-plan"]
+    first = bench_json(argv, monkeypatch, tmp_path)
+    (row,) = first["rows"]
+    assert (row["precision"], row["checkpoint"], row["cached"]) == ("fp16", "all", False)
+    # the same model as a config file, through `memfit estimate --config`
+    config = tmp_path / "config.json"
+    zoo.get("xlm-roberta-base").config(tiny=True).to_json_file(str(config))
+    est = estimate_cli(["--config", str(config), "--batch-size", "4", "--seq-len", "32",
+                        "--precision", "fp16", "--checkpoint", "all", "--gpu", "rtx-6000",
+                        "--task", "sequence-classification"])
+    for key in ("peak_bytes", "reserved_bytes", "device_bytes", "fits", "limit_bytes"):
+        assert row[key] == est[key], key
+    again = bench_json(argv, monkeypatch, tmp_path)
+    assert again["rows"][0]["cached"] is True
+    assert {k: v for k, v in again["rows"][0].items() if k != "cached"} == \
+        {k: v for k, v in row.items() if k != "cached"}
+    assert first["gpu"] == "rtx-6000" and first["measured"] is None
+
+
+@pytest.mark.slow       # two traces of XLM-R base (a minute each on a loaded 2-core machine)
+def test_a_base_row_equals_memfit_estimate(monkeypatch, tmp_path):
+    out = bench_json(["--models", "base", "--seq-lens", "128", "--batch-sizes", "8",
+                      "--precisions", "fp16", "--checkpointing", "off", "--no-plan",
+                      "--gpu", "1080ti", "--no-cache"], monkeypatch, tmp_path)
+    est = estimate_cli(["--model", "xlm-roberta-base", "--batch-size", "8", "--seq-len", "128",
+                        "--precision", "fp16", "--gpu", "1080ti"])
+    (row,) = out["rows"]
+    for key in ("peak_bytes", "reserved_bytes", "device_bytes", "fits"):
+        assert row[key] == est[key], key
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--gpu", "cpu"], "is for a GPU"),
+    (["--gpu", "gtx-9999"], "gtx-9999"),
+    (["--batch-sizes", "0"], "at least 1"),
+    (["--models", "huge"], "choose from base, large"),
+    (["--plot", "/nonexistent/x.png"], "does not exist"),
+])
+def test_bad_flags(argv, needle):
+    code, out, err = cli(["bench", "seed", *argv])
+    assert code == 2 and "Traceback" not in err and needle in err, err
+
+
+def test_help():
+    code, out, _ = cli(["bench", "seed", "--help"])
+    assert code == 0 and "--gpu" in out and "rtx-6000" in out
+    code, out, _ = cli(["bench"])
+    assert code == 2 and "seed" in out
