@@ -114,7 +114,8 @@ def fit(trainer, budget, device=None, *, micro_batch_size: int | None = None,
     ``budget``: bytes or "11GiB"; ``device`` as in ``estimate``. ``micro_batch_size`` /
     ``offload_optimizer`` fix those choices (None: memfit's to make); ``precision``: None (the
     arguments' own), "auto", "bf16" or "fp16" (Note 2). Returns the ``Changes`` (also printed
-    unless ``verbose=False``); ``trainer.train()`` then runs as it always does. ``on_progress(message)`` hears each trace.
+    unless ``verbose=False``); ``trainer.train()`` then runs as it always does.
+    ``on_progress(message)`` hears each trace.
     Raises ``memfit.BudgetTooSmall`` with the least configuration's bytes when nothing fits."""
     say = on_progress or (lambda message: None)
     check_supported(trainer)
