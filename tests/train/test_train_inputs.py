@@ -119,7 +119,7 @@ def test_corrupt_checkpoint_is_refused_and_the_previous_kept(full_run, tmp_path)
     with open(state, "r+b") as f:              # a write cut short
         f.truncate(os.path.getsize(state) // 2)
     before = _hashes(run)
-    err = refused(["train", "--resume", run], "is corrupt", "step-0000024",
+    refused(["train", "--resume", run], "is corrupt", "step-0000024",
                   "the previous checkpoint", "step-0000016", "is intact")
     assert _hashes(run) == before              # nothing deleted or rewritten
     with open(state, "r+b") as f:              # same size, one byte changed

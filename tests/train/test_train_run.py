@@ -5,7 +5,6 @@ bit for bit, and under a CPU budget below the plain step's peak it stays inside
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -14,10 +13,8 @@ import pytest
 import torch
 
 import memfit
-from memfit.train import TrainConfig, train
+from memfit.train import train
 from memfit.train import checkpoint as ckpt
-from memfit.train.data import load_table
-from memfit.train.tokenizer import train_tokenizer
 
 from tests.train.conftest import STEPS, config, quiet
 

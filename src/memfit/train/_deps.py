@@ -1,4 +1,5 @@
-"""The optional libraries of ``memfit train``, imported on first use with an error naming the fix.
+"""The optional libraries of ``memfit train``, imported on first use, with an error naming
+the fix.
 
 memfit itself does not need Hugging Face ``datasets`` or ``tokenizers``; only ``memfit train``
 does, so they are imported here, when a run starts, never at ``import memfit``.
@@ -19,7 +20,7 @@ class MissingDependency(ImportError, ValueError):
 
 
 def require(name: str):
-    """The module ``name`` (``datasets`` or ``tokenizers``), or an ImportError saying how to get it."""
+    """The module ``name`` (``datasets`` or ``tokenizers``), or MissingDependency with the fix."""
     try:
         return importlib.import_module(name)
     except ImportError as e:

@@ -1,4 +1,5 @@
-"""``TrainConfig``: everything a ``memfit train`` run is made of, checked, and saved in its folder."""
+"""``TrainConfig``: everything a ``memfit train`` run is made of, checked, and saved in its
+folder."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class TrainConfig:
     text_column: str = "comment_text"
     label_column: str = "toxic"
     model: str = "xlm-roberta-large"      # a zoo name
-    tiny: bool = False                    # the zoo model's tiny twin, vocabulary sized to the tokenizer
+    tiny: bool = False                    # the zoo model's tiny twin (vocabulary: the tokenizer's)
     weights: str | None = None            # a from_pretrained folder; None: random weights
     tokenizer: str | None = None          # a local tokenizer; None: trained on the data
     vocab_size: int = 8000                # of a tokenizer trained on the data

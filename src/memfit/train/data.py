@@ -141,8 +141,9 @@ def _labels(values, name: str, path: str) -> tuple[list[int], int]:
     if len(seen) != k:
         missing = sorted(set(range(k)) - set(seen))
         raise ValueError(f"--label-column {name!r}: the labels of {path} are "
-                         f"{', '.join(map(str, seen[:10]))}; labels must be 0/1 or class ids 0..K-1 "
-                         f"with none missing (no row has {', '.join(map(str, missing[:10]))}): renumber them")
+                         f"{', '.join(map(str, seen[:10]))}; labels must be 0/1 or class ids "
+                         f"0..K-1 with none missing (no row has "
+                         f"{', '.join(map(str, missing[:10]))}): renumber them")
     return out, k
 
 

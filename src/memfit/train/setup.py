@@ -187,7 +187,8 @@ def write_run_files(p: Prepared) -> None:
     cfg = p.cfg
     resolved = json.loads(cfg.to_json())
     resolved.update(resolved_max_len=p.max_len, num_labels=p.train.num_labels,
-                    tokenizer_source=p.encoder.source, vocab_size=p.encoder.vocab_size,
+                    tokenizer_source=p.encoder.source,
+                    tokenizer_vocab_size=p.encoder.vocab_size,
                     train_rows=len(p.train.labels), eval_rows=len(p.eval.labels),
                     eval_source=p.eval_source, budget_bytes_resolved=p.budget_bytes,
                     planned_on=p.device_name)
