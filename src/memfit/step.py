@@ -18,6 +18,13 @@ the call); "backward" is read off the trace afterwards (``api._user_step``). Wha
 keeps between calls (an EMA copy, a scheduler, a GradScaler) must be made from the arguments it
 receives, e.g. in a ``weakref.WeakKeyDictionary`` keyed on the model or the optimizer: a trace
 calls it on fake copies, several times.
+
+Note 3 (CUDA autocast without CUDA). On a build or machine without CUDA, entering
+``torch.autocast("cuda")`` warns "CUDA is not available ... Disabling autocast" and runs the
+region uncast. A real run on that machine does the same, but a trace made here *for a GPU*
+would count an fp32 step where the GPU runs a 16-bit one. ``UserStep`` notes that the warning
+came (``cuda_autocast_off``), passing every warning on unchanged, so that an estimate for a GPU
+can refuse instead of answering for another step (``api._user_step.check_cuda_autocast``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import numbers
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
@@ -33,6 +41,8 @@ from torch import nn
 __all__ = ["prepare_batch", "compute_loss", "canonical_step", "zero_grad", "UserStep"]
 
 _MASK_KEYS = ("attention_mask", "decoder_attention_mask")
+_SHOWN: dict = {}            # warnings passed on, shown once per place (Note 3)
+_CUDA_AUTOCAST_OFF = "CUDA is not available or torch_xla is imported. Disabling autocast"
 
 
 def prepare_batch(batch):
@@ -134,6 +144,7 @@ class UserStep:
             pass
         self.fn = fn
         self.name = getattr(fn, "__qualname__", type(fn).__name__)
+        self.cuda_autocast_off = False    # Note 3: it entered torch.autocast("cuda") without CUDA
 
     def __call__(self, model: nn.Module, batch, optimizer,
                  on_phase: Callable[[str], None] | None = None):
@@ -145,12 +156,20 @@ class UserStep:
         handle = None
         if hasattr(optimizer, "register_step_pre_hook"):
             handle = optimizer.register_step_pre_hook(optimizer_starts)
+        caught = []
         try:
             mark("forward")
-            out = self.fn(model, batch, optimizer)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = self.fn(model, batch, optimizer)
         finally:
             if handle is not None:
                 handle.remove()
+            for w in caught:                  # Note 3: seen, then passed on as they came
+                if _CUDA_AUTOCAST_OFF in str(w.message):
+                    self.cuda_autocast_off = True
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
+                                       registry=_SHOWN)
         return self.check_result(out)
 
     def check_result(self, out):

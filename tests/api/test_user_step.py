@@ -243,3 +243,27 @@ def test_a_scheduler_instance_is_refused_by_estimate():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="factory"):
         memfit.estimate(model, batch, opt, step=step_before, scheduler=step_lr(opt))
+
+
+def step_cuda_autocast(model, batch, optimizer):
+    optimizer.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA autocast runs where CUDA is")
+def test_cuda_autocast_without_cuda_is_refused_for_a_gpu():
+    """Here ``torch.autocast("cuda")`` is turned off (a warning), so a GPU estimate would count
+    an fp32 step: refused with the fix (memfit.step Note 3). For the CPU it is what runs."""
+    model, batch = tiny("gpt2")
+    batch = prepare_batch(batch)
+    with pytest.warns(UserWarning, match="Disabling autocast"):
+        cpu = memfit.estimate(model, batch, optimizer="sgd", step=step_cuda_autocast)
+    assert cpu.peak_bytes == memfit.estimate(model, batch, optimizer="sgd",
+                                             step=step_before).peak_bytes
+    with pytest.raises(ValueError, match=r"torch.autocast\('cuda'\).*precision='bf16'"):
+        memfit.estimate(model, batch, optimizer="sgd", step=step_cuda_autocast,
+                        device="a100-80gb")

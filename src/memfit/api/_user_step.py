@@ -42,7 +42,7 @@ from memfit.knobs import Knobs
 from memfit.step import UserStep, prepare_batch
 
 __all__ = ["check_step_knobs", "as_user_step", "with_backward_phase", "explain_step_error",
-           "step_notes", "STEP_FIXED_NOTE"]
+           "step_notes", "check_cuda_autocast", "STEP_FIXED_NOTE"]
 
 STEP_FIXED_NOTE = ("step=fn: precision, micro-batch size, clipping and zero_grad placement are "
                    "the step's own; memfit applies only per-block recompute / offload (block "
@@ -99,6 +99,19 @@ def with_backward_phase(phases: dict[str, int], modules) -> dict[str, int]:
     if starts and "backward" not in out:
         out["backward"] = min(starts)
     return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
+def check_cuda_autocast(step: UserStep, device_name: str) -> None:
+    """Refuse a GPU estimate of a step whose ``torch.autocast("cuda")`` this machine turned off
+    (``memfit.step`` Note 3): its trace counted an fp32 step, not the one the GPU runs."""
+    if step.cuda_autocast_off:
+        raise ValueError(
+            f"step {step.name} enters torch.autocast('cuda'), which this PyTorch turns off "
+            f"(no CUDA here), so a trace for the {device_name} would count an fp32 step where "
+            "the GPU runs a 16-bit one. Estimate it where CUDA is available, or let memfit "
+            "run the step: leave step=fn out and pass precision='bf16' or 'fp16' (with "
+            "zero_grad=... and max_grad_norm=... for the loop style), which models CUDA's "
+            "autocast on this machine")
 
 
 _REAL_TENSOR = "Please convert all Tensors to FakeTensors"

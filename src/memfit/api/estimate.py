@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointError
 
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
-from memfit.api._user_step import (as_user_step, check_step_knobs, explain_step_error,
-                                   step_notes, with_backward_phase)
+from memfit.api._user_step import (as_user_step, check_cuda_autocast, check_step_knobs,
+                                   explain_step_error, step_notes, with_backward_phase)
 from memfit.api._validate import check_batch, describe_batch_mismatch
 from memfit.devices import DeviceSpec
 from memfit.errors import TraceError
@@ -261,6 +261,8 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
             raise clear from e
         raise _described(e, model, batch, loss_fn)
     if user is not None:
+        if spec.kind == "cuda":
+            check_cuda_autocast(user, spec.display_name)       # memfit.step Note 3
         prof.phases = with_backward_phase(prof.phases, prof.modules)
     peak, reserved, breakdown, context = prof.peak_bytes, prof.peak_bytes, prof.breakdown, 0
     notes, card = [], None
