@@ -171,6 +171,9 @@ def _runner(cfg: TrainConfig, model, ids, encoder, say):
             return max(0.0, (steps - step) / max(1, steps - warm))
         return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
+    if spec.kind == "cuda" and cfg.device != "cuda":
+        say(f"note: planning for the {spec.display_name} (--gpu) but training on the CPU (this "
+            "torch sees no GPU): the measured memory is CPU live bytes, not that GPU's")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     example = example_batch(ids, cfg.batch_size, encoder.pad_id)
     budget = cfg.budget_bytes if cfg.budget_bytes is not None else spec.usable_bytes
