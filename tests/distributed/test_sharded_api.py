@@ -81,3 +81,14 @@ def test_bad_settings_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
         estimate_sharded(model, batch, device="cpu", **kwargs)
     assert left_behind() == []
+
+
+def test_a_meta_model_gives_the_same_figures():
+    """The model may be built on ``meta`` (no memory): the trace needs only shapes."""
+    from memfit import zoo
+    model, batch = tiny("gpt2")
+    meta = zoo.get("gpt2").build(tiny=True, device="meta")
+    real = estimate_sharded(model, batch, "sgd", device="cpu", world_size=2)
+    fake = estimate_sharded(meta, batch, "sgd", device="cpu", world_size=2)
+    assert (fake.peak_bytes, fake.breakdown) == (real.peak_bytes, real.breakdown)
+    assert left_behind() == []
