@@ -24,7 +24,32 @@ assume is written in its ``assumptions``.
 Note 3 (time). Tracing is CPU work on fake tensors: the small script records take well under a
 second, bert-large at 4 x 512 about 30 s per micro-batch layout and twice that with
 checkpointing. ``--quick`` runs the records marked ``quick`` (one of each kind, about a minute
-on 2 cores).
+on 2 cores); the whole file takes about 20 minutes there, bert-large's seven records most of it.
+
+Note 4 (closing note: results/public_records-2026-12-01.json, 12 records). Median / worst
+|error|: nvml_used 3.0% / 6.8% (7 records); nvml_used less the run's own bare context, against
+reserved_bytes, 0.9% / 5.9% (7); max_memory_allocated 1.7% / 48.1% (5). Every case past 5%:
+- hf-bert-large-b1x4-gc-fp16-adafactor, nvml_used +6.8% (+332 MiB): the allocator is right
+  (the derived row is -0.3%); the excess is the context. memfit's CUDA 11 / eager-loading
+  figure for a V100 is 1685 MiB of context plus step kernels, while this page measured 1343 MiB
+  for the bare context and its seven runs imply 1315-1503 MiB outside the allocator (median
+  1459 MiB, the fp16 batch-4 outlier left out). Every nvml_used row but one is high by the same
+  ~200-330 MiB; the small runs show it most in relative terms.
+- hf-bert-large-b4-fp16, derived -5.9% (card -2.9%): memfit is about 700 MiB short of
+  this run. Not explained: the fp32 softmax under CUDA autocast is modelled, and transformers
+  4.16's additive fp32 mask (scores promoted to fp32 before softmax) only adds a transient
+  64 MiB per layer. Candidates: fragmentation from the mixed 32 MiB fp16 / 64 MiB fp32 attention
+  blocks that the allocator replay does not reproduce, or a torch 1.10 autocast difference.
+  Settling it needs a GPU run.
+- efficientpytorch-sgd-no-accumulation, -48.1% (-39.125 MiB), and -sgd-accumulation-2,
+  -14.5% (-7.125 MiB): both gaps are exact, and come from two things memfit does not model.
+  (a) The loop rebinds `input = dataset[...].to("cuda")`, so for a moment the previous batch
+  and the next are both alive (+32 MiB at batch 256). memfit's step gets one resident batch.
+  With accumulation 2 the two 16 MiB micro-batch copies happen to add up to memfit's resident
+  32 MiB batch. (b) Autograd's backward runs on its own device thread, which gets its own
+  cuBLAS handle and workspace, so there are 2 x (8 MiB + 128 KiB) on sm < 90 where memfit
+  counts one workspace plus a 1 MiB cuBLASLt workspace: +7.125 MiB. The checkpointed MLP's
+  -5.7 MiB (-0.9%) is the same (b).
 """
 
 from __future__ import annotations
