@@ -32,9 +32,10 @@ reserved_bytes, 0.9% / 5.9% (7); max_memory_allocated 1.7% / 48.1% (5). Every ca
 - hf-bert-large-b1x4-gc-fp16-adafactor, nvml_used +6.8% (+332 MiB): the allocator is right
   (the derived row is -0.3%); the excess is the context. memfit's CUDA 11 / eager-loading
   figure for a V100 is 1685 MiB of context plus step kernels, while this page measured 1343 MiB
-  for the bare context and its seven runs imply 1315-1503 MiB outside the allocator (median
-  1459 MiB, the fp16 batch-4 outlier left out). Every nvml_used row but one is high by the same
-  ~200-330 MiB; the small runs show it most in relative terms.
+  for the bare context, and its runs imply 1315-1503 MiB outside the allocator (nvml_used less
+  the predicted reserved; the fp16 batch-4 run, 2083 MiB, left out; median of all seven 1459).
+  Every nvml_used row but that one is high by 182-370 MiB; the small runs show it most in
+  relative terms.
 - hf-bert-large-b4-fp16, derived -5.9% (card -2.9%): memfit is about 700 MiB short of
   this run. Not explained: the fp32 softmax under CUDA autocast is modelled, and transformers
   4.16's additive fp32 mask (scores promoted to fp32 before softmax) only adds a transient
