@@ -8,21 +8,28 @@ Bad input ends in one line, ``memfit: error: ...`` naming CLI flags, and exit st
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
+from memfit.cli import bench as _bench
 from memfit.cli import calibrate as _calibrate
 from memfit.cli import estimate as _estimate
 from memfit.cli import gpus as _gpus
 from memfit.cli import models as _models
 from memfit.cli import plan as _plan
+from memfit.cli import train as _train
 from memfit.cli._args import join_dash_values
 from memfit.cli._errors import cli_warnings, format_error, is_user_error
 
 __all__ = ["main", "build_parser"]
 
-_COMMANDS = {"plan": _plan, "estimate": _estimate, "gpus": _gpus, "models": _models,
-             "calibrate": _calibrate}
+_COMMANDS = {"plan": _plan, "estimate": _estimate, "train": _train, "bench": _bench,
+             "gpus": _gpus, "models": _models, "calibrate": _calibrate}
+# Libraries' import-time chatter that says nothing about the user's job: torchao (imported by
+# transformers when installed) logs each CUDA kernel library a CPU-only build cannot load, and
+# torch logs torchao's deprecated pytree registrations. Raised to errors for the CLI only.
+_QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(join_dash_values(argv))
     except SystemExit as e:         # --help, --version, or argparse refusing a value (2)
         return e.code if isinstance(e.code, int) else 2
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     with cli_warnings():
         try:
             return args.run(args) or 0
