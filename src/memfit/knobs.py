@@ -22,7 +22,6 @@ _POLICY = re.compile(r"^(none|all|selective|every:[1-9][0-9]*)$")
 
 # Knobs this version accepts but cannot apply yet, with the issue that brings them.
 NOT_YET: dict[str, str] = {
-    "optimizer_state": "low-bit optimizer states",
     "gpus": "planning over several GPUs",
     "sharding": "planning over several GPUs",
     "reshard_after_forward": "FSDP2 in the planner",
@@ -62,6 +61,9 @@ class Knobs:
         block names.
     offload: the same shapes, for saving activations to host memory.
     offload_optimizer: keep optimizer states in host memory.
+    offload_params: the same shapes as ``checkpoint`` but "selective", for keeping chosen
+        blocks' weights in host memory, fetched before each block's forward and backward
+        (needs ``offload_optimizer``: the host copy is the optimizer's).
     remat: dynamic tensor rematerialization (DTR).
     max_grad_norm: clip the global gradient norm to this (after unscaling), per effective batch.
     optimizer_impl: how the torch optimizer steps: "foreach" (one kernel per op over all
@@ -99,6 +101,7 @@ class Knobs:
     sharding: str | None = None
     reshard_after_forward: bool | int | None = None
     fsdp_offload: bool | None = None
+    offload_params: str | tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -124,6 +127,7 @@ class Knobs:
                              f"got {r!r}")
         _check_policy("checkpoint", self.checkpoint)
         _check_policy("offload", self.offload)
+        _check_policy("offload_params", self.offload_params)
         for name in ("offload_optimizer", "remat", "fsdp_offload"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):

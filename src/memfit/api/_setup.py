@@ -16,8 +16,10 @@ from memfit.runtime import Applied, Runner
 from memfit.runtime.batch_shape import BatchShapes
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
+from memfit.techniques.low_bit_optimizer import LowBitOptimizer
 from memfit.techniques.offload import Offload
 from memfit.techniques.optimizer_offload import OptimizerOffload
+from memfit.techniques.param_offload import ParamOffload
 from memfit.techniques.precision import MasterWeightsOptimizer, Precision
 from memfit.techniques.remat import Remat
 
@@ -74,6 +76,15 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     if knobs.offload_optimizer and knobs.precision == "bf16-pure":
         raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
                          "master weights would be kept twice; use bf16 autocast instead")
+    offload_params = knobs.offload_params not in (None, "none")
+    if offload_params and not knobs.offload_optimizer:
+        raise ValueError(f"offload_params={knobs.offload_params!r} needs offload_optimizer=True: "
+                         "an offloaded weight's host copy is the optimizer's fp32 host twin, "
+                         "stepped on the host (memfit.techniques.param_offload Note 1)")
+    low_bit = None
+    if knobs.optimizer_state not in (None, "fp32"):
+        low_bit = LowBitOptimizer(LowBitOptimizer.Config(knobs.optimizer_state))
+        recipe = low_bit.recipe(recipe)     # refuses optimizer_impl and non-Adam classes
     tech = Precision(Precision.Config(knobs.precision or "fp32"), autocast_impl)
     blocks, notes, rebuilt, handles = dict(plan.blocks), list(notes), False, []
     try:
@@ -106,8 +117,20 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
             rebuilt = True
             notes.append("bf16-pure: the optimizer was rebuilt over fp32 master weights "
                          "(runner.optimizer); the one passed in is no longer used")
+        if low_bit is not None:
+            rebuilt = True
+            notes.append(low_bit.note())
         if knobs.offload_optimizer:
-            optimizer = OptimizerOffload(OptimizerOffload.Config()).wrap(optimizer)
+            if offload_params:       # it offloads the optimizer itself (param_offload Note 1)
+                optimizer, handle = ParamOffload(ParamOffload.Config(knobs.offload_params)) \
+                    .apply(model, optimizer)
+                handles.append(handle)
+                chosen = sum(m == "offload" for m in handle.modes.values())
+                notes.append(f"offload_params: the weights of {chosen} block(s) live in host "
+                             "memory (the optimizer's host copies), fetched to the device "
+                             "before each block's forward and backward")
+            else:
+                optimizer = OptimizerOffload(OptimizerOffload.Config()).wrap(optimizer)
             rebuilt = True
             notes.append("offload_optimizer: the optimizer was rebuilt over fp32 host copies of "
                          "the parameters (runner.optimizer); its state and step live in host "

@@ -9,9 +9,11 @@ nothing is duplicated. The device parameter of an offloaded block is *released* 
 (``p.data`` set to a one-element placeholder expanded to the parameter's shape: its storage is
 freed, while the ``nn.Parameter`` object, its shape (what ``zeros_like``, gradient checks and
 clipping read), its ``.grad`` and every reference to it stay) and *fetched* (a new device
-tensor copied from the twin, in the parameter's dtype, set as ``p.data``) when needed. The optimizer's copy of an
-updated twin back to the device is replaced, for offloaded parameters, by a release
-(``copy_to_device``, passed to ``OptimizerOffload``): the next fetch brings the new value.
+tensor copied from the twin, in the parameter's dtype, set as ``p.data``) when needed. The
+optimizer's copy of an updated twin back to the device is replaced, for offloaded parameters,
+by a release (``copy_to_device``, passed to ``OptimizerOffload``): the next fetch brings the
+new value. A weight used while released would read the placeholder's zero: every path that
+runs a block's forward must fetch first (Notes 2 and 3).
 Values are the plain offloaded step's to the bit: both copy the same twin into the device
 parameter, and the math never changes.
 
@@ -24,11 +26,21 @@ parameters (``requires_grad=False``) have no twin and stay on the device: not do
 Note 3 (backward: saved tensors). What a block saves for backward often is, or views, a
 parameter's device storage (``addmm`` saves ``W.t()``; layer norm saves ``W``). Such a save
 would keep the released storage alive, so while a block runs forward, a
-``saved_tensors_hooks`` pair replaces each save whose storage is one of the block's fetched
-parameters by a handle (parameter, view geometry); unpacking it fetches the parameter if it
-was released, prefetches the previous offloaded block (Note 2's order, reversed), and returns
-the same view on the fetched storage. Other saves go to the hooks found outside (an observer
-like ``memfit.track``, or ``Offload``), exactly as without parameter offload.
+``saved_tensors_hooks`` pair replaces each save whose storage is one of its fetched parameters
+by a handle (parameter, view geometry); unpacking it fetches the block if backward has not
+reached it yet, prefetches the offloaded block before it, and returns the same view on the
+fetched storage. Every save first goes to the hooks found outside, as in ``Offload`` (its
+Note 1): if they keep the tensor itself (an observer like ``memfit.track``, which then counts a
+fetched weight as saved by the block, an activation), parameter offload proceeds; if they
+transform it (a checkpoint around the block's call) it steps aside, keeping the block to fetch
+when that save is unpacked. Other saves pass as the observer's reply (or a detached alias),
+remembered weakly with their block: unpacking one also fetches the block. That is what makes
+memfit's ``Checkpoint`` on the same block work: its recompute calls ``forward`` without the
+block's hooks, but its pre-hook, which runs after parameter offload's (ours is prepended,
+checkpoint's appended), saves the block's positional inputs through these hooks, and the
+recompute starts by unpacking them. A checkpointed block whose forward takes no positional
+tensor would recompute on released weights: not supported. ``Offload`` on the same block,
+applied before, runs inside these hooks and sees this one reply like an observer's.
 
 Note 4 (release after backward). A parameter's device copy is released by its
 post-accumulate-grad hook: every node that saved it produces a gradient for it, so all of them
@@ -48,6 +60,7 @@ compute only once copies move to a side stream (``Offload`` Note 6): not done ye
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +68,7 @@ from torch import nn
 
 from memfit.measure import find_blocks
 from memfit.techniques._blocks import check_names, resolve_policy
+from memfit.techniques._offload_pool import _same_view
 
 __all__ = ["ParamOffload", "ParamOffloadHandle", "ParamOffloadStats"]
 
@@ -77,6 +91,15 @@ class _Saved:
     view: tuple                    # (storage offset, shape, strides) of the save
 
 
+@dataclass(eq=False, slots=True)
+class _Other:
+    """A save the outer hooks transformed (a checkpoint around the block), and the block,
+    which backward reaches when it is unpacked (Note 3)."""
+
+    block: str
+    packed: object
+
+
 @dataclass(eq=False)
 class _Fetcher:
     """The runtime of one handle: module hooks, saved-tensor hooks, fetch and release."""
@@ -91,6 +114,9 @@ class _Fetcher:
     _storage: dict = field(default_factory=dict)  # storage _cdata -> param, while fetched
     _contexts: list = field(default_factory=list)
     _block_of: dict = field(default_factory=dict)  # id(param) -> its block
+    active: bool = True                            # False once the handle is removed
+    # what pack returned for a save that is not a parameter's -> its block (Note 3)
+    _save_block: dict = field(default_factory=dict)   # id -> (weakref, block)
 
     def __post_init__(self):
         self._block_of = {id(p): n for n, ps in self.params_of.items() for p in ps}
@@ -122,7 +148,7 @@ class _Fetcher:
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``OptimizerOffload``'s copy of an updated twin: a release for offloaded parameters
         (Note 1), else the default copy."""
-        if id(dst) in self.twin_of:
+        if self.active and id(dst) in self.twin_of:
             self.release(dst)
         else:
             dst.copy_(src, non_blocking=src.device.type != dst.device.type)
@@ -146,7 +172,7 @@ class _Fetcher:
             self.fetch(nxt, ahead=True)
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         ctx = torch.autograd.graph.saved_tensors_hooks(
-            functools.partial(self.pack, outer), functools.partial(self.unpack, outer))
+            functools.partial(self.pack, name, outer), functools.partial(self.unpack, outer))
         ctx.__enter__()
         self._contexts.append((module, ctx))
 
@@ -161,31 +187,52 @@ class _Fetcher:
                 self.release(p)
 
     # -- saved tensor hooks (Note 3) --------------------------------------------------------
-    def pack(self, outer, t):
+    def pack(self, name: str, outer, t):
         p = self._storage.get(t.untyped_storage()._cdata) if isinstance(t, torch.Tensor) \
             and t.layout is torch.strided else None
+        packed = t
+        if outer is not None:
+            packed = outer[0](t)
+            if packed is not t and not _same_view(packed, t):
+                return _Other(name, packed)          # a checkpoint around the block (Note 3)
         if p is not None:
-            return _Saved(p, self._block_of[id(p)],
-                          (t.storage_offset(), tuple(t.shape), t.stride()))
-        return t if outer is None else ("outer", outer[0](t))
+            view = (t.storage_offset(), tuple(t.shape), t.stride())
+            return _Saved(p, self._block_of[id(p)], view)
+        if not isinstance(packed, torch.Tensor):
+            return packed
+        if packed is t:      # an alias: a saved output must not hold its own node (a cycle)
+            packed = t.detach()
+        key = id(packed)                             # an observer's reply (Note 3)
+        self._save_block[key] = (weakref.ref(packed, lambda _: self._save_block.pop(key, None)),
+                                 name)
+        return packed
 
     def unpack(self, outer, packed):
         if isinstance(packed, _Saved):
-            p, name = packed.param, packed.block
-            if name not in self._reached:        # backward reaches this block (Note 3)
-                self._reached.add(name)
-                self.fetch(name)
-                prev = self._neighbour(name, -1)
-                if prev is not None and prev not in self._reached:
-                    self._reached.add(prev)
-                    self.fetch(prev, ahead=True)
-            elif id(p) not in self._resident:
+            p = packed.param
+            self._reach(packed.block)
+            if id(p) not in self._resident:
                 self.fetch_one(p)
             offset, shape, stride = packed.view
             return p.detach().as_strided(shape, stride, offset)
-        if outer is None:
-            return packed
-        return outer[1](packed[1])
+        if isinstance(packed, _Other):
+            self._reach(packed.block)
+            return outer[1](packed.packed)
+        ref, name = self._save_block.get(id(packed), (None, None))
+        if ref is not None and ref() is packed:
+            self._reach(name)
+        return packed if outer is None else outer[1](packed)
+
+    def _reach(self, name: str) -> None:
+        """Backward reaches ``name``: fetch it, prefetch the block before it (Note 3)."""
+        if name in self._reached:
+            return
+        self._reached.add(name)
+        self.fetch(name)
+        prev = self._neighbour(name, -1)
+        if prev is not None and prev not in self._reached:
+            self._reached.add(prev)
+            self.fetch(prev, ahead=True)
 
     def after_grad(self, p: nn.Parameter) -> None:      # Note 4
         self.release(p)
@@ -194,18 +241,24 @@ class _Fetcher:
 class ParamOffloadHandle:
     """What ``ParamOffload.apply`` did: ``modes`` (block -> "keep" | "offload"), live
     ``stats``; ``remove()`` fetches every weight back and takes the hooks off (the optimizer
-    stays offloaded)."""
+    stays offloaded and copies updated weights back again); ``reapply()`` puts the same
+    offload back (a new handle)."""
 
-    def __init__(self, modes: dict[str, str], fetcher: _Fetcher, hooks: list):
+    def __init__(self, modes: dict[str, str], fetcher: _Fetcher, hooks: list, reapply):
         self.modes = modes
         self.stats = fetcher.stats
         self._fetcher = fetcher
         self._hooks = hooks
+        self._reapply = reapply             # () -> ParamOffloadHandle
+
+    def reapply(self) -> "ParamOffloadHandle":
+        return self._reapply()
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._fetcher.active = False
         for name in self._fetcher.params_of:
             self._fetcher.fetch(name)
 
@@ -295,13 +348,16 @@ class _Pending:
                            self.config.prefetch, _order=list(self.chosen))
         hooks = []
         for n, b in blocks.items():
-            hooks.append(b.register_forward_pre_hook(functools.partial(fetcher.enter, n)))
+            # outside a checkpoint's hooks on the block, which are appended (Note 3)
+            hooks.append(b.register_forward_pre_hook(functools.partial(fetcher.enter, n),
+                                                     prepend=True))
             hooks.append(b.register_forward_hook(functools.partial(fetcher.exit, n),
-                                                 prepend=True, always_call=True))
+                                                 always_call=True))
         for ps in params_of.values():
             for p in ps:
                 hooks.append(p.register_post_accumulate_grad_hook(fetcher.after_grad))
                 fetcher._resident.add(id(p))         # valid until the first release
                 fetcher._storage[p.untyped_storage()._cdata] = p
         self._fetcher = fetcher
-        return ParamOffloadHandle(self.modes, fetcher, hooks)
+        return ParamOffloadHandle(self.modes, fetcher, hooks,
+                                  functools.partial(self.attach, optimizer))
