@@ -39,7 +39,14 @@ kept: PyTorch's default ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8`` (32 MiB) on s
 ``:4096:2:16:8`` (8 MiB + 128 KiB) before, plus a 1 MiB cuBLASLt workspace
 (``CUBLASLT_WORKSPACE_SIZE``); see ``getChosenWorkspaceSize`` in
 aten/src/ATen/cuda/CublasHandlePool.cpp. On an A10G (sm_86) the 8 MiB + 128 KiB is measured:
-8,519,680 bytes left allocated after one ``nn.Linear`` (pytorch/pytorch#95668).
+8,519,680 bytes left allocated after one ``nn.Linear`` (pytorch/pytorch#95668). The workspace
+is one per cuBLAS handle and stream, and handles are per thread (a ``thread_local`` pool window
+in ``getCurrentCUDABlasHandle``): the backward of CUDA tensors runs on autograd's device thread,
+so its matmuls allocate a second cuBLAS workspace (``autograd_workspace_bytes``; its cuBLASLt
+one only where a backward matmul takes the Lt path with an epilogue, which plain ``mm`` does
+not). A public script's ``max_memory_allocated`` shows both to the byte
+(benchmarks/public_records.json, efficientpytorch-sgd-accumulation-2: the one unmodelled 8 MiB +
+128 KiB before this).
 
 Note 5: the CUDA version. ``cuda_version`` is the CUDA the figures assume: what the installed
 torch was built for (``torch.version.cuda``); a CPU-only wheel has none, and then
@@ -67,6 +74,7 @@ from memfit.units import GiB, MiB
 
 __all__ = ["DeviceSpec", "GPUS", "ALIASES", "cpu_spec", "get_device", "list_devices", "with_cuda"]
 
+CUBLASLT_WORKSPACE_BYTES = 1024 * 1024   # CUBLASLT_WORKSPACE_SIZE's default, 1024 KiB (Note 4)
 _PCIE3 = 12e9  # B/s, PCIe 3.0 x16 one direction (Note 3)
 _PCIE4 = 25e9  # B/s, PCIe 4.0 x16
 _PCIE5 = 50e9  # B/s, PCIe 5.0 x16
@@ -110,6 +118,12 @@ class DeviceSpec:
     usable_measured: bool = True  # usable_bytes read off a log (False: the Note 1 fallback)
     profile_path: str | None = None  # the device profile these figures were measured in, if any
     nvml_total_bytes: int = 0  # the card's total as NVML / nvidia-smi reports it; 0: not known
+
+    @property
+    def autograd_workspace_bytes(self) -> int:
+        """The cuBLAS workspace of autograd's device thread (Note 4): the handle's own, without
+        the cuBLASLt one."""
+        return max(self.cublas_workspace_bytes - CUBLASLT_WORKSPACE_BYTES, 0)
 
     @classmethod
     def load(cls, path: str) -> "DeviceSpec":
@@ -177,7 +191,7 @@ class DeviceSpec:
 def _cublas_workspace_bytes(cc: tuple[int, int]) -> int:
     """Note 4: cuBLAS default workspace by compute capability, plus cuBLASLt's 1 MiB."""
     cublas = 4096 * 1024 * 8 if cc[0] >= 9 else (4096 * 2 + 16 * 8) * 1024
-    return cublas + 1024 * 1024
+    return cublas + CUBLASLT_WORKSPACE_BYTES
 
 
 def _default_cuda() -> tuple[tuple[int, int], str | None]:

@@ -269,7 +269,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     if replay:
         mem = cuda.replay(tracker)
         peak, reserved, breakdown = mem.allocated_peak_bytes, mem.reserved_peak_bytes, mem.breakdown
-        card = card_breakdown(spec, reserved, prof.op_log)
+        card = card_breakdown(spec, reserved, prof.op_log, mem.workspace_bytes)
         context = card.outside_allocator_bytes
         where = f"measured in {spec.profile_path}" if spec.profile_path else \
             "from public measurements"

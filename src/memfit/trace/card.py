@@ -4,8 +4,9 @@ Note 1 (the lines). What a training process holds on the card (``nvidia-smi``'s 
 figure, ``Estimate.device_bytes``) is the caching allocator's reserved bytes plus what lives
 outside it: the CUDA context with the kernels the step loaded, cuDNN's kernels when a convolution
 ran, NCCL's buffers under ``torch.distributed``. The reserved bytes are split into the cuBLAS /
-cuBLASLt workspace (allocated through the allocator at the first matmul, one per handle and
-stream: one for a step on the default stream) and the rest. ``lines`` adds up to
+cuBLASLt workspaces (allocated through the allocator at the first matmuls, one per handle and
+stream, and handles are per thread: the calling thread's and autograd's device thread's,
+devices Note 4) and the rest. ``lines`` adds up to
 ``device_bytes`` exactly, by construction (a test holds it).
 
 Note 2 (the card). The card's total as NVML reports it (``nvml_total_bytes`` where a public
@@ -87,10 +88,14 @@ def ran_convolution(op_log) -> bool:
     return any(op.startswith(("aten.convolution", "aten.cudnn_convolution")) for op in op_log)
 
 
-def card_breakdown(spec, reserved_bytes: int, op_log) -> CardBreakdown:
-    """The card lines of a step on ``spec`` that reserves ``reserved_bytes`` (Notes 1-4)."""
+def card_breakdown(spec, reserved_bytes: int, op_log,
+                   workspace_bytes: int | None = None) -> CardBreakdown:
+    """The card lines of a step on ``spec`` that reserves ``reserved_bytes`` (Notes 1-4), of
+    which ``workspace_bytes`` are cuBLAS workspaces (default: one handle's)."""
     assert spec.kind == "cuda", spec.name
-    workspace = min(spec.cublas_workspace_bytes, reserved_bytes)
+    if workspace_bytes is None:
+        workspace_bytes = spec.cublas_workspace_bytes
+    workspace = min(workspace_bytes, reserved_bytes)
     conv = ran_convolution(op_log)
     notes = list(spec.figure_notes)
     if conv and spec.cudnn_bytes:

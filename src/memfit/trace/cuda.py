@@ -6,7 +6,8 @@ pick, with that kernel's saved tensors and workspaces (``CudaSdpaMode``); optimi
 their CUDA default, ``foreach`` (its temporaries span all parameters at once), and keep the
 ``step`` counter of non-capturable Adam-style optimizers in host memory; every storage goes
 through a replay of the caching allocator (512-byte rounding, segments, splitting), after
-the cuBLAS workspace that the first matmul allocates; the CUDA context is added on top.
+the cuBLAS workspaces the first matmuls allocate (the calling thread's, and autograd's device
+thread's for the backward: devices Note 4); the CUDA context is added on top.
 
 Note 2 (two steps). The allocator's state when step 2 begins (which segments are cached and
 how they are split) comes from step 1, so both steps are traced and replayed; peaks are taken
@@ -29,6 +30,7 @@ from memfit.trace.cuda_sdpa import CudaSdpaMode
 __all__ = ["CudaModel", "CudaMemory"]
 
 _CUBLAS = "cublas-workspace"
+_CUBLAS_AUTOGRAD = "cublas-workspace-autograd-thread"
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class CudaMemory:
                                   # cuBLAS workspace and rounding)
     peak_event: int               # ledger event at the allocated peak
     context_bytes: int            # CUDA context, outside the allocator (Note 1)
+    workspace_bytes: int = 0      # the cuBLAS / cuBLASLt workspaces inside the allocator
 
 
 class CudaModel:
@@ -115,10 +118,13 @@ class CudaModel:
         window = resolved.window_start
         allocator, handles, sizes = CachingAllocator(self.allocator), {}, {}
         alloc_peak, reserved_peak, peak_event = -1, 0, window - 1
+        workspaces = {_CUBLAS: self.spec.cublas_workspace_bytes,      # devices Note 4
+                      _CUBLAS_AUTOGRAD: self.spec.autograd_workspace_bytes}
         workspace_done = False
         for ev, sid, delta, is_resize in ledger.device_events():
-            if ev >= 0 and not workspace_done:   # the first matmul allocates cuBLAS's workspace
-                handles[_CUBLAS] = allocator.malloc(self.spec.cublas_workspace_bytes)
+            if ev >= 0 and not workspace_done:   # the first matmuls allocate cuBLAS's workspaces
+                for key, size in workspaces.items():
+                    handles[key] = allocator.malloc(size)
                 workspace_done = True
             if is_resize:                        # a new block of the new size
                 allocator.free(handles.pop(sid))
@@ -135,11 +141,13 @@ class CudaModel:
                     alloc_peak, peak_event = stats.allocated_bytes, ev
                 reserved_peak = max(reserved_peak, stats.reserved_bytes)
         if not workspace_done:
-            handles[_CUBLAS] = allocator.malloc(self.spec.cublas_workspace_bytes)
+            for key, size in workspaces.items():
+                handles[key] = allocator.malloc(size)
         if alloc_peak < 0:
             stats = allocator.stats
             alloc_peak, reserved_peak = stats.allocated_bytes, stats.reserved_bytes
         exact = resolved.breakdown_at(peak_event)
         exact["other"] += alloc_peak - sum(exact.values())
         assert list(exact) == list(CATEGORIES)
-        return CudaMemory(alloc_peak, reserved_peak, exact, peak_event, self.spec.cuda_context_bytes)
+        return CudaMemory(alloc_peak, reserved_peak, exact, peak_event, self.spec.cuda_context_bytes,
+                          sum(workspaces.values()))
