@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import memfit
+import memfit.techniques.offload
 from tests.helpers import tiny, track_runner_step
 
 
@@ -74,3 +75,17 @@ def test_bad_input():
         memfit.fit(model, torch.optim.AdamW(model.parameters()), batch,
                    offload_params=("nope",), offload_optimizer=True)
     assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_activation_offload_on_the_same_blocks_is_refused():
+    model, batch = tiny("gpt2")
+    with pytest.raises(ValueError, match="offloads its activations too"):
+        memfit.estimate(model, batch, offload="all", offload_params="all",
+                        offload_optimizer=True)
+    # disjoint blocks compose
+    blocks = [n for n, m in memfit.techniques.offload.Offload(
+        memfit.techniques.offload.Offload.Config("all")).resolve(model).items()]
+    kn = dict(offload=(blocks[0],), offload_params=tuple(blocks[1:]), offload_optimizer=True)
+    est = memfit.estimate(model, batch, optimizer="adamw", **kn)
+    t = track_runner_step(model, batch, "adamw", **kn)
+    assert (est.peak_bytes, est.breakdown, est.timeline) == (t.peak_bytes, t.breakdown, t.timeline)
