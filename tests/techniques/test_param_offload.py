@@ -113,3 +113,25 @@ def test_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="nested"):
         ParamOffload(ParamOffload.Config(("transformer.h.0", "transformer.h.0.attn"))).apply(
             model, _adamw(model))
+
+
+def test_remove_and_reapply():
+    """After remove() the optimizer copies updated weights back as optimizer offload alone
+    does; reapply() offloads them again; still bitwise equal to the plain step."""
+    (plain, batch), (model, _) = tiny("gpt2"), tiny("gpt2")
+    opt = _adamw(plain)
+    off, handle = _offloaded(model, "all")
+    for k in range(4):
+        if k == 1:
+            handle.remove()
+        if k == 2:
+            handle = handle.reapply()
+        for m, o in ((plain, opt), (model, off)):
+            torch.manual_seed(k)
+            o.zero_grad(set_to_none=True)
+            compute_loss(m, batch).backward()
+            o.step()
+        if k == 1:
+            assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters()))
+    handle.remove()
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters()))
