@@ -28,11 +28,11 @@ def test_good_values_are_kept():
 
 
 @pytest.mark.parametrize("name,on,off", [
-    ("gpus", 2, 1), ("sharding", "fsdp", "none"), ("optimizer_state", "8bit", "fp32"),
+    ("gpus", 2, 1), ("sharding", "fsdp", "none"),
     ("fsdp_offload", True, False), ("reshard_after_forward", True, None),
 ])
 def test_not_yet_refused_unless_off(name, on, off):
-    assert name in NOT_YET
+    assert name in NOT_YET and "optimizer_state" not in NOT_YET      # that one works
     with pytest.raises(ValueError, match=f"{name}=.*leave {name} unset"):
         Knobs(**{name: on}).check_available()
     Knobs(**{name: off}).check_available()

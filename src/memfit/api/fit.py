@@ -43,7 +43,10 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     Knobs (``memfit.Knobs``): ``precision``, ``micro_batch_size``, ``max_grad_norm``,
     ``checkpoint``, ``offload``, ``offload_optimizer``, ``remat`` (DTR around each step: under
     ``budget`` if given, else on out-of-memory), ``zero_grad`` (the loop style: "before-forward",
-    the default, "after-forward" or "keep-buffers"). Everything is checked before the model is touched.
+    the default, "after-forward" or "keep-buffers"), ``optimizer_state`` (torchao's low-bit
+    Adam/AdamW: changes the numerics), ``offload_params`` (block weights on the host, with
+    ``offload_optimizer``; ``runner.close()`` takes its hooks off: until then the model's
+    offloaded weights are placeholders). Everything is checked before the model is touched.
 
     ``step=fn``: the user's own training step ``fn(model, batch, optimizer)``; the plan is made
     for it (``memfit.plan(step=fn)``: per-block modes and the optimizer's placement only) and
@@ -63,10 +66,13 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
         knobs_in = check_step_knobs(knobs_in, batch_size_of(batch), loss_fn)
     spec = resolve_device(model, device)
     k = knobs_in.replace(precision=resolve_precision(knobs_in.precision, spec))
-    if (k.precision == "bf16-pure" or k.offload_optimizer) and hasattr(scheduler, "step"):
+    low_bit = k.optimizer_state not in (None, "fp32")
+    if (k.precision == "bf16-pure" or k.offload_optimizer or low_bit) and \
+            hasattr(scheduler, "step"):
         raise ValueError(
-            "bf16-pure and offload_optimizer rebuild the optimizer, so a scheduler built on the "
-            "one passed in would drive nothing: pass scheduler=a factory, e.g. "
+            "bf16-pure, offload_optimizer and a low-bit optimizer_state rebuild the optimizer, "
+            "so a scheduler built on the one passed in would drive nothing: pass scheduler=a "
+            "factory, e.g. "
             "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
     recipe = OptimizerRecipe(optimizer)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -59,7 +59,8 @@ class Plan:
             raise ValueError(f"Plan.reasons={self.reasons!r} must be a sequence of str (one "
                              "reason each), e.g. reasons=['the plain step fits']")
         freeze = object.__setattr__                   # Note 1: read-only copies
-        if self.knobs.offload_optimizer or self.knobs.precision == "bf16-pure":
+        if self.knobs.offload_optimizer or self.knobs.precision == "bf16-pure" or \
+                self.knobs.optimizer_state not in (None, "fp32"):
             freeze(self, "optimizer_rebuilt", True)   # these knobs always need a new one
         freeze(self, "blocks", MappingProxyType(dict(self.blocks)))
         freeze(self, "reasons", tuple(self.reasons))
