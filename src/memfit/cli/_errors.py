@@ -33,7 +33,8 @@ _PHRASES = {
 _FLAGS = {
     "micro_batch_size": "--micro-batch-size", "offload_optimizer": "--offload-optimizer",
     "max_grad_norm": "--max-grad-norm", "optimizer_impl": "--optimizer-impl",
-    "zero_grad": "--zero-grad",
+    "zero_grad": "--zero-grad", "optimizer_state": "--optimizer-state",
+    "offload_params": "--offload-params",
     "batch_size": "--batch-size", "seq_len": "--seq-len", "max_seq_len": "--seq-len",
     "image_size": "--image-size", "short_seq_len": "--progressive LEN",
     "short_fraction": "--progressive LEN:FRACTION", "budget_bytes": "--budget",

@@ -12,7 +12,7 @@ from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_i
                                 add_target_args, build_model_and_batch, check_paths,
                                 optimizer_impl_knob, resolve_target)
 from memfit.cli._json import byte_counts_checked, spare_and_short
-from memfit.knobs import PRECISIONS
+from memfit.knobs import OPTIMIZER_STATES, PRECISIONS
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -46,6 +46,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(default: none)")
     g.add_argument("--offload-optimizer", action="store_true",
                    help="keep the optimizer's state (and its step) in host memory")
+    g.add_argument("--offload-params", default=None, metavar="POLICY",
+                   help="keep blocks' weights in host memory, fetched before each block runs: "
+                        "all, every:K (needs --offload-optimizer; default: none)")
+    g.add_argument("--optimizer-state", default=None, choices=OPTIMIZER_STATES, metavar="DTYPE",
+                   help="store Adam/AdamW's moments in bf16, 8bit or 4bit (torchao's low-bit "
+                        "optimizers: changes the numerics) instead of fp32. One of "
+                        f"{', '.join(OPTIMIZER_STATES)}")
     g.add_argument("--remat", action="store_true",
                    help="with --budget: simulate DTR (memfit.remat) on the traced step: its peak, "
                         "recompute FLOPs and the least budget it reaches")
@@ -85,7 +92,8 @@ def run(args) -> int:
                 budget=target.budget_bytes, precision=args.precision,
                 micro_batch_size=args.micro_batch_size, checkpoint=args.checkpoint,
                 offload=args.offload, offload_optimizer=args.offload_optimizer or None,
-                remat=args.remat or None, zero_grad=args.zero_grad, **impl,
+                remat=args.remat or None, zero_grad=args.zero_grad,
+                optimizer_state=args.optimizer_state, offload_params=args.offload_params, **impl,
                 allocator=AllocatorConfig(expandable_segments=args.expandable_segments))
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch)
