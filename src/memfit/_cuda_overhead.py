@@ -77,6 +77,11 @@ _CONTEXT = {
                                   f"tensor, GTX 1080, torch 1.8.2+cu101 (eager): {_55277}"),
     ("ampere", 11, False): Figure(1685 * MiB, "1687 MiB less a 2 MiB segment after a 1-element "
                                   f"tensor, RTX 3090, torch 1.8.2+cu111 (eager): {_55277}"),
+    ("volta", 11, False): Figure(1341 * MiB, "'GPU memory occupied: 1343 MB' (pynvml used // "
+                                 "2**20) after torch.ones((1, 1)).to('cuda') less its 2 MiB "
+                                 "segment, Tesla V100-SXM2-16GB, driver 460.91.03, CUDA 11.2 "
+                                 "(eager): https://huggingface.co/docs/transformers/v4.21.0/"
+                                 "perf_train_gpu_one"),
     ("volta", 10, False): Figure(1005 * MiB, "1008 MiB after a small tensor less 1 MiB before and "
                                  "a 2 MiB segment, Titan V, torch 1.3 (eager): "
                                  "https://github.com/pytorch/pytorch/issues/28394"),
