@@ -15,6 +15,7 @@ _LAZY = {
     "Estimate": "memfit.api", "estimate": "memfit.api", "fit": "memfit.api",
     "largest_fitting": "memfit.api", "plan": "memfit.api", "progressive": "memfit.api",
     "what_if": "memfit.api", "remat": "memfit.api.remat",
+    "estimate_sharded": "memfit.api._sharded",
     "DeviceSpec": "memfit.devices", "get_device": "memfit.devices", "list_devices": "memfit.devices",
     "BudgetTooSmall": "memfit.errors", "OutOfMemory": "memfit.errors", "TraceError": "memfit.errors",
     "Knobs": "memfit.knobs", "Tracker": "memfit.measure", "track": "memfit.measure",

@@ -28,7 +28,6 @@ from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
 from memfit.step import prepare_batch
 from memfit.techniques.sharding import Sharding
-from memfit.trace.sharded import counting_fsdp
 from memfit.api._setup import build_runner
 
 
@@ -59,7 +58,7 @@ def measure(model, batch, optimizer, config: Sharding.Config, mesh, knobs: dict)
     batch = runner.prepare(prepare_batch(batch))
     runner.run(batch)
     runner.run(batch)
-    with counting_fsdp(), memfit.track(runner.model, runner.optimizer) as t:
+    with memfit.track(runner.model, runner.optimizer) as t:
         runner.run(batch)
     return {"peak_bytes": t.peak_bytes, "breakdown": t.breakdown, "num_ops": t.ops}
 

@@ -58,7 +58,7 @@ from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.techniques.sharding import Sharding
 from memfit.trace import FakeCopier, profile_step
-from memfit.trace.sharded import counting_fsdp, fake_process_group, trace_ddp_hook
+from memfit.trace.sharded import fake_process_group, trace_ddp_hook
 from memfit.units import parse_bytes
 
 __all__ = ["estimate_sharded"]
@@ -116,7 +116,7 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
     fake_model = copier.module(model)
     fake_model.train(model.training)
     fake_batch = copier.tree(batch)
-    with fake_process_group(world_size, rank) as mesh, counting_fsdp():
+    with fake_process_group(world_size, rank) as mesh:
         with copier.mode if config.kind == "ddp" else contextlib.nullcontext():   # Note 5
             sharded = Sharding(config).apply(fake_model, mesh, init_sync=False)
         if config.kind == "ddp":

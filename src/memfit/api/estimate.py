@@ -196,8 +196,16 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     ``offload``, ``offload_optimizer`` and ``optimizer_impl`` reach it through the model and
     the optimizer. ``scheduler``: a factory ``optimizer -> LR scheduler``, built on the fake
     optimizer and stepped after each step (as ``memfit.fit``'s runner does).
+
+    ``gpus=N`` with ``sharding="fsdp"`` (``reshard_after_forward``, ``fsdp_offload``) or
+    ``"ddp"``: one rank's figures of an N-rank job, ``batch`` being one rank's batch
+    (``memfit.estimate_sharded``, which also takes FSDP2's ``mp_policy`` and a ``rank``).
     """
     k = Knobs.from_kwargs(**knobs)
+    if _sharded(k):
+        return _estimate_one_rank(model, batch, optimizer, device, loss_fn, k, budget=budget,
+                                  count_fn=count_fn, step=step, scheduler=scheduler,
+                                  allocator=allocator)
     k.check_available()
     user = as_user_step(step)
     if scheduler is not None and (hasattr(scheduler, "step") or not callable(scheduler)):
@@ -301,3 +309,35 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         basis="cuda-model" if cuda else "cpu-trace", knobs_blocks=dict(runner.applied.blocks),
         op_costs=prof.op_costs, card=card,
     )
+
+
+def _sharded(k: Knobs) -> bool:
+    """Whether the knobs ask for one rank of a data-parallel job."""
+    return k.sharding not in (None, "none") or k.gpus not in (None, 1) or \
+        k.reshard_after_forward is not None or bool(k.fsdp_offload)
+
+
+def _estimate_one_rank(model, batch, optimizer, device, loss_fn, k: Knobs, *, budget, count_fn,
+                       step, scheduler, allocator) -> "Estimate":
+    """``estimate(gpus=N, sharding=...)``: ``estimate_sharded`` with the other knobs."""
+    from memfit.api._sharded import estimate_sharded
+    if k.gpus in (None, 1) or k.gpus == "auto" or k.sharding in (None, "none"):
+        raise ValueError(f"gpus={k.gpus!r}, sharding={k.sharding!r}: one rank of a "
+                         "data-parallel job needs both gpus=N (N >= 2 ranks; 'auto' is for "
+                         "memfit.plan) and sharding='fsdp' or 'ddp'")
+    if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload):
+        raise ValueError("reshard_after_forward and fsdp_offload are FSDP2's: use "
+                         "sharding='fsdp', or leave them unset with 'ddp'")
+    if allocator == AllocatorConfig():
+        allocator = None             # the default: nothing to model differently
+    for name, value in (("step", step), ("scheduler", scheduler), ("allocator", allocator)):
+        if value is not None:
+            raise ValueError(f"{name} with sharding is not supported yet: estimate the "
+                             f"sharded step without {name}")
+    rest = {n: v for n, v in k.to_dict().items() if v is not None and n not in
+            ("gpus", "sharding", "reshard_after_forward", "fsdp_offload")}
+    return estimate_sharded(
+        model, batch, optimizer, device, loss_fn, world_size=k.gpus, sharding=k.sharding,
+        reshard_after_forward=True if k.reshard_after_forward is None else
+        k.reshard_after_forward, fsdp_offload=bool(k.fsdp_offload), budget=budget,
+        count_fn=count_fn, **rest)

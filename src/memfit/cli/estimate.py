@@ -12,7 +12,7 @@ from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_i
                                 add_target_args, build_model_and_batch, check_paths,
                                 optimizer_impl_knob, resolve_target)
 from memfit.cli._json import byte_counts_checked, spare_and_short
-from memfit.knobs import OPTIMIZER_STATES, PRECISIONS
+from memfit.knobs import OPTIMIZER_STATES, PRECISIONS, SHARDINGS
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -53,6 +53,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="store Adam/AdamW's moments in bf16, 8bit or 4bit (torchao's low-bit "
                         "optimizers: changes the numerics) instead of fp32. One of "
                         f"{', '.join(OPTIMIZER_STATES)}")
+    g.add_argument("--gpus", type=positive_int, default=None, metavar="N",
+                   help="one rank of an N-rank data-parallel job (with --sharding; the batch is "
+                        "one rank's): traced under a fake process group of N ranks")
+    g.add_argument("--sharding", default=None, choices=SHARDINGS,
+                   help="with --gpus: fsdp (FSDP2 fully_shard per block and at the root) or "
+                        "ddp (DistributedDataParallel's gradient buckets)")
+    g.add_argument("--reshard-after-forward", default=None, type=_reshard, metavar="true|false|N",
+                   help="FSDP2's: free the unsharded weights after each block's forward (true, "
+                        "the default), keep them to the backward (false), or reshard to N ranks")
+    g.add_argument("--fsdp-offload", action="store_true",
+                   help="FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer "
+                        "state in host memory")
     g.add_argument("--remat", action="store_true",
                    help="with --budget: simulate DTR (memfit.remat) on the traced step: its peak, "
                         "recompute FLOPs and the least budget it reaches")
@@ -61,6 +73,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="write live bytes over the step, by category, with the limit line")
     p.set_defaults(run=run)
     return p
+
+
+def _reshard(text: str) -> bool | int:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: write true, false, or a group size N >= 2")
+    return n
 
 
 def _check(args) -> None:
@@ -93,7 +118,10 @@ def run(args) -> int:
                 micro_batch_size=args.micro_batch_size, checkpoint=args.checkpoint,
                 offload=args.offload, offload_optimizer=args.offload_optimizer or None,
                 remat=args.remat or None, zero_grad=args.zero_grad,
-                optimizer_state=args.optimizer_state, offload_params=args.offload_params, **impl,
+                optimizer_state=args.optimizer_state, offload_params=args.offload_params,
+                gpus=args.gpus, sharding=args.sharding,
+                reshard_after_forward=args.reshard_after_forward,
+                fsdp_offload=args.fsdp_offload or None, **impl,
                 allocator=AllocatorConfig(expandable_segments=args.expandable_segments))
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch)

@@ -44,7 +44,9 @@ def storages_of(t: torch.Tensor, device_type: str | None = None):
     if flatten is not None and not isinstance(t, torch._subclasses.FakeTensor):
         names, _ = flatten()
         for name in names:
-            yield from storages_of(getattr(t, name), device_type)
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):   # DTensor also lists its device_mesh
+                yield from storages_of(inner, device_type)
         return
     if t.layout is not torch.strided or (device_type is not None and t.device.type != device_type):
         return

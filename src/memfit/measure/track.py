@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.errors import OutOfMemory
 from memfit.measure import _ledger as L
+from memfit.measure._storage_resize import resizes_counted
 from memfit.measure._counting import (CountingMode, allocates_and_writes, host_allocations,
                                       written_args)
 from memfit.measure._ledger import Ledger
@@ -104,6 +105,7 @@ class Tracker:
             s.callback(self._remove_hooks, self._add_hooks())
             s.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
             s.enter_context(CountingMode(self))
+            s.enter_context(resizes_counted())          # _storage_resize Note 1
         except BaseException:
             s.close()
             raise

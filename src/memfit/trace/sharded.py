@@ -27,19 +27,12 @@ hook DDP's default amounts to -- divide the bucket by the world size in place, a
 in place, a future done with the bucket itself -- so the step allocates what the default does
 (nothing beyond the bucket) and the reducer copies the bucket back into the gradients.
 
-Note 2 (two things ``track`` does not see yet; ``counting_fsdp``). (a) DTensor's
-``__tensor_flatten__`` lists ``device_mesh`` beside ``_local_tensor`` (torch >= 2.10), and the
-counter's ``storages_of`` asks every listed name for its storage: it raises ``AttributeError:
-'DeviceMesh' object has no attribute 'layout'`` on the first sharded parameter. (b) FSDP2
-frees and re-allocates the unsharded parameters with ``UntypedStorage.resize_`` (to 0, then to
-full size: ``_fsdp_param.free_storage``/``alloc_storage``), which no dispatch mode sees: the
-counter would count each unsharded parameter as an input alive since the region's start, at
-its full size, and never its free. ``counting_fsdp()`` closes both for as long as it is
-entered: ``storages_of`` skips inner attributes that are not tensors, and a storage resize is
-reported to every running tracker (the ledger's own ``resize``, or a new storage counted from
-then on). A real run must be measured inside it too (the tests do). Both belong in
-``memfit.measure`` (``_ledger.storages_of`` and the ``CountingMode``); until then this is the
-one place they are patched, restored on exit.
+Note 2 (what the counter must see under FSDP2). DTensor's ``__tensor_flatten__`` lists its
+``device_mesh`` beside ``_local_tensor`` (the ledger's ``storages_of`` takes only inner
+tensors), and FSDP2 frees and re-allocates the unsharded parameters with
+``UntypedStorage.resize_``, which no dispatch mode sees (``memfit.measure._storage_resize``
+Note 1). Both are ``memfit.measure``'s, so a real run under ``track`` and a trace count the
+same bytes with nothing more to enter.
 """
 
 from __future__ import annotations
@@ -49,7 +42,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["fake_process_group", "counting_fsdp", "trace_ddp_hook"]
+__all__ = ["fake_process_group", "trace_ddp_hook"]
 
 
 @contextlib.contextmanager
@@ -90,60 +83,3 @@ def trace_ddp_hook(ddp) -> None:
         return fut
 
     ddp.register_comm_hook(ddp.process_group, hook)
-
-
-def _storages_of(t: torch.Tensor, device_type: str | None = None):
-    """``_ledger.storages_of`` that looks only at inner *tensors* (Note 2a)."""
-    flatten = getattr(t, "__tensor_flatten__", None)
-    if flatten is not None and not isinstance(t, torch._subclasses.FakeTensor):
-        names, _ = flatten()
-        for name in names:
-            inner = getattr(t, name)
-            if isinstance(inner, torch.Tensor):
-                yield from _storages_of(inner, device_type)
-        return
-    yield from _ORIGINAL_STORAGES_OF(t, device_type)
-
-
-def _resize(storage, nbytes):
-    """``UntypedStorage.resize_``, reported to the running trackers (Note 2b)."""
-    out = _ORIGINAL_RESIZE(storage, nbytes)
-    from memfit.measure import _ledger as L
-    from memfit.measure.track import _running
-    for tracker in _running:
-        led = tracker.ledger
-        if (storage.device.type == "meta") != led.fake or storage.device.type not in (
-                led.device_type, "meta"):
-            continue
-        if led.sid(storage) is not None:
-            led.resize(storage)
-        elif storage.nbytes() > 0:
-            led.add(storage, L.TEMPORARIES, entry=False)
-    return out
-
-
-_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
-_OWN_RESIZE = "resize_" in vars(torch.UntypedStorage)    # else inherited from the C base
-_ORIGINAL_STORAGES_OF = None
-
-
-@contextlib.contextmanager
-def counting_fsdp():
-    """While entered, ``track`` (and a trace's tracker) count FSDP2's DTensor parameters and
-    its storage resizes (Note 2). Re-entrant."""
-    global _ORIGINAL_STORAGES_OF
-    from memfit.measure import _ledger, _modules
-    if _ledger.storages_of is _storages_of:          # already inside
-        yield
-        return
-    _ORIGINAL_STORAGES_OF = _ledger.storages_of
-    _ledger.storages_of = _modules.storages_of = _storages_of
-    torch.UntypedStorage.resize_ = _resize
-    try:
-        yield
-    finally:
-        if _OWN_RESIZE:
-            torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE
-        else:
-            del torch.UntypedStorage.resize_         # the C base's method shows through again
-        _ledger.storages_of = _modules.storages_of = _ORIGINAL_STORAGES_OF
