@@ -1,5 +1,6 @@
 """The `memfit estimate` command: JSON, tables, plot, errors, and the README default."""
 
+import argparse
 import json
 
 import pytest
@@ -77,11 +78,16 @@ def test_bad_input_exits_2_with_the_fix(capsys, args, needle):
 def test_every_flag_has_help():
     from memfit.cli import build_parser
 
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command")
-    for name, p in sub.choices.items():
-        for action in p._actions:
+    def check(parser, name):
+        for action in parser._actions:
             assert action.help, f"{name} {action.option_strings} has no help"
+            if isinstance(action, argparse._SubParsersAction):    # nested: memfit bench seed
+                for sub_name, p in action.choices.items():
+                    check(p, f"{name} {sub_name}")
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for name, p in sub.choices.items():
+        check(p, name)
 
 
 def test_technique_flags_lower_the_peak(tmp_path, capsys):

@@ -49,7 +49,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark tables (memfit bench seed)",
                        description="Benchmark tables. `memfit bench seed`: the seed's memory "
                                    "table of XLM-R base and large.")
-    bsub = p.add_subparsers(dest="bench", metavar="TABLE")
+    bsub = p.add_subparsers(dest="bench", metavar="TABLE",
+                            help="the table to make: seed (the seed's XLM-R memory table)")
     s = bsub.add_parser(
         "seed", help="the seed's table: XLM-R base/large x length x fp32/fp16 x checkpointing "
                      "x batch, predicted for a GPU",
