@@ -34,7 +34,7 @@ _FLAGS = {
     "micro_batch_size": "--micro-batch-size", "offload_optimizer": "--offload-optimizer",
     "max_grad_norm": "--max-grad-norm", "optimizer_impl": "--optimizer-impl",
     "zero_grad": "--zero-grad", "optimizer_state": "--optimizer-state",
-    "offload_params": "--offload-params", "gpus": "--gpus", "sharding": "--sharding",
+    "offload_params": "--offload-params",
     "reshard_after_forward": "--reshard-after-forward", "fsdp_offload": "--fsdp-offload",
     "allocator": "--expandable-segments",
     "batch_size": "--batch-size", "seq_len": "--seq-len", "max_seq_len": "--seq-len",
@@ -44,7 +44,7 @@ _FLAGS = {
 # keywords that are also plain English words: rewritten only as ``name=value``
 _PLAIN_WORDS = {"precision": "--precision", "checkpoint": "--checkpoint", "offload": "--offload",
                 "budget": "--budget", "remat": "--remat", "optimizer": "--optimizer",
-                "device": "--gpu", "task": "--task"}
+                "device": "--gpu", "task": "--task", "gpus": "--gpus", "sharding": "--sharding"}
 _NAMES = "|".join(sorted({**_FLAGS, **_PLAIN_WORDS}, key=len, reverse=True))
 _ASSIGN = re.compile(r"(?<![\w.-])(" + _NAMES + r")=(?:'([^'\s]*)'|\"([^\"\s]*)\"|([\w.:+-]+))")
 _KEYWORD = re.compile(r"(?<![\w.-])(" + "|".join(sorted(_FLAGS, key=len, reverse=True)) +
