@@ -8,7 +8,8 @@ import torch
 
 import memfit
 import memfit.techniques.offload
-from tests.helpers import tiny, track_runner_step
+from memfit.optimizers import OptimizerRecipe
+from tests.helpers import tiny, track_next_run
 
 
 @pytest.fixture(autouse=True)
@@ -16,6 +17,16 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="OptimizerOffload", category=UserWarning)
         yield
+
+
+def track_runner_step(model, batch, optimizer, **knobs):
+    """tests.helpers.track_runner_step, then the runner closed: its hooks and host copies go
+    (left on the model, later tests in the process would find its tensors alive)."""
+    opt = OptimizerRecipe(optimizer).build(list(model.parameters()), list(model.parameters()))
+    runner = memfit.fit(model, opt, batch, **knobs)
+    t = track_next_run(runner, batch)
+    runner.close()
+    return t
 
 
 @pytest.mark.parametrize("arch,knobs", [
@@ -30,7 +41,7 @@ def test_estimate_equals_track_to_the_byte(arch, knobs):
     knobs = dict(knobs, offload_params="all", offload_optimizer=True)
     est = memfit.estimate(model, batch, optimizer="adamw", **knobs)
     assert est.breakdown["params"] < alone.breakdown["params"]
-    t = track_runner_step(model, batch, "adamw", **knobs)   # (its runner stays on the model)
+    t = track_runner_step(model, batch, "adamw", **knobs)
     assert (est.peak_bytes, est.breakdown, est.timeline, est.host_peak_bytes) == \
         (t.peak_bytes, t.breakdown, t.timeline, t.host_peak_bytes)
 
