@@ -116,6 +116,7 @@ def test_per_module_records_match_track():
     assert est.fw_flops == t.fw_flops and est.bw_flops == t.bw_flops
 
 
+@pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
 def test_full_size_xlmr_large_estimate_is_fast_and_plausible():
     spec = zoo.get("xlm-roberta-large")
     model = spec.build(device="meta")

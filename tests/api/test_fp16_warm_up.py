@@ -8,6 +8,7 @@ Oracle: the one-step (no replay) estimate and the two-step (replayed) estimate t
 ops, so their op logs over the counted step must be the same sequence.
 """
 
+import pytest
 import memfit
 from memfit import zoo
 from memfit.api.levers import largest_fitting
@@ -31,6 +32,7 @@ def test_fp16_checkpoint_fast_trace_matches_the_replayed_one():
     assert fast.peak_bytes < plain.peak_bytes
 
 
+@pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
 def test_largest_seq_len_on_an_fp16_gpu():
     model = _model()
     r = largest_fitting(SPEC, model, "seq_len", batch_size=8, seq_len=None, budget=None,

@@ -29,6 +29,7 @@ def _device_bytes(model, b, L, **knobs):
                            **knobs).device_bytes
 
 
+@pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
 def test_largest_seq_len_fits_and_one_more_does_not():
     model = _model()
     knobs = least_memory_knobs("seq_len", 1, memfit.get_device("cpu"), {})

@@ -37,6 +37,7 @@ def _brute_force(model, batch, b):
                for m in range(1, b + 1) for c in configs)
 
 
+@pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
 def test_floor_is_the_least_traced_configuration_everywhere():
     model, batch = tiny("gpt2", batch_size=2, seq_len=32)
     del batch["attention_mask"]     # all ones: the plan would count it held (plan Note 4)

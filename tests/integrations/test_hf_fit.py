@@ -158,6 +158,7 @@ def test_fit_mixes_recompute_and_offload_at_a_tighter_budget():
     assert "block hooks" in str(changes)
 
 
+@pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
 def test_fit_plans_blocks_under_accumulation_and_train_stays_in_budget_bitwise():
     # gradient_accumulation_steps=2 as the user set it: planned from one micro-batch's traces
     # (_hf_plan Note 1), verified by a trace of the whole accumulated step
@@ -173,6 +174,7 @@ def test_fit_plans_blocks_under_accumulation_and_train_stays_in_budget_bitwise()
     assert run.losses == ref.losses and len(run.losses) == 3
 
 
+@pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
 def test_precision_changes_only_when_allowed_and_train_matches_a_bf16_trainer_bitwise():
     # the budget is the fp32 step's own bytes minus one: fp32 needs a change, bf16 fits kept
     fp32 = mf_hf.estimate(tiny_trainer("gpt2", **RUN)).device_bytes

@@ -39,6 +39,7 @@ def test_reentrant_checkpointing_for_a_gpu_is_refused_with_the_way_out():
     assert mf_hf.estimate(trainer, device="cpu").peak_bytes > 0      # a CPU target traces it
 
 
+@pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
 def test_fit_for_a_gpu_keeps_the_users_checkpointing():
     trainer = tiny_trainer("gpt2", gradient_checkpointing=True, per_device_train_batch_size=4,
                            samples=48)

@@ -145,6 +145,7 @@ def test_bad_budget_is_refused_before_tracing():
     assert torch.is_tensor(batch["input_ids"])
 
 
+@pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
 def test_one_micro_batch_can_need_less_than_micro_batch_one():
     """Accumulating keeps every gradient alive through the later micro-batches, so the whole
     batch at once may be the least-memory choice: the planner must find it (search Note 2)."""

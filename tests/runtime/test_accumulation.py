@@ -132,6 +132,7 @@ def test_plain_fit_is_the_plain_step():
     assert runner.plan.knobs.precision == "fp32" and runner.last_step.micro_batches == 1
 
 
+@pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
 def test_budget_with_only_micro_batching_left_picks_the_fewest_micro_batches():
     """With recompute, offload and optimizer offload fixed off, the planner's one lever is the
     micro-batch: the fastest plan runs the fewest micro-batches whose (exact, CPU) estimate

@@ -49,6 +49,7 @@ def test_ddp_reduces_once_per_effective_batch_and_matches_one_process(tmp_path):
     assert_matches_reference(r0)
 
 
+@pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
 def test_fsdp2_reduce_scatters_once_per_effective_batch_and_matches_one_process(tmp_path):
     r0, _ = run_two_ranks("fsdp", tmp_path)
     # one reduce-scatter per FSDP group (each of the 2 blocks, and the root's own params),
