@@ -9,6 +9,7 @@ ops, so their op logs over the counted step must be the same sequence.
 """
 
 import pytest
+
 import memfit
 from memfit import zoo
 from memfit.api.levers import largest_fitting

@@ -52,6 +52,7 @@ def test_largest_seq_len_is_capped_by_positions():
     assert r.value == 128 and "position" in r.capped_by and r.probes == 1
 
 
+@pytest.mark.slow      # 13-23 s each: the CI time limit (a lighter sibling stays)
 def test_largest_batch_size_in_one_micro_batch_with_fixed_knobs():
     model = _model()
     L = 32

@@ -35,6 +35,7 @@ def _batch():
 
 
 @pytest.mark.parametrize("build", [_opt, _neo], ids=["opt", "gpt-neo"])
+@pytest.mark.slow      # 13-23 s each: the CI time limit (a lighter sibling stays)
 def test_fixed_offload_leaves_recompute_free(build):
     model, batch = build(), _batch()
     ckpt_all = memfit.estimate(model, batch, checkpoint="all").device_bytes

@@ -69,6 +69,7 @@ def test_budget_too_small_names_freezing_and_lora_with_numbers():
     assert format_bytes(3 * params) in text          # gradients + optimizer state
 
 
+@pytest.mark.slow      # 13-23 s each: the CI time limit (a lighter sibling stays)
 def test_a_frozen_model_plans_smaller():
     """requires_grad=False: no gradient and no optimizer state, so the floor (optimizer state
     on the host there) falls by at least the frozen part's gradients (its bytes, fp32)."""

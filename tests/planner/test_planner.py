@@ -160,6 +160,7 @@ def test_one_micro_batch_can_need_less_than_micro_batch_one():
     assert p.floor_bytes <= budget
 
 
+@pytest.mark.slow      # 13-23 s each: the CI time limit (a lighter sibling stays)
 def test_fixed_checkpoint_and_offload_are_kept_verbatim():
     model, batch = _model("gpt2")
     plain = _plain_peak("gpt2")
