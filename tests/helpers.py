@@ -34,7 +34,9 @@ def track_runner_step(model, batch, optimizer="adamw", loss_fn=None, **knobs):
     opt = OptimizerRecipe(optimizer).build([p for p in model.parameters() if p.requires_grad],
                                            [p for p in model.parameters() if p.requires_grad])
     runner = memfit.fit(model, opt, batch, loss_fn=loss_fn, **knobs)
-    return track_next_run(runner, batch)
+    t = track_next_run(runner, batch)
+    runner.close()     # its hooks (and offloaded weights' host copies) leave the model
+    return t
 
 
 def track_next_run(runner, batch):

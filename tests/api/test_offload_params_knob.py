@@ -8,8 +8,7 @@ import torch
 
 import memfit
 import memfit.techniques.offload
-from memfit.optimizers import OptimizerRecipe
-from tests.helpers import tiny, track_next_run
+from tests.helpers import tiny, track_runner_step
 
 
 @pytest.fixture(autouse=True)
@@ -17,16 +16,6 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="OptimizerOffload", category=UserWarning)
         yield
-
-
-def track_runner_step(model, batch, optimizer, **knobs):
-    """tests.helpers.track_runner_step, then the runner closed: its hooks and host copies go
-    (left on the model, later tests in the process would find its tensors alive)."""
-    opt = OptimizerRecipe(optimizer).build(list(model.parameters()), list(model.parameters()))
-    runner = memfit.fit(model, opt, batch, **knobs)
-    t = track_next_run(runner, batch)
-    runner.close()
-    return t
 
 
 @pytest.mark.parametrize("arch,knobs", [
