@@ -19,6 +19,7 @@ from memfit.devices import DeviceSpec
 from memfit.errors import TraceError
 from memfit.knobs import Knobs
 from memfit.measure import ModuleRecord
+from memfit.memplan import StorageLog, storage_log
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
 from memfit.step import prepare_batch
@@ -67,6 +68,7 @@ class Estimate:
     op_costs: list[tuple[int, int, int, int]] = field(default_factory=list)
     # for a GPU: device_bytes line by line, and the driver's share of the card (trace.card)
     card: CardBreakdown | None = None
+    lifetimes: StorageLog | None = field(default=None, compare=False, repr=False)  # memplan
 
     @property
     def device_bytes(self) -> int:
@@ -307,7 +309,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=k,
         trace_seconds=prof.trace_seconds, notes=notes,
         basis="cuda-model" if cuda else "cpu-trace", knobs_blocks=dict(runner.applied.blocks),
-        op_costs=prof.op_costs, card=card,
+        op_costs=prof.op_costs, card=card, lifetimes=storage_log(tracker),
     )
 
 

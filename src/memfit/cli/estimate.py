@@ -12,6 +12,7 @@ from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_i
                                 add_target_args, build_model_and_batch, check_paths,
                                 optimizer_impl_knob, resolve_target)
 from memfit.cli._json import byte_counts_checked, spare_and_short
+from memfit.cli import _static_plan
 from memfit.knobs import OPTIMIZER_STATES, PRECISIONS, SHARDINGS
 
 
@@ -71,6 +72,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     g.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write live bytes over the step, by category, with the limit line")
+    _static_plan.add_arguments(g)            # --static-plan, --static-plan-plot
     p.set_defaults(run=run)
     return p
 
@@ -138,10 +140,12 @@ def run(args) -> int:
                "trainable_parameters": _trainable(model), **spare_and_short(est.to_dict())}
         if args.plot:
             out["plot"] = args.plot
+        _static_plan.run(args, est, out)
         json.dump(byte_counts_checked(out), sys.stdout, indent=2)
         print()
         return 0
     _print_human(console, spec, model, est, described, args, target)
+    _static_plan.run(args, est, console)
     return 0
 
 
