@@ -80,3 +80,28 @@ def test_help():
     assert code == 0 and "--gpu" in out and "rtx-6000" in out
     code, out, _ = cli(["bench"])
     assert code == 2 and "seed" in out
+
+
+@pytest.mark.slow       # two spawned workers import torch + transformers (25 s idle, minutes loaded)
+def test_rows_traced_by_worker_processes_equal_the_rows_traced_here(tmp_path, monkeypatch):
+    """The pool (train._seed_pool) changes where a row is traced, never its numbers: two rows
+    in two spawned workers, against the same rows traced in this process, and back in the
+    table's order."""
+    import memfit
+    from memfit.train._seed_pool import trace_rows
+    from memfit.train.seed_table import Row, estimate_row
+
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "cache"))
+    device = memfit.devices.get_device("rtx-6000")
+    rows = [Row("xlm-roberta-base", 32, "fp32", "none", 2, True),
+            Row("xlm-roberta-base", 32, "fp16", "all", 4, True)]
+    seen = []
+    got, plans = trace_rows(rows, [], device, use_cache=False, jobs=2,
+                            on_done=lambda done, total: seen.append((done, total)))
+    assert plans == [] and seen[-1] == (2, 2)
+    for row, r in zip(rows, got):
+        here = estimate_row(row, device, use_cache=False)
+        for key in ("peak_bytes", "reserved_bytes", "device_bytes", "fits"):
+            assert r[key] == here[key], (row, key)
+    assert got[0]["peak_bytes"] != got[1]["peak_bytes"]
+    assert not (tmp_path / "cache").exists()        # no cache asked: none written

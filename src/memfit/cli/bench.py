@@ -83,6 +83,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--tiny", action="store_true",
                    help="the models' tiny twins (for tests: seconds, not minutes)")
     s.add_argument("--no-cache", action="store_true", help="trace every row again")
+    s.add_argument("--jobs", type=_positive, default=None, metavar="N",
+                   help="worker processes tracing rows side by side (default: one per core "
+                        "this process may use)")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of the "
                    "table")
     s.add_argument("--plot", metavar="FILE.png", help="write a bar chart of the rows")
@@ -94,7 +97,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     check_output_path(args.plot, "--plot")
     from memfit.cli._common import resolve_device
-    from memfit.train.seed_table import plan_row, seed_rows, estimate_row
+    from memfit.train._seed_pool import default_jobs, trace_rows
+    from memfit.train.seed_table import seed_rows
 
     device = resolve_device(argparse.Namespace(gpu=args.gpu, device=None))
     if device.kind != "cuda":
@@ -110,18 +114,17 @@ def run(args) -> int:
 
     console = Console(stderr=args.json)
     start = time.perf_counter()
-    results, plans = [], []
+    plan_specs = [] if args.no_plan else [(m, args.plan_seq_len, args.plan_batch, args.tiny)
+                                          for m in models]
+    jobs = args.jobs or default_jobs()
     with console.status("tracing...") as status:
-        for i, row in enumerate(rows, 1):
-            status.update(f"row {i}/{len(rows)}: {row.model} {row.seq_len} {row.precision} "
-                          f"checkpoint {row.checkpoint} batch {row.batch_size}...")
-            results.append((row, estimate_row(row, device, not args.no_cache)))
-        if not args.no_plan:
-            for m in models:
-                status.update(f"memfit plan for {m} batch {args.plan_batch} x "
-                              f"{args.plan_seq_len}...")
-                plans.append((m, plan_row(m, args.plan_seq_len, args.plan_batch, device,
-                                          args.tiny, not args.no_cache)))
+        def progress(done: int, total: int) -> None:
+            status.update(f"traced {done}/{total} rows and plans ({jobs} worker"
+                          f"{'s' if jobs > 1 else ''})...")
+        row_results, plan_results = trace_rows(rows, plan_specs, device, not args.no_cache,
+                                               jobs, progress)
+    results = list(zip(rows, row_results))
+    plans = [(spec[0], r) for spec, r in zip(plan_specs, plan_results)]
     seconds = time.perf_counter() - start
     if args.plot:
         from memfit.train.seed_chart import plot_seed_table

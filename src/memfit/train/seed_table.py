@@ -23,7 +23,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["Row", "seed_rows", "estimate_row", "plan_row", "cache_key", "MODELS", "SEQ_LENS"]
+__all__ = ["Row", "seed_rows", "estimate_row", "plan_row", "cache_key", "cached_result",
+           "MODELS", "SEQ_LENS"]
 
 MODELS = ("xlm-roberta-base", "xlm-roberta-large")
 SEQ_LENS = (128, 256, 512)
@@ -79,13 +80,22 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MEMFIT_CACHE") or Path.home() / ".cache" / "memfit") / "bench-seed"
 
 
-def _cached(kind: str, row: Row, device, use_cache: bool, compute) -> dict:
+def cached_result(kind: str, row: Row, device) -> dict | None:
+    """The cached result of ``kind`` ("estimate" or "plan") for ``row``, or None."""
     path = _cache_dir() / f"{cache_key(kind, row, device)}.json"
-    if use_cache and path.is_file():
+    if path.is_file():
         try:
             return {**json.loads(path.read_text()), "cached": True}
         except ValueError:
             pass                                  # a damaged entry: trace again
+    return None
+
+
+def _cached(kind: str, row: Row, device, use_cache: bool, compute) -> dict:
+    hit = cached_result(kind, row, device) if use_cache else None
+    if hit is not None:
+        return hit
+    path = _cache_dir() / f"{cache_key(kind, row, device)}.json"
     result = compute()
     if use_cache:
         try:
