@@ -88,6 +88,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import (register_flop_formula, sdpa_backward_flop_count,
                                       sdpa_flop_count)
 
+from memfit.trace.cuda_sdpa_math import attention_backward_fp32, attention_fp32, seed_of
 from memfit.trace.cuda_sdpa_select import BACKENDS, CudaBuild, SdpaInputs, select_backend
 
 __all__ = ["CudaSdpaMode", "CudaBuild", "SdpaInputs", "select_backend"]
@@ -195,7 +196,7 @@ def sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, backend: str,
     offset.view(torch.int64).zero_()
     if dropout_p > 0:
         seed.view(torch.int64).view(-1)[0] = int(torch.randint(0, 2**62, ()))
-    o, row_lse, _ = _attention_fp32(q, k, v, bias, is_causal, scale, dropout_p, _seed_of(seed))
+    o, row_lse, _ = attention_fp32(q, k, v, bias, is_causal, scale, dropout_p, seed_of(seed))
     out.copy_(o)
     lse_rows = lse[..., 0] if lse.dim() == 4 else lse[..., : q.shape[2]]
     lse_rows.copy_(row_lse[..., : lse_rows.shape[-1]])
@@ -214,8 +215,8 @@ def sdpa_bwd(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | N
              sm_major: int) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     gq, gk, gv, gbias, ws = _bwd_buffers(grad_out, q, k, v, bias, out, backend, bias_grad,
                                          sm_major)
-    dq, dk, dv, ds = _attention_backward_fp32(grad_out, q, k, v, bias, is_causal, scale,
-                                              dropout_p, _seed_of(seed))
+    dq, dk, dv, ds = attention_backward_fp32(grad_out, q, k, v, bias, is_causal, scale,
+                                             dropout_p, seed_of(seed))
     for buf, val in ((gq, dq), (gk, dk), (gv, dv)):
         buf.copy_(val)
     if bias_grad:
@@ -257,61 +258,6 @@ def _fwd_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> in
 @register_flop_formula(torch.ops.memfit.sdpa_bwd)
 def _bwd_flops(grad_out_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kw) -> int:
     return sdpa_backward_flop_count(grad_out_shape, q_shape, k_shape, v_shape)
-
-
-# -- true values on real CPU tensors (Note 5) -----------------------------------------------------
-def _seed_of(seed: Tensor) -> int:
-    return int(seed.view(torch.int64).reshape(-1)[0])
-
-
-def _probs_fp32(q, k, bias, is_causal, scale):
-    q, k = q.float(), k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    scores = q @ k.transpose(-2, -1) * scale
-    if bias is not None:
-        scores = scores + bias.float()
-    if is_causal:
-        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)   # fully masked rows: 0
-    return probs, lse
-
-
-def _dropout_keep(shape, dropout_p, seed, device):
-    if dropout_p == 0:
-        return None
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.rand(shape, generator=gen) >= dropout_p).to(device) / (1 - dropout_p)
-
-
-def _attention_fp32(q, k, v, bias, is_causal, scale, dropout_p, seed):
-    probs, lse = _probs_fp32(q, k, bias, is_causal, scale)
-    keep = _dropout_keep(probs.shape, dropout_p, seed, probs.device)
-    dropped = probs if keep is None else probs * keep
-    vr = v.float().repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return dropped @ vr, lse, probs
-
-
-def _group_sum(t: Tensor, heads: int) -> Tensor:
-    b, h, s, d = t.shape
-    return t.view(b, heads, h // heads, s, d).sum(2)
-
-
-def _attention_backward_fp32(grad_out, q, k, v, bias, is_causal, scale, dropout_p, seed):
-    probs, _ = _probs_fp32(q, k, bias, is_causal, scale)
-    keep = _dropout_keep(probs.shape, dropout_p, seed, probs.device)
-    g = q.shape[1] // k.shape[1]
-    kr, vr = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
-    do = grad_out.float()
-    dropped = probs if keep is None else probs * keep
-    dv = dropped.transpose(-2, -1) @ do
-    dp = do @ vr.transpose(-2, -1)
-    if keep is not None:
-        dp = dp * keep
-    ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
-    dq = ds @ kr * scale
-    dk = ds.transpose(-2, -1) @ q.float() * scale
-    return dq, _group_sum(dk, k.shape[1]), _group_sum(dv, v.shape[1]), ds
 
 
 # -- the composite around the kernels (Note 3) ----------------------------------------------------
