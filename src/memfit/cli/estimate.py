@@ -12,7 +12,7 @@ from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_i
                                 add_target_args, build_model_and_batch, check_paths,
                                 optimizer_impl_knob, resolve_target)
 from memfit.cli._json import byte_counts_checked, spare_and_short
-from memfit.cli import _static_plan
+from memfit.cli import _report_args, _static_plan
 from memfit.knobs import OPTIMIZER_STATES, PRECISIONS, SHARDINGS
 
 
@@ -73,6 +73,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write live bytes over the step, by category, with the limit line")
     _static_plan.add_arguments(g)            # --static-plan, --static-plan-plot
+    _report_args.add_arguments(g)            # --report, --snapshot, --snapshot-at
     p.set_defaults(run=run)
     return p
 
@@ -93,6 +94,7 @@ def _reshard(text: str) -> bool | int:
 def _check(args) -> None:
     """Everything that needs no trace, before the trace."""
     check_paths(args, "--plot")
+    _report_args.check(args)
     if args.remat and args.budget is None and not args.reserve:
         raise ValueError("--remat simulates DTR under a budget: give --budget (e.g. 80% of the "
                          "step's peak)")
@@ -114,17 +116,19 @@ def run(args) -> int:
             spec, model, est, batch = _trainer_estimate(args, hf, target)
         else:
             spec, model, batch = build_model_and_batch(args)
-            est = memfit.estimate(
-                model, batch, optimizer=args.optimizer, device=target.device,
-                budget=target.budget_bytes, precision=args.precision,
-                micro_batch_size=args.micro_batch_size, checkpoint=args.checkpoint,
-                offload=args.offload, offload_optimizer=args.offload_optimizer or None,
-                remat=args.remat or None, zero_grad=args.zero_grad,
-                optimizer_state=args.optimizer_state, offload_params=args.offload_params,
-                gpus=args.gpus, sharding=args.sharding,
-                reshard_after_forward=args.reshard_after_forward,
-                fsdp_offload=args.fsdp_offload or None, **impl,
-                allocator=AllocatorConfig(expandable_segments=args.expandable_segments))
+            allocator = AllocatorConfig(expandable_segments=args.expandable_segments)
+            with _report_args.recording(args, model) as record:
+                est = memfit.estimate(
+                    model, batch, optimizer=args.optimizer, device=target.device,
+                    budget=target.budget_bytes, precision=args.precision,
+                    micro_batch_size=args.micro_batch_size, checkpoint=args.checkpoint,
+                    offload=args.offload, offload_optimizer=args.offload_optimizer or None,
+                    remat=args.remat or None, zero_grad=args.zero_grad,
+                    optimizer_state=args.optimizer_state, offload_params=args.offload_params,
+                    gpus=args.gpus, sharding=args.sharding,
+                    reshard_after_forward=args.reshard_after_forward,
+                    fsdp_offload=args.fsdp_offload or None, **impl,
+                    allocator=allocator)
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch)
     if args.plot:
@@ -133,6 +137,9 @@ def run(args) -> int:
         plot_timeline(args.plot, est, limit_bytes=est.limit_bytes,
                       limit_label="budget" if args.budget else f"{est.device.display_name} usable",
                       title=f"{spec.name}, {described}, {est.knobs.precision}, {args.optimizer}")
+    written = [] if hf is not None else _report_args.write_estimate(
+        args, est, record, title=f"{spec.name}, {described}, {est.knobs.precision}, "
+                                 f"{args.optimizer}", where=target.where(), allocator=allocator)
     if args.json:
         out = {"model": spec.name, "task": args.task or spec.default_task, "batch": shapes,
                "optimizer": args.optimizer, "reserve_bytes": target.reserve_bytes,
@@ -141,11 +148,14 @@ def run(args) -> int:
         if args.plot:
             out["plot"] = args.plot
         _static_plan.run(args, est, out)
+        out.update({k: getattr(args, k) for k in ("report", "snapshot") if getattr(args, k)})
         json.dump(byte_counts_checked(out), sys.stdout, indent=2)
         print()
         return 0
     _print_human(console, spec, model, est, described, args, target)
     _static_plan.run(args, est, console)
+    for line in written:
+        console.print(line, markup=False, highlight=False)
     return 0
 
 

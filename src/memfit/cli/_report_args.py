@@ -1,0 +1,160 @@
+"""``--report FILE.html`` and ``--snapshot FILE.pickle``: the flags and their writers, shared by
+``memfit estimate`` and ``memfit plan`` (``memfit.report.html``, ``memfit.report.snapshot``).
+
+Nothing here imports torch at import time (``memfit --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+__all__ = ["add_arguments", "check", "recording", "write_estimate", "write_plan"]
+
+
+def add_arguments(g) -> None:
+    """The flags, in parser or group ``g``."""
+    g.add_argument("--report", default=None, metavar="FILE.html", type=_html_path,
+                   help="write an interactive report: one self-contained HTML file (no network "
+                        "needed) with the step's memory over time by category, the budget and "
+                        "the card's limit, the per-block table and the verdict's numbers")
+    g.add_argument("--snapshot", default=None, metavar="FILE.pickle", type=_pickle_path,
+                   help="write the traced step as a PyTorch memory snapshot (the format of "
+                        "torch.cuda.memory._dump_snapshot), for torch.cuda._memory_viz or "
+                        "https://pytorch.org/memory_viz")
+    g.add_argument("--snapshot-at", default="end", choices=("end", "peak"),
+                   help="with --snapshot: take it after the step's last op (end, the default) "
+                        "or right after the op at the allocated peak (peak)")
+
+
+def _html_path(text: str) -> str:
+    return _checked(text, (".html", ".htm"))
+
+
+def _pickle_path(text: str) -> str:
+    return _checked(text, (".pickle", ".pkl"))
+
+
+def _checked(text: str, suffixes: tuple[str, ...]) -> str:
+    """The path, if it can be written (checked as the flags are read, before any trace)."""
+    import argparse
+
+    try:
+        _check_file(text, suffixes)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def check(args) -> None:
+    """Before any trace: the flags go together (the paths were checked as they were read)."""
+    if args.snapshot_at != "end" and not args.snapshot:
+        raise ValueError("--snapshot-at needs --snapshot FILE.pickle")
+    if args.snapshot and getattr(args, "expandable_segments", False):
+        raise ValueError("--snapshot with --expandable-segments is not written yet: leave one "
+                         "of them out")
+    if (args.report or args.snapshot) and (getattr(args, "gpus", None) or
+                                           getattr(args, "hf_args", None)):
+        raise ValueError("--report and --snapshot draw memfit's own single-GPU step: leave "
+                         "them out with --gpus or --hf-args")
+
+
+def _check_file(path: str, suffixes: tuple[str, ...]) -> None:
+    """Refuse a file that cannot be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: that is a folder; give a file name, e.g. "
+                         f"{os.path.join(path, 'memory' + suffixes[0])}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{path}: the folder {folder} does not exist; create it "
+                         "(mkdir -p) or write the file elsewhere")
+    if not os.access(folder, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{path}: cannot write there (permission denied); write the "
+                         "file elsewhere")
+    if not path.lower().endswith(suffixes):
+        raise ValueError(f"{path}: the file name must end in {' or '.join(suffixes)}")
+
+
+def wanted(args) -> bool:
+    return bool(args.report or args.snapshot)
+
+
+@contextlib.contextmanager
+def recording(args, model):
+    """Around ``memfit.estimate(model, ...)``: keeps the trace's record when an output needs
+    it (``memfit.report._capture``); yields the capture, or None."""
+    if not wanted(args):
+        yield None
+        return
+    from memfit.report._capture import traced
+
+    with traced(model) as cap:
+        yield cap
+
+
+def write_estimate(args, est, cap, *, title: str, where: str, allocator=None) -> list[str]:
+    """Write what was asked for one estimated step; returns lines to print."""
+    out = []
+    tracker = cap.take() if cap is not None else None
+    if args.report:
+        from memfit.report.html import step_view, write_report
+
+        view = step_view(est, tracker, label="the estimated step", allocator=allocator)
+        write_report(args.report, [view], title=title, where=where,
+                     budget_bytes=est.limit_bytes if args.budget is not None else None)
+        out.append(f"report written to {args.report}")
+    if args.snapshot:
+        from memfit.report.snapshot import write_snapshot
+
+        write_snapshot(args.snapshot, est, tracker, at=args.snapshot_at, allocator=allocator)
+        out.append(f"snapshot written to {args.snapshot} (open it with "
+                   "python -m torch.cuda._memory_viz trace_plot, or pytorch.org/memory_viz)")
+    return out
+
+
+def write_plan(args, model, batch, planned, *, optimizer: str, device, title: str,
+               where: str, allocator=None, loss_fn=None) -> list[str]:
+    """Write what was asked for a plan: the plain step beside the planned one, each re-traced
+    with the record kept (the figures must be the plan's own, else the record is not used)."""
+    if not wanted(args):
+        return []
+    check(args)
+    from memfit.report._capture import traced
+
+    steps = []
+    for est, label in ((planned.plain, "plain step"), (planned.chosen, "with the plan")):
+        tracker = _retrace(model, batch, est, optimizer, device, allocator, loss_fn, traced)
+        steps.append((est, tracker, f"{label} ({est.knobs.precision})"))
+    out = []
+    if args.report:
+        from memfit.report.html import step_view, write_report
+
+        views = [step_view(e, t, label=label, allocator=allocator) for e, t, label in steps]
+        write_report(args.report, views, title=title, where=where,
+                     budget_bytes=planned.plan.budget_bytes, plan=planned.plan)
+        out.append(f"report written to {args.report}")
+    if args.snapshot:
+        from memfit.report.snapshot import write_snapshot
+
+        est, tracker, _ = steps[1]
+        if tracker is None:
+            raise ValueError("--snapshot: the planned step could not be re-traced to the same "
+                             "figures; write the snapshot with memfit estimate and the plan's "
+                             "knobs")
+        write_snapshot(args.snapshot, est, tracker, at=args.snapshot_at, allocator=allocator)
+        out.append(f"snapshot of the planned step written to {args.snapshot}")
+    return out
+
+
+def _retrace(model, batch, est, optimizer, device, allocator, loss_fn, traced):
+    """The trace record of ``est`` by tracing its knobs again; None if the figures differ."""
+    import memfit
+
+    knobs = {k: v for k, v in est.knobs.to_dict().items() if v is not None}
+    with traced(model) as cap:
+        again = memfit.estimate(model, batch, optimizer=optimizer, device=device,
+                                loss_fn=loss_fn, budget=est.limit_bytes, allocator=allocator,
+                                **knobs)
+    same = (again.peak_bytes, again.reserved_bytes, again.timeline) == \
+        (est.peak_bytes, est.reserved_bytes, est.timeline)
+    return cap.take() if same else None

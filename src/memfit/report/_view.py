@@ -1,0 +1,85 @@
+"""One traced step as the report draws it: the verdict's curve per op, by category, with what
+each op was, and a downsampling that keeps the exact peak.
+
+Note 1 (which curve). With the trace's record (``report._capture``) the curve is the allocated
+bytes the verdict's peak is taken from (``report._replay`` Note 1): on a GPU target the
+allocator's blocks, whose maximum is ``est.peak_bytes``. Without it, on a GPU target, the curve
+is the live tensor bytes, and ``exact`` is False: the report says so beside the curve.
+
+Note 2 (downsampling). A step has up to ~10^5 ops and a plot ~10^3 columns. The ops are cut
+into ``MAX_POINTS`` runs and each run is drawn at its highest op (``plots.envelope``), with that
+op's split by category, so the drawn maximum is the true one and the peak op is a drawn point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.measure import CATEGORIES
+from memfit.report._ops import OpInfo, annotate
+from memfit.report._replay import replay
+
+__all__ = ["StepView", "step_view", "downsample", "MAX_POINTS"]
+
+MAX_POINTS = 2000
+
+
+@dataclass
+class StepView:
+    est: object                          # the Estimate
+    label: str                           # "plain step", "with the plan", ...
+    allocated: list[int]                 # per op: the verdict's allocated bytes (Note 1)
+    by_category: dict[str, list[int]]
+    exact: bool                          # allocated's maximum is est.peak_bytes (Note 1)
+    info: OpInfo
+    context_bytes: int                   # outside the allocator (GPU target), drawn below
+
+    @property
+    def peak_op(self) -> int:
+        return max(range(len(self.allocated)), key=self.allocated.__getitem__)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.allocated[self.peak_op]
+
+    def hover(self, i: int) -> str:
+        """What op ``i`` was and what was live after it, in words, with exact bytes."""
+        info = self.info
+        mb = f", micro-batch {info.micro_batch[i]}" if info.micro_batch[i] else ""
+        parts = [f"op {i}: {info.op[i]}", f"module {info.module[i] or '(root)'}",
+                 f"phase {info.phase[i]}{mb}",
+                 f"allocated {_fmt(self.allocated[i])} ({self.allocated[i]} B)"]
+        parts += [f"  {c}: {_fmt(self.by_category[c][i])}" for c in CATEGORIES
+                  if self.by_category[c][i]]
+        return "<br>".join(parts)
+
+
+def step_view(est, tracker=None, *, label: str = "", allocator=None) -> StepView:
+    """The view of ``est``; ``tracker``: its trace's record (``report._capture.traced``)."""
+    cuda = est.basis == "cuda-model"
+    if tracker is not None:
+        r = replay(est, tracker, allocator=allocator)
+        allocated, by_cat, exact = r.allocated, r.by_category, True
+    else:
+        allocated, by_cat, exact = list(est.timeline), dict(est.timeline_by_category), not cuda
+    return StepView(est, label, allocated, by_cat, exact, annotate(est),
+                    est.context_bytes if cuda else 0)
+
+
+def downsample(values: list[int], max_points: int = MAX_POINTS) -> list[int]:
+    """Op indices to draw (Note 2): each run's highest op, the last op, all if few."""
+    n = len(values)
+    if n <= max_points:
+        return list(range(n))
+    picks = []
+    for j in range(max_points):
+        lo, hi = j * n // max_points, (j + 1) * n // max_points
+        picks.append(max(range(lo, hi), key=values.__getitem__))
+    if picks[-1] != n - 1:
+        picks.append(n - 1)
+    return picks
+
+
+def _fmt(n: int) -> str:
+    from memfit.units import format_bytes
+    return format_bytes(n)
