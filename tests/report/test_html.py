@@ -2,12 +2,13 @@
 exact peak, every op says what it was, the file needs no network, and the page a browser draws
 has the timeline, the limit lines and the block table, with the estimate's own peak."""
 
+import os
 import re
 
 import pytest
 
 from memfit.measure import CATEGORIES
-from memfit.report._browser import chromium, dump_dom
+from memfit.report._browser import chromium, dump_dom, screenshot
 from memfit.report._ops import STEP
 from memfit.report._view import downsample
 from memfit.report.html import PEAK_LABEL, step_view, write_report
@@ -97,3 +98,6 @@ def test_the_rendered_page_shows_the_estimates_peak(gpu_step, cpu_step, tmp_path
     assert rows == est.blocks
     shown = re.findall(r'data-bytes="(\d+)" data-key="peak_bytes"', dom)
     assert [int(v) for v in shown] == [plain.peak_bytes, est.peak_bytes]
+    keep = os.environ.get("MEMFIT_REPORT_SCREENSHOT")    # .ci/run keeps one as an artifact
+    if keep:
+        assert os.path.getsize(screenshot(path, keep, 1400, 1500)) > 10_000

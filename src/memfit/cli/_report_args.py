@@ -47,7 +47,13 @@ def _checked(text: str, suffixes: tuple[str, ...]) -> str:
 
 
 def check(args) -> None:
-    """Before any trace: the flags go together (the paths were checked as they were read)."""
+    """Before any trace: the flags go together (the paths were checked as they were read),
+    and plotly is there for --report."""
+    import importlib.util
+
+    if args.report and importlib.util.find_spec("plotly") is None:
+        raise ValueError("--report draws with plotly, which is not installed: "
+                         "pip install 'memfit[report]' (or pip install plotly)")
     if args.snapshot_at != "end" and not args.snapshot:
         raise ValueError("--snapshot-at needs --snapshot FILE.pickle")
     if args.snapshot and getattr(args, "expandable_segments", False):
