@@ -100,116 +100,25 @@ session), counted from their first use by an op.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils.flop_counter import flop_registry
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from memfit.measure import Tracker, find_blocks
-from memfit.measure import _counting
 from memfit.measure._counting import CountingMode
 from memfit.techniques._remat_budget import count_live_storages, cuda_fraction
 from memfit.techniques._remat_evict import Eviction, RematBudgetTooSmall, RematStats, new_bytes
+from memfit.techniques._remat_hooks import BlockHooks, PressureMode
 from memfit.techniques._remat_units import Unit
-from memfit.techniques.checkpoint import CACHE_ARGS
 from memfit.units import format_bytes
 
 __all__ = ["Remat", "RematSession", "RematStats", "RematBudgetTooSmall"]
 
 log = logging.getLogger("memfit.remat")
-
-
-class _PressureMode(TorchDispatchMode):
-    """Runs each op; on an out-of-memory error, evicts and runs it again (Note 6)."""
-
-    def __init__(self, session: "RematSession"):
-        super().__init__()
-        self.session = session
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        s = self.session
-        s.clock += 1
-        if s.watched and func not in _QUERIES and not getattr(_counting._host, "depth", 0):
-            s.evict_ahead(func, args, kwargs)
-        while True:
-            try:
-                out = func(*args, **kwargs)
-                counter = flop_registry.get(func._overloadpacket)
-                if counter is not None:
-                    s.flops += int(counter(*args, **kwargs, out_val=out))
-                return out
-            except RematBudgetTooSmall:          # from a recompute inside: already final
-                raise
-            except torch.OutOfMemoryError as e:
-                if not s.make_room(e):
-                    raise s.too_small(e, func) from e
-                s.stats.retries += 1
-
-
-class _BlockHooks:
-    """Forward pre/post hooks that make each call of one block a ``Unit`` (Notes 1, 7)."""
-
-    def __init__(self, session: "RematSession", name: str, block: nn.Module):
-        self.session, self.name = session, name
-        params = inspect.signature(block.forward).parameters
-        positional = [n for n, p in params.items() if p.kind in
-                      (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        keep_cache = getattr(block, "_can_checkpoint_with_cache", False)
-        self._cache_args = () if keep_cache else tuple(   # (name, position or None), Note 4
-            (n, positional.index(n) if n in positional else None) for n in CACHE_ARGS
-            if n in params or any(p.kind is p.VAR_KEYWORD for p in params.values()))
-        self._calls: list = []     # per call in progress: (unit, hooks, FLOPs at start) or None
-        self.handles = [block.register_forward_pre_hook(self.pre, with_kwargs=True),
-                        block.register_forward_hook(self.post, always_call=True, prepend=True)]
-
-    def pre(self, block: nn.Module, args: tuple, kwargs: dict):
-        s = self.session
-        if not torch.is_grad_enabled() or not s.open or torch._C._current_graph_task_id() != -1:
-            self._calls.append(None)
-            return None
-        args, kwargs = list(args), dict(kwargs)
-        for name, pos in self._cache_args:
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
-            if pos is not None and pos < len(args):
-                args[pos] = None
-        unit = Unit(s, self.name, block.forward, args, kwargs, s.outer_hooks())
-        s.admit(unit)
-        unit.busy = True
-        hooks = torch.autograd.graph.saved_tensors_hooks(unit.pack, unit.unpack)
-        hooks.__enter__()
-        self._calls.append((unit, hooks, s.flops))
-        return tuple(args), kwargs
-
-    def post(self, block: nn.Module, args: tuple, out):
-        entry = self._calls.pop() if self._calls else None
-        if entry is None:      # not a unit (no grad, backward), or called before the hooks
-            return None
-        unit, hooks, start = entry
-        hooks.__exit__(None, None, None)
-        unit.busy = False
-        if out is None and sys.exc_info()[0] is not None:
-            return None        # the forward raised (``always_call``): the unit never finished
-        unit.finish(out, self.session.flops - start)
-        self.session.produced(unit)
-        return None
-
-    def close(self) -> None:
-        """Remove the hooks; pop the saved-tensor hooks of calls a ``BaseException`` left."""
-        for h in self.handles:
-            h.remove()
-        while self._calls:
-            entry = self._calls.pop()
-            if entry is not None:
-                entry[1].__exit__(None, None, None)
-                entry[0].busy = False
 
 
 class RematSession(Eviction):
@@ -227,7 +136,7 @@ class RematSession(Eviction):
         self.flops = 0                         # FLOPs run so far (cost is counted in FLOPs)
         self._init_eviction(config.seed)
         self._outputs: dict[int, tuple] = {}   # id(output tensor) -> (weakref, unit, index)
-        self._blocks: list[_BlockHooks] = []
+        self._blocks: list[BlockHooks] = []
         self._find_handle = None               # the global pre-hook that finds the model
         self._nested = 0                       # rematerialize calls in progress (chains)
         self._outside: set[int] = set()
@@ -256,7 +165,7 @@ class RematSession(Eviction):
             self._below = torch._C._autograd._top_saved_tensors_default_hooks(False)
             s.enter_context(torch.autograd.graph.saved_tensors_hooks(
                 self._pack_outside, self._unpack_outside))
-            s.enter_context(_PressureMode(self))
+            s.enter_context(PressureMode(self))
             s.callback(self._close)
             if self.model is not None:
                 self._hook_blocks(self.model)
@@ -331,7 +240,7 @@ class RematSession(Eviction):
                         "Note 1); pass Remat.Config(blocks=(...)) to name them",
                         type(model).__name__)
         for name in names:
-            self._blocks.append(_BlockHooks(self, name, model.get_submodule(name)))
+            self._blocks.append(BlockHooks(self, name, model.get_submodule(name)))
 
     def outer_hooks(self):
         """The saved-tensor hooks a block's pack and unpack delegate to: those in force, or,
@@ -402,13 +311,6 @@ class RematSession(Eviction):
         if was_evicted:
             self._recomputed(unit)
         return outs
-
-# ops that allocate nothing (asked often, e.g. by fake tensors): not worth a meta probe
-_QUERIES = {torch.ops.prim.device.default, torch.ops.aten.sym_size.int,
-            torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
-            torch.ops.aten.sym_storage_offset.default, torch.ops.aten.is_contiguous.default,
-            torch.ops.aten.is_contiguous.memory_format}
-
 
 class Remat:
     """Dynamic tensor rematerialization: ``with Remat(Remat.Config(...)).session(model):``."""
