@@ -14,8 +14,8 @@ imposed here (the gradients are the only such storages of the canonical step).
 
 Note 3 (figures). ``lower_bound_bytes`` is the peak of live bytes at op points; no layout
 beats it. ``arena_bytes`` is the best of the greedy planners (``_greedy`` Notes 3, 4) and, for
-a step of at most ``exact_max_storages`` storages to plan, HiGHS's exact layout
-(``_exact``). ``reserved_bytes`` is what the caching allocator would reserve at its peak for
+a step of at most ``exact_max_storages`` storages to plan where the greedy layouts miss the
+lower bound, HiGHS's exact layout (``_exact``). ``reserved_bytes`` is what the caching allocator would reserve at its peak for
 the same storages (the estimate's own figure on a GPU, the model's replay for a CPU one,
 ``_pools``). The arena is what a static plan would need; ``reserved - arena`` is the
 fragmentation it removes.
@@ -105,7 +105,7 @@ def step_lifetimes(estimate) -> tuple[StorageLog, Lifetimes]:
 
 
 def plan_lifetimes(sizes: np.ndarray, first: np.ndarray, last: np.ndarray, num_ops: int, *,
-                   exact_max_storages: int = 40, time_limit_s: float = 20.0):
+                   exact_max_storages: int = 40, time_limit_s: float = 10.0):
     """Offsets for storages ``sizes`` live at ``first..last``: (offsets, method, by-size arena,
     by-lifetime arena, exact result or None, lower bound). Storages alive throughout are
     stacked at the bottom (``_greedy`` Note 2)."""
@@ -122,7 +122,7 @@ def plan_lifetimes(sizes: np.ndarray, first: np.ndarray, last: np.ndarray, num_o
     arenas = {k: arena_of(s, v) for k, v in candidates.items()}
     method = min(arenas, key=lambda k: (arenas[k], k != "greedy-by-size"))
     exact = None
-    if 0 < len(rest) <= exact_max_storages:
+    if 0 < len(rest) <= exact_max_storages and arenas[method] + base > lower:
         rest_lower = max(0, lower - base)
         exact = exact_offsets(s, f, l, arenas[method], rest_lower, time_limit_s)
         exact = ExactResult(exact.offsets + base, exact.arena_bytes + base, exact.optimal,
@@ -143,13 +143,13 @@ def _live(sizes, first, last, num_ops) -> np.ndarray:
 
 
 def static_plan(estimate, *, align_bytes: int | None = None, exact_max_storages: int = 40,
-                time_limit_s: float = 20.0, pools: bool = False) -> StaticPlan:
+                time_limit_s: float = 10.0, pools: bool = False) -> StaticPlan:
     """Plan the storages of ``estimate``'s step (a ``memfit.estimate`` result) in one arena.
 
     ``align_bytes``: storages' sizes are rounded up to it (default: 512 for a GPU estimate,
     the caching allocator's block; 1 on the CPU, Note 1). ``exact_max_storages``: steps with
     at most this many storages to plan (those not alive throughout) are also solved exactly
-    with HiGHS, within ``time_limit_s``. ``pools=True`` also predicts the allocator settings
+    with HiGHS, within ``time_limit_s``, unless a greedy layout already reaches the lower bound. ``pools=True`` also predicts the allocator settings
     (``allocator_options``) into ``.pools``.
     """
     log, life = step_lifetimes(estimate)
@@ -177,7 +177,10 @@ def static_plan(estimate, *, align_bytes: int | None = None, exact_max_storages:
     if not cuda:
         notes.append("reserved_bytes on a CPU estimate: the caching-allocator model replaying "
                      "this step's storages as a GPU would (modelled, not the CPU's own figure)")
-    plan = StaticPlan(arena_of(sizes, offsets), lower, reserved, assignments, by_size, by_life,
+    arena = arena_of(sizes, offsets)
+    if arena == lower:
+        notes.append("the arena equals the lower bound: the layout is optimal")
+    plan = StaticPlan(arena, lower, reserved, assignments, by_size, by_life,
                       exact, method, align, n_ops, notes=notes)
     if pools:
         plan.pools = allocator_options(estimate)
