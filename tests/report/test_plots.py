@@ -92,3 +92,22 @@ def test_before_after_share_one_scale_and_one_outside_legend(tiny, tmp_path):
     path = tmp_path / "p.png"
     fig.savefig(path)
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_curve_with_the_record_is_the_allocators(tiny):
+    from memfit.report._capture import traced
+
+    model, batch = tiny
+    with traced(model) as cap:
+        est = memfit.estimate(model, batch, device="t4")
+    fig = timeline_figure(est, limit_bytes=est.limit_bytes, record=cap.take())
+    ax = fig.axes[0]
+    curve = _line(ax, "allocated (caching-allocator model)")
+    # the oracle: trace.cuda's allocator replay, the verdict's allocated peak (plus the context
+    # band the stack stands on); the live bytes alone are below it
+    assert max(curve.get_ydata()) * _unit(ax) == pytest.approx(
+        est.peak_bytes + est.context_bytes, rel=1e-12)
+    assert max(est.timeline) < est.peak_bytes
+    texts = [t.get_text() for t in ax.texts]
+    assert any(t.startswith(f"peak {memfit.units.format_bytes(est.peak_bytes + est.context_bytes)}")
+               for t in texts)

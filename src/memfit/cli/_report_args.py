@@ -82,14 +82,15 @@ def _check_file(path: str, suffixes: tuple[str, ...]) -> None:
 
 
 def wanted(args) -> bool:
-    return bool(args.report or args.snapshot)
+    """An output needs the trace's record (the PNG plot too: its allocated curve)."""
+    return bool(args.report or args.snapshot or getattr(args, "plot", None))
 
 
 @contextlib.contextmanager
 def recording(args, model):
     """Around ``memfit.estimate(model, ...)``: keeps the trace's record when an output needs
     it (``memfit.report._capture``); yields the capture, or None."""
-    if not wanted(args):
+    if not wanted(args) or getattr(args, "gpus", None):     # one rank's trace: not drawn
         yield None
         return
     from memfit.report._capture import traced
@@ -98,10 +99,11 @@ def recording(args, model):
         yield cap
 
 
-def write_estimate(args, est, cap, *, title: str, where: str, allocator=None) -> list[str]:
-    """Write what was asked for one estimated step; returns lines to print."""
+def write_estimate(args, est, tracker, *, title: str, where: str,
+                   allocator=None) -> list[str]:
+    """Write what was asked for one estimated step (``tracker``: its trace's record, from
+    ``recording``); returns lines to print."""
     out = []
-    tracker = cap.take() if cap is not None else None
     if args.report:
         from memfit.report.html import step_view, write_report
 
@@ -122,7 +124,7 @@ def write_plan(args, model, batch, planned, *, optimizer: str, device, title: st
                where: str, allocator=None, loss_fn=None) -> list[str]:
     """Write what was asked for a plan: the plain step beside the planned one, each re-traced
     with the record kept (the figures must be the plan's own, else the record is not used)."""
-    if not wanted(args):
+    if not (args.report or args.snapshot):
         return []
     check(args)
     from memfit.report._capture import traced

@@ -131,14 +131,16 @@ def run(args) -> int:
                     allocator=allocator)
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch)
+    tracker = record.tracker if hf is None and record is not None else None
     if args.plot:
         from memfit.report import plot_timeline
 
         plot_timeline(args.plot, est, limit_bytes=est.limit_bytes,
                       limit_label="budget" if args.budget else f"{est.device.display_name} usable",
-                      title=f"{spec.name}, {described}, {est.knobs.precision}, {args.optimizer}")
+                      title=f"{spec.name}, {described}, {est.knobs.precision}, {args.optimizer}",
+                      record=tracker)
     written = [] if hf is not None else _report_args.write_estimate(
-        args, est, record, title=f"{spec.name}, {described}, {est.knobs.precision}, "
+        args, est, tracker, title=f"{spec.name}, {described}, {est.knobs.precision}, "
                                  f"{args.optimizer}", where=target.where(), allocator=allocator)
     if args.json:
         out = {"model": spec.name, "task": args.task or spec.default_task, "batch": shapes,

@@ -12,6 +12,12 @@ columns; a downsampled line drops a peak that lasts one op. The ops are cut into
 ``_BUCKETS`` runs and each run is drawn, as a step, at its highest op (with that op's split by
 category), so the drawn maximum is the true maximum, and the peak op is marked.
 
+Note 4 (allocated, not only live). On a GPU target the verdict's allocated peak is the caching
+allocator's (512-byte rounding, unsplit blocks, cuBLAS workspaces), above the live tensor bytes.
+Given the trace's record (``report._capture``), the stack is the allocator replay op by op
+(``report._replay`` Note 1), whose maximum is ``est.peak_bytes``; without it, the live bytes,
+labelled so.
+
 Note 3 (markers and legend). Phases (forward / backward / optimizer) and the start of each
 micro-batch are vertical lines with labels; the legend sits outside the axes, right of them,
 so it covers no data.
@@ -69,11 +75,22 @@ def _pyplot():
     return plt
 
 
-def _draw(ax, est, limit_bytes, limit_label, title, unit) -> float:
-    """One step on ``ax`` (Notes 1-3); ``unit``: (name, bytes) of the y axis. Returns the top
+def _curve(est, record) -> tuple[list[int], dict[str, list[int]], bool]:
+    """The allocated bytes per op and by category, and whether they are the verdict's own
+    (Note 4): with the trace's record, the allocator replay op by op (``report._view``)."""
+    if record is not None:
+        from memfit.report._view import step_view
+
+        view = step_view(est, record)
+        return view.allocated, view.by_category, True
+    return est.timeline, est.timeline_by_category, est.basis != "cuda-model"
+
+
+def _draw(ax, est, limit_bytes, limit_label, title, unit, record=None) -> float:
+    """One step on ``ax`` (Notes 1-4); ``unit``: (name, bytes) of the y axis. Returns the top
     of the y range it needs (everything drawn, with room for the labels)."""
     name, size = unit
-    timeline = est.timeline
+    timeline, by_category, exact = _curve(est, record)
     context = est.context_bytes if est.basis == "cuda-model" else 0
     picks = envelope(timeline)
     n = len(timeline)
@@ -83,13 +100,14 @@ def _draw(ax, est, limit_bytes, limit_label, title, unit) -> float:
         ax.fill_between(xs, 0, base, step="post", color=_CONTEXT_COLOR, linewidth=0,
                         label=f"CUDA context ({format_bytes(context)})")
     for c in CATEGORIES:
-        values = est.timeline_by_category[c]
+        values = by_category[c]
         layer = [b + values[i] / size for b, i in zip(base, picks)] + [0]
         layer[-1] = layer[-2] if len(layer) > 1 else 0
         ax.fill_between(xs, base, layer, step="post", color=_COLORS[c], linewidth=0, label=c)
         base = layer
     top = [(timeline[i] + context) / size for i in picks]
-    curve = "live tensors + CUDA context" if context else "live tensors"
+    curve = ("allocated (caching-allocator model)" if exact else "live tensors") + \
+        (" + CUDA context" if context else "")
     ax.plot(xs, top + top[-1:], drawstyle="steps-post", color="black", linewidth=0.7,
             label=f"{DEVICE_CURVE_LABEL} ({curve})" if not context else curve)
     peak_op = max(range(n), key=timeline.__getitem__)
@@ -123,13 +141,14 @@ def _draw(ax, est, limit_bytes, limit_label, title, unit) -> float:
 
 
 def timeline_figure(est, *, limit_bytes: int | None = None, limit_label: str = "budget",
-                    title: str = ""):
+                    title: str = "", record=None):
     """The figure of one step (an ``Estimate``): stacked bytes by category, the device-bytes
-    curve (or level, on a GPU target), the limit, phases and micro-batches (module Notes)."""
+    curve (or level, on a GPU target), the limit, phases and micro-batches (module Notes);
+    ``record``: the trace's record (``report._capture``), for the allocator's curve (Note 4)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(12, 4.8), dpi=110, layout="constrained")
     unit = _unit(max(est.device_bytes, limit_bytes or 0))
-    _draw(ax, est, limit_bytes, limit_label, title, unit)
+    _draw(ax, est, limit_bytes, limit_label, title, unit, record)
     fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     return fig
 
