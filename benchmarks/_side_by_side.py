@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from rich.table import Table
 
+import _record
 import memfit
-from _timing import CONTROL
+from _timing import CONTROL, interleave
 
-__all__ = ["print_predicted_vs_measured"]
+__all__ = ["print_predicted_vs_measured", "time_print_and_record"]
 
 _COLUMNS = ("setting", "plan", "predicted", "measured", "pred - meas", "predicted time",
             "time ratio", "CPU-time ratio")
@@ -33,3 +34,16 @@ def print_predicted_vs_measured(console, title: str, rows: list[dict], timings,
     console.print(table)
     console.print(f"control ({control_words}): {timings.ratio(CONTROL)} wall, "
                   f"{timings.ratio(CONTROL, clock='cpu')} CPU time")
+
+
+def time_print_and_record(console, name: str, steps_of: dict, args, title: str,
+                          rows: list[dict], control_words: str, config: dict) -> None:
+    """Time ``steps_of`` interleaved (``args.rounds`` rounds against the "unplanned" one, one
+    warm-up), print the table, and record it under ``name`` with ``config`` and the timings."""
+    with console.status("timing interleaved") as status:
+        timings = interleave(steps_of, args.rounds, "unplanned", warmup=1,
+                             on_round=lambda r, n: status.update(f"timing, round {r + 1}/{n}"))
+    print_predicted_vs_measured(console, title, rows, timings, control_words)
+    config = {**config, "rounds": args.rounds, "steps": args.steps, "fraction": args.fraction,
+              "timing": timings.summary(), "machine_note": _record.SHARED_MACHINE_NOTE}
+    console.print(f"recorded in {_record.write(name, config, rows)}")

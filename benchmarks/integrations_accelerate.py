@@ -33,9 +33,8 @@ from memfit import zoo  # noqa: E402
 from memfit.integrations import accelerate as mf_acc  # noqa: E402
 from memfit.step import prepare_batch  # noqa: E402
 
-import _record  # noqa: E402
-from _side_by_side import print_predicted_vs_measured  # noqa: E402
-from _timing import CONTROL, interleave  # noqa: E402
+from _side_by_side import time_print_and_record  # noqa: E402
+from _timing import CONTROL  # noqa: E402
 
 MODEL = ("gpt2", dict(n_layer=6, n_embd=256, n_head=4, vocab_size=8192, bos_token_id=0,
                       eos_token_id=0), 8, 128)
@@ -119,23 +118,16 @@ def main() -> None:
     loops = {label: s[0] for label, s in settings.items()} | {CONTROL: control}
     steps_of = {label: (lambda p=p: loop(accelerator, *p, args.steps))
                 for label, p in loops.items()}
-    with console.status("timing interleaved") as status:
-        timings = interleave(steps_of, args.rounds, "unplanned", warmup=1,
-                             on_round=lambda r, n: status.update(f"timing, round {r + 1}/{n}"))
-    print_predicted_vs_measured(
-        console, f"Accelerate loop: {name} (6 layers, width 256), batch {bs} x {seq}, "
+    time_print_and_record(
+        console, "integrations-accelerate", steps_of, args,
+        f"Accelerate loop: {name} (6 layers, width 256), batch {bs} x {seq}, "
         f"accumulation {ACCUMULATION}, AdamW fp32, budget "
         f"{memfit.format_bytes(budget)} ({args.fraction:.0%} of the unplanned "
         f"step); time: {args.steps} steps per round, median [quartiles] of "
         f"{args.rounds}",
-        rows, timings, "unplanned vs a second unplanned loop")
-    path = _record.write("integrations-accelerate",
-                         {"integration": "accelerate", "model": [name, overrides, bs, seq],
-                          "accumulation": ACCUMULATION, "rounds": args.rounds,
-                          "steps": args.steps, "fraction": args.fraction,
-                          "accelerate": accelerate.__version__, "timing": timings.summary(),
-                          "machine_note": _record.SHARED_MACHINE_NOTE}, rows)
-    console.print(f"recorded in {path}")
+        rows, "unplanned vs a second unplanned loop",
+        {"integration": "accelerate", "model": [name, overrides, bs, seq],
+         "accumulation": ACCUMULATION, "accelerate": accelerate.__version__})
 
 
 if __name__ == "__main__":

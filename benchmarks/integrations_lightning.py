@@ -36,9 +36,8 @@ import memfit  # noqa: E402
 from memfit import zoo  # noqa: E402
 from memfit.integrations import lightning as mf_pl  # noqa: E402
 
-import _record  # noqa: E402
-from _side_by_side import print_predicted_vs_measured  # noqa: E402
-from _timing import CONTROL, interleave  # noqa: E402
+from _side_by_side import time_print_and_record  # noqa: E402
+from _timing import CONTROL  # noqa: E402
 
 OVERRIDES = dict(n_layer=6, n_embd=256, n_head=4, vocab_size=512, bos_token_id=0, eos_token_id=0)
 BATCH, SEQ, ACCUMULATION = 8, 256, 2
@@ -123,23 +122,16 @@ def main() -> None:
     runs = {"unplanned": (plain, loader), "MemfitPlan": (planned_module, planned_loader),
             CONTROL: (control, control_loader)}
     steps_of = {label: (lambda m=m, d=d: fit(m, d, args.steps)) for label, (m, d) in runs.items()}
-    with console.status("timing interleaved") as status:
-        timings = interleave(steps_of, args.rounds, "unplanned", warmup=1,
-                             on_round=lambda r, n: status.update(f"timing, round {r + 1}/{n}"))
-    print_predicted_vs_measured(
-        console, f"Lightning Trainer.fit: gpt2 (6 layers, width 256, vocabulary 512), "
+    time_print_and_record(
+        console, "integrations-lightning", steps_of, args,
+        f"Lightning Trainer.fit: gpt2 (6 layers, width 256, vocabulary 512), "
         f"batch {BATCH} x {SEQ}, accumulate_grad_batches {ACCUMULATION}, AdamW "
         f"fp32, budget {memfit.format_bytes(budget)} ({args.fraction:.0%} of the "
         f"unplanned step); time: {args.steps} steps per fit, median [quartiles] "
         f"of {args.rounds}",
-        rows, timings, "unplanned vs a second unplanned module")
-    path = _record.write("integrations-lightning",
-                         {"integration": "lightning", "model": ["gpt2", OVERRIDES, BATCH, SEQ],
-                          "accumulation": ACCUMULATION, "rounds": args.rounds,
-                          "steps": args.steps, "fraction": args.fraction,
-                          "lightning": L.__version__, "timing": timings.summary(),
-                          "machine_note": _record.SHARED_MACHINE_NOTE}, rows)
-    console.print(f"recorded in {path}")
+        rows, "unplanned vs a second unplanned module",
+        {"integration": "lightning", "model": ["gpt2", OVERRIDES, BATCH, SEQ],
+         "accumulation": ACCUMULATION, "lightning": L.__version__})
 
 
 if __name__ == "__main__":
