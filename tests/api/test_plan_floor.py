@@ -3,7 +3,8 @@
 The floor is the least device memory of any configuration in the search space, re-traced
 (plan Note 5). The oracle, traced here one by one: every assignment of keep / recompute /
 offload to the two blocks of a tiny GPT-2 at micro-batch 1 and 2 with the optimizer state on
-the host, and the uniform modes (selective too) with it on the device. (The least is a mixed
+the host, the uniform modes (selective too) with it on the device, and keep / recompute with
+the block weights on the host too (issue 15). (The least is a mixed
 one: the last block's backward follows its forward at once, so recomputing it saves nothing
 at the peak.) The floor must be their minimum, and the same number in
 ``Plan.floor_bytes``, ``explain()`` and ``BudgetTooSmall.floor_bytes``; a budget of exactly
@@ -33,6 +34,9 @@ def _brute_force(model, batch, b):
     blocks = memfit.estimate(model, batch).blocks
     configs = [dict(offload_optimizer=True, **c) for c in _mixed(blocks)]
     configs += [dict(offload_optimizer=False, **c) for c in UNIFORM]
+    # the block weights on the host (issue 15): with the optimizer there, no activation offload
+    configs += [dict(offload_optimizer=True, offload_params="all", checkpoint=c["checkpoint"])
+                for c in _mixed(blocks) if c["offload"] == "none"]
     return min(memfit.estimate(model, batch, micro_batch_size=m, **c).device_bytes
                for m in range(1, b + 1) for c in configs)
 
@@ -75,11 +79,11 @@ def test_a_frozen_model_plans_smaller():
     on the host there) falls by at least the frozen part's gradients (its bytes, fp32)."""
     model, batch = tiny("gpt2", batch_size=2, seq_len=32)
     with pytest.raises(memfit.BudgetTooSmall) as info:
-        memfit.plan(model, batch, budget=2 ** 20)
+        memfit.plan(model, batch, budget=2 ** 20, offload_params="none")
     full_floor = info.value.floor_bytes
     frozen = [p for n, p in model.named_parameters() if ".h." in n]
     for p in frozen:
         p.requires_grad_(False)
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
-    p = memfit.plan(model, batch, budget=full_floor - 1, floor=True)
+    p = memfit.plan(model, batch, budget=full_floor - 1, floor=True, offload_params="none")
     assert p.floor_bytes <= full_floor - frozen_bytes

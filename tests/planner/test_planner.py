@@ -136,8 +136,8 @@ def test_bad_budget_is_refused_before_tracing():
         memfit.plan(model, batch, budget="eleven gigs")
     with pytest.raises(TypeError, match="valid knobs"):
         memfit.plan(model, batch, budget="1GiB", precission="fp16")
-    with pytest.raises(ValueError, match="remat=True"):
-        memfit.plan(model, batch, budget="1GiB", remat=True)
+    with pytest.raises(ValueError, match="remat=True with micro_batch_size fixed"):
+        memfit.plan(model, batch, budget="1GiB", remat=True, micro_batch_size=2)
     # the warning comes before tracing: a batch the model cannot take then stops the plan
     with pytest.warns(UserWarning, match="usable"), pytest.raises(ValueError, match="loss"):
         memfit.plan(model, {"input_ids": batch["input_ids"]}, budget="40GiB",

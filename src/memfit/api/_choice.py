@@ -23,7 +23,9 @@ def knob_values(choice: Choice, blocks: list[str], k: Knobs | None = None) -> di
     offload = {n: m for n, m in zip(blocks, choice.modes) if m == "offload"}
     out = dict(micro_batch_size=choice.micro_batch_size, checkpoint=policy(recompute),
                offload=policy(offload), offload_optimizer=choice.offload_optimizer,
-               optimizer_impl=choice.optimizer_impl)
+               optimizer_impl=choice.optimizer_impl,
+               optimizer_state=choice.optimizer_state or (k.optimizer_state if k else None),
+               offload_params=choice.offload_params or (k.offload_params if k else None))
     if k is not None and k.checkpoint is not None:
         out["checkpoint"] = k.checkpoint
     if k is not None and k.offload is not None:
@@ -36,6 +38,10 @@ def describe(choice: Choice, b: int) -> str:
     counts = {m: choice.modes.count(m) for m in set(choice.modes) if m != "keep"}
     parts = [choice.precision, f"micro-batch {choice.micro_batch_size} of {b}"]
     parts += [f"{n} block(s) {m}" for m, n in sorted(counts.items())]
+    if choice.optimizer_state is not None:
+        parts.append(f"{choice.optimizer_state} optimizer state")
+    if choice.offload_params is not None:
+        parts.append(f"block weights on the host ({choice.offload_params})")
     if choice.offload_optimizer:
         parts.append("optimizer state on the host")
     elif choice.optimizer_impl is not None:

@@ -19,6 +19,13 @@ trace of 2m samples, not two.
 Note 3 (CUDA). The least is found on traces without the allocator replay, then confirmed with
 it (on 2m samples plus the linear term: an upper bound). A floor that becomes the plan is traced
 whole first (``plan``).
+
+Note 4 (the longest sequence). When even the floor misses the budget, ``BudgetTooSmall`` says
+how long an input the floor's configuration could hold: the batch's tensors that share its
+sequence length (dimension 1 of every tensor of two or more dimensions: ids, masks, labels)
+are cut to a shorter length, and a bisection over the length traces the configuration at each
+(with the allocator replayed on a GPU: those are the bytes the budget caps). A batch without
+such a dimension (images) has no sequence lever.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from memfit.api.estimate import estimate
 from memfit.planner.search import floor_candidates
 from memfit.techniques.accumulation import Accumulation
 
-__all__ = ["FLOOR_PRUNE", "least_memory", "first_samples"]
+__all__ = ["FLOOR_PRUNE", "least_memory", "first_samples", "longest_sequence"]
 
 FLOOR_PRUNE = 1.5       # floor candidates the models put this far above the least go untraced
 
@@ -89,3 +96,27 @@ def first_samples(batch, n: int):
     """The first ``n`` samples, in storages of their own (a view would count the whole)."""
     part = Accumulation(Accumulation.Config(n)).split(batch)[0]
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, part)
+
+
+def longest_sequence(batch, fits) -> tuple[int | None, int] | None:
+    """``(longest length whose batch fits, the batch's length)`` (Note 4); ``fits(batch)`` ->
+    bool traces one. None when the batch has no sequence dimension; longest is None when even
+    length 1 does not fit."""
+    if not isinstance(batch, dict):
+        return None
+    lengths = {v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim >= 2}
+    if len(lengths) != 1:
+        return None
+    given = lengths.pop()
+    if given < 2:
+        return None
+
+    def cut(n: int):
+        return {k: v[:, :n].clone() if isinstance(v, torch.Tensor) and v.ndim >= 2 else v
+                for k, v in batch.items()}
+
+    good, bad = 0, given
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(cut(mid)) else (good, mid)
+    return (good or None), given

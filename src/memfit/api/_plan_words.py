@@ -10,6 +10,15 @@ Note 2 (host memory). A plan that offloads activations or the optimizer state ne
 for them: the re-trace's host peak (memfit's host pool and the host optimizer's state). A plan
 that offloads nothing needs none, whatever the trace counted on the host (a CUDA Adam keeps its
 0-d ``step`` counters there: a few bytes per parameter, no offload).
+
+Note 3 (what is beyond memfit). The floor counts every lever memfit has that the caller's
+settings leave free: precision (under "auto"), micro-batches, per-block recompute / selective /
+offload, the optimizer state on the host, low-bit optimizer states (when numerics may change)
+and the block weights on the host. ``BudgetTooSmall`` then names only what is truly beyond
+them: freezing or LoRA (a different training job), a smaller model, shorter sequences (with
+the longest that fits, traced), and sharding over several GPUs (the plan is for one); and,
+apart, memfit's own levers the caller's settings kept out, so that the floor is not mistaken
+for memfit's least.
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ from __future__ import annotations
 from memfit.errors import BudgetTooSmall
 from memfit.optimizers import IMPL_FLAGS
 from memfit.planner._explain import ratio_words
+from memfit.techniques.low_bit_optimizer import NUMERICS_NOTE
 from memfit.units import GiB, format_bytes
 
-__all__ = ["global_reasons", "host_bytes", "too_small"]
+__all__ = ["global_reasons", "host_bytes", "too_small", "excluded_levers", "counted_levers",
+           "lever_reasons"]
 
 
 def host_bytes(choice, est) -> int:
@@ -35,10 +46,15 @@ def global_reasons(k, choice, memory, b: int, ctx, ratio: float) -> list[str]:
     changed = choice.precision != ctx.user
     if changed:
         fits = "fits" if ctx.plain_bytes <= ctx.budget_bytes else "does not fit"
-        out.append(f"precision {choice.precision}, not your {ctx.user}: auto takes the GPU's "
-                   f"16-bit autocast (as fast or faster matmuls, half the activation bytes); "
+        out.append(f"precision {choice.precision}, not your {ctx.user}: "
+                   f"{_PRECISION_WORDS[choice.precision].format(gpu=ctx.spec.display_name)}; "
                    f"your plain {ctx.user} step needs {format_bytes(ctx.plain_bytes)} and "
                    f"{fits}. Predicted {ratio_words(ratio)}")
+    elif k.precision == "auto" and ctx.spec.kind == "cuda":
+        out.append(f"precision {choice.precision}: auto keeps your numerics: fp32 is "
+                   "predicted the fastest that fits of the precisions weighed (on a card whose "
+                   "16-bit matmuls are no faster, 16-bit buys only memory, and its casts cost "
+                   "time)")
     elif k.precision == "auto":
         out.append(f"precision {choice.precision}: auto keeps fp32 on a CPU")
     if choice.micro_batch_size < b:
@@ -54,6 +70,44 @@ def global_reasons(k, choice, memory, b: int, ctx, ratio: float) -> list[str]:
                    "least predicted time (exact MILP over every block) while every peak point "
                    "stays under the cap; the table shows what each saves and pays")
     out += _optimizer_reasons(k, choice, memory, ctx)
+    out += lever_reasons(k, choice, memory, ctx)
+    return out
+
+
+_PRECISION_WORDS = {   # why auto chose it, and which numerics change (planner.variants Note 3)
+    "bf16": "auto takes bf16 autocast, which the {gpu} supports: matmuls and activations in "
+            "bf16 (fp32's range: no loss scaling), weights, gradients and optimizer state stay "
+            "fp32; the numerics change by bf16's rounding of the autocast ops",
+    "fp16": "auto takes fp16 autocast with loss scaling (the {gpu} has no bf16): matmuls and "
+            "activations in fp16, weights, gradients and optimizer state stay fp32; the "
+            "numerics change by fp16's rounding and range (a GradScaler skips steps that "
+            "overflow)",
+    "bf16-pure": "auto takes pure bf16 (the {gpu} supports bf16): weights, activations and "
+                 "gradients in bf16, fp32 master weights updated by the optimizer; no casts and "
+                 "the fewest activation bytes, the largest change to the numerics of the "
+                 "precisions weighed (every op rounds to bf16)",
+    "fp32": "auto keeps fp32",
+}
+
+
+def lever_reasons(k, choice, memory, ctx) -> list[str]:
+    """Why a low-bit optimizer state or parameter offload (planner.variants), in words."""
+    out = []
+    state = choice.optimizer_state
+    if state is not None and state != k.optimizer_state:
+        why = "precision='auto' allows it" if k.precision == "auto" else \
+            "allow_numerics_change=True allows it"
+        saved = getattr(ctx, "fp32_state_bytes", 0) - memory.optimizer_state_bytes
+        out.append(f"optimizer state {state} (torchao): this {NUMERICS_NOTE.format(what=state)}; "
+                   f"{why}. It saves {format_bytes(max(saved, 0))} of device memory against "
+                   "fp32 state, for a step predicted faster than any plan without it; fit "
+                   "rebuilds the optimizer as torchao's low-bit Adam/AdamW")
+    if choice.offload_params is not None and choice.offload_params != k.offload_params:
+        out.append(f"block weights on the host (offload_params={choice.offload_params!r}): no "
+                   "plan that keeps the weights on the device fits; each block's weights are "
+                   "fetched before its forward and again before its backward (every "
+                   "micro-batch, over the host link), and the optimizer state is on the host "
+                   "(the weights' host copies are its own). The numerics do not change")
     return out
 
 
@@ -85,8 +139,12 @@ def _optimizer_reasons(k, choice, memory, ctx) -> list[str]:
     return out
 
 
-def too_small(floor_bytes: int, memory, described: str, budget_bytes: int) -> BudgetTooSmall:
-    """The floor (re-traced, plan Note 5) and the levers beyond memfit's knobs."""
+def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
+              excluded: list[str] = (), seq: tuple[int | None, int] | None = None,
+              gpus: int = 1, counted: list[str] = ()) -> BudgetTooSmall:
+    """The floor (re-traced over every lever memfit has, plan Note 5) and what is beyond it
+    (Note 3): ``excluded``, memfit's levers the caller's settings left out; ``seq``, (the
+    longest sequence the floor's configuration fits, or None if none does; the batch's)."""
     params, grads = memory.params_bytes, memory.grads_bytes
     state = memory.optimizer_state_bytes
     levers = []
@@ -102,16 +160,60 @@ def too_small(floor_bytes: int, memory, described: str, budget_bytes: int) -> Bu
             f"({format_bytes(grads)} + {format_bytes(state)})")
     if params > budget_bytes:
         levers.append(f"the weights alone ({format_bytes(params)}) exceed the budget: a smaller "
-                      "model, 16-bit weights (precision='bf16-pure' halves them) or sharding")
-    levers += ["an 8-bit optimizer (e.g. bitsandbytes AdamW8bit) to shrink optimizer state ~4x",
-               "shorter sequences (memfit.largest_fitting(..., lever='seq_len') finds the "
-               "longest that fits)"]
-    share = budget_bytes - (floor_bytes - train)
-    ranks = -(-int(train) // int(share)) if share > 0 else None
-    if ranks and ranks > 1:
-        levers.append(f"sharding (FSDP) over about {ranks} GPUs")
+                      "model")
+    if seq is not None:
+        longest, given = seq
+        levers.append(f"shorter sequences: the longest this budget holds under the least-memory "
+                      f"configuration is {longest} tokens (the batch has {given})"
+                      if longest else
+                      f"shorter sequences would not do: even the shortest input (of the batch's "
+                      f"{given} tokens) does not fit the least-memory configuration")
+    if gpus == 1:
+        share = budget_bytes - (floor_bytes - train)
+        ranks = -(-int(train) // int(share)) if share > 0 else None
+        levers.append("sharding (FSDP) over several GPUs: this plan is for one"
+                      + (f"; the gradients and optimizer state split over about {ranks} would "
+                         "fit" if ranks and ranks > 1 else ""))
+    out = f"Beyond memfit's levers: {'; '.join(levers)}"
+    if counted:
+        out = f"The floor counts {', '.join(counted)}. " + out
+    if excluded:
+        out += (". memfit's levers your settings left out (the floor does not count them): "
+                + "; ".join(excluded))
     return BudgetTooSmall(
         f"nothing memfit can do fits {format_bytes(budget_bytes)}: the least device memory "
         f"any plan needs is {format_bytes(floor_bytes)} ({floor_bytes / GiB:.4g} GiB, "
-        f"{floor_bytes} B: {described}). Levers beyond this step's knobs: {'; '.join(levers)}",
+        f"{floor_bytes} B: {described}). {out}",
         floor_bytes=floor_bytes, budget_bytes=budget_bytes)
+
+
+def counted_levers(k, numerics: bool, user_step: bool, precisions) -> list[str]:
+    """The levers the floor weighed (Note 3), in words."""
+    out = [f"precision {'/'.join(precisions)}"]
+    if not user_step and k.micro_batch_size is None:
+        out.append("micro-batches")
+    out.append("per-block recompute and activation offload")
+    if k.offload_optimizer is not False:
+        out.append("the optimizer state on the host")
+    if numerics and k.optimizer_state is None and not user_step:
+        out.append("a bf16, 4-bit or 8-bit optimizer state (torchao)")
+    if k.offload_params is None and k.offload_optimizer is not False and not user_step:
+        out.append("the block weights on the host")
+    return out
+
+
+def excluded_levers(k, numerics: bool, user_step: bool) -> list[str]:
+    """memfit's levers the caller's settings keep out of the search (Note 3)."""
+    out = []
+    if not numerics and k.optimizer_state is None and not user_step:
+        out.append("a 4-bit or 8-bit optimizer state (8-bit: about a quarter of fp32 Adam's; "
+                   "allow_numerics_change=True or precision='auto' lets the planner weigh it)")
+    if k.precision not in (None, "auto") or (k.precision is None and not user_step):
+        out.append("16-bit precision (bf16 / fp16 autocast, bf16-pure weights): "
+                   "precision='auto' lets the planner weigh it")
+    if k.offload_optimizer is False:
+        out.append("the optimizer state on the host (offload_optimizer=False)")
+    if k.offload_params == "none" or (k.offload_params is None and k.offload_optimizer is False):
+        out.append("the block weights on the host (offload_params; it needs "
+                   "offload_optimizer)")
+    return out

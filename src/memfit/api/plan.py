@@ -45,6 +45,20 @@ the optimizer state's placement. The batch is the step's as given (nothing held 
 Note 4). The plan's knobs leave ``precision`` and ``micro_batch_size`` unset (the step's own)
 and its reasons say so.
 
+Note 8 (every lever, issue 15). Once the plain step does not fit, "auto" also traces the other
+precisions it weighs (planner.variants Note 3: fp32 where 16-bit gains nothing, bf16-pure where
+bf16 is supported); where numerics may change (``allow_numerics_change=True``, implied by
+precision "auto") each low-bit optimizer state gets a model; when nothing fits, the block
+weights on the host (parameter offload) get one and the search runs again (variants Note 2).
+The floor counts them all; ``BudgetTooSmall`` names what is beyond them (_plan_words Note 3).
+A caller's fixed ``optimizer_state`` / ``offload_params`` is in every trace.
+
+Note 9 (DTR). ``remat=True`` plans DTR alone on the whole batch (planner.remat_choice Note 1;
+with ``BudgetTooSmall`` at DTR's floor). With ``remat`` unset, a static plan that was found is
+weighed against DTR over ``batches`` (representative batches of the job, the planned one the
+largest; default: the planned batch alone) and DTR taken where it is predicted faster
+(remat_choice Note 2). ``remat=False`` never weighs it.
+
 Note 6 (the optimizer implementation). With ``optimizer_impl`` unset and the optimizer given
 by name or factory, the planner may switch the implementation on a GPU target (optimizers
 Note 1): each other one the class supports and that may need less than CUDA's default
@@ -64,19 +78,23 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from memfit.api._choice import describe, knob_values
-from memfit.api._floor import first_samples, least_memory
-from memfit.api._plan_words import global_reasons, host_bytes, too_small
+from memfit.api._floor import first_samples, least_memory, longest_sequence
+from memfit.api._plan_words import (counted_levers, excluded_levers, global_reasons,
+                                    host_bytes, too_small)
 from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._user_step import STEP_FIXED_NOTE, as_user_step, check_step_knobs
 from memfit.api._validate import check_batch
 from memfit.api.estimate import Estimate, estimate
+from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.measure import storages_of
 from memfit.optimizers import OptimizerRecipe, impl_of, supports_impl
 from memfit.planner import Plan
 from memfit.planner.memory_model import MemoryModel, optimizer_rise_bytes
 from memfit.planner.search import Choice, Constraints, search
+from memfit.planner.remat_choice import MARGIN, remat_on, remat_plan, static_seconds
 from memfit.planner.time_model import TimeModel
+from memfit.planner.variants import add_low_bit, add_param_offload, auto_precisions
 from memfit.step import prepare_batch
 from memfit.techniques._blocks import resolve_policy
 from memfit.techniques.accumulation import batch_size_of
@@ -103,6 +121,9 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
     placement are searched; ``scheduler``: a factory ``optimizer -> LR scheduler``.
     ``floor=True``: trace the floor (the least any configuration needs, ``Plan.floor_bytes``)
     even when a plan fits; else only when nothing does (Note 5).
+    ``allow_numerics_change``: weigh low-bit optimizer states (default: only under
+    precision "auto"; Note 8). ``batches``: representative batches of the job, against which
+    DTR is weighed (``remat`` unset; ``remat=True`` plans DTR; Note 9).
     """
     return plan_traced(model, batch, budget, optimizer, device, loss_fn, **kwargs).plan
 
@@ -121,16 +142,14 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                 loss_fn: Callable | None = None, *, count_fn: Callable | None = None,
                 allocator=None, on_progress: Callable[[str], None] | None = None,
                 step: Callable | None = None, scheduler: Callable | None = None,
-                floor: bool = False, **knobs) -> Planned:
+                floor: bool = False, allow_numerics_change: bool | None = None,
+                batches=None, **knobs) -> Planned:
     """``plan``, with the plain and the chosen traces (for plots and reports)."""
     say = on_progress or (lambda message: None)
     k = Knobs.from_kwargs(**knobs)
+    numerics = _numerics_allowed(allow_numerics_change, k)
     k.check_available()
-    if k.remat:
-        raise ValueError("remat=True: DTR keeps the budget at run time and the planner does not "
-                         "weigh it against static plans yet; plan without remat, or use "
-                         "memfit.fit(..., budget=..., remat=True) (or memfit.estimate(..., "
-                         "remat=True, budget=...) to simulate it)")
+    _check_remat(k, step)
     spec = resolve_device(model, device)
     budget_bytes = parse_bytes(budget) if budget is not None else spec.usable_bytes
     if budget_bytes > spec.usable_bytes and spec.kind == "cuda":
@@ -155,20 +174,24 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
                   allocator=allocator, max_grad_norm=k.max_grad_norm, zero_grad=k.zero_grad,
                   step=user_step, scheduler=scheduler)
+    state = _state_knobs(k)          # a fixed optimizer_state / offload_params, in every trace
     say(f"tracing the plain step ({user}, batch {b})")
-    plain = estimate(model, batch, precision=user, optimizer_impl=k.optimizer_impl, **common)
+    plain = estimate(model, batch, precision=user, optimizer_impl=k.optimizer_impl, **state,
+                     **common)
     base = plain
     if p != user:
         say(f"tracing the plain step ({p}, batch {b})")
-        base = estimate(model, batch, precision=p, optimizer_impl=k.optimizer_impl, **common)
+        base = estimate(model, batch, precision=p, optimizer_impl=k.optimizer_impl, **state,
+                        **common)
     key = (p, k.optimizer_impl)
-    models = {key: _models(model, batch, base, common, spec, p, b, k.optimizer_impl, say)}
+    models = {key: _models(model, batch, base, common, spec, p, b, k.optimizer_impl, say,
+                           state)}
     default_impl = _modelled_impl(recipe, trainable, spec)
     variants = _impl_variants(recipe, k, trainable, default_impl, fixed, spec)
     for impl in variants:
         say(f"tracing the optimizer step with the {impl} implementation")
         other = estimate(model, batch, precision=p, optimizer_impl=impl, allocator_replay=False,
-                         **common)
+                         **state, **common)
         memory, time = models[key]
         models[(p, impl)] = memory.with_optimizer_step(other), time.with_optimizer_step(other)
     user_pair = models[key] if p == user else _user_models(plain, spec, user, b)
@@ -176,11 +199,39 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     held = {q: 0 if user_step else _held_bytes(original, q) for q in {p, user}}   # Note 4
     ctx = _Context(k, spec, budget_bytes, baseline_s, b, held, user, default_impl,
                    plain.device_bytes + held[user], bool(variants), user_step is not None)
+    ctx.fp32_state_bytes = models[key][0].optimizer_state_bytes
+    remat = None
+    if k.remat is not False and user_step is None:     # DTR weighed (planner.remat_choice)
+        remat = _RematWeigh(model, batch, batches, plain, common, spec, user, b, budget_bytes,
+                            state, k, say)
+        if k.remat:                # fixed by the caller: its plan, or its floor
+            return remat.fixed(plain)
     traced_floor = None
+    levers = _Levers(model, batch, models, {p: base}, common, spec, b, k, numerics,
+                     user_step is not None, say)
 
-    def least():                   # the floor, traced once (Note 5)
+    def add_precisions():          # the other precisions "auto" weighs (variants Note 3)
+        for q in others:
+            if (q, k.optimizer_impl) not in models:
+                est = plain if q == user else None
+                if est is None:
+                    say(f"tracing the plain step ({q}, batch {b})")
+                    est = estimate(model, batch, precision=q, optimizer_impl=k.optimizer_impl,
+                                   **state, **common)
+                models[(q, k.optimizer_impl)] = _models(model, batch, est, common, spec, q, b,
+                                                        k.optimizer_impl, say, state)
+                held[q] = 0 if user_step else _held_bytes(original, q)
+                levers.traces[q] = est
+
+    others = [q for q in auto_precisions(spec) if q != p] \
+        if k.precision == "auto" and user_step is None else []
+
+    def least():                   # the floor, traced once (Note 5), over every lever
         nonlocal traced_floor
         if traced_floor is None:
+            add_precisions()
+            levers.add_low_bit()
+            levers.add_param_offload()
             traced_floor = least_memory(model, batch, models, fixed, k, common, held, b, say)
             ctx.floor_bytes = traced_floor[0]
         return traced_floor
@@ -200,10 +251,18 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                 why.append(f"auto keeps {user}: the {p} step is predicted no faster here")
             return Planned(_make_plan(ctx, choice, est, pair, why), plain, est)
 
-    margins: dict = {q: held[q[0]] for q in models}
+    add_precisions()
+    levers.add_low_bit()
+    margins: dict = {}
     for attempt in range(_ATTEMPTS):
         say("searching" if attempt == 0 else f"searching again (attempt {attempt + 1})")
+        for q in models:
+            margins.setdefault(q, held[q[0]])
         choice = search(models, b, budget_bytes, fixed, margins)
+        if choice is None and levers.add_param_offload():      # a last resort (variants Note 2)
+            for q in models:
+                margins.setdefault(q, held[q[0]])
+            choice = search(models, b, budget_bytes, fixed, margins)
         if choice is None:
             break
         say(f"verifying: re-tracing {describe(choice, b)}")
@@ -214,7 +273,8 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
             reasons = [] if attempt == 0 else [
                 f"the first {attempt} choice(s) re-traced over the budget; the search ran again "
                 f"{format_bytes(margins[choice.key] - held[q])} tighter"]
-            return Planned(_make_plan(ctx, choice, est, models[choice.key], reasons), plain, est)
+            return _weigh(remat, Planned(_make_plan(ctx, choice, est, models[choice.key],
+                                                    reasons), plain, est))
         short = est.device_bytes + held[q] - budget_bytes + _SLACK_BYTES
         margins[choice.key] = margins.get(choice.key, 0) + short
     _, floor_choice, floor_est = least()
@@ -226,10 +286,22 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                                  **knob_values(floor_choice,
                                                 models[floor_choice.key][0].blocks, k),
                                  **common)
-        return Planned(_make_plan(ctx, floor_choice, floor_est, models[floor_choice.key],
-                                  ["only the least-memory configuration fits"]), plain, floor_est)
+        return _weigh(remat, Planned(_make_plan(ctx, floor_choice, floor_est,
+                                                models[floor_choice.key],
+                                                ["only the least-memory configuration fits"]),
+                                     plain, floor_est))
+    values = knob_values(floor_choice, models[floor_choice.key][0].blocks, k)
+
+    def fits(part) -> bool:         # the floor's configuration on a shorter batch (_floor Note 4)
+        say("tracing the least-memory configuration on shorter sequences")
+        est = estimate(model, part, precision=floor_choice.precision, **values, **common)
+        return est.device_bytes + held[floor_choice.precision] <= budget_bytes
+
+    seq = longest_sequence(batch, fits) if user_step is None else None
     raise too_small(ctx.floor_bytes, models[floor_choice.key][0], describe(floor_choice, b),
-                    budget_bytes)
+                    budget_bytes, excluded_levers(k, numerics, user_step is not None), seq,
+                    counted=counted_levers(k, numerics, user_step is not None,
+                                           sorted({q[0] for q in models})))
 
 
 @dataclass
@@ -248,6 +320,7 @@ class _Context:
     impl_searched: bool            # other optimizer implementations were weighed (Note 6)
     user_step: bool = False        # planned for the user's own step (Note 7)
     floor_bytes: int | None = None     # the least re-traced, where traced (Note 5)
+    fp32_state_bytes: float = 0.0      # the optimizer state as given, on the device
 
 
 def _modelled_impl(recipe: OptimizerRecipe, params, spec) -> str | None:
@@ -264,22 +337,199 @@ def _impl_variants(recipe: OptimizerRecipe, k: Knobs, params, default: str | Non
     passed an instance (it keeps its own), the optimizer state is on the host, or the target
     is a CPU (its default, the for-loop, already holds one parameter's temporaries at most)."""
     if k.optimizer_impl is not None or recipe.instance is not None or default is None or \
-            fixed.offload_optimizer or spec.kind != "cuda":
+            fixed.offload_optimizer or spec.kind != "cuda" or \
+            k.optimizer_state not in (None, "fp32"):
         return []
     cls = recipe.optimizer_class(params)
     return [i for i in ("fused", "for-loop") if i != default and supports_impl(cls, i)]
 
 
-def _models(model, batch, est, common, spec, precision: str, b: int, impl, say):
+def _models(model, batch, est, common, spec, precision: str, b: int, impl, say, state=None):
     """The memory and time models of one precision, from its plain trace and a second one at
     half the batch (memory_model Note 2; the second needs no allocator replay)."""
+    state = state or {}
     half = None
     if b > 1:
         say(f"tracing the plain step ({precision}, batch {b // 2})")
         half = estimate(model, first_samples(batch, b // 2), precision=precision,
-                        allocator_replay=False, optimizer_impl=impl, **common)
+                        allocator_replay=False, optimizer_impl=impl, **state, **common)
     memory = MemoryModel(est, b, half)
+    if precision == "bf16-pure":        # its fp32 masters stay on the device (memory_model Note 10)
+        memory = memory.limited(placements=(False,))
+    elif state.get("offload_params") not in (None, "none"):
+        memory = memory.limited(placements=(True,), excluded_modes=("offload",))
     return memory, TimeModel(est, spec, precision, b, memory, half)
+
+
+def _check_remat(k: Knobs, step) -> None:
+    """DTR fixed by the caller plans the whole batch with nothing else fixed but the
+    optimizer's placement (planner.remat_choice Note 1)."""
+    if not k.remat:
+        return
+    if step is not None:
+        raise ValueError("remat=True with step=fn: DTR is not planned for a user step yet; "
+                         "use memfit.fit(..., step=fn, budget=..., remat=True)")
+    fixed = [n for n in ("micro_batch_size", "checkpoint", "offload", "offload_params")
+             if getattr(k, n) not in (None, "none")]
+    if fixed:
+        raise ValueError(f"remat=True with {', '.join(fixed)} fixed: DTR runs the whole batch "
+                         "and evicts what the budget needs, so a static choice beside it is "
+                         f"not planned; leave {', '.join(fixed)} unset (memfit then weighs "
+                         "DTR against static plans with remat unset)")
+
+
+class _RematWeigh:
+    """DTR over the workload (planner.remat_choice Notes 1-2): traced once, on demand."""
+
+    def __init__(self, model, batch, batches, plain, common, spec, user, b, budget_bytes,
+                 state, k: Knobs, say):
+        self.model, self.batch, self.batches, self.plain = model, batch, batches, plain
+        self.common, self.spec, self.user, self.b = common, spec, user, b
+        self.budget_bytes, self.state, self.k, self.say = budget_bytes, state, k, say
+        self._rows = None
+
+    def _knobs(self) -> dict:
+        return dict(self.state, offload_optimizer=bool(self.k.offload_optimizer))
+
+    def rows(self):
+        """Per workload batch: (RematBatch, held bytes)."""
+        if self._rows is None:
+            out, seen = [], {}
+            work = [None] if self.batches is None else list(self.batches)
+            for i, given in enumerate(work):
+                w = self.batch if given is None else prepare_batch(given)
+                if id(given) in seen:          # the same batch again: traced once
+                    out.append(seen[id(given)])
+                    continue
+                if given is None and not self.k.offload_optimizer:
+                    est = self.plain
+                else:
+                    self.say(f"tracing the plain step for DTR (workload batch {i + 1} of "
+                             f"{len(work)})")
+                    est = estimate(self.model, w, precision=self.user,
+                                   optimizer_impl=self.k.optimizer_impl, **self._knobs(),
+                                   **self.common)
+                held = _held_bytes(w, self.user)
+                ratio = est.reserved_bytes / max(est.peak_bytes, 1)
+                cap = int((self.budget_bytes - est.context_bytes) / ratio) - held
+                out.append((remat_on(est, self.spec, self.user, batch_size_of(w), cap), held,
+                            ratio, est))
+                seen[id(given)] = out[-1]
+            self._rows = out
+        return self._rows
+
+    def plan(self, reasons: list[str]) -> Plan:
+        rows = self.rows()
+        est = rows[0][3]
+        k = self.k.replace(remat=True, precision=self.user, micro_batch_size=self.b,
+                           checkpoint="none", offload="none",
+                           offload_optimizer=bool(self.k.offload_optimizer))
+        return remat_plan(k, [r[0] for r in rows], device=self.spec.name,
+                          budget_bytes=self.budget_bytes, b=self.b,
+                          held_bytes=max(r[1] for r in rows),
+                          device_ratio=max(r[2] for r in rows), context_bytes=est.context_bytes,
+                          reasons=reasons, optimizer_step_bytes=optimizer_rise_bytes(est))
+
+    def fixed(self, plain) -> Planned:
+        """remat=True: the DTR plan, or ``BudgetTooSmall`` with DTR's floor."""
+        rows = self.rows()
+        if not all(r[0].fits for r in rows):
+            worst = max(rows, key=lambda r: r[0].floor_bytes)
+            floor = int(worst[0].floor_bytes * worst[2]) + worst[1] + worst[3].context_bytes
+            raise BudgetTooSmall(
+                f"DTR cannot keep {format_bytes(self.budget_bytes)}: with every block's saved "
+                f"tensors evicted the step still needs {format_bytes(floor)} (what is alive "
+                "outside the blocks, and the optimizer step). Plan without remat=True to weigh "
+                "the static levers (micro-batches, offload, optimizer state on the host), or "
+                "raise the budget", floor_bytes=floor, budget_bytes=self.budget_bytes)
+        p = self.plan(["remat=True (as you set it): DTR evicts blocks' saved tensors when the "
+                       "budget is reached and recomputes them when backward needs them; "
+                       f"predicted {sum(r[0].evictions for r in rows)} eviction(s) over "
+                       f"{len(rows)} batch(es)"])
+        return Planned(p, plain, plain)
+
+    def faster_than(self, static: Plan) -> Plan | None:
+        """The DTR plan where it is predicted faster than ``static`` over the workload."""
+        rows = self.rows()
+        if not all(r[0].fits for r in rows):
+            return None
+        batches = [r[0] for r in rows]
+        static_s = static_seconds(static.predicted_step_time_ratio, batches)
+        remat_s = sum(r.remat_s for r in batches)
+        if remat_s >= static_s * (1 - MARGIN):
+            return None
+        n = len(batches)
+        return self.plan([
+            f"DTR (remat) over the {n} workload batch(es): predicted {remat_s / static_s:.2f}x "
+            f"the time of the best static plan ({static.predicted_step_time_ratio:.2f}x the "
+            "plain step on every batch), because DTR evicts and recomputes only on the "
+            f"batches over the budget ({sum(r.evictions > 0 for r in batches)} of {n}); the "
+            "numerics do not change (recompute is bitwise)"])
+
+
+def _weigh(remat: _RematWeigh | None, planned: Planned) -> Planned:
+    """The static plan, or DTR where it is predicted faster (planner.remat_choice Note 2)."""
+    if remat is None:
+        return planned
+    dtr = remat.faster_than(planned.plan)
+    return planned if dtr is None else Planned(dtr, planned.plain, planned.plain)
+
+
+def _numerics_allowed(allow: bool | None, k: Knobs) -> bool:
+    """Whether levers that change the numerics (low-bit optimizer states) may be weighed:
+    as the caller says, else under precision "auto" only (the API's default keeps them)."""
+    if allow is not None and not isinstance(allow, bool):
+        raise ValueError(f"allow_numerics_change must be True, False or None, got {allow!r}")
+    return allow if allow is not None else k.precision == "auto"
+
+
+def _state_knobs(k: Knobs) -> dict:
+    """The caller's fixed optimizer_state / offload_params, for every trace (parameter offload
+    needs the optimizer state on the host)."""
+    out = {}
+    if k.optimizer_state is not None:
+        out["optimizer_state"] = k.optimizer_state
+    if k.offload_params not in (None, "none"):
+        out["offload_params"] = k.offload_params
+        out["offload_optimizer"] = True if k.offload_optimizer is None else k.offload_optimizer
+    return out
+
+
+class _Levers:
+    """Adds the planner's lever models on demand (planner.variants Note 2), once each."""
+
+    def __init__(self, model, batch, models, traces, common, spec, b, k: Knobs,
+                 numerics: bool, user_step: bool, say):
+        self.models, self.traces, self.spec, self.b, self.say = models, traces, spec, b, say
+        self.k, self.numerics, self.user_step = k, numerics, user_step
+        self.low_bit: list[str] = []
+        self._done: set[str] = set()
+
+        def trace(precision, samples, **knobs):
+            part = batch if samples is None else first_samples(batch, samples)
+            return estimate(model, part, precision=precision, allocator_replay=False,
+                            **knobs, **common)
+        self.trace = trace
+
+    def add_low_bit(self) -> None:
+        k = self.k
+        if "low_bit" in self._done:
+            return
+        self._done.add("low_bit")
+        if self.numerics and k.optimizer_state is None and k.optimizer_impl is None and \
+                not self.user_step and k.offload_params in (None, "none"):
+            self.low_bit = add_low_bit(self.models, self.traces, self.trace, self.say)
+
+    def add_param_offload(self) -> bool:
+        """Whether models were added now (False: done before, or not allowed)."""
+        k = self.k
+        if "params" in self._done:
+            return False
+        self._done.add("params")
+        if k.offload_params is not None or k.offload_optimizer is False or self.user_step:
+            return False
+        return add_param_offload(self.models, self.traces, self.trace, self.spec, self.b,
+                                 self.say)
 
 
 def _constraints(model: nn.Module, k: Knobs, b: int) -> Constraints:
@@ -301,7 +551,10 @@ def _constraints(model: nn.Module, k: Knobs, b: int) -> Constraints:
             else:                           # recompute free, not offloaded
                 modes[name] = ("keep", "recompute", "selective")
     m = k.micro_batch_size
-    return Constraints(None if m is None else min(m, b), modes, k.offload_optimizer)
+    oo = k.offload_optimizer
+    if oo is None and k.offload_params not in (None, "none"):
+        oo = True                          # parameter offload needs it (param_offload Note 1)
+    return Constraints(None if m is None else min(m, b), modes, oo)
 
 
 def _user_models(plain, spec, user: str, b: int):

@@ -48,6 +48,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="fix where the optimizer state lives (default: memfit picks)")
     g.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="X",
                    help="clip the global gradient norm at X (counted in the optimizer step)")
+    g.add_argument("--no-numerics-change", action="store_true",
+                   help="never weigh levers that change the optimizer's numerics (low-bit "
+                        "8-bit/4-bit/bf16 optimizer states), which precision auto allows")
     g = p.add_argument_group("target and output")
     add_target_args(g, budget_help="device bytes to fit, e.g. 10GiB (default: the GPU's usable "
                                    "memory)")
@@ -115,6 +118,7 @@ def run(args) -> int:
         _check_progressive(batch, args)
         planned = plan_traced(model, batch, target.budget_bytes, args.optimizer, target.device,
                               on_progress=lambda m: status.update(m + "..."), floor=args.floor,
+                              allow_numerics_change=False if args.no_numerics_change else None,
                               **_knobs(args))
         extras = _extras(spec, model, batch, args, target, status, planned.plan, out)
     p, seconds = planned.plan, time.perf_counter() - start

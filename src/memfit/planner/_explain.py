@@ -72,6 +72,10 @@ def _globals(plan: "Plan") -> list[str]:
             out.append(f"batch {b} in one micro-batch")
     out.append("optimizer state on the host" if k.offload_optimizer else
                "optimizer state on the device")
+    if k.optimizer_state not in (None, "fp32"):
+        out.append(f"{k.optimizer_state} optimizer state (changes the numerics)")
+    if k.offload_params not in (None, "none"):
+        out.append(f"block weights on the host ({k.offload_params})")
     impl = getattr(k, "optimizer_impl", None)
     if impl and not k.offload_optimizer:
         out.append(f"{impl} optimizer")

@@ -50,6 +50,19 @@ own spans and saved bytes: at a point, the pending units count, each saving what
 saved; a block's mode applies to all its passes (block hooks act on every call). Forwards that
 saved nothing (under ``no_grad``) are no passes. A block with a forward left without a backward,
 or a backward without a forward, can only be kept.
+
+Note 9 (low-bit optimizer state). torchao's low-bit Adam (``optimizer_state``) changes only the
+optimizer's bytes: its state, alive at every point, and its step's temporaries (int64 codes,
+parameter-sized). ``with_optimizer_state(est)`` reads both off a plain trace with that state:
+the optimizer category's difference at each point before the step (the forward and backward
+run the same ops) shifts every point, and the step's rise replaces this model's (as Note 7).
+
+Note 10 (parameter offload, placements). A model read off a trace with ``offload_params``
+(block weights on the host, fetched per block) is a model like any other, with two limits the
+search respects (search Note 6): the optimizer state must be on the host (``placements``:
+parameter offload needs optimizer offload), and no block may offload its activations too
+(``excluded_modes``; the technique refuses it). bf16-pure has one placement too (on the device:
+its fp32 master weights would be kept twice).
 """
 
 from __future__ import annotations
@@ -89,6 +102,9 @@ class Rows:
 
 class MemoryModel:
     """Predicted allocated bytes of a step for any micro-batch and per-block modes (Notes)."""
+
+    placements: tuple[bool, ...] = (False, True)    # where the optimizer state may be (Note 10)
+    excluded_modes: tuple[str, ...] = ()            # block modes this step refuses (Note 10)
 
     def __init__(self, est, batch_size: int, half=None):
         """``est``: the plain trace at ``batch_size``; ``half``: the same at ``batch_size // 2``
@@ -144,7 +160,19 @@ class MemoryModel:
 
     # -- per block ----------------------------------------------------------------------------
     def allowed(self, i: int) -> tuple[str, ...]:
-        return MODES if self._units_of[i] else ("keep",)
+        if not self._units_of[i]:
+            return ("keep",)
+        return tuple(m for m in MODES if m not in self.excluded_modes)
+
+    def limited(self, placements: tuple[bool, ...] | None = None,
+                excluded_modes: tuple[str, ...] | None = None) -> "MemoryModel":
+        """This model with fewer placements or block modes allowed (Note 10)."""
+        out = copy.copy(self)
+        if placements is not None:
+            out.placements = placements
+        if excluded_modes is not None:
+            out.excluded_modes = excluded_modes
+        return out
 
     def saved_bytes(self, i: int, mode: str, m: int) -> float:
         """Bytes block ``i`` no longer holds, at micro-batch ``m``, while its data is pending,
@@ -256,6 +284,26 @@ class MemoryModel:
         """This model with the optimizer step of ``est``, a plain trace of the same step with
         another optimizer implementation (Note 7)."""
         out = copy.copy(self)
+        out._opt_rise = optimizer_rise_bytes(est)
+        return out
+
+    def with_optimizer_state(self, est) -> "MemoryModel":
+        """This model with the optimizer state and step of ``est``, a plain trace of the same
+        step with a low-bit optimizer state (Note 9)."""
+        out = copy.copy(self)
+        opt = np.asarray(est.timeline_by_category["optimizer"], dtype=np.float64)
+        start = est.phases.get("optimizer", len(opt))
+        n = self.opt_start
+        if start == n:                           # the same forward and backward ops
+            delta = np.zeros_like(self._opt)
+            delta[:n] = opt[:n] - self._opt[:n]
+        else:                                    # a constant shift: the state alone
+            delta = np.full_like(self._opt, float(opt[:start].max(initial=0.0))
+                                 - self.optimizer_state_bytes)
+        out._fixed = self._fixed + delta
+        out._opt = self._opt + delta
+        out._total = self._total + delta
+        out.optimizer_state_bytes = float(out._opt[:n].max(initial=0.0))
         out._opt_rise = optimizer_rise_bytes(est)
         return out
 

@@ -26,6 +26,13 @@ Note 4 (variants). ``models`` is keyed by ``(precision, optimizer_impl)``: one m
 model per precision and optimizer implementation (``None``: the optimizer as given). The
 implementation changes only the optimizer step (memory_model Note 7, time_model Note 6).
 
+Note 6 (levers beyond the per-block modes). A key may be longer: ``(precision, impl,
+optimizer_state, offload_params)`` (``variant_key``), one model per low-bit optimizer state
+(memory_model Note 9) and per parameter offload (memory_model Note 10). A model says where its
+optimizer state may live (``MemoryModel.placements``: bf16-pure and parameter offload each allow
+one) and which block modes it refuses (``excluded_modes``: parameter offload refuses activation
+offload on the same blocks); the search and the floor respect both.
+
 Note 5 (the floor). ``floor_candidates`` gives the least-memory configuration the models find
 at each micro-batch size that can be least (Note 2: 1 and the whole batch), and beside each
 the same with one mode in every block it changes (all recomputed, or all offloaded; the
@@ -44,7 +51,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from memfit.planner.memory_model import MODES, MemoryModel
 from memfit.planner.time_model import TimeModel
 
-__all__ = ["Choice", "Constraints", "search", "floor", "floor_candidates"]
+__all__ = ["Choice", "Constraints", "search", "floor", "floor_candidates", "variant_key"]
 
 _MIB = float(2 ** 20)
 
@@ -61,11 +68,26 @@ class Choice:
     device_bytes: int                # predicted device bytes (memory_model Note 6)
     step_s: float                    # predicted step time
     optimizer_impl: str | None = None  # the optimizer implementation (None: as given)
+    optimizer_state: str | None = None   # a low-bit state memfit chose (None: as given)
+    offload_params: str | None = None    # block weights on the host (None: as given)
 
     @property
-    def key(self) -> tuple[str, str | None]:
-        """The ``models`` key this choice was predicted with (Note 4)."""
-        return self.precision, self.optimizer_impl
+    def key(self) -> tuple:
+        """The ``models`` key this choice was predicted with (Notes 4 and 6)."""
+        return variant_key(self.precision, self.optimizer_impl, self.optimizer_state,
+                           self.offload_params)
+
+
+def variant_key(precision: str, impl: str | None = None, state: str | None = None,
+                params: str | None = None) -> tuple:
+    """A ``models`` key (Note 6): ``(precision, impl)``, longer only where a lever is set."""
+    if state is None and params is None:
+        return precision, impl
+    return precision, impl, state, params
+
+
+def _unkey(key: tuple) -> tuple:
+    return tuple(key) + (None,) * (4 - len(key))
 
 
 @dataclass(frozen=True)
@@ -151,15 +173,23 @@ def _best_for(memory: MemoryModel, time: TimeModel, key, m: int, b: int,
 
 
 def _choice(memory, time, key, m, b, oo, allocated, modes) -> Choice:
-    precision, impl = key
+    precision, impl, state, params = _unkey(key)
     return Choice(precision, m, modes, oo, int(allocated), memory.device_bytes(allocated),
-                  time.step_s(m, b, modes, oo), impl)
+                  time.step_s(m, b, modes, oo), impl, state, params)
 
 
 def _host_stepped_variant(models, key, oo: bool) -> bool:
     """An optimizer on the host steps as given: another implementation changes nothing there
     (and its re-trace would differ only by its bookkeeping), so only the given one is tried."""
-    return oo and key[1] is not None and (key[0], None) in models
+    return oo and key[1] is not None and variant_key(key[0], None, *_unkey(key)[2:]) in models
+
+
+def _placements(memory: MemoryModel, fixed: Constraints) -> list[bool]:
+    """Where the optimizer state may live for this model (Note 6) and the caller."""
+    allowed = getattr(memory, "placements", (False, True))
+    if fixed.offload_optimizer is not None:
+        return [fixed.offload_optimizer] if fixed.offload_optimizer in allowed else []
+    return list(allowed)
 
 
 def search(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int, budget_bytes: int,
@@ -174,9 +204,7 @@ def search(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int, budget_by
         cap = cap_device / memory.device_ratio
         sizes = [min(fixed.micro_batch_size, b)] if fixed.micro_batch_size \
             else list(range(1, b + 1))
-        places = [fixed.offload_optimizer] if fixed.offload_optimizer is not None \
-            else [False, True]
-        for oo in places:
+        for oo in _placements(memory, fixed):
             if _host_stepped_variant(models, key, oo):
                 continue
             for m in sizes:
@@ -194,10 +222,6 @@ def search(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int, budget_by
 
 def _sizes_for_floor(b: int, fixed: Constraints) -> list[int]:
     return [min(fixed.micro_batch_size, b)] if fixed.micro_batch_size else sorted({1, b})
-
-
-def _places(fixed: Constraints) -> list[bool]:
-    return [fixed.offload_optimizer] if fixed.offload_optimizer is not None else [True, False]
 
 
 def _least_at(memory: MemoryModel, time: TimeModel, key, m: int, b: int, oo: bool,
@@ -251,12 +275,14 @@ def floor_candidates(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
     for m in _sizes_for_floor(b, fixed):
         least = None
         for key, (memory, time) in models.items():
-            for oo in _places(fixed):
+            for oo in reversed(_placements(memory, fixed)):
                 if _host_stepped_variant(models, key, oo):
                     continue
                 c = _least_at(memory, time, key, m, b, oo, fixed)
                 if least is None or c.device_bytes < least.device_bytes:
                     least = c
+        if least is None:
+            continue
         memory, time = models[least.key]
         out.append(least)
         for mode in ("recompute", "offload"):

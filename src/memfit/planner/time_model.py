@@ -33,6 +33,15 @@ Note 6 (the optimizer implementation). ``with_optimizer_step(est)`` times the op
 from the ops of ``est``, a plain trace with another implementation (foreach: a few kernels
 over all parameters; fused: one per group; for-loop: one set per parameter, so its launches
 count); the forward and backward are this model's.
+
+Note 7 (parameter offload). A model read off a trace with ``offload_params`` already counts the
+fetches' device-side copies (ops of the trace); what it adds is the host link: every offloaded
+weight crosses it before the block's forward and again before its backward, once per
+micro-batch, and the copies are synchronous (param_offload Note 5): nothing hides them.
+``with_fetches(bytes)`` adds ``bytes / link`` per micro-batch.
+
+Note 8 (low-bit optimizer state). Its step (dequantize, Adam, quantize: torchao's ops, eager) is
+timed from the ops of a trace with that state (``with_optimizer_step``, as Note 6).
 """
 
 from __future__ import annotations
@@ -94,6 +103,14 @@ class TimeModel:
         self._passes = [[(u, _span(fw), _span(bw)) for u, fw, bw in memory.passes(i)]
                         for i in range(len(memory.blocks))]
 
+    fetch_s: float = 0.0           # host-link seconds per micro-batch (Note 7)
+
+    def with_fetches(self, bytes_per_micro_batch: float) -> "TimeModel":
+        """This model with ``bytes_per_micro_batch`` fetched over the host link (Note 7)."""
+        out = copy.copy(self)
+        out.fetch_s = float(bytes_per_micro_batch) / self.spec.host_link_bytes_per_s
+        return out
+
     def with_optimizer_step(self, est) -> "TimeModel":
         """This model with the optimizer step timed from ``est`` (Note 6)."""
         out = copy.copy(self)
@@ -143,7 +160,7 @@ class TimeModel:
 
     def step_s(self, m: int, b: int, modes, offload_optimizer: bool) -> float:
         n = -(-b // m)
-        return (self.forward_backward_s(n, b)
+        return (self.forward_backward_s(n, b) + n * self.fetch_s
                 + sum(self.mode_s(i, mode, m, n, b) for i, mode in enumerate(modes))
                 + self.optimizer_step_s(offload_optimizer))
 

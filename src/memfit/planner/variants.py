@@ -1,0 +1,109 @@
+"""The planner's levers beyond per-block modes: one memory and time model per low-bit optimizer
+state and per parameter offload, from a trace of each (search Note 6).
+
+Note 1 (what is traced). The caller (``api.plan``) passes ``trace(precision, samples, **knobs)``
+(an ``estimate`` without the allocator replay; ``samples`` ``None`` for the whole batch, else
+the first ``samples`` of it) so that this layer imports nothing above it.
+- A low-bit state ``s`` costs one trace of the whole batch at each precision's plain step with
+  ``optimizer_state=s``: memory_model Note 9 and time_model Note 8 read the state's bytes and
+  its step off it; the forward and backward points stay the fp32-state model's.
+- Parameter offload ("all" blocks, with the optimizer state on the host: it needs it) costs two
+  traces (the whole batch and half of it, memory_model Note 2): fetched weights change every
+  point of the step. Its model allows the optimizer state on the host only and no activation
+  offload (memory_model Note 10), and its time model pays the host link for every offloaded
+  weight twice per micro-batch (time_model Note 7).
+
+Note 2 (when). Low-bit states change the numerics: they are weighed only when the caller
+allows it (``allow_numerics_change``, implied by ``precision="auto"``), only for Adam/AdamW
+(torchao's), and a state torchao or the optimizer refuses is skipped. Parameter offload is a
+last resort (synchronous copies of every weight, twice per micro-batch): it is weighed when
+nothing else fits, and by the floor.
+
+Note 3 (precisions under "auto"). On a GPU: the 16-bit autocast the card has (bf16 where it
+supports it: fp32's range, no loss scaling; else fp16 with a GradScaler), bf16-pure where bf16
+is supported (bf16 weights, activations and gradients, fp32 master weights for the optimizer:
+no casts, the least activation bytes, the most change to the numerics), and fp32 itself where
+the card's 16-bit matmuls are no faster than its fp32 ones (time_model Note 2: Pascal), so that
+16-bit buys only memory and its casts cost time. On a CPU: fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from memfit.planner.memory_model import MemoryModel
+from memfit.planner.search import variant_key
+from memfit.planner.time_model import TimeModel, flop_rate
+
+__all__ = ["LOW_BIT_STATES", "PARAM_OFFLOAD", "add_low_bit", "add_param_offload",
+           "auto_precisions"]
+
+LOW_BIT_STATES = ("bf16", "8bit", "4bit")
+PARAM_OFFLOAD = "all"
+
+
+def add_low_bit(models: dict, traces: dict, trace: Callable, say: Callable[[str], None],
+                states=LOW_BIT_STATES) -> list[str]:
+    """Add a model per low-bit state to every ``(precision, None)`` model whose precision keeps
+    its optimizer over the parameters (Note 1); ``traces``: precision -> its plain trace.
+    Returns the states added (those torchao and the optimizer accept)."""
+    added = []
+    for state in states:
+        for key in [k for k in models if len(k) == 2 and k[1] is None]:
+            precision = key[0]
+            if precision == "bf16-pure":       # its optimizer steps fp32 masters: not weighed
+                continue
+            say(f"tracing the plain step with {state} optimizer state ({precision})")
+            try:
+                est = trace(precision, None, optimizer_state=state)
+            except (ValueError, ImportError):  # torchao missing, a class it has no version of
+                break
+            memory, time = models[key]
+            models[variant_key(precision, None, state)] = (
+                memory.with_optimizer_state(est), time.with_optimizer_step(est))
+            if state not in added:
+                added.append(state)
+    return added
+
+
+def add_param_offload(models: dict, traces: dict, trace: Callable, spec, b: int,
+                      say: Callable[[str], None]) -> bool:
+    """Add a parameter-offload model per precision that may offload its optimizer (Note 1).
+    Returns whether any was added."""
+    added = False
+    for key in [k for k in models if len(k) == 2 and k[1] is None]:
+        precision = key[0]
+        memory = models[key][0]
+        if True not in memory.placements or not memory.blocks:
+            continue
+        knobs = dict(offload_params=PARAM_OFFLOAD, offload_optimizer=True)
+        say(f"tracing the plain step with the block weights on the host ({precision})")
+        try:
+            est = trace(precision, None, **knobs)
+            half = trace(precision, b // 2, **knobs) if b > 1 else None
+        except ValueError:
+            continue
+        pmem = MemoryModel(est, b, half).limited(placements=(True,),
+                                                 excluded_modes=("offload",))
+        pmem.device_ratio, pmem.context_bytes = memory.device_ratio, memory.context_bytes
+        pmem.optimizer_state_bytes = memory.optimizer_state_bytes   # the host's, as given
+        ptime = TimeModel(est, spec, precision, b, pmem, half)
+        base = traces[precision]
+        fetched = 2 * sum(base.modules[n].param_bytes for n in base.blocks if n in base.modules)
+        models[variant_key(precision, None, None, PARAM_OFFLOAD)] = (
+            pmem, ptime.with_fetches(fetched))
+        added = True
+    return added
+
+
+def auto_precisions(spec) -> list[str]:
+    """The precisions "auto" weighs on ``spec`` (Note 3), the first the one it prefers."""
+    if spec.kind != "cuda":
+        return ["fp32"]
+    half = "bf16" if spec.supports_bf16 else "fp16"
+    out = [half]
+    if spec.supports_bf16:
+        out.append("bf16-pure")
+    if flop_rate(spec, half) <= spec.peak_fp32_flops:
+        out.append("fp32")
+    return out
