@@ -179,3 +179,23 @@ ALIASES = {
     "a4000": "rtx-a4000", "a5000": "rtx-a5000",
     "l40s-48gb": "l40s", "gh200-96gb": "gh200", "b200-180gb": "b200",
 }
+
+# GPU-to-GPU links for collectives (planner.sharding Note 2): card -> (link, one-direction B/s
+# per GPU, the raw rate; the planner applies its own efficiency). Cards not listed talk over
+# PCIe peer-to-peer at their host-link rate (devices Note 3). NVLink totals are NVIDIA's
+# datasheet figures (both directions summed), halved:
+INTERCONNECT = {
+    # Tesla V100 datasheet: SXM2 NVLink 300 GB/s
+    "v100-16gb": ("NVLink 2 (SXM2)", 150e9), "v100-32gb": ("NVLink 2 (SXM2)", 150e9),
+    # A100 datasheet: SXM NVLink 600 GB/s (the PCIe parts only with a 2-GPU bridge: not taken)
+    "a100-40gb": ("NVLink 3 (SXM4)", 300e9), "a100-80gb": ("NVLink 3 (SXM4)", 300e9),
+    # H100 datasheet: SXM NVLink 900 GB/s; H100 NVL: NVLink bridge 600 GB/s (pairs)
+    "h100-80gb": ("NVLink 4 (SXM5)", 450e9), "h100-nvl": ("NVLink 4 bridge (pairs)", 300e9),
+    # H200 datasheet: SXM NVLink 900 GB/s
+    "h200": ("NVLink 4 (SXM)", 450e9),
+    # HGX B200 (NVIDIA Blackwell datasheet): NVLink 5, 1.8 TB/s per GPU
+    "b200": ("NVLink 5 (HGX)", 900e9),
+}
+# GeForce RTX 40 and 50 series have no GPU peer-to-peer (NVIDIA's driver disables it on AD102
+# and later GeForce parts; NCCL then stages through host memory): half the host-link rate.
+NO_P2P = frozenset({"rtx-4060-ti-16gb", "rtx-4080", "rtx-4090", "rtx-5090"})

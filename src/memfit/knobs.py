@@ -21,12 +21,7 @@ OPTIMIZER_STATES = ("fp32", "bf16", "8bit", "4bit")
 _POLICY = re.compile(r"^(none|all|selective|every:[1-9][0-9]*)$")
 
 # Knobs this version accepts but cannot apply yet, with the issue that brings them.
-NOT_YET: dict[str, str] = {
-    "gpus": "planning over several GPUs (memfit.estimate estimates one rank)",
-    "sharding": "planning over several GPUs (memfit.estimate estimates one rank)",
-    "reshard_after_forward": "FSDP2 in the planner (memfit.estimate estimates one rank)",
-    "fsdp_offload": "FSDP2 in the planner (memfit.estimate estimates one rank)",
-}
+NOT_YET: dict[str, str] = {}
 # per knob, the values that mean "off" beside None / False / "none"
 _OFF = {"gpus": (1,), "optimizer_state": ("fp32",)}
 

@@ -1,0 +1,395 @@
+"""``memfit.plan(gpus=N | "auto", sharding=...)``: how many GPUs, which data-parallel layout, and
+the per-block plan of each rank; and ``compare_gpus``: the fewest cards of every GPU in the table.
+
+Note 1 (the batch). ``batch`` is the effective batch of the whole job, split over the ranks as
+data parallelism does (the same training as on one device): each rank runs ``ceil(b / N)``
+samples (the largest rank's share where N does not divide b), so N is at most b. The plan's
+``batch_size`` is the rank's; ``memfit.fit`` inside each rank takes that rank's batch.
+
+Note 2 (traces). Two plain single-device traces (at b and b // 2, at the searched precision)
+give the models; every candidate layout is a rescaling of them (``planner.sharding`` Note 1),
+searched by the single-device MILP at the rank's batch. The traces are CPU traces, as
+``estimate_sharded``'s are for any target (``api._sharded`` Note 2), so model and verification
+count the same things: allocated bytes, plus the card's cuBLAS workspaces and CUDA context
+(``extra``, ``context``). The CUDA autocast / SDPA / caching-allocator models and NCCL's own
+buffers (outside the allocator) are not applied under sharding yet; a note says so.
+
+Note 3 (verification). The layout chosen (fewest GPUs for "auto", then the fastest) is
+re-traced by ``estimate_sharded`` with its per-block modes and micro-batch: that trace is the
+answer. If it misses the budget the search runs again with the cap lowered by what was
+missing (as ``memfit.plan``'s Note 2), then moves to the next layout. One GPU is
+``memfit.plan``'s question: when the models say a single device may fit, it is asked.
+
+Note 4 (what is weighed). Precision (fp32, or bf16 autocast; "auto" takes bf16 where the card
+has it: FSDP2 here does not run fp16's GradScaler), micro-batch size, per-block keep /
+recompute / selective / offload, and the layout. Not weighed: optimizer-state offload and
+FSDP2's CPU offload (``estimate_sharded`` cannot verify them for a GPU yet, Note 2 there), and
+``reshard_after_forward`` as a group size (it may be fixed, not searched).
+
+Note 5 (compare_gpus). Every card of the table at its usable memory, the fewest GPUs (1..b)
+whose best layout the models predict to fit, and its step time; modelled from one trace per
+precision (state fixed, activations proportional to the batch: memory_model Note 2), not
+re-traced per card (33 verifications would take many minutes), and said so. Sorted by
+GPU-seconds per step (cards x step time): what a rental costs in card-hours, before prices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from memfit.api._choice import describe, knob_values
+from memfit.api._floor import first_samples
+from memfit.api._setup import resolve_device, resolve_precision
+from memfit.api._validate import check_batch
+from memfit.api.estimate import estimate
+from memfit.errors import BudgetTooSmall
+from memfit.knobs import Knobs
+from memfit.planner import Plan
+from memfit.planner.memory_model import MemoryModel
+from memfit.planner.search import Constraints, search
+from memfit.planner.sharding import (Candidate, ShardedTime, candidates, interconnect,
+                                     shard_estimate, state_bytes)
+from memfit.planner.time_model import TimeModel
+from memfit.step import prepare_batch
+from memfit.techniques.accumulation import batch_size_of
+from memfit.units import format_bytes, parse_bytes
+
+__all__ = ["plan_sharded", "plan_sharded_traced", "compare_gpus", "ShardedPlanned", "GpuRow"]
+
+_ATTEMPTS = 3
+_SLACK_BYTES = 2 ** 20
+_SHARD_KNOBS = ("gpus", "sharding", "reshard_after_forward", "fsdp_offload")
+
+
+def is_sharded(knobs: dict) -> bool:
+    """Whether ``plan(**knobs)`` asks for several GPUs (routing in ``api.plan``)."""
+    return knobs.get("gpus") not in (None, 1) or knobs.get("sharding") not in (None, "none") \
+        or knobs.get("reshard_after_forward") is not None or bool(knobs.get("fsdp_offload"))
+
+
+@dataclass
+class Row:
+    """One layout as the models (and, for the chosen one, the re-trace) predict it."""
+
+    candidate: Candidate
+    rank_batch: int
+    choice: object | None            # planner.search.Choice, None: nothing fits
+    floor_bytes: int = 0             # a lower bound: the rank's sharded state alone
+
+
+@dataclass
+class ShardedPlanned:
+    """A sharded plan, its step time in seconds, and every layout weighed."""
+
+    plan: Plan
+    step_s: float
+    candidate: Candidate
+    rows: list[Row] = field(default_factory=list)
+    verified: object | None = None   # the Estimate of the re-trace
+    link: str = ""
+
+
+def plan_sharded(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
+                 loss_fn: Callable | None = None, **kwargs) -> Plan:
+    """``memfit.plan`` with ``gpus=N`` or ``"auto"`` and/or ``sharding`` (module Notes)."""
+    return plan_sharded_traced(model, batch, budget, optimizer, device, loss_fn, **kwargs).plan
+
+
+def _setup(model, batch, optimizer, device, loss_fn, knobs: dict, step, scheduler):
+    k = Knobs.from_kwargs(**knobs)
+    for name, value in (("step", step), ("scheduler", scheduler)):
+        if value is not None:
+            raise ValueError(f"{name} with gpus/sharding is not supported yet: plan the "
+                             f"sharded step without {name}")
+    if k.remat or k.offload_optimizer or k.offload_params or \
+            k.optimizer_state not in (None, "fp32"):
+        raise ValueError("remat, offload_optimizer, offload_params and low-bit "
+                         "optimizer_state are not weighed with sharding yet (estimate_sharded "
+                         "refuses them): plan without them")
+    spec = resolve_device(model, device)
+    if k.fsdp_offload and spec.kind == "cuda":
+        raise ValueError("fsdp_offload for a GPU target is not supported yet: estimate_sharded "
+                         "cannot verify it (memfit.api._sharded Note 2); plan without it")
+    if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload):
+        raise ValueError("reshard_after_forward and fsdp_offload are FSDP2's: use "
+                         "sharding='fsdp', or leave them unset with 'ddp'")
+    p = resolve_precision(k.precision, spec)
+    if p == "fp16" and k.precision == "auto":
+        p = "fp32"
+    if p not in ("fp32", "bf16"):
+        raise ValueError(f"precision={p!r} with sharding: use 'fp32' or 'bf16' (autocast; "
+                         "fp16's GradScaler and bf16-pure are not supported under FSDP2 here)")
+    batch = prepare_batch(batch)
+    check_batch(model, batch, loss_fn)
+    return k, spec, p, batch
+
+
+def _traces(model, batch, optimizer, loss_fn, count_fn, k: Knobs, p: str, say,
+            half: bool = True):
+    """The single-device traces of Note 2, on the CPU (as estimate_sharded's); ``half=False``:
+    the first only (compare_gpus, Note 5)."""
+    b = batch_size_of(batch)
+    common = dict(optimizer=optimizer, device="cpu", loss_fn=loss_fn, count_fn=count_fn,
+                  precision=p, max_grad_norm=k.max_grad_norm, zero_grad=k.zero_grad,
+                  optimizer_impl=k.optimizer_impl)
+    say(f"tracing the plain step on one device ({p}, batch {b})")
+    est = estimate(model, batch, **common)
+    if b < 2 or not half:
+        return est, None
+    say(f"tracing the plain step on one device ({p}, batch {b // 2})")
+    return est, estimate(model, first_samples(batch, b // 2), **common)
+
+
+def _card_bytes(spec) -> tuple[int, int]:
+    """(bytes inside the allocator a step always adds, bytes outside it) for ``spec``."""
+    if spec.kind != "cuda":
+        return 0, 0
+    return spec.cublas_workspace_bytes + spec.autograd_workspace_bytes, spec.cuda_context_bytes
+
+
+class _Models:
+    """Memory and time models per layout, from the two traces (cached per card class)."""
+
+    def __init__(self, est, half, p: str, b: int):
+        self.est, self.half, self.p, self.b = est, half, p, b
+        self._memory: dict = {}
+
+    def memory(self, cand: Candidate, extra: int, context: int) -> MemoryModel:
+        key = (cand, extra, context)
+        if key not in self._memory:
+            sh = shard_estimate(self.est, cand, extra, context)
+            hh = shard_estimate(self.half, cand, extra, context) if self.half else None
+            self._memory[key] = MemoryModel(sh, self.b, hh), sh, hh
+        return self._memory[key]
+
+    def pair(self, cand: Candidate, spec):
+        extra, context = _card_bytes(spec)
+        memory, sh, hh = self.memory(cand, extra, context)
+        time = TimeModel(sh, spec, self.p, self.b, memory, hh)
+        return memory, ShardedTime(time, self.est, cand, spec)
+
+    def single_s(self, spec) -> float:
+        """The plain step of the whole batch on one device (the ratio's baseline)."""
+        memory, time = self.pair(Candidate(1, "none"), spec)
+        return time.step_s(self.b, self.b, ("keep",) * len(memory.blocks), False)
+
+
+def _search_row(models: _Models, cand: Candidate, spec, budget: int, k: Knobs, fixed_modes,
+                margin: int = 0) -> Row:
+    b = models.b
+    rb = -(-b // cand.gpus)
+    memory, time = models.pair(cand, spec)
+    floor = int(state_bytes(models.est) / (cand.gpus if cand.sharding == "fsdp" else 1))
+    m = k.micro_batch_size
+    fixed = Constraints(None if m is None else min(m, rb), fixed_modes,
+                        k.offload_optimizer if cand.sharding == "none" else False)
+    if floor > budget:
+        return Row(cand, rb, None, floor)
+    key = (models.p, k.optimizer_impl)
+    choice = search({key: (memory, time)}, rb, budget, fixed, {key: margin} if margin else None)
+    return Row(cand, rb, choice, floor)
+
+
+def _rank_knobs(k: Knobs, row: Row, blocks) -> Knobs:
+    values = knob_values(row.choice, blocks, k)
+    values = {n: v for n, v in values.items() if n in Knobs.__dataclass_fields__}
+    c = row.candidate
+    return k.replace(precision=row.choice.precision, **values,
+                     gpus=c.gpus, sharding=c.sharding,
+                     reshard_after_forward=c.reshard_after_forward if c.sharding == "fsdp"
+                     else None, fsdp_offload=False if c.sharding == "fsdp" else None)
+
+
+def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
+                        loss_fn: Callable | None = None, *, count_fn: Callable | None = None,
+                        on_progress: Callable[[str], None] | None = None, step=None,
+                        scheduler=None, floor: bool = False, allocator=None,
+                        allow_numerics_change: bool | None = None, **knobs) -> ShardedPlanned:
+    """The fewest GPUs (``gpus="auto"``) or the given count, the fastest layout and per-rank
+    plan predicted to fit ``budget`` per GPU, verified by ``estimate_sharded`` (Notes)."""
+    say = on_progress or (lambda message: None)
+    k, spec, p, batch = _setup(model, batch, optimizer, device, loss_fn, knobs, step, scheduler)
+    budget_bytes = parse_bytes(budget) if budget is not None else spec.usable_bytes
+    b = batch_size_of(batch)
+    if isinstance(k.gpus, int) and k.gpus > b:
+        raise ValueError(f"gpus={k.gpus}: the batch has {b} samples, split over the ranks "
+                         f"(memfit.api._plan_sharded Note 1); use gpus <= {b} or a larger batch")
+    est, half = _traces(model, batch, optimizer, loss_fn, count_fn, k, p, say)
+    models = _Models(est, half, p, b)
+    from memfit.api.plan import _constraints          # the caller's fixed per-block modes
+    fixed_modes = _constraints(model, k, b).modes
+    reshard = k.reshard_after_forward
+    cands = candidates(k.gpus, k.sharding, reshard, b)
+    rows = [_search_row(models, c, spec, budget_bytes, k, fixed_modes) for c in cands]
+    say("searching layouts")
+    margins: dict = {}
+    tries: dict = {}
+    for _ in range(len(cands) * _ATTEMPTS):
+        fitting = [r for r in rows if r.choice is not None]
+        if not fitting:
+            break
+        n = min(r.candidate.gpus for r in fitting)
+        best = min((r for r in fitting if r.candidate.gpus == n), key=lambda r: r.choice.step_s)
+        c = best.candidate
+        if c.sharding == "none":                      # one GPU: memfit.plan's question (Note 3)
+            say("one GPU may fit: planning it")
+            from memfit.api.plan import plan
+            single = {n: v for n, v in k.to_dict().items()
+                      if v is not None and n not in _SHARD_KNOBS}
+            try:
+                one = plan(model, batch, budget_bytes, optimizer, spec, loss_fn,
+                           count_fn=count_fn, **single)
+            except BudgetTooSmall:
+                rows = [r for r in rows if r is not best]
+                continue
+            return ShardedPlanned(one, best.choice.step_s, c, rows, None, "")
+        say(f"verifying: re-tracing one rank of {c.describe()}, "
+            f"{describe(best.choice, best.rank_batch)}")
+        verified = _verify(model, batch, optimizer, spec, loss_fn, count_fn, k, best,
+                           models.memory(c, *_card_bytes(spec))[0].blocks)
+        device_bytes = verified.peak_bytes + sum(_card_bytes(spec))
+        if device_bytes <= budget_bytes:
+            return _planned(k, best, verified, device_bytes, models, spec, budget_bytes, rows,
+                            margins.get(c, 0))
+        margins[c] = margins.get(c, 0) + device_bytes - budget_bytes + _SLACK_BYTES
+        tries[c] = tries.get(c, 0) + 1
+        retry = tries[c] < _ATTEMPTS and margins[c] < budget_bytes
+        rows[rows.index(best)] = _search_row(models, c, spec, budget_bytes, k, fixed_modes,
+                                             margins[c]) if retry else \
+            Row(c, best.rank_batch, None, best.floor_bytes)
+    least = min((r.floor_bytes for r in rows), default=0)
+    most = max((r.candidate.gpus for r in rows), default=1)
+    raise BudgetTooSmall(
+        f"no layout of up to {most} GPU(s) fits {format_bytes(budget_bytes)} per GPU: the "
+        f"batch of {b} splits over at most {b} ranks (memfit.api._plan_sharded Note 1), and "
+        f"even then each rank's sharded parameters, gradients and optimizer state need "
+        f"{format_bytes(least)} before activations. Levers: a larger batch (more ranks), a "
+        "card with more memory, an 8-bit optimizer state, freezing parameters or LoRA",
+        floor_bytes=least, budget_bytes=budget_bytes)
+
+
+def _verify(model, batch, optimizer, spec, loss_fn, count_fn, k: Knobs, row: Row, blocks):
+    from memfit.api._sharded import estimate_sharded
+    rk = _rank_knobs(k, row, blocks)
+    c = row.candidate
+    part = batch if row.rank_batch == batch_size_of(batch) else first_samples(batch,
+                                                                             row.rank_batch)
+    rest = {n: v for n, v in rk.to_dict().items()
+            if v is not None and n not in _SHARD_KNOBS + ("offload_optimizer",)}
+    return estimate_sharded(model, part, optimizer, spec, loss_fn, world_size=c.gpus,
+                            sharding=c.sharding, reshard_after_forward=c.reshard_after_forward,
+                            count_fn=count_fn, **rest)
+
+
+def _planned(k, row: Row, verified, device_bytes: int, models: _Models, spec, budget: int,
+             rows: list[Row], margin: int) -> ShardedPlanned:
+    c, choice = row.candidate, row.choice
+    memory, time = models.pair(c, spec)
+    knobs = _rank_knobs(k, row, memory.blocks)
+    link, rate = interconnect(spec)
+    baseline = models.single_s(spec)
+    comm = time.comm_s(choice.micro_batch_size, row.rank_batch)
+    fewer = sorted({r.candidate.gpus for r in rows if r.candidate.gpus < c.gpus})
+    why = [f"{c.describe()}: each rank runs {row.rank_batch} of the batch's {models.b} samples "
+           f"(memfit.api._plan_sharded Note 1)"]
+    if fewer and k.gpus in (None, "auto"):
+        why.append(f"the fewest GPUs predicted to fit: {', '.join(map(str, fewer))} GPU(s) "
+                   "do not (each rank's state and activations exceed the budget)")
+    others = [r for r in rows if r.candidate.gpus == c.gpus and r is not row]
+    for r in others:
+        what = "does not fit" if r.choice is None else \
+            f"{r.choice.step_s:.3g} s predicted, slower"
+        why.append(f"{r.candidate.describe()}: {what}")
+    why.append(f"collectives over {link} ({rate / 1e9:.0f} GB/s one direction, "
+               f"planner.sharding Note 2): {comm:.3g} s per step not hidden by compute (Note 3)")
+    why.append(f"predicted step time {choice.step_s:.3g} s per effective batch of {models.b}; "
+               f"one GPU's plain step of the whole batch would take {baseline:.3g} s (modelled)")
+    if margin:
+        why.append(f"the first choice re-traced over the budget; searched again "
+                   f"{format_bytes(margin)} tighter")
+    why.append("per-rank figures: estimate_sharded's CPU trace plus the card's cuBLAS "
+               "workspaces and CUDA context; CUDA's allocator rounding and NCCL's buffers are "
+               "not modelled under sharding yet (memfit.api._plan_sharded Note 2)"
+               if spec.kind == "cuda" else "per-rank figures: estimate_sharded's trace (exact "
+               "on the CPU against real gloo runs)")
+    m = choice.micro_batch_size
+    n = -(-row.rank_batch // m)
+    costs = [{"name": name, "mode": mode, "saved_bytes": int(memory.held_saved_bytes(i, mode, m)),
+              "time_s": time.mode_s(i, mode, m, n, row.rank_batch)}
+             for i, (name, mode) in enumerate(zip(memory.blocks, choice.modes))]
+    plan = Plan(knobs, blocks=dict(zip(memory.blocks, choice.modes)),
+                predicted_peak_bytes=verified.peak_bytes,
+                predicted_reserved_bytes=verified.reserved_bytes,
+                predicted_device_bytes=device_bytes,
+                predicted_step_time_ratio=choice.step_s / baseline, device=spec.name,
+                budget_bytes=budget, batch_size=row.rank_batch, block_costs=costs,
+                reasons=why)
+    return ShardedPlanned(plan, choice.step_s, c, rows, verified, link)
+
+
+@dataclass(frozen=True)
+class GpuRow:
+    """One card of ``compare_gpus`` (Note 5): the fewest that fit and their step."""
+
+    gpu: str
+    display_name: str
+    usable_bytes: int
+    gpus: int | None                 # None: nothing up to the batch size fits
+    layout: str
+    precision: str
+    rank_bytes: int | None           # predicted device bytes per GPU
+    step_s: float | None
+    link: str
+
+    @property
+    def gpu_seconds(self) -> float | None:
+        return None if self.step_s is None else self.gpus * self.step_s
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "gpu_seconds": self.gpu_seconds}
+
+
+def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable | None = None,
+                 *, specs=None, count_fn: Callable | None = None,
+                 on_progress: Callable[[str], None] | None = None, **knobs) -> list[GpuRow]:
+    """For every GPU of the table (or ``specs``), the fewest cards whose best layout the models
+    predict to fit its usable memory, cheapest (GPU-seconds per step) first (Note 5)."""
+    from memfit.devices import list_devices
+    say = on_progress or (lambda message: None)
+    specs = list(specs) if specs is not None else list_devices()
+    k0 = Knobs.from_kwargs(**knobs)
+    traced: dict = {}
+    rows = []
+    for spec in specs:
+        k, _, p, prepared = _setup(model, batch, optimizer, spec, loss_fn, knobs, None, None)
+        if p not in traced:
+            est, half = _traces(model, prepared, optimizer, loss_fn, count_fn, k, p, say,
+                                half=False)
+            traced[p] = _Models(est, half, p, batch_size_of(prepared))
+        models = traced[p]
+        from memfit.api.plan import _constraints
+        fixed_modes = _constraints(model, k, models.b).modes
+        say(f"searching {spec.name}")
+        found = None
+        for n in range(1, models.b + 1):
+            layouts = [r for r in (_search_row(models, c, spec, spec.usable_bytes, k,
+                                               fixed_modes)
+                                   for c in candidates(n, k0.sharding, k0.reshard_after_forward,
+                                                       models.b))
+                       if r.choice is not None]
+            if layouts:
+                found = min(layouts, key=lambda r: r.choice.step_s)
+                break
+        link = interconnect(spec)[0]
+        if found is None:
+            rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes, None, "", p,
+                               None, None, link))
+        else:
+            rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes,
+                               found.candidate.gpus, found.candidate.describe(), p,
+                               found.choice.device_bytes, found.choice.step_s, link))
+    return sorted(rows, key=lambda r: (r.gpu_seconds is None, r.gpu_seconds or 0.0))
