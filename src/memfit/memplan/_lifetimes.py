@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memfit.measure._ledger import CATEGORIES
-
 __all__ = ["StorageLog", "Lifetimes", "storage_log"]
 
 
@@ -118,6 +116,3 @@ def storage_log(tracker) -> StorageLog:
     return StorageLog(as_array(nbytes), as_array(cat), as_array(birth), as_array(death),
                       as_array(tracker.op_events), end, tracker.resolved.window_start, window_op)
 
-
-def category_names(codes: np.ndarray) -> list[str]:
-    return [CATEGORIES[int(c)] for c in codes]
