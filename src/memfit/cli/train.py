@@ -30,6 +30,11 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _report_path(text: str) -> str:
+    from memfit.cli._report_args import _html_path
+    return _html_path(text)
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train", help="fine-tune a text classifier on a CSV/JSONL file within the memory budget",
@@ -109,6 +114,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="checkpoint every N steps (default: at the end; Ctrl-C also saves)")
     g.add_argument("--keep-checkpoints", type=positive_int, metavar="N",
                    help="checkpoints kept, newest first (default: 2)")
+    g.add_argument("--report", default=None, metavar="FILE.html", type=_report_path,
+                   help="also write an HTML report of the run (one self-contained file): each "
+                        "step's measured peak beside the plan's prediction and the budget, the "
+                        "plan's per-block table (needs plotly: pip install 'memfit[report]')")
     g.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(run=run)
     return p
@@ -174,6 +183,10 @@ def run(args) -> int:
         print(f"wrote {args.rows} rows to {path} (columns id, comment_text, lang, toxic)")
         return 0
     cfg = config_from_args(args)
+    if args.report:
+        from memfit.cli._report_args import check
+        args.snapshot, args.snapshot_at = None, "end"      # train has --report only
+        check(args)
     from rich.console import Console
 
     from memfit.train.loop import train
@@ -191,6 +204,8 @@ def run(args) -> int:
            "last_loss": result.last_loss, "eval": result.eval, "checkpoint": result.checkpoint,
            "measured_peak_bytes": result.peak_bytes,
            "predicted_peak_bytes": result.predicted_peak_bytes}
+    if args.report:
+        out["report"] = _write_report(args.report, result.folder, cfg)
     if args.json:
         json.dump(out, sys.stdout, indent=2)
         print()
@@ -204,4 +219,19 @@ def run(args) -> int:
             f"checkpoint {result.checkpoint}; metrics, plan and plots in {result.folder}")
         if result.interrupted:
             say(f"continue with: memfit train --resume {result.folder}")
+        if args.report:
+            say(f"report written to {args.report}")
     return 130 if result.interrupted else 0
+
+
+def _write_report(path: str, folder: str, cfg) -> str:
+    """The run's HTML report (``memfit.report.html_run``) from its metrics and plan files."""
+    from memfit.planner import Plan
+    from memfit.report.html_run import write_run_report
+    from memfit.train.metrics import MetricsLog
+
+    with open(os.path.join(folder, "plan.json")) as f:
+        plan = Plan.from_json(f.read())
+    records = MetricsLog(os.path.join(folder, "metrics.jsonl")).read()
+    title = f"memfit train: {cfg.model}{' (tiny)' if cfg.tiny else ''}, batch {cfg.batch_size}"
+    return write_run_report(path, records, plan, title=title)
