@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import memfit
+from memfit import zoo
 from memfit.memplan import static_plan
 from memfit.memplan._pools import allocator_options
 from memfit.trace.allocator import AllocatorConfig, round_size
@@ -84,12 +85,15 @@ def test_lower_bound_is_tracks_measured_peak_on_a_real_cpu_step():
     sp = static_plan(est)
     assert sp.lower_bound_bytes == t.peak_bytes
     assert overlapping_pairs(sp.assignments) == []
+    own = static_plan(t)                 # the real run's own allocation sequence, planned
+    assert overlapping_pairs(own.assignments) == []
+    assert own.lower_bound_bytes == t.peak_bytes and own.arena_bytes >= t.peak_bytes
+    assert own.num_ops == len(t.timeline) and \
+        live_at_points(own.assignments, own.num_ops) == t.timeline
 
 
-@pytest.mark.parametrize("name", ["bert-base", pytest.param("llama-1b", marks=pytest.mark.slow),
-                                  pytest.param("vit-base", marks=pytest.mark.slow),
-                                  pytest.param("t5-base", marks=pytest.mark.slow),
-                                  pytest.param("qwen1.5-moe-a2.7b", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [n if n == "bert-base" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in zoo.names()])
 def test_zoo_architectures_valid_on_a_gpu_estimate(name):
     est = tiny_estimate(name, "gtx-1080-ti")
     sp = static_plan(est)

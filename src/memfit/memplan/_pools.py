@@ -218,7 +218,7 @@ def allocator_options(estimate, schemes: tuple[str, ...] = SCHEMES) -> Allocator
     ws = workspaces(estimate)
     options = []
     for scheme in ("default",) + tuple(s for s in schemes if s != "default"):
-        keys = _pool_keys(log, scheme, estimate.phases)
+        keys = _pool_keys(log, scheme, getattr(estimate, "phases", None) or {})
         for expandable in (False, True):
             reserved, allocated = replay_reserved(
                 log, keys, AllocatorConfig(expandable_segments=expandable), ws)

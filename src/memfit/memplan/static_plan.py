@@ -95,8 +95,12 @@ class StaticPlan:
 
 
 def step_lifetimes(estimate) -> tuple[StorageLog, Lifetimes]:
-    """The estimate's storage log and its counted step's lifetimes; a clear error without."""
-    log = getattr(estimate, "lifetimes", None)
+    """The estimate's storage log and its counted step's lifetimes; a clear error without.
+    A finished ``memfit.track`` region (a ``Tracker``) is read from its own ledger."""
+    from memfit.memplan._lifetimes import storage_log
+
+    log = storage_log(estimate) if hasattr(estimate, "ledger") else \
+        getattr(estimate, "lifetimes", None)
     if not isinstance(log, StorageLog):
         raise ValueError("this estimate carries no storage lifetimes (estimates of one rank of "
                          "a sharded job, and those made before memplan existed, do not): run "
@@ -144,7 +148,8 @@ def _live(sizes, first, last, num_ops) -> np.ndarray:
 
 def static_plan(estimate, *, align_bytes: int | None = None, exact_max_storages: int = 40,
                 time_limit_s: float = 10.0, pools: bool = False) -> StaticPlan:
-    """Plan the storages of ``estimate``'s step (a ``memfit.estimate`` result) in one arena.
+    """Plan the storages of ``estimate``'s step (a ``memfit.estimate`` result, or a real run's
+    finished ``memfit.track`` region: CPU figures) in one arena.
 
     ``align_bytes``: storages' sizes are rounded up to it (default: 512 for a GPU estimate,
     the caching allocator's block; 1 on the CPU, Note 1). ``exact_max_storages``: steps with
