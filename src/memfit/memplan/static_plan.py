@@ -12,13 +12,13 @@ point. A replay of many steps would also need the storages alive at the end (the
 gradients) to sit where the next step's entry storages are; that cyclic constraint is not
 imposed here (the gradients are the only such storages of the canonical step).
 
-Note 3 (figures). ``lower_bound_bytes`` is the peak of live bytes at op points; no layout
-beats it. ``arena_bytes`` is the best of the greedy planners (``_greedy`` Notes 3, 4) and, for
-a step of at most ``exact_max_storages`` storages to plan where the greedy layouts miss the
-lower bound, HiGHS's exact layout (``_exact``). ``reserved_bytes`` is what the caching allocator would reserve at its peak for
-the same storages (the estimate's own figure on a GPU, the model's replay for a CPU one,
-``_pools``). The arena is what a static plan would need; ``reserved - arena`` is the
-fragmentation it removes.
+Note 3 (figures). ``lower_bound_bytes`` is the peak of live bytes at op points; no layout beats
+it. ``arena_bytes`` is the best of the greedy planners (``_greedy`` Notes 3, 4) and, for a step
+of at most ``exact_max_storages`` storages to plan where the greedy layouts miss the lower
+bound, HiGHS's exact layout (``_exact``). ``reserved_bytes`` is what the caching allocator would
+reserve at its peak for the same storages (the estimate's own figure on a GPU, the model's
+replay for a CPU one, ``_pools``). The arena is what a static plan would need; ``reserved -
+arena`` is the fragmentation it removes.
 """
 
 from __future__ import annotations
@@ -151,11 +151,11 @@ def static_plan(estimate, *, align_bytes: int | None = None, exact_max_storages:
     """Plan the storages of ``estimate``'s step (a ``memfit.estimate`` result, or a real run's
     finished ``memfit.track`` region: CPU figures) in one arena.
 
-    ``align_bytes``: storages' sizes are rounded up to it (default: 512 for a GPU estimate,
-    the caching allocator's block; 1 on the CPU, Note 1). ``exact_max_storages``: steps with
-    at most this many storages to plan (those not alive throughout) are also solved exactly
-    with HiGHS, within ``time_limit_s``, unless a greedy layout already reaches the lower bound. ``pools=True`` also predicts the allocator settings
-    (``allocator_options``) into ``.pools``.
+    ``align_bytes``: storages' sizes are rounded up to it (default: 512 for a GPU estimate, the
+    caching allocator's block; 1 on the CPU, Note 1). ``exact_max_storages``: steps with at most
+    this many storages to plan (those not alive throughout) are also solved exactly with HiGHS,
+    within ``time_limit_s``, unless a greedy layout already reaches the lower bound.
+    ``pools=True`` also predicts the allocator settings (``allocator_options``) into ``.pools``.
     """
     log, life = step_lifetimes(estimate)
     cuda = getattr(estimate, "basis", "cpu-trace") == "cuda-model"
