@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from memfit.api._fit_sharded import fit_sharded, is_sharded
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
 from memfit.api._user_step import STEP_FIXED_NOTE, as_user_step, check_step_knobs
 from memfit.api._validate import check_batch
@@ -47,6 +48,9 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     Adam/AdamW: changes the numerics), ``offload_params`` (block weights on the host, with
     ``offload_optimizer``; ``runner.close()`` takes its hooks off: until then the model's
     offloaded weights are placeholders). Everything is checked before the model is touched.
+    ``gpus``, ``sharding``, ``reshard_after_forward``, ``fsdp_offload``: inside each rank of
+    a job (``init_process_group`` first), the plan applied with FSDP2 or DDP over the job's
+    ranks; ``batch`` is this rank's (``memfit.api._fit_sharded``).
 
     ``step=fn``: the user's own training step ``fn(model, batch, optimizer)``; the plan is made
     for it (``memfit.plan(step=fn)``: per-block modes and the optimizer's placement only) and
@@ -58,6 +62,11 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     """
     knobs_in = Knobs.from_kwargs(**knobs)
     knobs_in.check_available()
+    if is_sharded(knobs_in):          # one rank of a torchrun job (api._fit_sharded)
+        if step is not None or max_seq_len is not None:
+            raise ValueError("step and max_seq_len with gpus/sharding are not supported yet")
+        return fit_sharded(model, optimizer, batch, budget, device, loss_fn, knobs_in,
+                           count_fn=count_fn, scheduler=scheduler)
     user = as_user_step(step)
     if user is not None:
         if max_seq_len is not None:
