@@ -101,3 +101,22 @@ def test_the_rendered_page_shows_the_estimates_peak(gpu_step, cpu_step, tmp_path
     keep = os.environ.get("MEMFIT_REPORT_SCREENSHOT")    # .ci/run keeps one as an artifact
     if keep:
         assert os.path.getsize(screenshot(path, keep, 1400, 1500)) > 10_000
+
+
+@pytest.mark.slow          # a whole plan plus two re-traces, ~1 min on a loaded 2-core machine
+def test_plan_report_puts_the_plain_step_beside_the_planned_one(tiny_gpt2_config, tmp_path,
+                                                                capsys):
+    import json
+
+    from memfit.cli import main
+
+    path = tmp_path / "plan.html"
+    assert main(["plan", "--config", tiny_gpt2_config, "--batch-size", "8", "--seq-len", "64",
+                 "--gpu", "cpu", "--json", "--report", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    page = path.read_text(encoding="utf-8")
+    shown = [int(v) for v in re.findall(r'data-bytes="(\d+)" data-key="peak_bytes"', page)]
+    assert shown[1] == out["plan"]["predicted_peak_bytes"]        # the planned step's own
+    devices = [int(v) for v in re.findall(r'data-bytes="(\d+)" data-key="device_bytes"', page)]
+    assert devices[0] == out["plain_device_bytes"]
+    assert "live tensors only" not in page        # both steps re-traced to the same figures

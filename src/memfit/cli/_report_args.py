@@ -130,21 +130,25 @@ def write_plan(args, model, batch, planned, *, optimizer: str, device, title: st
     from memfit.report._capture import traced
 
     steps = []
-    for est, label in ((planned.plain, "plain step"), (planned.chosen, "with the plan")):
+    chosen, predicted = planned.chosen, planned.plan.predicted_peak_bytes
+    held = max(0, predicted - chosen.peak_bytes) if predicted is not None else 0
+    for est, label, extra in ((planned.plain, "plain step", 0),
+                              (chosen, "with the plan", held)):   # report._view Note 3
         tracker = _retrace(model, batch, est, optimizer, device, allocator, loss_fn, traced)
-        steps.append((est, tracker, f"{label} ({est.knobs.precision})"))
+        steps.append((est, tracker, f"{label} ({est.knobs.precision})", extra))
     out = []
     if args.report:
         from memfit.report.html import step_view, write_report
 
-        views = [step_view(e, t, label=label, allocator=allocator) for e, t, label in steps]
+        views = [step_view(e, t, label=label, allocator=allocator, held_bytes=extra)
+                 for e, t, label, extra in steps]
         write_report(args.report, views, title=title, where=where,
                      budget_bytes=planned.plan.budget_bytes, plan=planned.plan)
         out.append(f"report written to {args.report}")
     if args.snapshot:
         from memfit.report.snapshot import write_snapshot
 
-        est, tracker, _ = steps[1]
+        est, tracker, _, _ = steps[1]
         if tracker is None:
             raise ValueError("--snapshot: the planned step could not be re-traced to the same "
                              "figures; write the snapshot with memfit estimate and the plan's "

@@ -24,18 +24,21 @@ def _b(n: int | None, key: str = "") -> str:
 def verdict_table(view, where: str, limit_bytes: int | None = None) -> str:
     """The numbers the verdict is made of, for one step (a ``StepView``), against
     ``limit_bytes`` (default: the estimate's own limit)."""
-    est = view.est
+    est, held = view.est, view.held_bytes
     limit = est.limit_bytes if limit_bytes is None else limit_bytes
-    fits = est.device_bytes <= limit
-    rows = [("allocated peak (the curve's maximum)", est.peak_bytes, "peak_bytes")]
+    device = est.device_bytes + held
+    fits = device <= limit
+    rows = [("allocated peak (the curve's maximum)", est.peak_bytes + held, "peak_bytes")]
+    if held:
+        rows.append(("of which the caller's batch held beside the step", held, "held_bytes"))
     if est.basis == "cuda-model":
-        rows += [("reserved by the caching allocator at the peak", est.reserved_bytes,
+        rows += [("reserved by the caching allocator at the peak", est.reserved_bytes + held,
                   "reserved_bytes"),
                  ("outside the allocator: CUDA context, kernels", est.context_bytes,
                   "context_bytes")]
-    rows += [("on the device (what the limit caps)", est.device_bytes, "device_bytes"),
+    rows += [("on the device (what the limit caps)", device, "device_bytes"),
              ("limit", limit, "limit_bytes"),
-             ("headroom" if fits else "short by", abs(limit - est.device_bytes),
+             ("headroom" if fits else "short by", abs(limit - device),
               "headroom_bytes")]
     k = est.knobs
     if k.offload_optimizer or k.offload not in (None, "none") or \

@@ -9,6 +9,11 @@ is the live tensor bytes, and ``exact`` is False: the report says so beside the 
 Note 2 (downsampling). A step has up to ~10^5 ops and a plot ~10^3 columns. The ops are cut
 into ``MAX_POINTS`` runs and each run is drawn at its highest op (``plots.envelope``), with that
 op's split by category, so the drawn maximum is the true one and the peak op is a drawn point.
+
+Note 3 (held beside the step). A plan counts bytes of the caller's batch that the runner keeps
+alive but the traced step does not use (``api.plan`` Note 4, ``predicted_peak_bytes`` = the
+trace's peak + them). They are alive all along: drawn as inputs at every op, so the curve's
+maximum is the plan's predicted peak.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class StepView:
     exact: bool                          # allocated's maximum is est.peak_bytes (Note 1)
     info: OpInfo
     context_bytes: int                   # outside the allocator (GPU target), drawn below
+    held_bytes: int = 0                  # alive beside the traced step all along (Note 3),
+                                         # already in allocated and by_category["inputs"]
 
     @property
     def peak_op(self) -> int:
@@ -54,16 +61,21 @@ class StepView:
         return "<br>".join(parts)
 
 
-def step_view(est, tracker=None, *, label: str = "", allocator=None) -> StepView:
-    """The view of ``est``; ``tracker``: its trace's record (``report._capture.traced``)."""
+def step_view(est, tracker=None, *, label: str = "", allocator=None,
+              held_bytes: int = 0) -> StepView:
+    """The view of ``est``; ``tracker``: its trace's record (``report._capture.traced``);
+    ``held_bytes``: the caller's bytes alive beside the step (Note 3)."""
     cuda = est.basis == "cuda-model"
     if tracker is not None:
         r = replay(est, tracker, allocator=allocator)
         allocated, by_cat, exact = r.allocated, r.by_category, True
     else:
         allocated, by_cat, exact = list(est.timeline), dict(est.timeline_by_category), not cuda
+    if held_bytes:
+        allocated = [v + held_bytes for v in allocated]
+        by_cat = {**by_cat, "inputs": [v + held_bytes for v in by_cat["inputs"]]}
     return StepView(est, label, allocated, by_cat, exact, annotate(est),
-                    est.context_bytes if cuda else 0)
+                    est.context_bytes if cuda else 0, held_bytes)
 
 
 def downsample(values: list[int], max_points: int = MAX_POINTS) -> list[int]:
