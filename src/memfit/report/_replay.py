@@ -93,6 +93,10 @@ class _Cuda:
         h = self.a.malloc(nbytes)
         block = self.a._live[h]
         grew = self.reserved - before
+        if grew < 0 and not self.expandable:
+            raise ValueError("the allocator model released cached segments to serve a request "
+                             "(a capacity was set): such a replay is not written as a snapshot; "
+                             "estimate without AllocatorConfig(capacity_bytes=...)")
         segment = (block.addr, grew) if grew and not self.expandable else None
         return h, (block.addr if block else 0), (block.size if block else 0), segment
 
