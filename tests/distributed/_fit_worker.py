@@ -32,7 +32,8 @@ def run_rank(rank: int, world_size: int, port: int, job: dict, out_dir: str) -> 
                 m.set_custom_reduce_scatter(in_place_reduce_scatter())
         with memfit.track(runner.model, runner.optimizer, budget=job.get("budget")) as t:
             loss = runner.step(mine)
-        params = {name: full(p).detach().clone() for name, p in runner.model.named_parameters()}
+        params = {name.removeprefix("module."): full(p).detach().clone()     # DDP's wrapper
+                  for name, p in runner.model.named_parameters()}
         if rank == 0:
             torch.save(params, os.path.join(out_dir, "params.pt"))
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -44,7 +44,8 @@ def single_process(arch: str, batch_size: int) -> dict:
 def assert_same(params: dict, expected: dict):
     assert params.keys() == expected.keys()
     for name, p in params.items():
-        torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("sharding", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])

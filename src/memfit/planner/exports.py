@@ -381,4 +381,8 @@ def to_accelerate_config(plan: "Plan", batch_size: int, world_size: int = 1) -> 
         optimizer_impl=plan.knobs.optimizer_impl))
 
 
-from memfit.planner._export_deepspeed import to_deepspeed_config  # noqa: E402  (Note 4)
+
+def to_deepspeed_config(plan: "Plan", batch_size: int, world_size: int = 1) -> Export:
+    """A DeepSpeed config with the ZeRO stage the plan maps to (``planner._export_deepspeed``)."""
+    from memfit.planner._export_deepspeed import to_deepspeed_config as make
+    return make(plan, batch_size, world_size)
