@@ -33,6 +33,7 @@ def auto(gpt2):
                                offload_optimizer=False), budget
 
 
+@pytest.mark.slow          # 2 traces + 1-3 sharded re-traces; light siblings: test_refusals,
 def test_auto_shards_and_the_retrace_is_the_answer(gpt2, auto):
     model, batch, _ = gpt2
     planned, budget = auto
@@ -48,6 +49,7 @@ def test_auto_shards_and_the_retrace_is_the_answer(gpt2, auto):
     assert again.peak_bytes == p.predicted_peak_bytes
 
 
+@pytest.mark.slow          # test_sharding_export.py, tests/cli/test_plan_sharding.py
 def test_the_plan_says_why(auto):
     planned, _ = auto
     text = " ".join(planned.plan.reasons)

@@ -116,17 +116,18 @@ def _print_rows(console, args, head: str, rows, seconds: float) -> int:
 
     t = Table(title=f"{head}: the fewest GPUs of each kind that fit (modelled, "
                     "cheapest GPU-seconds per step first)")
-    for col in ("GPU", "usable", "GPUs", "layout", "precision", "per GPU", "step", "GPU-s",
-                "link"):
-        t.add_column(col)
+    for col in ("GPU", "GPUs", "layout", "per GPU", "of", "step", "GPU-s", "link"):
+        t.add_column(col, no_wrap=col in ("GPU", "layout"))
     for r in rows:
+        link = r.link.split(" (")[0]
         if r.gpus is None:
-            t.add_row(r.gpu, format_bytes(r.usable_bytes), "-", "does not fit", r.precision,
-                      "-", "-", "-", r.link)
+            t.add_row(r.gpu, "-", "does not fit", "-", format_bytes(r.usable_bytes), "-", "-",
+                      link)
             continue
-        t.add_row(r.gpu, format_bytes(r.usable_bytes), str(r.gpus), r.layout, r.precision,
-                  format_bytes(r.rank_bytes), f"{r.step_s:.3g} s", f"{r.gpu_seconds:.3g}",
-                  r.link)
+        layout = r.layout.split(", ", 1)[1] if ", " in r.layout else r.layout
+        t.add_row(r.gpu, str(r.gpus), f"{layout} {r.precision}", format_bytes(r.rank_bytes),
+                  format_bytes(r.usable_bytes), f"{r.step_s:.3g} s", f"{r.gpu_seconds:.3g}",
+                  link)
     console.print(t)
     console.print("modelled from one device's traces (memfit.api._plan_sharded Note 5); "
                   "`memfit plan --gpus auto --gpu NAME` re-traces one card's answer. "
