@@ -30,6 +30,8 @@ def run_rank(rank: int, world_size: int, port: int, job: dict, out_dir: str) -> 
         for m in runner.model.modules():
             if hasattr(m, "set_custom_reduce_scatter"):
                 m.set_custom_reduce_scatter(in_place_reduce_scatter())
+        if "ballast_rank" in job:            # one rank over the budget: every rank must stop
+            return _stop_all(rank, runner, mine, job, out_dir)
         with memfit.track(runner.model, runner.optimizer, budget=job.get("budget")) as t:
             loss = runner.step(mine)
         params = {name.removeprefix("module."): full(p).detach().clone()     # DDP's wrapper
@@ -41,3 +43,17 @@ def run_rank(rank: int, world_size: int, port: int, job: dict, out_dir: str) -> 
                        "knobs": runner.plan.knobs.to_dict()}, f)
     finally:
         dist.destroy_process_group()
+
+
+def _stop_all(rank, runner, batch, job, out_dir):
+    """Rank ``ballast_rank`` holds a budget's worth of extra bytes through the step."""
+    error = None
+    with memfit.track(runner.model, runner.optimizer):
+        ballast = torch.empty(job["budget"] // 4 if rank == job["ballast_rank"] else 0)
+        try:
+            runner.step(batch)
+        except memfit.OutOfMemory as e:
+            error = {"op": e.op, "notes": list(getattr(e, "__notes__", []))}
+        del ballast
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"error": error}, f)

@@ -28,7 +28,8 @@ from tests.helpers import tiny
 def run_job(job: dict) -> tuple[dict, list[dict]]:
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(run_rank, args=(2, free_port(), job, d), nprocs=2)
-        params = torch.load(os.path.join(d, "params.pt"))
+        path = os.path.join(d, "params.pt")
+        params = torch.load(path) if os.path.exists(path) else None
         ranks = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(2)]
     return params, ranks
 
@@ -69,3 +70,17 @@ def test_planned_run_stays_under_the_budget_on_every_rank():
         assert r["knobs"]["gpus"] == 2 and r["knobs"]["sharding"] in ("fsdp", "ddp")
     assert ranks[0]["knobs"] == ranks[1]["knobs"]                     # one plan for all
     assert_same(params, single_process("llama-1b", 4))
+
+
+@pytest.mark.slow
+def test_one_rank_over_the_budget_stops_every_rank():
+    """Rank 0 holds extra bytes through the step: its optimizer-step check fails, and rank 1,
+    under the budget, must stop too, at the same point (oom_guard Note 6), not hang or step."""
+    model, batch = tiny("llama-1b", batch_size=4)
+    half = {k: v[:2] for k, v in batch.items()}
+    budget = memfit.estimate_sharded(model, half, "adamw", "cpu", world_size=2).peak_bytes * 2
+    _, ranks = run_job({"arch": "llama-1b", "batch": 4, "budget": budget, "ballast_rank": 0,
+                        "knobs": {"gpus": 2, "device": "cpu"}})
+    for r in ranks:
+        assert r["error"] is not None and r["error"]["op"] == "optimizer.step"
+        assert any("rank 0 would cross the budget" in n for n in r["error"]["notes"])

@@ -49,7 +49,7 @@ from memfit.api.estimate import estimate
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.planner import Plan
-from memfit.planner.memory_model import MemoryModel
+from memfit.planner.memory_model import MemoryModel, optimizer_rise_bytes
 from memfit.planner.search import Constraints, search
 from memfit.planner.sharding import (Candidate, ShardedTime, candidates, interconnect,
                                      shard_estimate, state_bytes)
@@ -327,7 +327,7 @@ def _planned(k, row: Row, verified, device_bytes: int, models: _Models, spec, bu
                 predicted_device_bytes=device_bytes,
                 predicted_step_time_ratio=choice.step_s / baseline, device=spec.name,
                 budget_bytes=budget, batch_size=row.rank_batch, block_costs=costs,
-                reasons=why)
+                predicted_optimizer_step_bytes=optimizer_rise_bytes(verified), reasons=why)
     return ShardedPlanned(plan, choice.step_s, c, rows, verified, link)
 
 

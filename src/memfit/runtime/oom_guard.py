@@ -38,6 +38,16 @@ Note 4 (distributed). Under DDP/FSDP with more than one rank the guard is off: r
 have to agree on one new plan, and an OOM on one rank leaves the others inside a collective.
 ``runner.applied.notes`` says so when the runner is built, and an OOM re-raises with a note.
 
+Note 6 (ranks agree before the optimizer step). Under more than one rank the check of Note 3
+is collective: every rank puts its excess in its own slot of a vector, one ``all_reduce``
+sums it (a gather), and if any rank would cross its budget every rank raises
+``memfit.OutOfMemory`` with a note naming that rank and its excess. The optimizer step of
+FSDP2 and DDP runs no collective, so without this one rank would stop and the others would
+step and then wait for it forever in the next collective; here all stop at the same point, with
+the parameters unchanged on every rank. An out-of-memory error inside the forward or
+backward still leaves the other ranks inside a collective (Note 4): there is no agreement
+possible mid-step.
+
 Note 5 (a re-plan that fails). When ``replan`` raises (``BudgetTooSmall``: nothing fits what
 is left of the budget; or any other error while planning or building), the runner is left as
 it was before the batch: its techniques are put back on the modules (each handle's
@@ -121,14 +131,37 @@ def live_device_bytes(device_type: str) -> int | None:
 def check_optimizer_step(step_bytes: int | None, budget_bytes: int | None,
                          device_type: str) -> None:
     """Raise ``memfit.OutOfMemory`` before an optimizer step predicted to add ``step_bytes``
-    would cross ``budget_bytes`` (Note 3); None for either skips the check."""
+    would cross ``budget_bytes`` (Note 3); None for either skips the check. Under several
+    ranks every rank raises when one would cross it (Note 6)."""
     if budget_bytes is None or step_bytes is None:
         return
     live = live_device_bytes(device_type)
-    if live is None or live + step_bytes <= budget_bytes:
+    excess = 0 if live is None else live + step_bytes - budget_bytes
+    worst, where = _agree(excess, device_type)
+    if worst <= 0:
         return
-    raise OutOfMemory(requested_bytes=step_bytes, live_bytes=live, budget_bytes=budget_bytes,
-                      op="optimizer.step")
+    e = OutOfMemory(requested_bytes=step_bytes, live_bytes=live or 0,
+                    budget_bytes=budget_bytes, op="optimizer.step")
+    if where is not None:
+        e.add_note(f"memfit: rank {where} would cross the budget by {format_bytes(worst)} in "
+                   "the optimizer step, so every rank stops here, before any parameter "
+                   "changes (memfit.runtime.oom_guard Note 6)")
+    raise e
+
+
+def _agree(excess: int, device_type: str) -> tuple[int, int | None]:
+    """The largest excess over the ranks and the rank that has it (Note 6); this rank's alone
+    outside a job."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return excess, None
+    world = dist.get_world_size()
+    device = "cuda" if device_type == "cuda" else "cpu"
+    every = torch.zeros(world, dtype=torch.int64, device=device)
+    every[dist.get_rank()] = excess
+    dist.all_reduce(every)                       # each rank fills its own slot: a gather
+    rank = int(torch.argmax(every))
+    return int(every[rank]), rank
 
 
 @contextlib.contextmanager
