@@ -52,9 +52,9 @@ def test_remat_on_one_trace_follows_the_simulation():
     cap = int(est.peak_bytes * 0.85)
     tight = remat_on(est, est.device, "fp32", 2, cap)
     sim = simulate_dtr(est.timeline, spans_from_modules(est.modules, est.blocks), cap)
-    assert tight.fits and (tight.evictions, tight.recompute_flops, tight.peak_bytes) == \
-        (sim.evictions, sim.recompute_flops, sim.peak_bytes) and tight.evictions >= 1
-    assert tight.remat_s > tight.plain_s
+    assert tight.fits and (tight.evictions, tight.recompute_flops) == \
+        (sim.evictions, sim.recompute_flops) and tight.evictions >= 1
+    assert sim.peak_bytes <= tight.peak_bytes <= cap and tight.remat_s > tight.plain_s
     assert static_seconds(1.5, [roomy, tight]) == pytest.approx(1.5 * 2 * roomy.plain_s)
 
 

@@ -24,7 +24,8 @@ Note 4 (the longest sequence). When even the floor misses the budget, ``BudgetTo
 how long an input the floor's configuration could hold: the batch's tensors that share its
 sequence length (dimension 1 of every tensor of two or more dimensions: ids, masks, labels)
 are cut to a shorter length, and a bisection over the length traces the configuration at each
-(with the allocator replayed on a GPU: those are the bytes the budget caps). A batch without
+(without the allocator replay, plus the CUDA context), then confirms the answer with the
+replay (on a GPU those are the bytes the budget caps), bisecting below it where that fails. A batch without
 such a dimension (images) has no sequence lever.
 """
 
@@ -98,10 +99,11 @@ def first_samples(batch, n: int):
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, part)
 
 
-def longest_sequence(batch, fits) -> tuple[int | None, int] | None:
+def longest_sequence(batch, fits, confirm=None) -> tuple[int | None, int] | None:
     """``(longest length whose batch fits, the batch's length)`` (Note 4); ``fits(batch)`` ->
-    bool traces one. None when the batch has no sequence dimension; longest is None when even
-    length 1 does not fit."""
+    bool traces one (fast, no allocator replay), ``confirm(batch)`` (default ``fits``) settles
+    the answer (replayed), lower lengths bisected by it where it fails. None when the batch has
+    no sequence dimension; longest is None when even length 1 does not fit."""
     if not isinstance(batch, dict):
         return None
     lengths = {v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim >= 2}
@@ -115,8 +117,13 @@ def longest_sequence(batch, fits) -> tuple[int | None, int] | None:
         return {k: v[:, :n].clone() if isinstance(v, torch.Tensor) and v.ndim >= 2 else v
                 for k, v in batch.items()}
 
-    good, bad = 0, given
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        good, bad = (mid, bad) if fits(cut(mid)) else (good, mid)
+    def bisect(test, good: int, bad: int) -> int:
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if test(cut(mid)) else (good, mid)
+        return good
+
+    good = bisect(fits, 0, given)
+    if confirm is not None and good and not confirm(cut(good)):
+        good = bisect(confirm, 0, good)
     return (good or None), given

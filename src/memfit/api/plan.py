@@ -56,8 +56,10 @@ A caller's fixed ``optimizer_state`` / ``offload_params`` is in every trace.
 Note 9 (DTR). ``remat=True`` plans DTR alone on the whole batch (planner.remat_choice Note 1;
 with ``BudgetTooSmall`` at DTR's floor). With ``remat`` unset, a static plan that was found is
 weighed against DTR over ``batches`` (representative batches of the job, the planned one the
-largest; default: the planned batch alone) and DTR taken where it is predicted faster
-(remat_choice Note 2). ``remat=False`` never weighs it.
+largest) and DTR taken where it is predicted faster (remat_choice Note 2). Where every batch
+has the same shapes (or none are given) DTR is not weighed: on one batch the static search
+already spans what DTR does (whole-block recomputes, remat_choice Note 1), so a DTR advantage
+there would be the two models' disagreement, not a gain. ``remat=False`` never weighs it.
 
 Note 6 (the optimizer implementation). With ``optimizer_impl`` unset and the optimizer given
 by name or factory, the planner may switch the implementation on a GPU target (optimizers
@@ -292,12 +294,16 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                                      plain, floor_est))
     values = knob_values(floor_choice, models[floor_choice.key][0].blocks, k)
 
-    def fits(part) -> bool:         # the floor's configuration on a shorter batch (_floor Note 4)
+    def fits(part, replay=False) -> bool:   # the floor's configuration, shorter (_floor Note 4)
         say("tracing the least-memory configuration on shorter sequences")
-        est = estimate(model, part, precision=floor_choice.precision, **values, **common)
-        return est.device_bytes + held[floor_choice.precision] <= budget_bytes
+        est = estimate(model, part, precision=floor_choice.precision, allocator_replay=replay,
+                       **values, **common)
+        return est.device_bytes + held[floor_choice.precision] + \
+            (ctx_bytes if not replay else 0) <= budget_bytes
 
-    seq = longest_sequence(batch, fits) if user_step is None else None
+    ctx_bytes = models[floor_choice.key][0].context_bytes
+    confirm = (lambda part: fits(part, replay=True)) if spec.kind == "cuda" else None
+    seq = longest_sequence(batch, fits, confirm) if user_step is None else None
     raise too_small(ctx.floor_bytes, models[floor_choice.key][0], describe(floor_choice, b),
                     budget_bytes, excluded_levers(k, numerics, user_step is not None), seq,
                     counted=counted_levers(k, numerics, user_step is not None,
@@ -450,6 +456,8 @@ class _RematWeigh:
 
     def faster_than(self, static: Plan) -> Plan | None:
         """The DTR plan where it is predicted faster than ``static`` over the workload."""
+        if len({_shapes(w) for w in (self.batches or [self.batch])}) < 2:
+            return None            # one batch: the static search spans DTR's choices (Note 9)
         rows = self.rows()
         if not all(r[0].fits for r in rows):
             return None
@@ -465,6 +473,11 @@ class _RematWeigh:
             "plain step on every batch), because DTR evicts and recomputes only on the "
             f"batches over the budget ({sum(r.evictions > 0 for r in batches)} of {n}); the "
             "numerics do not change (recompute is bitwise)"])
+
+
+def _shapes(batch) -> tuple:
+    """The shapes of a batch's tensors (what makes two workload batches differ for DTR)."""
+    return tuple(tuple(t.shape) for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
 
 
 def _weigh(remat: _RematWeigh | None, planned: Planned) -> Planned:
@@ -528,8 +541,9 @@ class _Levers:
         self._done.add("params")
         if k.offload_params is not None or k.offload_optimizer is False or self.user_step:
             return False
+        first = next(iter(self.traces))         # the precision auto prefers
         return add_param_offload(self.models, self.traces, self.trace, self.spec, self.b,
-                                 self.say)
+                                 self.say, precisions=[first])
 
 
 def _constraints(model: nn.Module, k: Knobs, b: int) -> Constraints:

@@ -2,13 +2,15 @@
 the static plan's.
 
 Note 1 (DTR on one batch). The plain step's trace is replayed under the budget by
-``trace.dtr_sim`` (its Notes 1-3): the peak it keeps and the blocks it evicts. Each evicted
-block is recomputed once, at the start of its backward, so DTR's time is the plain step's plus
-one ``recompute`` of every evicted block, as the time model prices it (time_model Note 4; the
-runtime's bookkeeping, two hooks per block call and one pack per saved tensor, is left out:
-``benchmarks/dtr.py`` measures it within noise of the plain step on CPU). A batch whose DTR
-peak passes the budget (nothing left to evict at some op: the simulation's floor is above it)
-makes DTR infeasible for the workload.
+``trace.dtr_sim`` (its Notes 1-3): the peak it keeps, the blocks it evicts. Each evicted block
+is recomputed once, at the start of its backward. The simulation leaves out a recompute's
+transient bytes (dtr_sim Note 2), so to be priced like the static plans DTR's time on a batch
+is that of the cheapest set of whole-block recomputes the memory model finds under the same
+cap (search ``_best_for`` with keep / recompute only, the whole batch, the optimizer as given:
+what DTR does with the blocks, chosen well), its peak the larger of the two predictions; the
+runtime's bookkeeping (two hooks per block call, one pack per saved tensor) is left out:
+``benchmarks/dtr.py`` measures it within noise of the plain step on CPU. A batch neither
+prediction fits under the cap makes DTR infeasible for the workload.
 
 Note 2 (a workload). A static plan is made once, for the largest batch the job sees, and pays
 its recompute / offload / micro-batches on every batch; DTR pays only where a batch is over the
@@ -30,6 +32,7 @@ import numpy as np
 
 from memfit.planner.memory_model import MemoryModel
 from memfit.planner.plan import Plan
+from memfit.planner.search import Constraints, _best_for
 from memfit.planner.time_model import TimeModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
 
@@ -59,10 +62,15 @@ def remat_on(est, spec, precision: str, b: int, cap_bytes: int) -> RematBatch:
     keep = ("keep",) * len(memory.blocks)
     plain_s = time.step_s(b, b, keep, False)
     sim = simulate_dtr(est.timeline, spans_from_modules(est.modules, est.blocks), cap_bytes)
-    index = {name: i for i, name in enumerate(memory.blocks)}
-    extra = sum(time.mode_s(index[n], "recompute", b, 1, b) for n in sim.evicted if n in index)
-    return RematBatch(plain_s, plain_s + extra, sim.peak_bytes, sim.floor_bytes, sim.evictions,
-                      sim.recompute_flops, sim.peak_bytes <= cap_bytes)
+    only = Constraints(micro_batch_size=b, offload_optimizer=False,
+                       modes={n: ("keep", "recompute") for n in memory.blocks})
+    found = _best_for(memory, time, (precision, None), b, b, False, cap_bytes, only)
+    if found is False:                   # the static model sees no recompute set that fits
+        return RematBatch(plain_s, float("inf"), sim.peak_bytes, sim.floor_bytes,
+                          sim.evictions, sim.recompute_flops, False)
+    peak = max(sim.peak_bytes, found.allocated_bytes)
+    return RematBatch(plain_s, found.step_s, peak, sim.floor_bytes, sim.evictions,
+                      sim.recompute_flops, sim.peak_bytes <= cap_bytes and peak <= cap_bytes)
 
 
 def static_seconds(ratio: float, batches: list[RematBatch]) -> float:

@@ -4,12 +4,14 @@ state and per parameter offload, from a trace of each (search Note 6).
 Note 1 (what is traced). The caller (``api.plan``) passes ``trace(precision, samples, **knobs)``
 (an ``estimate`` without the allocator replay; ``samples`` ``None`` for the whole batch, else
 the first ``samples`` of it) so that this layer imports nothing above it.
-- A low-bit state ``s`` costs one trace of the whole batch at each precision's plain step with
-  ``optimizer_state=s``: memory_model Note 9 and time_model Note 8 read the state's bytes and
-  its step off it; the forward and backward points stay the fp32-state model's.
+- A low-bit state ``s`` costs one trace of the whole batch (the first precision's plain step
+  with ``optimizer_state=s``), shared by every precision: memory_model Note 9 and time_model
+  Note 8 read the state's bytes and its step off it (the state does not depend on the
+  autocast precision; another precision's forward has other ops, so its points shift by the
+  state's bytes alone); the forward and backward points stay the fp32-state model's.
 - Parameter offload ("all" blocks, with the optimizer state on the host: it needs it) costs two
-  traces (the whole batch and half of it, memory_model Note 2): fetched weights change every
-  point of the step. Its model allows the optimizer state on the host only and no activation
+  traces (the whole batch and half of it, memory_model Note 2), at the precision "auto"
+  prefers (the one traced first): fetched weights change every point of the step. Its model allows the optimizer state on the host only and no activation
   offload (memory_model Note 10), and its time model pays the host link for every offloaded
   weight twice per micro-batch (time_model Note 7).
 
@@ -22,9 +24,11 @@ nothing else fits, and by the floor.
 Note 3 (precisions under "auto"). On a GPU: the 16-bit autocast the card has (bf16 where it
 supports it: fp32's range, no loss scaling; else fp16 with a GradScaler), bf16-pure where bf16
 is supported (bf16 weights, activations and gradients, fp32 master weights for the optimizer:
-no casts, the least activation bytes, the most change to the numerics), and fp32 itself where
-the card's 16-bit matmuls are no faster than its fp32 ones (time_model Note 2: Pascal), so that
-16-bit buys only memory and its casts cost time. On a CPU: fp32.
+no casts, the least activation bytes, the most change to the numerics), and fp32 itself, the
+user's numerics: it wins where the card's 16-bit matmuls are no faster than its fp32 ones
+(time_model Note 2: Pascal; it is then listed second, after the 16-bit the card has), so that
+16-bit buys only memory and its casts cost time, and where a small step is bound by launches,
+not matmuls. On a CPU: fp32.
 """
 
 from __future__ import annotations
@@ -48,16 +52,17 @@ def add_low_bit(models: dict, traces: dict, trace: Callable, say: Callable[[str]
     its optimizer over the parameters (Note 1); ``traces``: precision -> its plain trace.
     Returns the states added (those torchao and the optimizer accept)."""
     added = []
+    keys = [k for k in models if len(k) == 2 and k[1] is None and k[0] != "bf16-pure"]
     for state in states:
-        for key in [k for k in models if len(k) == 2 and k[1] is None]:
+        est = None
+        for key in keys:                       # bf16-pure's optimizer steps fp32 masters
             precision = key[0]
-            if precision == "bf16-pure":       # its optimizer steps fp32 masters: not weighed
-                continue
-            say(f"tracing the plain step with {state} optimizer state ({precision})")
-            try:
-                est = trace(precision, None, optimizer_state=state)
-            except (ValueError, ImportError):  # torchao missing, a class it has no version of
-                break
+            if est is None:                    # one trace per state, shared (Note 1)
+                say(f"tracing the plain step with {state} optimizer state ({precision})")
+                try:
+                    est = trace(precision, None, optimizer_state=state)
+                except (ValueError, ImportError):  # torchao missing, a class it lacks
+                    break
             memory, time = models[key]
             models[variant_key(precision, None, state)] = (
                 memory.with_optimizer_state(est), time.with_optimizer_step(est))
@@ -67,11 +72,12 @@ def add_low_bit(models: dict, traces: dict, trace: Callable, say: Callable[[str]
 
 
 def add_param_offload(models: dict, traces: dict, trace: Callable, spec, b: int,
-                      say: Callable[[str], None]) -> bool:
-    """Add a parameter-offload model per precision that may offload its optimizer (Note 1).
-    Returns whether any was added."""
+                      say: Callable[[str], None], precisions=None) -> bool:
+    """Add a parameter-offload model per precision (of ``precisions``, default all) that may
+    offload its optimizer (Note 1). Returns whether any was added."""
     added = False
-    for key in [k for k in models if len(k) == 2 and k[1] is None]:
+    for key in [k for k in models if len(k) == 2 and k[1] is None and
+                (precisions is None or k[0] in precisions)]:
         precision = key[0]
         memory = models[key][0]
         if True not in memory.placements or not memory.blocks:
@@ -101,9 +107,9 @@ def auto_precisions(spec) -> list[str]:
     if spec.kind != "cuda":
         return ["fp32"]
     half = "bf16" if spec.supports_bf16 else "fp16"
-    out = [half]
+    out = [half, "fp32"] if flop_rate(spec, half) <= spec.peak_fp32_flops else [half]
     if spec.supports_bf16:
         out.append("bf16-pure")
-    if flop_rate(spec, half) <= spec.peak_fp32_flops:
+    if "fp32" not in out:
         out.append("fp32")
     return out
