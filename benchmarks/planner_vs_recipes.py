@@ -4,7 +4,8 @@ on CPU (issue 6). The GPU part is ``planner_check`` in benchmarks/gpu_check.py.
     python benchmarks/planner_vs_recipes.py [--quick] [--json] [--rounds 5] [--no-compile]
 
 Wall time on the shared 2-core CPU box (load 3-5): full ~11 min (compiles cached: inductor's
-cold compiles add ~1 min per level), --quick ~4 min. Step times there swing 2-5x from other
+cold compiles add ~1 min per level), --quick ~4 min (with issue 15's levers, at load ~8: 37
+min for --quick --no-compile). Step times there swing 2-5x from other
 jobs; interleaving (Note 2) shares that noise but medians of 5 still move by ~10-20 %.
 
 Budgets: the plain fp32 step's peak x 1.0 / 0.75 / 0.5 / 0.3, and memfit's floor + 10 % (the
@@ -24,6 +25,14 @@ floor: ``BudgetTooSmall.floor_bytes`` of a plan at a 1-byte budget). Methods:
   same with ``offload="none", offload_optimizer=False``: on a CPU, host offload moves bytes to the
   same RAM (a CPU budget excludes memfit's host pool, DESIGN "Budgets"), so this row is what
   memfit does with the levers the recipes have.
+- memfit every lever: ``plan(..., allow_numerics_change=True, offload="none",
+  offload_optimizer=False)``: the planner may also take a low-bit optimizer state (issue 15),
+  with host offload kept out for the reason above (parameter offload needs it).
+- torchao 8-bit: torchao's AdamW8bit alone (``optimizer_state="8bit"``, memfit's eager step of
+  torchao's functions, bitwise torchao's eager step: techniques.low_bit_optimizer Note 2).
+- param offload: FSDP/ZeRO-3-style full parameter offload alone (``offload_params="all"`` with
+  the optimizer state on the host: every block's weights fetched per forward and backward).
+- DTR: ``memfit.fit(..., budget=budget, remat=True)`` alone (no planning: evictions at run time).
 
 Recipes that do not depend on the budget (plain, hf-recipe) are measured once and compared
 against every budget. Each method is measured in its own model (same seed, same weights).
@@ -223,13 +232,26 @@ class Bench:
         return Method("compile", f"inductor, activation_memory_budget {level}", step, peak,
                       "profiler")
 
+    def remat(self, budget: int) -> Method | str:
+        """DTR alone under ``budget`` (its own runtime counter keeps it)."""
+        from memfit.techniques.remat import RematBudgetTooSmall
+        try:
+            return self.runner("DTR", "remat=True under the budget",
+                               dict(budget=budget, remat=True))
+        except (RematBudgetTooSmall, memfit.OutOfMemory) as e:
+            return f"DTR cannot keep this budget ({type(e).__name__})"
+
     def memfit_plan(self, budget: int, label: str, **fixed) -> Method | str:
         try:
             p = plan(self.base, self.batch, budget, **fixed)
         except memfit.BudgetTooSmall as e:
             return f"BudgetTooSmall (floor {memfit.format_bytes(e.floor_bytes)})"
         knobs = {k: v for k, v in p.knobs.to_dict().items() if v is not None}
-        shown = {k: v for k, v in knobs.items() if k not in ("remat",)}
+        shown = dict(knobs)
+        if p.knobs.remat:                      # DTR chosen: it keeps the budget at run time
+            knobs["budget"] = budget
+        else:
+            shown.pop("remat", None)
         m = self.runner(label, _describe(shown), knobs)
         m.predicted_peak_bytes, m.predicted_ratio = p.predicted_peak_bytes, \
             p.predicted_step_time_ratio
@@ -296,6 +318,12 @@ def run_model(name: str, args, console) -> tuple[list[dict], dict]:
 
     with console.status(f"{name}: hf recipe"):
         hf = bench.hf_recipe(args.hf_dtype)
+    with console.status(f"{name}: torchao 8-bit AdamW alone"):
+        low_bit = bench.runner("torchao 8-bit", "AdamW8bit (optimizer_state=8bit)",
+                               dict(optimizer_state="8bit"))
+    with console.status(f"{name}: full parameter offload alone"):
+        params_off = bench.runner("param offload", "offload_params=all, optimizer on host",
+                                  dict(offload_params="all", offload_optimizer=True))
     n_blocks = len(memfit.measure.find_blocks(bench.base))
     uniform = []
     for k in range(n_blocks, 0, -1):              # fewest checkpoints (most memory) first
@@ -316,8 +344,12 @@ def run_model(name: str, args, console) -> tuple[list[dict], dict]:
     planned: dict[tuple[str, int], Method | str] = {}
     cache: dict[str, Method] = {}
     for label, budget in budgets:
+        with console.status(f"{name}: DTR alone at {fmt(budget)}"):
+            planned[("DTR", budget)] = bench.remat(budget)
         for kind, fixed in (("memfit", {}),
-                            ("memfit no-offload", dict(offload="none", offload_optimizer=False))):
+                            ("memfit no-offload", dict(offload="none", offload_optimizer=False)),
+                            ("memfit every lever", dict(offload="none", offload_optimizer=False,
+                                                        allow_numerics_change=True))):
             with console.status(f"{name}: {kind} plan at {fmt(budget)}"):
                 m = bench.memfit_plan(budget, kind, **fixed)
             if isinstance(m, Method):            # the same knobs share one runner
@@ -325,7 +357,9 @@ def run_model(name: str, args, console) -> tuple[list[dict], dict]:
                 m = cache.setdefault(key, m)
             planned[(kind, budget)] = m
 
-    methods = [plain, hf, *uniform, *compiled, *{id(m): m for m in cache.values()}.values()]
+    dtr = [m for (kind, _), m in planned.items() if kind == "DTR" and isinstance(m, Method)]
+    methods = [plain, hf, low_bit, params_off, *uniform, *compiled,
+               *{id(m): m for m in cache.values()}.values(), *dtr]
     control_model, control_opt = bench.fresh()
     control = lambda: canonical_step(control_model, control_opt, bench.batch)   # noqa: E731
     control(), control()
@@ -342,10 +376,12 @@ def run_model(name: str, args, console) -> tuple[list[dict], dict]:
         table.add_column(col, justify="left" if col in ("method", "setting") else "right")
     for label, budget in budgets:
         table.add_section()
-        chosen = [(m.label, m) for m in (plain, hf, largest_fitting(uniform, budget))]
+        chosen = [(m.label, m) for m in (plain, hf, low_bit, params_off,
+                                          largest_fitting(uniform, budget))]
         if compiled:
             chosen.append(("compile", largest_fitting(compiled, budget)))
-        chosen += [(k, planned[(k, budget)]) for k in ("memfit", "memfit no-offload")]
+        chosen += [(k, planned[(k, budget)]) for k in ("DTR", "memfit", "memfit no-offload",
+                                                        "memfit every lever")]
         for i, (kind, m) in enumerate(chosen):
             b = f"{label}\n{fmt(budget)}" if i == 0 else ""
             if isinstance(m, str):

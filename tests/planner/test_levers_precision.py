@@ -49,4 +49,4 @@ def test_auto_plans_say_which_numerics_change_and_fit_their_modelled_budget():
     if p.knobs.precision != "fp32":
         said = next(r for r in p.reasons if r.startswith(f"precision {p.knobs.precision}"))
         assert "numerics change" in said or "change to the numerics" in said
-        assert "supports bf16" in said
+        assert "supports" in said and "bf16" in said         # why: the card's support
