@@ -1,6 +1,6 @@
 """``estimate(gpus=N, sharding=...)`` and ``memfit estimate --gpus N --sharding ...`` are one rank's
 ``estimate_sharded`` (whose equality with real gloo ranks is tests/distributed's); incomplete or
-mixed settings are refused naming the knobs, and the planner still refuses them (not yet)."""
+mixed settings are refused naming the knobs, and the planner keeps the layout it was given."""
 
 import json
 
@@ -47,10 +47,16 @@ def test_incomplete_or_mixed_settings_are_refused(tiny, knobs, says):
         memfit.estimate(model, batch, "adamw", device="cpu", **knobs)
 
 
-def test_the_planner_does_not_shard_yet(tiny):
+def test_the_planner_keeps_a_given_layout_and_predicts_one_ranks_trace(tiny):
+    """plan's batch is the whole job's, split over the ranks (api._plan_sharded Note 1); estimate's
+    with gpus=N is one rank's. The plan's prediction is estimate_sharded of its rank's batch."""
     model, batch = tiny
-    with pytest.raises(ValueError, match="gpus=2 needs planning over several GPUs"):
-        memfit.plan(model, batch, "1GiB", device="cpu", gpus=2, sharding="fsdp")
+    p = memfit.plan(model, batch, "1GiB", device="cpu", gpus=2, sharding="fsdp")
+    assert (p.knobs.gpus, p.knobs.sharding) == (2, "fsdp")
+    rank_batch = {k: v[:1] for k, v in batch.items()}            # 2 samples over 2 ranks
+    one_rank = memfit.estimate_sharded(model, rank_batch, "adamw", "cpu", world_size=2,
+                                       reshard_after_forward=p.knobs.reshard_after_forward)
+    assert p.predicted_peak_bytes == one_rank.peak_bytes
 
 
 def test_cli_flags(tiny, tiny_gpt2, capsys):
