@@ -192,6 +192,10 @@ class Ledger:
         sid = self._sid_of.get(storage._cdata)
         return None if sid is None else self._category[sid]
 
+    def categories(self) -> list[int]:
+        """The final category of every storage id (Note 2), indexed by id; a copy."""
+        return list(self._category)
+
     def address_events(self) -> list[tuple[int, int]]:
         """(address, +/- bytes) of the region's births and deaths in order, host storages
         included (an independent allocator log can be matched against it, block for block)."""

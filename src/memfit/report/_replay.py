@@ -91,14 +91,14 @@ class _Cuda:
     def malloc(self, nbytes: int):
         before = self.reserved
         h = self.a.malloc(nbytes)
-        block = self.a._live[h]
+        addr, size = self.a.block_of(h) or (0, 0)
         grew = self.reserved - before
         if grew < 0 and not self.expandable:
             raise ValueError("the allocator model released cached segments to serve a request "
                              "(a capacity was set): such a replay is not written as a snapshot; "
                              "estimate without AllocatorConfig(capacity_bytes=...)")
-        segment = (block.addr, grew) if grew and not self.expandable else None
-        return h, (block.addr if block else 0), (block.size if block else 0), segment
+        segment = (addr, grew) if grew and not self.expandable else None
+        return h, addr, size, segment
 
     def free(self, handle: int):
         self.a.free(handle)
@@ -120,7 +120,7 @@ def replay(est, tracker, *, allocator: AllocatorConfig | None = None,
     n = len(est.timeline)
     ops = tracker.op_events[len(tracker.op_events) - n:]
     last = n - 1 if stop_after_op is None else stop_after_op
-    cats = ledger._category                      # storage id -> final category (ledger Note 2)
+    cats = ledger.categories()                     # storage id -> final category (ledger Note 2)
     live: dict = {}                              # key -> (handle, addr, block bytes, req, cat, fr)
     segments: dict[int, int] = {}                # address -> bytes
     by_cat = [0] * len(CATEGORIES)

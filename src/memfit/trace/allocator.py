@@ -139,6 +139,11 @@ class CachingAllocator:
             self._num_malloc_segments + len(self._expandable), self._num_allocs, self._num_frees,
             self._max_idle, self._num_retries)
 
+    def block_of(self, handle: int) -> tuple[int, int] | None:
+        """(address, block bytes) of a live allocation; None for a zero-byte one."""
+        block = self._live[handle]
+        return None if block is None else (block.addr, block.size)
+
     def malloc(self, nbytes: int, stream: int = 0) -> int:
         """Allocate ``nbytes`` on ``stream``; returns a handle for ``free``."""
         size, handle = round_size(nbytes), next(self._handles)
