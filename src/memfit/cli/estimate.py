@@ -95,6 +95,10 @@ def _check(args) -> None:
     """Everything that needs no trace, before the trace."""
     check_paths(args, "--plot")
     _report_args.check(args)
+    if _static_plan.wanted(args) and (args.gpus or 1) > 1:
+        raise ValueError("--static-plan needs the storages of one traced step, which an "
+                         "estimate of one rank of a sharded job does not keep yet: drop "
+                         "--gpus/--sharding, or --static-plan")
     if args.remat and args.budget is None and not args.reserve:
         raise ValueError("--remat simulates DTR under a budget: give --budget (e.g. 80% of the "
                          "step's peak)")
