@@ -256,6 +256,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     add_precisions()
     levers.add_low_bit()
     margins: dict = {}
+    failed: dict = {}
     for attempt in range(_ATTEMPTS):
         say("searching" if attempt == 0 else f"searching again (attempt {attempt + 1})")
         for q in models:
@@ -278,7 +279,10 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
             return _weigh(remat, Planned(_make_plan(ctx, choice, est, models[choice.key],
                                                     reasons), plain, est))
         short = est.device_bytes + held[q] - budget_bytes + _SLACK_BYTES
-        margins[choice.key] = margins.get(choice.key, 0) + short
+        failed[choice.key] = failed.get(choice.key, 0) + 1
+        # a variant that missed twice is dropped, so the next attempts weigh the others
+        margins[choice.key] = margins.get(choice.key, 0) + short \
+            if failed[choice.key] < 2 else budget_bytes
     _, floor_choice, floor_est = least()
     if ctx.floor_bytes <= budget_bytes:
         if floor_est is None or floor_est.reserved_bytes == floor_est.peak_bytes and \
