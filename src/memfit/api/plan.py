@@ -126,7 +126,11 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
     ``allow_numerics_change``: weigh low-bit optimizer states (default: only under
     precision "auto"; Note 8). ``batches``: representative batches of the job, against which
     DTR is weighed (``remat`` unset; ``remat=True`` plans DTR; Note 9).
+    ``gpus=N`` or ``"auto"``, ``sharding``: several GPUs (``api._plan_sharded``).
     """
+    from memfit.api._plan_sharded import is_sharded, plan_sharded
+    if is_sharded(kwargs):
+        return plan_sharded(model, batch, budget, optimizer, device, loss_fn, **kwargs)
     return plan_traced(model, batch, budget, optimizer, device, loss_fn, **kwargs).plan
 
 
@@ -149,6 +153,9 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     """``plan``, with the plain and the chosen traces (for plots and reports)."""
     say = on_progress or (lambda message: None)
     k = Knobs.from_kwargs(**knobs)
+    from memfit.api._plan_sharded import is_sharded
+    if is_sharded(knobs):
+        raise ValueError("gpus/sharding: use memfit.plan (plan_traced plans one device)")
     numerics = _numerics_allowed(allow_numerics_change, k)
     k.check_available()
     _check_remat(k, step)

@@ -11,6 +11,7 @@ from memfit.cli._args import add_zero_grad_arg, positive_float, positive_int, pr
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model, check_paths, make_batch,
                                 optimizer_impl_knob, resolve_target)
+from memfit.cli import _plan_sharding
 from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, export_path, hf_trainer
 from memfit.cli._json import byte_counts_checked
 from memfit.cli.estimate import describe_batch, trainable_line
@@ -73,6 +74,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write device bytes over the step before (plain) and after (planned), "
                         "with the budget line")
+    from memfit.cli import _report_args        # --report, --snapshot (report.html, .snapshot)
+    _report_args.add_arguments(g)
+    _plan_sharding.add_arguments(p)
     p.set_defaults(run=run)
     return p
 
@@ -99,6 +103,8 @@ def _check(args) -> None:
 
 def run(args) -> int:
     _check(args)                  # before the imports: bad input is refused at once
+    if (code := _plan_sharding.run_if_asked(args, _knobs(args))) is not None:
+        return code
     hf = check_hf_args(args, precision_default="auto")
     target = resolve_target(args)
     if hf is not None:
@@ -130,6 +136,11 @@ def run(args) -> int:
                           titles=(f"plain step ({planned.plain.knobs.precision})",
                                   f"with the plan ({p.knobs.precision})"),
                           suptitle=f"{spec.name}, {described}, {args.optimizer}, {p.device}")
+    from memfit.cli import _report_args        # --report, --snapshot: plain beside planned
+    for line in _report_args.write_plan(args, model, batch, planned, optimizer=args.optimizer,
+                                        device=target.device, where=target.where(),
+                                        title=f"{spec.name}, {described}, {args.optimizer}"):
+        console.print(line, markup=False, highlight=False)
     if args.json:
         out.update({"model": spec.name, "task": args.task or spec.default_task,
                     "batch": {k: list(v.shape) for k, v in batch.items()},
