@@ -75,32 +75,28 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from memfit.api._choice import describe, knob_values
 from memfit.api._floor import first_samples, least_memory, longest_sequence
+from memfit.api._plan_levers import Levers, numerics_allowed, state_knobs
+from memfit.api._plan_remat import Planned, RematWeigh, check_remat, held_bytes, weigh
 from memfit.api._plan_words import (counted_levers, excluded_levers, global_reasons,
                                     host_bytes, too_small)
 from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._user_step import STEP_FIXED_NOTE, as_user_step, check_step_knobs
 from memfit.api._validate import check_batch
-from memfit.api.estimate import Estimate, estimate
-from memfit.errors import BudgetTooSmall
+from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
-from memfit.measure import storages_of
 from memfit.optimizers import OptimizerRecipe, impl_of, supports_impl
 from memfit.planner import Plan
 from memfit.planner.memory_model import MemoryModel, optimizer_rise_bytes
 from memfit.planner.search import Choice, Constraints, search
-from memfit.planner.remat_choice import MARGIN, remat_on, remat_plan, static_seconds
 from memfit.planner.time_model import TimeModel
-from memfit.planner.variants import add_low_bit, add_param_offload, auto_precisions
+from memfit.planner.variants import auto_precisions
 from memfit.step import prepare_batch
 from memfit.techniques._blocks import resolve_policy
 from memfit.techniques.accumulation import batch_size_of
-from memfit.techniques.precision import Precision
 from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["plan", "plan_traced", "Planned"]
@@ -134,16 +130,6 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
     return plan_traced(model, batch, budget, optimizer, device, loss_fn, **kwargs).plan
 
 
-@dataclass
-class Planned:
-    """A plan with the traces behind it: the plain step (at the plan's precision, the whole
-    batch in one micro-batch) and the step with the plan applied (its re-trace)."""
-
-    plan: Plan
-    plain: Estimate
-    chosen: Estimate
-
-
 def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
                 loss_fn: Callable | None = None, *, count_fn: Callable | None = None,
                 allocator=None, on_progress: Callable[[str], None] | None = None,
@@ -156,9 +142,9 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     from memfit.api._plan_sharded import is_sharded
     if is_sharded(knobs):
         raise ValueError("gpus/sharding: use memfit.plan (plan_traced plans one device)")
-    numerics = _numerics_allowed(allow_numerics_change, k)
+    numerics = numerics_allowed(allow_numerics_change, k)
     k.check_available()
-    _check_remat(k, step)
+    check_remat(k, step)
     spec = resolve_device(model, device)
     budget_bytes = parse_bytes(budget) if budget is not None else spec.usable_bytes
     if budget_bytes > spec.usable_bytes and spec.kind == "cuda":
@@ -183,7 +169,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
                   allocator=allocator, max_grad_norm=k.max_grad_norm, zero_grad=k.zero_grad,
                   step=user_step, scheduler=scheduler)
-    state = _state_knobs(k)          # a fixed optimizer_state / offload_params, in every trace
+    state = state_knobs(k)          # a fixed optimizer_state / offload_params, in every trace
     say(f"tracing the plain step ({user}, batch {b})")
     plain = estimate(model, batch, precision=user, optimizer_impl=k.optimizer_impl, **state,
                      **common)
@@ -205,18 +191,18 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         models[(p, impl)] = memory.with_optimizer_step(other), time.with_optimizer_step(other)
     user_pair = models[key] if p == user else _user_models(plain, spec, user, b)
     baseline_s = _plain_s(user_pair, b)
-    held = {q: 0 if user_step else _held_bytes(original, q) for q in {p, user}}   # Note 4
+    held = {q: 0 if user_step else held_bytes(original, q) for q in {p, user}}   # Note 4
     ctx = _Context(k, spec, budget_bytes, baseline_s, b, held, user, default_impl,
                    plain.device_bytes + held[user], bool(variants), user_step is not None)
     ctx.fp32_state_bytes = models[key][0].optimizer_state_bytes
     remat = None
     if k.remat is not False and user_step is None:     # DTR weighed (planner.remat_choice)
-        remat = _RematWeigh(model, batch, batches, plain, common, spec, user, b, budget_bytes,
+        remat = RematWeigh(model, batch, batches, plain, common, spec, user, b, budget_bytes,
                             state, k, say)
         if k.remat:                # fixed by the caller: its plan, or its floor
             return remat.fixed(plain)
     traced_floor = None
-    levers = _Levers(model, batch, models, {p: base}, common, spec, b, k, numerics,
+    levers = Levers(model, batch, models, {p: base}, common, spec, b, k, numerics,
                      user_step is not None, say)
 
     def add_precisions():          # the other precisions "auto" weighs (variants Note 3)
@@ -229,7 +215,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                                    **state, **common)
                 models[(q, k.optimizer_impl)] = _models(model, batch, est, common, spec, q, b,
                                                         k.optimizer_impl, say, state)
-                held[q] = 0 if user_step else _held_bytes(original, q)
+                held[q] = 0 if user_step else held_bytes(original, q)
                 levers.traces[q] = est
 
     others = [q for q in auto_precisions(spec) if q != p] \
@@ -283,7 +269,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
             reasons = [] if attempt == 0 else [
                 f"the first {attempt} choice(s) re-traced over the budget; the search ran again "
                 f"{format_bytes(margins[choice.key] - held[q])} tighter"]
-            return _weigh(remat, Planned(_make_plan(ctx, choice, est, models[choice.key],
+            return weigh(remat, Planned(_make_plan(ctx, choice, est, models[choice.key],
                                                     reasons), plain, est))
         short = est.device_bytes + held[q] - budget_bytes + _SLACK_BYTES
         failed[choice.key] = failed.get(choice.key, 0) + 1
@@ -299,7 +285,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                                  **knob_values(floor_choice,
                                                 models[floor_choice.key][0].blocks, k),
                                  **common)
-        return _weigh(remat, Planned(_make_plan(ctx, floor_choice, floor_est,
+        return weigh(remat, Planned(_make_plan(ctx, floor_choice, floor_est,
                                                 models[floor_choice.key],
                                                 ["only the least-memory configuration fits"]),
                                      plain, floor_est))
@@ -315,7 +301,10 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     ctx_bytes = models[floor_choice.key][0].context_bytes
     confirm = (lambda part: fits(part, replay=True)) if spec.kind == "cuda" else None
     seq = longest_sequence(batch, fits, confirm) if user_step is None else None
-    raise too_small(ctx.floor_bytes, models[floor_choice.key][0], describe(floor_choice, b),
+    # what the weights, gradients and state need on the device: the floor's precision with
+    # everything on the device (the floor's own model may hold block weights on the host)
+    on_device = models.get(floor_choice.key[:2]) or models[floor_choice.key]
+    raise too_small(ctx.floor_bytes, on_device[0], describe(floor_choice, b),
                     budget_bytes, excluded_levers(k, numerics, user_step is not None), seq,
                     counted=counted_levers(k, numerics, user_step is not None,
                                            sorted({q[0] for q in models})))
@@ -378,185 +367,6 @@ def _models(model, batch, est, common, spec, precision: str, b: int, impl, say, 
     return memory, TimeModel(est, spec, precision, b, memory, half)
 
 
-def _check_remat(k: Knobs, step) -> None:
-    """DTR fixed by the caller plans the whole batch with nothing else fixed but the
-    optimizer's placement (planner.remat_choice Note 1)."""
-    if not k.remat:
-        return
-    if step is not None:
-        raise ValueError("remat=True with step=fn: DTR is not planned for a user step yet; "
-                         "use memfit.fit(..., step=fn, budget=..., remat=True)")
-    fixed = [n for n in ("micro_batch_size", "checkpoint", "offload", "offload_params")
-             if getattr(k, n) not in (None, "none")]
-    if fixed:
-        raise ValueError(f"remat=True with {', '.join(fixed)} fixed: DTR runs the whole batch "
-                         "and evicts what the budget needs, so a static choice beside it is "
-                         f"not planned; leave {', '.join(fixed)} unset (memfit then weighs "
-                         "DTR against static plans with remat unset)")
-
-
-class _RematWeigh:
-    """DTR over the workload (planner.remat_choice Notes 1-2): traced once, on demand."""
-
-    def __init__(self, model, batch, batches, plain, common, spec, user, b, budget_bytes,
-                 state, k: Knobs, say):
-        self.model, self.batch, self.batches, self.plain = model, batch, batches, plain
-        self.common, self.spec, self.user, self.b = common, spec, user, b
-        self.budget_bytes, self.state, self.k, self.say = budget_bytes, state, k, say
-        self._rows = None
-
-    def _knobs(self) -> dict:
-        return dict(self.state, offload_optimizer=bool(self.k.offload_optimizer))
-
-    def rows(self):
-        """Per workload batch: (RematBatch, held bytes)."""
-        if self._rows is None:
-            out, seen = [], {}
-            work = [None] if self.batches is None else list(self.batches)
-            for i, given in enumerate(work):
-                w = self.batch if given is None else prepare_batch(given)
-                if id(given) in seen:          # the same batch again: traced once
-                    out.append(seen[id(given)])
-                    continue
-                if given is None and not self.k.offload_optimizer:
-                    est = self.plain
-                else:
-                    self.say(f"tracing the plain step for DTR (workload batch {i + 1} of "
-                             f"{len(work)})")
-                    est = estimate(self.model, w, precision=self.user,
-                                   optimizer_impl=self.k.optimizer_impl, **self._knobs(),
-                                   **self.common)
-                held = _held_bytes(w, self.user)
-                ratio = est.reserved_bytes / max(est.peak_bytes, 1)
-                cap = int((self.budget_bytes - est.context_bytes) / ratio) - held
-                out.append((remat_on(est, self.spec, self.user, batch_size_of(w), cap), held,
-                            ratio, est))
-                seen[id(given)] = out[-1]
-            self._rows = out
-        return self._rows
-
-    def plan(self, reasons: list[str]) -> Plan:
-        rows = self.rows()
-        est = rows[0][3]
-        k = self.k.replace(remat=True, precision=self.user, micro_batch_size=self.b,
-                           checkpoint="none", offload="none",
-                           offload_optimizer=bool(self.k.offload_optimizer))
-        return remat_plan(k, [r[0] for r in rows], device=self.spec.name,
-                          budget_bytes=self.budget_bytes, b=self.b,
-                          held_bytes=max(r[1] for r in rows),
-                          device_ratio=max(r[2] for r in rows), context_bytes=est.context_bytes,
-                          reasons=reasons, optimizer_step_bytes=optimizer_rise_bytes(est))
-
-    def fixed(self, plain) -> Planned:
-        """remat=True: the DTR plan, or ``BudgetTooSmall`` with DTR's floor."""
-        rows = self.rows()
-        if not all(r[0].fits for r in rows):
-            worst = max(rows, key=lambda r: r[0].floor_bytes)
-            floor = int(worst[0].floor_bytes * worst[2]) + worst[1] + worst[3].context_bytes
-            raise BudgetTooSmall(
-                f"DTR cannot keep {format_bytes(self.budget_bytes)}: with every block's saved "
-                f"tensors evicted the step still needs {format_bytes(floor)} (what is alive "
-                "outside the blocks, and the optimizer step). Plan without remat=True to weigh "
-                "the static levers (micro-batches, offload, optimizer state on the host), or "
-                "raise the budget", floor_bytes=floor, budget_bytes=self.budget_bytes)
-        p = self.plan(["remat=True (as you set it): DTR evicts blocks' saved tensors when the "
-                       "budget is reached and recomputes them when backward needs them; "
-                       f"predicted {sum(r[0].evictions for r in rows)} eviction(s) over "
-                       f"{len(rows)} batch(es)"])
-        return Planned(p, plain, plain)
-
-    def faster_than(self, static: Plan) -> Plan | None:
-        """The DTR plan where it is predicted faster than ``static`` over the workload."""
-        if len({_shapes(w) for w in (self.batches or [self.batch])}) < 2:
-            return None            # one batch: the static search spans DTR's choices (Note 9)
-        rows = self.rows()
-        if not all(r[0].fits for r in rows):
-            return None
-        batches = [r[0] for r in rows]
-        static_s = static_seconds(static.predicted_step_time_ratio, batches)
-        remat_s = sum(r.remat_s for r in batches)
-        if remat_s >= static_s * (1 - MARGIN):
-            return None
-        n = len(batches)
-        return self.plan([
-            f"DTR (remat) over the {n} workload batch(es): predicted {remat_s / static_s:.2f}x "
-            f"the time of the best static plan ({static.predicted_step_time_ratio:.2f}x the "
-            "plain step on every batch), because DTR evicts and recomputes only on the "
-            f"batches over the budget ({sum(r.evictions > 0 for r in batches)} of {n}); the "
-            "numerics do not change (recompute is bitwise)"])
-
-
-def _shapes(batch) -> tuple:
-    """The shapes of a batch's tensors (what makes two workload batches differ for DTR)."""
-    return tuple(tuple(t.shape) for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
-
-
-def _weigh(remat: _RematWeigh | None, planned: Planned) -> Planned:
-    """The static plan, or DTR where it is predicted faster (planner.remat_choice Note 2)."""
-    if remat is None:
-        return planned
-    dtr = remat.faster_than(planned.plan)
-    return planned if dtr is None else Planned(dtr, planned.plain, planned.plain)
-
-
-def _numerics_allowed(allow: bool | None, k: Knobs) -> bool:
-    """Whether levers that change the numerics (low-bit optimizer states) may be weighed:
-    as the caller says, else under precision "auto" only (the API's default keeps them)."""
-    if allow is not None and not isinstance(allow, bool):
-        raise ValueError(f"allow_numerics_change must be True, False or None, got {allow!r}")
-    return allow if allow is not None else k.precision == "auto"
-
-
-def _state_knobs(k: Knobs) -> dict:
-    """The caller's fixed optimizer_state / offload_params, for every trace (parameter offload
-    needs the optimizer state on the host)."""
-    out = {}
-    if k.optimizer_state is not None:
-        out["optimizer_state"] = k.optimizer_state
-    if k.offload_params not in (None, "none"):
-        out["offload_params"] = k.offload_params
-        out["offload_optimizer"] = True if k.offload_optimizer is None else k.offload_optimizer
-    return out
-
-
-class _Levers:
-    """Adds the planner's lever models on demand (planner.variants Note 2), once each."""
-
-    def __init__(self, model, batch, models, traces, common, spec, b, k: Knobs,
-                 numerics: bool, user_step: bool, say):
-        self.models, self.traces, self.spec, self.b, self.say = models, traces, spec, b, say
-        self.k, self.numerics, self.user_step = k, numerics, user_step
-        self.low_bit: list[str] = []
-        self._done: set[str] = set()
-
-        def trace(precision, samples, **knobs):
-            part = batch if samples is None else first_samples(batch, samples)
-            return estimate(model, part, precision=precision, allocator_replay=False,
-                            **knobs, **common)
-        self.trace = trace
-
-    def add_low_bit(self) -> None:
-        k = self.k
-        if "low_bit" in self._done:
-            return
-        self._done.add("low_bit")
-        if self.numerics and k.optimizer_state is None and k.optimizer_impl is None and \
-                not self.user_step and k.offload_params in (None, "none"):
-            self.low_bit = add_low_bit(self.models, self.traces, self.trace, self.say)
-
-    def add_param_offload(self) -> bool:
-        """Whether models were added now (False: done before, or not allowed)."""
-        k = self.k
-        if "params" in self._done:
-            return False
-        self._done.add("params")
-        if k.offload_params is not None or k.offload_optimizer is False or self.user_step:
-            return False
-        first = next(iter(self.traces))         # the precision auto prefers
-        return add_param_offload(self.models, self.traces, self.trace, self.spec, self.b,
-                                 self.say, precisions=[first])
-
-
 def _constraints(model: nn.Module, k: Knobs, b: int) -> Constraints:
     """What the caller fixed, knob by knob (search Note 3)."""
     modes = None
@@ -599,22 +409,6 @@ def _as_choice(model_pair, key, b: int, est) -> Choice:
     modes = ("keep",) * len(memory.blocks)
     return Choice(key[0], b, modes, False, est.peak_bytes, est.device_bytes,
                   time.step_s(b, b, modes, False), key[1])
-
-
-def _held_bytes(batch, precision: str) -> int:
-    """Bytes of the caller's batch the step does not use but ``runner.step(batch)`` keeps alive
-    beside it (Note 4): an all-ones mask that is dropped, bf16-pure's fp32 originals."""
-    used = Precision(Precision.Config(precision)).prepare_batch(prepare_batch(batch))
-    kept = {st._cdata for t in tree_leaves(used) if isinstance(t, torch.Tensor)
-            for st in storages_of(t)}
-    seen, total = set(), 0
-    for t in tree_leaves(batch):
-        if isinstance(t, torch.Tensor):
-            for st in storages_of(t):
-                if st._cdata not in kept and st._cdata not in seen:
-                    seen.add(st._cdata)
-                    total += st.nbytes()
-    return total
 
 
 _PLAN_FIELDS = {f.name for f in dataclasses.fields(Plan)}

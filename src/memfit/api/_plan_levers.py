@@ -1,0 +1,70 @@
+"""The planner's levers beyond the per-block modes (``api.plan`` Note 8): low-bit optimizer
+states where the numerics may change, and parameter offload, each modelled on demand, once.
+"""
+
+from __future__ import annotations
+
+from memfit.api._floor import first_samples
+from memfit.api.estimate import estimate
+from memfit.knobs import Knobs
+from memfit.planner.variants import add_low_bit, add_param_offload
+
+__all__ = ["Levers", "numerics_allowed", "state_knobs"]
+
+
+def numerics_allowed(allow: bool | None, k: Knobs) -> bool:
+    """Whether levers that change the numerics (low-bit optimizer states) may be weighed:
+    as the caller says, else under precision "auto" only (the API's default keeps them)."""
+    if allow is not None and not isinstance(allow, bool):
+        raise ValueError(f"allow_numerics_change must be True, False or None, got {allow!r}")
+    return allow if allow is not None else k.precision == "auto"
+
+
+def state_knobs(k: Knobs) -> dict:
+    """The caller's fixed optimizer_state / offload_params, for every trace (parameter offload
+    needs the optimizer state on the host)."""
+    out = {}
+    if k.optimizer_state is not None:
+        out["optimizer_state"] = k.optimizer_state
+    if k.offload_params not in (None, "none"):
+        out["offload_params"] = k.offload_params
+        out["offload_optimizer"] = True if k.offload_optimizer is None else k.offload_optimizer
+    return out
+
+
+class Levers:
+    """Adds the planner's lever models on demand (planner.variants Note 2), once each."""
+
+    def __init__(self, model, batch, models, traces, common, spec, b, k: Knobs,
+                 numerics: bool, user_step: bool, say):
+        self.models, self.traces, self.spec, self.b, self.say = models, traces, spec, b, say
+        self.k, self.numerics, self.user_step = k, numerics, user_step
+        self.low_bit: list[str] = []
+        self._done: set[str] = set()
+
+        def trace(precision, samples, **knobs):
+            part = batch if samples is None else first_samples(batch, samples)
+            return estimate(model, part, precision=precision, allocator_replay=False,
+                            **knobs, **common)
+        self.trace = trace
+
+    def add_low_bit(self) -> None:
+        k = self.k
+        if "low_bit" in self._done:
+            return
+        self._done.add("low_bit")
+        if self.numerics and k.optimizer_state is None and k.optimizer_impl is None and \
+                not self.user_step and k.offload_params in (None, "none"):
+            self.low_bit = add_low_bit(self.models, self.traces, self.trace, self.say)
+
+    def add_param_offload(self) -> bool:
+        """Whether models were added now (False: done before, or not allowed)."""
+        k = self.k
+        if "params" in self._done:
+            return False
+        self._done.add("params")
+        if k.offload_params is not None or k.offload_optimizer is False or self.user_step:
+            return False
+        first = next(iter(self.traces))         # the precision auto prefers
+        return add_param_offload(self.models, self.traces, self.trace, self.spec, self.b,
+                                 self.say, precisions=[first])
