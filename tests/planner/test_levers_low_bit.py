@@ -115,3 +115,30 @@ def test_plan_weighs_low_bit_states_only_when_numerics_may_change():
     assert measured.peak_bytes == p.predicted_peak_bytes <= fp32_floor - 1
     # the floor fell by what the two least configurations measure
     assert p.floor_bytes <= measured.peak_bytes < fp32_floor
+
+
+@pytest.mark.slow      # a floor and two plans (~1-2 min on 2 cores)
+def test_fit_passes_allow_numerics_change_to_its_plan():
+    """memfit.fit(..., allow_numerics_change=True) plans what memfit.plan plans with it: below
+    the fp32-state floor a low-bit state, and without it BudgetTooSmall."""
+    model, batch = _gpt2(2)
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        memfit.plan(model, batch, budget=1, offload_optimizer=False)
+    budget = info.value.floor_bytes - 1
+    expected = memfit.plan(model, batch, budget=budget, offload_optimizer=False,
+                           allow_numerics_change=True)
+    factory = lambda params: torch.optim.AdamW(params, lr=1e-3)      # noqa: E731
+    with pytest.raises(memfit.BudgetTooSmall):
+        memfit.fit(*_gpt2_pair(factory), budget=budget, offload_optimizer=False)
+    runner = memfit.fit(*_gpt2_pair(factory), budget=budget, offload_optimizer=False,
+                        allow_numerics_change=True)
+    try:
+        assert runner.plan.knobs == expected.knobs
+        assert runner.plan.knobs.optimizer_state in ("bf16", "8bit", "4bit")
+    finally:
+        runner.close()
+
+
+def _gpt2_pair(optimizer):
+    model, batch = _gpt2(2)
+    return model, optimizer, batch

@@ -26,7 +26,8 @@ __all__ = ["fit"]
 
 def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
         loss_fn: Callable | None = None, *, count_fn: Callable | None = None, scheduler=None,
-        max_seq_len: int | None = None, step: Callable | None = None, **knobs) -> Runner:
+        max_seq_len: int | None = None, step: Callable | None = None,
+        allow_numerics_change: bool | None = None, batches=None, **knobs) -> Runner:
     """A ``Runner`` that trains ``model`` one effective batch per ``runner.step(batch)``.
 
     ``optimizer``: an instance over the model's parameters (rebuilt only when a knob needs
@@ -52,6 +53,10 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     a job (``init_process_group`` first), the plan applied with FSDP2 or DDP over the job's
     ranks; ``batch`` is this rank's (``memfit.api._fit_sharded``).
 
+    ``allow_numerics_change``, ``batches``: as ``memfit.plan`` takes them (low-bit optimizer
+    states weighed; the workload's batches, against which DTR is weighed), for the plan made
+    under ``budget``, and for each re-plan after an out-of-memory error.
+
     ``step=fn``: the user's own training step ``fn(model, batch, optimizer)``; the plan is made
     for it (``memfit.plan(step=fn)``: per-block modes and the optimizer's placement only) and
     ``runner.step(batch)`` calls ``fn(runner.model, batch, runner.optimizer)`` with the plan
@@ -62,6 +67,8 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     """
     knobs_in = Knobs.from_kwargs(**knobs)
     knobs_in.check_available()
+    planning = {n: v for n, v in (("allow_numerics_change", allow_numerics_change),
+                                  ("batches", batches)) if v is not None}
     if is_sharded(knobs_in):          # one rank of a torchrun job (api._fit_sharded)
         if step is not None or max_seq_len is not None:
             raise ValueError("step and max_seq_len with gpus/sharding are not supported yet")
@@ -106,7 +113,7 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
         if hasattr(scheduler, "step") and knobs_in.offload_optimizer is None:
             knobs_in = knobs_in.replace(offload_optimizer=False)    # it would orphan the scheduler
         k, plan = _fit_budget(model, optimizer, planned, spec, loss_fn, count_fn, knobs_in,
-                              parse_bytes(budget), user, scheduler)
+                              parse_bytes(budget), user, scheduler, planning)
     if user is None:
         Accumulation(Accumulation.Config(k.micro_batch_size)).warn_if_inexact(model, example)
     device_type = next((p.device.type for p in model.parameters()), "cpu")
@@ -116,7 +123,7 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
                             knobs_in.replace(precision=k.precision,
                                              offload_optimizer=k.offload_optimizer,
                                              optimizer_impl=k.optimizer_impl),
-                            parse_bytes(budget), device_type)
+                            parse_bytes(budget), device_type, planning)
     notes = []
     if user is not None:
         notes.append(f"step=fn: runner.step calls {user.name}(runner.model, batch, "
@@ -129,7 +136,7 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
 
 
 def _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn, fixed: Knobs,
-               budget: int, device_type: str):
+               budget: int, device_type: str, planning: dict):
     """The OOM guard's ``replan(excess)``: plan again with the budget lowered by every excess
     measured so far, precision and optimizer placement kept (the optimizer and its state carry
     over), and build the new Runner over the same model."""
@@ -143,7 +150,7 @@ def _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn, fixed: 
                                  "measured missing so far): raise the budget",
                                  floor_bytes=budget + missing[0], budget_bytes=budget)
         k, plan = _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, fixed,
-                              budget - missing[0])
+                              budget - missing[0], planning=planning)
         # the plan says what it was searched under; the runner holds the real budget
         note = (f"re-planned after running out of memory: planned under "
                 f"{format_bytes(budget - missing[0])}, {format_bytes(missing[0])} below the "
@@ -159,12 +166,13 @@ _REPLAN_MARGIN_BYTES = 64 * 2 ** 20
 
 
 def _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, k: Knobs, budget: int,
-                step=None, scheduler=None):
+                step=None, scheduler=None, planning: dict | None = None):
     """The planner's fastest configuration that fits ``budget`` (knobs the caller set kept);
     for a user ``step``, with its ``scheduler`` factory (an instance cannot be traced, and an
     LR scheduler holds no tensors)."""
     fixed = {name: v for name, v in k.to_dict().items() if v is not None}
     if step is not None:
         fixed.update(step=step, scheduler=None if hasattr(scheduler, "step") else scheduler)
-    p = plan(model, batch, budget, optimizer, spec, loss_fn, count_fn=count_fn, **fixed)
+    p = plan(model, batch, budget, optimizer, spec, loss_fn, count_fn=count_fn, **fixed,
+             **(planning or {}))
     return p.knobs, p
