@@ -111,3 +111,28 @@ def test_gpu_curve_with_the_record_is_the_allocators(tiny):
     texts = [t.get_text() for t in ax.texts]
     assert any(t.startswith(f"peak {memfit.units.format_bytes(est.peak_bytes + est.context_bytes)}")
                for t in texts)
+
+
+def test_plan_plot_on_a_gpu_target_draws_each_steps_allocator_curve(tiny):
+    """memfit plan --plot on a GPU target: both panels are the caching-allocator curve of
+    their step (re-traced once with the record, cli._report_args.plan_records), each topping
+    at that step's verdict: its allocated peak over the context band."""
+    import argparse
+
+    from memfit.api.plan import plan_traced
+    from memfit.cli._report_args import plan_records
+
+    model, batch = tiny
+    device = memfit.devices.get_device("t4")
+    planned = plan_traced(model, batch, None, "adamw", device)
+    args = argparse.Namespace()
+    records = plan_records(args, model, batch, planned, optimizer="adamw", device=device)
+    assert all(r is not None for r in records)
+    assert plan_records(args, model, batch, planned, optimizer="adamw",
+                        device=device) is records            # traced once per command
+    fig = before_after_figure(planned.plain, planned.chosen, limit_bytes=device.usable_bytes,
+                              records=records)
+    for ax, est in zip(fig.axes[:2], (planned.plain, planned.chosen)):
+        curve = _line(ax, "allocated (caching-allocator model)")
+        assert max(curve.get_ydata()) * _unit(ax) == pytest.approx(
+            est.peak_bytes + est.context_bytes, rel=1e-12)

@@ -127,15 +127,14 @@ def write_plan(args, model, batch, planned, *, optimizer: str, device, title: st
     if not (args.report or args.snapshot):
         return []
     check(args)
-    from memfit.report._capture import traced
-
     steps = []
     chosen, predicted = planned.chosen, planned.plan.predicted_peak_bytes
     held = max(0, predicted - chosen.peak_bytes) if predicted is not None else 0
-    for est, label, extra in ((planned.plain, "plain step", 0),
-                              (chosen, "with the plan", held)):   # report._view Note 3
-        tracker = _retrace(model, batch, est, optimizer, device, allocator, loss_fn, traced)
-        steps.append((est, tracker, f"{label} ({est.knobs.precision})", extra))
+    records = plan_records(args, model, batch, planned, optimizer=optimizer, device=device,
+                           allocator=allocator, loss_fn=loss_fn)
+    for est, tracker, label, extra in ((planned.plain, records[0], "plain step", 0),
+                                       (chosen, records[1], "with the plan", held)):
+        steps.append((est, tracker, f"{label} ({est.knobs.precision})", extra))  # _view Note 3
     out = []
     if args.report:
         from memfit.report.html import step_view, write_report
@@ -156,6 +155,19 @@ def write_plan(args, model, batch, planned, *, optimizer: str, device, title: st
         write_snapshot(args.snapshot, est, tracker, at=args.snapshot_at, allocator=allocator)
         out.append(f"snapshot of the planned step written to {args.snapshot}")
     return out
+
+
+def plan_records(args, model, batch, planned, *, optimizer: str, device, allocator=None,
+                 loss_fn=None) -> tuple:
+    """The trace records of the plain and the planned step (re-traced once per command, shared
+    by --plot, --report and --snapshot); None for a step whose re-trace differs."""
+    if getattr(args, "_plan_records", None) is None:
+        from memfit.report._capture import traced
+
+        args._plan_records = tuple(
+            _retrace(model, batch, est, optimizer, device, allocator, loss_fn, traced)
+            for est in (planned.plain, planned.chosen))
+    return args._plan_records
 
 
 def _retrace(model, batch, est, optimizer, device, allocator, loss_fn, traced):

@@ -129,14 +129,19 @@ def run(args) -> int:
         extras = _extras(spec, model, batch, args, target, status, planned.plan, out)
     p, seconds = planned.plan, time.perf_counter() - start
     described = describe_batch(batch)
+    from memfit.cli import _report_args        # --report, --snapshot: plain beside planned
     if args.plot:
         from memfit.report import plot_before_after
 
+        # on a GPU target the curve is the allocator's (plots Note 4): both steps re-traced
+        records = (_report_args.plan_records(args, model, batch, planned,
+                                             optimizer=args.optimizer, device=target.device)
+                   if planned.plain.basis == "cuda-model" else (None, None))
         plot_before_after(args.plot, planned.plain, planned.chosen, limit_bytes=p.budget_bytes,
                           titles=(f"plain step ({planned.plain.knobs.precision})",
                                   f"with the plan ({p.knobs.precision})"),
-                          suptitle=f"{spec.name}, {described}, {args.optimizer}, {p.device}")
-    from memfit.cli import _report_args        # --report, --snapshot: plain beside planned
+                          suptitle=f"{spec.name}, {described}, {args.optimizer}, {p.device}",
+                          records=records)
     for line in _report_args.write_plan(args, model, batch, planned, optimizer=args.optimizer,
                                         device=target.device, where=target.where(),
                                         title=f"{spec.name}, {described}, {args.optimizer}"):

@@ -154,14 +154,16 @@ def timeline_figure(est, *, limit_bytes: int | None = None, limit_label: str = "
 
 
 def before_after_figure(before, after, *, limit_bytes: int, limit_label: str = "budget",
-                        titles: tuple[str, str] = ("before", "after"), suptitle: str = ""):
-    """Two steps side by side on one scale (e.g. the plain step and the planned one)."""
+                        titles: tuple[str, str] = ("before", "after"), suptitle: str = "",
+                        records: tuple = (None, None)):
+    """Two steps side by side on one scale (e.g. the plain step and the planned one);
+    ``records``: each step's trace record, for the allocator's curve on a GPU target (Note 4)."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(15, 4.8), dpi=110, sharey=True,
                              layout="constrained")
     unit = _unit(max(before.device_bytes, after.device_bytes, limit_bytes or 0))
-    tops = [_draw(ax, est, limit_bytes, limit_label, title, unit)
-            for ax, est, title in zip(axes, (before, after), titles)]
+    tops = [_draw(ax, est, limit_bytes, limit_label, title, unit, record)
+            for ax, est, title, record in zip(axes, (before, after), titles, records)]
     axes[0].set_ylim(0, max(tops))            # shared: the higher step decides
     handles: dict = {}
     for ax in axes:                          # one legend entry per label, both panels
