@@ -7,6 +7,18 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt2_config(tmp_path_factory):
+    """A folder holding a tiny GPT-2 config.json (causal LM), for the CLI's --config."""
+    from memfit import zoo
+
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    cfg = zoo.get("gpt2").config(tiny=True)
+    cfg.architectures = ["GPT2LMHeadModel"]
+    cfg.save_pretrained(path)
+    return str(path)
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run slow tests")
 

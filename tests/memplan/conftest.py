@@ -22,13 +22,3 @@ def gpt2_cpu():
 @pytest.fixture(scope="session")
 def gpt2_gpu():
     return tiny_estimate("gpt2", "a100-80gb")
-
-
-@pytest.fixture(scope="session")
-def tiny_gpt2_config(tmp_path_factory):
-    """A folder holding a tiny GPT-2 config.json, for the CLI's --config."""
-    path = tmp_path_factory.mktemp("tiny-gpt2")
-    cfg = zoo.get("gpt2").config(tiny=True)
-    cfg.architectures = ["GPT2LMHeadModel"]
-    cfg.save_pretrained(path)
-    return str(path)

@@ -33,13 +33,3 @@ def gpu_step(tiny_step):
 def cpu_step(tiny_step):
     model, batch = tiny_step
     return traced_estimate(model, batch, device="cpu", micro_batch_size=2)
-
-
-@pytest.fixture(scope="session")
-def tiny_gpt2_config(tmp_path_factory):
-    """A folder holding a tiny GPT-2 config.json, for the CLI's --config."""
-    path = tmp_path_factory.mktemp("tiny-gpt2-report")
-    cfg = zoo.get("gpt2").config(tiny=True)
-    cfg.architectures = ["GPT2LMHeadModel"]
-    cfg.save_pretrained(path)
-    return str(path)

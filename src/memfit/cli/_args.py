@@ -130,20 +130,28 @@ def add_zero_grad_arg(g) -> None:
 
 
 def check_output_path(path: str | None, flag: str) -> None:
+    """Refuse a plot file that cannot be written, before any tracing (``check_output_file``)."""
+    check_output_file(path, flag, (".png", ".pdf", ".svg"),
+                      "the file name must end in .png, .pdf or .svg (the format is taken from it)")
+
+
+def check_output_file(path: str | None, flag: str, suffixes: tuple[str, ...],
+                      suffix_message: str | None = None) -> None:
     """Refuse an output file that cannot be written, before any tracing (a missing folder, a
-    folder given as the file, a read-only place)."""
+    folder given as the file, a read-only place, another suffix than ``suffixes``)."""
     if path is None:
         return
+    where = f"{flag} {path}" if flag else path
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: that is a folder; give a file name, e.g. "
-                         f"{os.path.join(path, 'memory.png')}")
+        raise ValueError(f"{where}: that is a folder; give a file name, e.g. "
+                         f"{os.path.join(path, 'memory' + suffixes[0])}")
     if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it "
+        raise ValueError(f"{where}: the folder {folder} does not exist; create it "
                          "(mkdir -p) or write the file elsewhere")
     if not os.access(folder, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
-        raise ValueError(f"{flag} {path}: cannot write there (permission denied); write the "
+        raise ValueError(f"{where}: cannot write there (permission denied); write the "
                          "file elsewhere")
-    if not path.lower().endswith((".png", ".pdf", ".svg")):
-        raise ValueError(f"{flag} {path}: the file name must end in .png, .pdf or .svg (the "
-                         "format is taken from it)")
+    if not path.lower().endswith(suffixes):
+        raise ValueError(f"{where}: " + (suffix_message or
+                                         f"the file name must end in {' or '.join(suffixes)}"))

@@ -7,7 +7,8 @@ Nothing here imports torch at import time (``memfit --help`` stays fast).
 from __future__ import annotations
 
 import contextlib
-import os
+
+from memfit.cli._args import check_output_file
 
 __all__ = ["add_arguments", "check", "recording", "write_estimate", "write_plan"]
 
@@ -40,7 +41,7 @@ def _checked(text: str, suffixes: tuple[str, ...]) -> str:
     import argparse
 
     try:
-        _check_file(text, suffixes)
+        check_output_file(text, "", suffixes)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -63,22 +64,6 @@ def check(args) -> None:
                                            getattr(args, "hf_args", None)):
         raise ValueError("--report and --snapshot draw memfit's own single-GPU step: leave "
                          "them out with --gpus or --hf-args")
-
-
-def _check_file(path: str, suffixes: tuple[str, ...]) -> None:
-    """Refuse a file that cannot be written."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"{path}: that is a folder; give a file name, e.g. "
-                         f"{os.path.join(path, 'memory' + suffixes[0])}")
-    if not os.path.isdir(folder):
-        raise ValueError(f"{path}: the folder {folder} does not exist; create it "
-                         "(mkdir -p) or write the file elsewhere")
-    if not os.access(folder, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
-        raise ValueError(f"{path}: cannot write there (permission denied); write the "
-                         "file elsewhere")
-    if not path.lower().endswith(suffixes):
-        raise ValueError(f"{path}: the file name must end in {' or '.join(suffixes)}")
 
 
 def wanted(args) -> bool:
