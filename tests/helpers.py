@@ -1,5 +1,7 @@
 """Shared test helpers: run the real canonical step the way estimate traces it."""
 
+import gc
+
 import torch
 
 import memfit
@@ -63,3 +65,26 @@ def train_seeded(model, batch, steps=2, autocast=None):
 def equal_params(a, b) -> bool:
     """Every parameter of ``a`` bitwise equal to ``b``'s, in order."""
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def foreign_bytes(job_tensors) -> int:
+    """Bytes of CPU storages alive in this process outside the job (other tests' models,
+    caches). remat's budget counts every byte on the device (its Note 8), so a session is given
+    ``budget + foreign_bytes`` and the job itself, counted by the oracle, must stay under
+    ``budget``: the same test alone or after a thousand others. Independent of memfit: a walk of
+    the garbage collector's tensors, deduplicated by storage."""
+    gc.collect()
+    mine = {t.untyped_storage()._cdata for t in job_tensors if t.layout is torch.strided}
+    seen, total = set(), 0
+    for t in gc.get_objects():
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.layout is not torch.strided:
+            continue
+        if isinstance(t, torch._subclasses.FakeTensor) or t.device.type != "cpu":
+            continue
+        grad = t.grad if t.is_leaf and t.requires_grad else None
+        for x in (t,) if grad is None else (t, grad):
+            st = x.untyped_storage()
+            if st._cdata not in mine and st._cdata not in seen:
+                seen.add(st._cdata)
+                total += st.nbytes()
+    return total

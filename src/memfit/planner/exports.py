@@ -167,15 +167,20 @@ def _exported(plan: "Plan", b: "_Batching", acts: "_Activations", *, precision: 
     else:
         ckpt = tuple(blocks[i] for i in acts.recompute)
         ckpt = "all" if len(ckpt) == len(blocks) else ckpt
+    # no export maps memfit's block-weight offload (_common_notes): the weights on the device
     return plan.knobs.replace(precision=precision, micro_batch_size=b.micro, checkpoint=ckpt,
                               offload=ckpt if acts.offload else "none",
                               offload_optimizer=offload_optimizer, max_grad_norm=clip,
-                              optimizer_impl=optimizer_impl, remat=None)
+                              optimizer_impl=optimizer_impl, remat=None, offload_params=None)
 
 
 def _common_notes(plan: "Plan", notes: list[str]) -> None:
     if plan.knobs.remat:
         notes.append("remat (DTR) has no counterpart: the export leaves it out")
+    if plan.knobs.offload_params not in (None, "none"):
+        notes.append("offload_params (block weights on the host) has no counterpart here: the "
+                     "export keeps the weights on the device (DeepSpeed ZeRO-3's offload_param "
+                     "is the nearest)")
 
 
 @dataclass(frozen=True)
