@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from memfit.measure import CATEGORIES
 from memfit.report._ops import OpInfo, annotate
 from memfit.report._replay import replay
+from memfit.report.plots import envelope
 
 __all__ = ["StepView", "step_view", "downsample", "MAX_POINTS"]
 
@@ -79,16 +80,10 @@ def step_view(est, tracker=None, *, label: str = "", allocator=None,
 
 
 def downsample(values: list[int], max_points: int = MAX_POINTS) -> list[int]:
-    """Op indices to draw (Note 2): each run's highest op, the last op, all if few."""
-    n = len(values)
-    if n <= max_points:
-        return list(range(n))
-    picks = []
-    for j in range(max_points):
-        lo, hi = j * n // max_points, (j + 1) * n // max_points
-        picks.append(max(range(lo, hi), key=values.__getitem__))
-    if picks[-1] != n - 1:
-        picks.append(n - 1)
+    """Op indices to draw (Note 2): each run's highest op (``plots.envelope``), the last op."""
+    picks = envelope(values, max_points)
+    if picks and picks[-1] != len(values) - 1:
+        picks.append(len(values) - 1)
     return picks
 
 

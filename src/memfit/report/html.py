@@ -185,14 +185,23 @@ def report_html(views: list[StepView], *, title: str, where: str, budget_bytes: 
     if plan is not None:
         notes.append(plan.explain())
     note_html = "".join(f'<pre class="note">{escape(n)}</pre>' for n in notes)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return page(title, f'<div class="verdicts" id="verdict">{verdicts}</div>{plot}'
+                       f"<h2>Blocks</h2>{blocks_table(last, plain, plan)}{note_html}",
+                f"memfit report, {stamp()}; figures are predicted from a trace on fake "
+                f"tensors{'' if last.validated else ' (CUDA model, unvalidated)'}.")
+
+
+def stamp() -> str:
+    """Now, as the reports' footers give it."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def page(title: str, body: str, footer: str) -> str:
+    """One self-contained HTML document: the style inline, ``title`` as its heading, ``body``
+    (HTML), ``footer`` (HTML) in a note at the end."""
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{escape(title)}</title>"
-            f"<style>{_STYLE}</style></head><body><h1>{escape(title)}</h1>"
-            f'<div class="verdicts" id="verdict">{verdicts}</div>{plot}'
-            f"<h2>Blocks</h2>{blocks_table(last, plain, plan)}{note_html}"
-            f'<p class="note">memfit report, {stamp}; figures are predicted from a trace on '
-            f"fake tensors{'' if last.validated else ' (CUDA model, unvalidated)'}.</p>"
-            "</body></html>")
+            f"<style>{_STYLE}</style></head><body><h1>{escape(title)}</h1>{body}"
+            f'<p class="note">{footer}</p></body></html>')
 
 
 def write_report(path: str, steps, *, title: str = "", where: str = "",

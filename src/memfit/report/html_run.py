@@ -11,10 +11,9 @@ longest batch, the budget and the batch's length. A step's own op-by-op timeline
 
 from __future__ import annotations
 
-import datetime
 from html import escape
 
-from memfit.report.html import _STYLE
+from memfit.report.html import page, stamp
 from memfit.units import GiB, MiB, format_bytes
 
 __all__ = ["run_report_html", "write_run_report"]
@@ -86,14 +85,12 @@ def run_report_html(records: list[dict], plan, *, title: str) -> str:
     table = (f'<table id="blocks" class="blocks"><thead><tr><th>block</th><th>mode</th>'
              f"<th>plan: saves (each)</th><th>plan: time (each)</th></tr></thead>"
              f"<tbody>{blocks}</tbody></table>" if blocks else "<p>No per-block modes.</p>")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{escape(title)}</title>"
-            f"<style>{_STYLE}</style></head><body><h1>{escape(title)}</h1>"
-            f'<div class="verdicts" id="verdict"><table class="verdict"><caption>{word}: '
-            f"{len(measured)} of {len(steps)} steps measured</caption>{verdict}</table></div>"
-            f"{plot}<h2>Blocks</h2>{table}<pre class=\"note\">{escape(plan.explain())}</pre>"
-            f'<p class="note">memfit train report, {stamp}. Each step\'s op-by-op memory: '
-            "memfit plan --report on the same model and batch.</p></body></html>")
+    return page(title, f'<div class="verdicts" id="verdict"><table class="verdict"><caption>'
+                       f"{word}: {len(measured)} of {len(steps)} steps measured</caption>"
+                       f"{verdict}</table></div>{plot}<h2>Blocks</h2>{table}"
+                       f'<pre class="note">{escape(plan.explain())}</pre>',
+                f"memfit train report, {stamp()}. Each step's op-by-op memory: memfit plan "
+                "--report on the same model and batch.")
 
 
 def write_run_report(path: str, records: list[dict], plan, *, title: str) -> str:
