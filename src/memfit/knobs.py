@@ -17,6 +17,7 @@ PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure", "auto")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 ZERO_GRADS = ("before-forward", "after-forward", "keep-buffers")
 SHARDINGS = ("none", "ddp", "fsdp")
+MP_POLICIES = ("bf16",)
 OPTIMIZER_STATES = ("fp32", "bf16", "8bit", "4bit")
 _POLICY = re.compile(r"^(none|all|selective|every:[1-9][0-9]*)$")
 
@@ -80,6 +81,9 @@ class Knobs:
         (True), keep them to the backward (False), or reshard to a group of this many ranks.
     fsdp_offload: FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer
         state on the host.
+    mp_policy: FSDP2's ``MixedPrecisionPolicy``: "bf16" (bf16 unsharded parameters and
+        compute, fp32 sharded parameters and gradient reduction; with precision "fp32", no
+        autocast) or None (none).
     """
 
     precision: str | None = None
@@ -97,6 +101,7 @@ class Knobs:
     reshard_after_forward: bool | int | None = None
     fsdp_offload: bool | None = None
     offload_params: str | tuple[str, ...] | None = None
+    mp_policy: str | None = None
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -112,6 +117,7 @@ class Knobs:
                              "(or None: before-forward, memfit's default)")
         _check_choice("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
         _check_choice("sharding", self.sharding, SHARDINGS)
+        _check_choice("mp_policy", self.mp_policy, MP_POLICIES)
         g = self.gpus
         if g is not None and g != "auto" and (isinstance(g, bool) or not isinstance(g, int)
                                               or g < 1):

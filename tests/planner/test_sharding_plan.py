@@ -81,8 +81,8 @@ def test_refusals(gpt2):
 def test_compare_gpus_orders_by_gpu_seconds(gpt2):
     model, batch, state = gpt2
     big = get_device("a100-40gb")
-    small = dataclasses.replace(big, name="a100-small", usable_bytes=big.cuda_context_bytes +
-                                big.cublas_workspace_bytes * 2 + int(state * 0.9))
+    card = big.cuda_context_bytes + big.cublas_workspace_bytes + big.autograd_workspace_bytes
+    small = dataclasses.replace(big, name="a100-small", usable_bytes=card + int(state * 0.9))
     rows = compare_gpus(model, batch, "adamw", specs=[small, big], offload_optimizer=False)
     by = {r.gpu: r for r in rows}
     assert by["a100-40gb"].gpus == 1 and by["a100-small"].gpus >= 2
@@ -90,3 +90,50 @@ def test_compare_gpus_orders_by_gpu_seconds(gpt2):
     assert seconds == sorted(seconds)
     for r in rows:
         assert r.rank_bytes <= (small if r.gpu == "a100-small" else big).usable_bytes
+
+
+@pytest.mark.slow          # 2 traces + a sharded re-trace; light sibling: test_mp_policy_refusals
+def test_fsdp_mixed_precision_plan_is_its_own_retrace(gpt2):
+    """FSDP2's MixedPrecisionPolicy is weighed against autocast where the precision is bf16
+    (api._plan_sharded Note 6); fixed by the caller, the plan's bytes are
+    estimate(mp_policy="bf16")'s of one rank's batch (itself exact against gloo ranks:
+    tests/distributed/test_sharded_exact.py)."""
+    model, batch, state = gpt2
+    p = memfit.plan(model, batch, state, "adamw", "cpu", gpus=2, mp_policy="bf16")
+    assert (p.knobs.sharding, p.knobs.mp_policy, p.knobs.precision) == ("fsdp", "bf16", "fp32")
+    rank = {k: v[:2] for k, v in batch.items()}
+    knobs = {k: v for k, v in p.knobs.to_dict().items() if v is not None}
+    knobs.pop("offload_optimizer", None)
+    again = memfit.estimate(model, rank, "adamw", device="cpu", **knobs)
+    assert again.peak_bytes == p.predicted_peak_bytes <= state
+    assert "MixedPrecisionPolicy" in p.explain()
+
+
+def test_mp_policy_refusals(gpt2):
+    model, batch, state = gpt2
+    with pytest.raises(ValueError, match="FSDP2's"):
+        memfit.plan(model, batch, state, "adamw", "cpu", gpus=2, sharding="ddp",
+                    mp_policy="bf16")
+    with pytest.raises(ValueError, match="pick one"):
+        memfit.plan(model, batch, state, "adamw", "cpu", gpus=2, precision="bf16",
+                    mp_policy="bf16")
+    with pytest.raises(ValueError, match="mp_policy='fp16' is not one of bf16"):
+        memfit.plan(model, batch, state, "adamw", "cpu", gpus=2, mp_policy="fp16")
+
+
+def test_mixed_precision_halves_the_unsharded_weights(gpt2):
+    """planner.sharding Note 5 against Note 4: the same bf16 trace, one rank of FSDP2 with and
+    without the policy differ by the autocast copies and half the unsharded weights."""
+    from memfit.planner.sharding import Candidate, _sizes, shard_estimate
+    model, batch, _ = gpt2
+    est = memfit.estimate(model, batch, "adamw", device="cpu", precision="bf16")
+    auto = shard_estimate(est, Candidate(2, "fsdp", True))
+    mp = shard_estimate(est, Candidate(2, "fsdp", True, "bf16"))
+    s = _sizes(est)
+    fw, bw = est.phases["forward"], est.phases["backward"]
+    diff = [a - b for a, b in zip(auto.timeline_by_category["params"],
+                                  mp.timeline_by_category["params"])]
+    unsharded = s.root + 2 * s.max_block
+    assert diff[fw] == pytest.approx(unsharded / 2 + s.blocks / 2, abs=1)
+    assert diff[bw] == pytest.approx(unsharded / 2, abs=1)
+    assert diff[0] == 0

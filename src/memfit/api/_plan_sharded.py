@@ -16,7 +16,8 @@ buffers (outside the allocator) are not applied under sharding yet; a note says 
 
 Note 3 (verification). The layout chosen (fewest GPUs for "auto", then the fastest) is
 re-traced by ``estimate_sharded`` with its per-block modes and micro-batch: that trace is the
-answer. If it misses the budget the search runs again with the cap lowered by what was
+answer. The layouts are searched a GPU count at a time, fewest first, until one is predicted
+to fit (a larger count is searched only when no smaller one fits, or its re-traces miss). If it misses the budget the search runs again with the cap lowered by what was
 missing (as ``memfit.plan``'s Note 2), then moves to the next layout. One GPU is
 ``memfit.plan``'s question: when the models say a single device may fit, it is asked.
 
@@ -25,6 +26,15 @@ has it: FSDP2 here does not run fp16's GradScaler), micro-batch size, per-block 
 recompute / selective / offload, and the layout. Not weighed: optimizer-state offload and
 FSDP2's CPU offload (``estimate_sharded`` cannot verify them for a GPU yet, Note 2 there), and
 ``reshard_after_forward`` as a group size (it may be fixed, not searched).
+
+Note 6 (FSDP2's mixed precision). Where the precision searched is bf16, every FSDP2 layout is
+weighed twice: with bf16 autocast (precision "bf16") and with FSDP2's own
+``MixedPrecisionPolicy(bf16, reduce fp32)`` (``mp_policy="bf16"``, precision "fp32": no
+autocast), whose unsharded parameters are half and whose all-gathers move half the bytes
+(``planner.sharding`` Note 5). Under autocast a bf16 copy of every block's weights lives from
+the forward to the backward (``planner.sharding`` Note 4); under the policy it does not, so on
+large models the policy fits where autocast does not (Llama-2-7B, batch 8 x 2048, on 24 GB
+cards). ``mp_policy="bf16"`` given by the caller weighs it alone (FSDP2 only).
 
 Note 5 (compare_gpus). Every card of the table at its usable memory, the fewest GPUs (1..b)
 whose best layout the models predict to fit, and its step time; modelled from one trace per
@@ -62,13 +72,14 @@ __all__ = ["plan_sharded", "plan_sharded_traced", "compare_gpus", "ShardedPlanne
 
 _ATTEMPTS = 3
 _SLACK_BYTES = 2 ** 20
-_SHARD_KNOBS = ("gpus", "sharding", "reshard_after_forward", "fsdp_offload")
+_SHARD_KNOBS = ("gpus", "sharding", "reshard_after_forward", "fsdp_offload", "mp_policy")
 
 
 def is_sharded(knobs: dict) -> bool:
     """Whether ``plan(**knobs)`` asks for several GPUs (routing in ``api.plan``)."""
     return knobs.get("gpus") not in (None, 1) or knobs.get("sharding") not in (None, "none") \
-        or knobs.get("reshard_after_forward") is not None or bool(knobs.get("fsdp_offload"))
+        or knobs.get("reshard_after_forward") is not None or bool(knobs.get("fsdp_offload")) \
+        or knobs.get("mp_policy") is not None
 
 
 @dataclass
@@ -114,10 +125,15 @@ def _setup(model, batch, optimizer, device, loss_fn, knobs: dict, step, schedule
     if k.fsdp_offload and spec.kind == "cuda":
         raise ValueError("fsdp_offload for a GPU target is not supported yet: estimate_sharded "
                          "cannot verify it (memfit.api._sharded Note 2); plan without it")
-    if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload):
-        raise ValueError("reshard_after_forward and fsdp_offload are FSDP2's: use "
+    if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload
+                                or k.mp_policy):
+        raise ValueError("reshard_after_forward, fsdp_offload and mp_policy are FSDP2's: use "
                          "sharding='fsdp', or leave them unset with 'ddp'")
-    p = resolve_precision(k.precision, spec)
+    if k.mp_policy and k.precision == "bf16":
+        raise ValueError("precision='bf16' (autocast) and mp_policy='bf16' both cast the "
+                         "compute: pick one (mp_policy='bf16' is FSDP2's; leave precision "
+                         "unset or 'fp32' with it)")
+    p = "bf16" if k.mp_policy else resolve_precision(k.precision, spec)   # Note 6
     if p == "fp16" and k.precision == "auto":
         p = "fp32"
     if p not in ("fp32", "bf16"):
@@ -170,7 +186,7 @@ class _Models:
         extra, context = _card_bytes(spec)
         memory, sh, hh = self.memory(cand, extra, context)
         time = TimeModel(sh, spec, self.p, self.b, memory, hh)
-        return memory, ShardedTime(time, self.est, cand, spec)
+        return memory, ShardedTime(time, self.est, cand, spec, 2 if cand.mp_policy else 4)
 
     def single_s(self, spec) -> float:
         """The plain step of the whole batch on one device (the ratio's baseline)."""
@@ -198,10 +214,18 @@ def _rank_knobs(k: Knobs, row: Row, blocks) -> Knobs:
     values = knob_values(row.choice, blocks, k)
     values = {n: v for n, v in values.items() if n in Knobs.__dataclass_fields__}
     c = row.candidate
-    return k.replace(precision=row.choice.precision, **values,
+    return k.replace(precision="fp32" if c.mp_policy else row.choice.precision, **values,
                      gpus=c.gpus, sharding=c.sharding,
                      reshard_after_forward=c.reshard_after_forward if c.sharding == "fsdp"
-                     else None, fsdp_offload=False if c.sharding == "fsdp" else None)
+                     else None, fsdp_offload=False if c.sharding == "fsdp" else None,
+                     mp_policy=c.mp_policy)
+
+
+def _mp_policies(k: Knobs, p: str) -> tuple:
+    """FSDP2's mixed-precision policies weighed (Note 6)."""
+    if k.mp_policy:
+        return (k.mp_policy,)
+    return (None, "bf16") if p == "bf16" else (None,)
 
 
 def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
@@ -223,13 +247,20 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
     from memfit.api.plan import _constraints          # the caller's fixed per-block modes
     fixed_modes = _constraints(model, k, b).modes
     reshard = k.reshard_after_forward
-    cands = candidates(k.gpus, k.sharding, reshard, b)
-    rows = [_search_row(models, c, spec, budget_bytes, k, fixed_modes) for c in cands]
+    cands = candidates(k.gpus, "fsdp" if k.mp_policy else k.sharding, reshard, b,
+                       _mp_policies(k, p))
+    pending = sorted({c.gpus for c in cands}, reverse=True)      # searched fewest first
+    rows: list[Row] = []
     say("searching layouts")
     margins: dict = {}
     tries: dict = {}
-    for _ in range(len(cands) * _ATTEMPTS):
+    for _ in range(len(cands) * (_ATTEMPTS + 1)):
         fitting = [r for r in rows if r.choice is not None]
+        if not fitting and pending:          # the next GPU count's layouts (Note 3)
+            n = pending.pop()
+            rows += [_search_row(models, c, spec, budget_bytes, k, fixed_modes)
+                     for c in cands if c.gpus == n]
+            continue
         if not fitting:
             break
         n = min(r.candidate.gpus for r in fitting)
@@ -282,7 +313,7 @@ def _verify(model, batch, optimizer, spec, loss_fn, count_fn, k: Knobs, row: Row
             if v is not None and n not in _SHARD_KNOBS + ("offload_optimizer",)}
     return estimate_sharded(model, part, optimizer, spec, loss_fn, world_size=c.gpus,
                             sharding=c.sharding, reshard_after_forward=c.reshard_after_forward,
-                            count_fn=count_fn, **rest)
+                            mp_policy=c.mp_policy, count_fn=count_fn, **rest)
 
 
 def _planned(k, row: Row, verified, device_bytes: int, models: _Models, spec, budget: int,
@@ -378,8 +409,10 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
         for n in range(1, models.b + 1):
             layouts = [r for r in (_search_row(models, c, spec, spec.usable_bytes, k,
                                                fixed_modes)
-                                   for c in candidates(n, k0.sharding, k0.reshard_after_forward,
-                                                       models.b))
+                                   for c in candidates(n, "fsdp" if k0.mp_policy
+                                                       else k0.sharding,
+                                                       k0.reshard_after_forward, models.b,
+                                                       _mp_policies(k0, p)))
                        if r.choice is not None]
             if layouts:
                 found = min(layouts, key=lambda r: r.choice.step_s)

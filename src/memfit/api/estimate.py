@@ -316,7 +316,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
 def _sharded(k: Knobs) -> bool:
     """Whether the knobs ask for one rank of a data-parallel job."""
     return k.sharding not in (None, "none") or k.gpus not in (None, 1) or \
-        k.reshard_after_forward is not None or bool(k.fsdp_offload)
+        k.reshard_after_forward is not None or bool(k.fsdp_offload) or k.mp_policy is not None
 
 
 def _estimate_one_rank(model, batch, optimizer, device, loss_fn, k: Knobs, *, budget, count_fn,
@@ -327,8 +327,9 @@ def _estimate_one_rank(model, batch, optimizer, device, loss_fn, k: Knobs, *, bu
         raise ValueError(f"gpus={k.gpus!r}, sharding={k.sharding!r}: one rank of a "
                          "data-parallel job needs both gpus=N (N >= 2 ranks; 'auto' is for "
                          "memfit.plan) and sharding='fsdp' or 'ddp'")
-    if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload):
-        raise ValueError("reshard_after_forward and fsdp_offload are FSDP2's: use "
+    if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload
+                                or k.mp_policy):
+        raise ValueError("reshard_after_forward, fsdp_offload and mp_policy are FSDP2's: use "
                          "sharding='fsdp', or leave them unset with 'ddp'")
     if allocator == AllocatorConfig():
         allocator = None             # the default: nothing to model differently
@@ -337,9 +338,10 @@ def _estimate_one_rank(model, batch, optimizer, device, loss_fn, k: Knobs, *, bu
             raise ValueError(f"{name} with sharding is not supported yet: estimate the "
                              f"sharded step without {name}")
     rest = {n: v for n, v in k.to_dict().items() if v is not None and n not in
-            ("gpus", "sharding", "reshard_after_forward", "fsdp_offload")}
+            ("gpus", "sharding", "reshard_after_forward", "fsdp_offload", "mp_policy")}
     return estimate_sharded(
         model, batch, optimizer, device, loss_fn, world_size=k.gpus, sharding=k.sharding,
         reshard_after_forward=True if k.reshard_after_forward is None else
-        k.reshard_after_forward, fsdp_offload=bool(k.fsdp_offload), budget=budget,
+        k.reshard_after_forward, fsdp_offload=bool(k.fsdp_offload), mp_policy=k.mp_policy,
+        budget=budget,
         count_fn=count_fn, **rest)

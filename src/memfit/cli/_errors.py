@@ -36,6 +36,7 @@ _FLAGS = {
     "zero_grad": "--zero-grad", "optimizer_state": "--optimizer-state",
     "offload_params": "--offload-params",
     "reshard_after_forward": "--reshard-after-forward", "fsdp_offload": "--fsdp-offload",
+    "mp_policy": "--mp-policy",
     "allocator": "--expandable-segments",
     "batch_size": "--batch-size", "seq_len": "--seq-len", "max_seq_len": "--seq-len",
     "image_size": "--image-size", "short_seq_len": "--progressive LEN",

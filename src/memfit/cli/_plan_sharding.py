@@ -35,6 +35,10 @@ def add_arguments(p) -> None:
                         "block); default: memfit picks")
     g.add_argument("--reshard-after-forward", default=None, choices=("on", "off"),
                    help="fix FSDP2's reshard_after_forward (default: memfit picks)")
+    g.add_argument("--mp-policy", default=None, choices=("bf16",),
+                   help="fix FSDP2's MixedPrecisionPolicy: bf16 (bf16 unsharded weights and "
+                        "compute, fp32 reduce; instead of autocast). Default: where the "
+                        "precision is bf16, memfit weighs it against autocast")
     g.add_argument("--compare-gpus", action="store_true",
                    help="print, for every GPU in the table, the fewest cards that fit and the "
                         "predicted step time, cheapest (GPU-seconds per step) first; modelled, "
@@ -43,7 +47,8 @@ def add_arguments(p) -> None:
 
 def _asked(args) -> bool:
     return args.gpus not in (None, 1) or args.sharding is not None or \
-        args.reshard_after_forward is not None or args.compare_gpus
+        args.reshard_after_forward is not None or args.mp_policy is not None or \
+        args.compare_gpus
 
 
 def _check(args) -> None:
@@ -66,7 +71,8 @@ def _knobs(args, base: dict) -> dict:
     raf = {"on": True, "off": False}.get(args.reshard_after_forward)
     knobs = {k: v for k, v in base.items() if v is not None}
     knobs.pop("offload_optimizer", None)
-    knobs.update(gpus=args.gpus or "auto", sharding=args.sharding, reshard_after_forward=raf)
+    knobs.update(gpus=args.gpus or "auto", sharding=args.sharding, reshard_after_forward=raf,
+                 mp_policy=args.mp_policy)
     return {k: v for k, v in knobs.items() if v is not None}
 
 
@@ -142,7 +148,7 @@ def _print_plan(console, args, head: str, planned, seconds: float) -> int:
     if args.json:
         json.dump({"model": head, "gpus": c.gpus, "sharding": c.sharding,
                    "reshard_after_forward": c.reshard_after_forward if c.sharding == "fsdp"
-                   else None, "step_s": planned.step_s, "link": planned.link,
+                   else None, "mp_policy": c.mp_policy, "step_s": planned.step_s, "link": planned.link,
                    "plan": json.loads(p.to_json()), "seconds": round(seconds, 2)},
                   sys.stdout, indent=2)
         print()

@@ -63,6 +63,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--reshard-after-forward", default=None, type=_reshard, metavar="true|false|N",
                    help="FSDP2's: free the unsharded weights after each block's forward (true, "
                         "the default), keep them to the backward (false), or reshard to N ranks")
+    g.add_argument("--mp-policy", default=None, choices=("bf16",),
+                   help="FSDP2's MixedPrecisionPolicy: bf16 unsharded weights and compute, fp32 "
+                        "sharded weights and gradient reduction (with --precision fp32: no "
+                        "autocast)")
     g.add_argument("--fsdp-offload", action="store_true",
                    help="FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer "
                         "state in host memory")
@@ -131,7 +135,8 @@ def run(args) -> int:
                     optimizer_state=args.optimizer_state, offload_params=args.offload_params,
                     gpus=args.gpus, sharding=args.sharding,
                     reshard_after_forward=args.reshard_after_forward,
-                    fsdp_offload=args.fsdp_offload or None, **impl,
+                    fsdp_offload=args.fsdp_offload or None, mp_policy=args.mp_policy,
+                    **impl,
                     allocator=allocator)
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch)

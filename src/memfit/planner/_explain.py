@@ -65,7 +65,9 @@ def _globals(plan: "Plan") -> list[str]:
     if k.precision is None and m is None:       # planned for the user's step=fn: its own
         out = ["precision and micro-batches: the step's own"]
     else:
-        out = [f"precision {k.precision or 'fp32'}"]
+        out = [f"precision {k.precision or 'fp32'}" if not getattr(k, "mp_policy", None) else
+               f"precision {k.mp_policy} compute, fp32 sharded weights (FSDP2 "
+               "MixedPrecisionPolicy)"]
         if b and m and m < b:
             out.append(f"micro-batch {m} x {-(-b // m)} accumulated (batch {b})")
         elif b:

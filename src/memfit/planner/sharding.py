@@ -27,6 +27,16 @@ autocast region ends, so at the loss one bf16 copy of every block is alive on ea
 one block's bf16 weights), which the single device's selective or full recompute does not keep.
 They are added from the forward's start to the backward's.
 
+Note 5 (FSDP2's mixed precision). ``mp_policy="bf16"`` is ``MixedPrecisionPolicy(param_dtype=
+bf16, reduce_dtype=fp32)``: the sharded parameters stay fp32, each all-gather casts them to
+bf16 first, so the unsharded parameters (and the all-gather's bytes on the link) are half of
+fp32's, and the blocks compute in bf16 without autocast, so no cast cache keeps a bf16 copy
+of every block (Note 4's addition is not made). It is weighed where the search's precision is
+bf16 autocast, whose single-device trace stands in for its activations (bf16 compute in
+both); the unsharded gradients are counted in fp32 (the reduce dtype: the safe side of a bf16
+gradient and its fp32 reduce-scatter input). The chosen layout is re-traced with the policy
+itself (``estimate_sharded(mp_policy="bf16")``, precision fp32), and that trace is the answer.
+
 Note 2 (the collectives' time). Over a ring of N ranks an all-gather or reduce-scatter of S
 bytes moves ``S (N-1)/N`` bytes through each rank's link, an all-reduce twice that. The link is
 the GPU's interconnect (``memfit._gpu_table.INTERCONNECT``: NVLink where the card has it, else
@@ -69,6 +79,7 @@ class Candidate:
     gpus: int
     sharding: str                        # "none", "ddp" or "fsdp"
     reshard_after_forward: bool = True   # FSDP2's; True for the others
+    mp_policy: str | None = None         # FSDP2's MixedPrecisionPolicy: None or "bf16" (Note 5)
 
     def describe(self) -> str:
         if self.sharding == "none":
@@ -76,11 +87,14 @@ class Candidate:
         if self.sharding == "ddp":
             return f"{self.gpus} GPUs, DDP"
         keep = "" if self.reshard_after_forward else ", unsharded forward to backward"
-        return f"{self.gpus} GPUs, FSDP2{keep}"
+        mp = ", bf16 MixedPrecisionPolicy" if self.mp_policy else ""
+        return f"{self.gpus} GPUs, FSDP2{keep}{mp}"
 
 
-def candidates(gpus, sharding: str | None, reshard, max_gpus: int) -> list[Candidate]:
-    """Every layout the caller left open: ``gpus`` an int or "auto" (1..``max_gpus``)."""
+def candidates(gpus, sharding: str | None, reshard, max_gpus: int,
+               mp_policies: tuple = (None,)) -> list[Candidate]:
+    """Every layout the caller left open: ``gpus`` an int or "auto" (1..``max_gpus``);
+    ``mp_policies``: the FSDP2 mixed-precision policies weighed (Note 5)."""
     counts = range(1, max_gpus + 1) if gpus in (None, "auto") else [gpus]
     out = []
     for n in counts:
@@ -92,7 +106,8 @@ def candidates(gpus, sharding: str | None, reshard, max_gpus: int) -> list[Candi
             out.append(Candidate(n, "ddp"))
         if sharding in (None, "fsdp"):
             for r in ((True, False) if reshard is None else (reshard,)):
-                out.append(Candidate(n, "fsdp", r))
+                for mp in mp_policies:
+                    out.append(Candidate(n, "fsdp", r, mp))
     return out
 
 
@@ -147,8 +162,10 @@ def shard_estimate(est, cand: Candidate, extra_bytes: int = 0, context_bytes: in
         for c in ("params", "grads", "optimizer"):
             add[c] -= cats[c] * (1 - 1 / N)
         unsharded = s.root + (2 * s.max_block if cand.reshard_after_forward else s.blocks)
+        if cand.mp_policy:                                        # Note 5: bf16 copies
+            unsharded /= 2
         add["params"][fw:opt] += unsharded
-        if getattr(est.knobs, "precision", None) == "bf16":      # Note 4
+        if getattr(est.knobs, "precision", None) == "bf16" and not cand.mp_policy:   # Note 4
             add["params"][fw:bw] += s.blocks / 2
         add["grads"][bw:opt] += s.root + 2 * s.max_block
     elif cand.sharding == "ddp":
