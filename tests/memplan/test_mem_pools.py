@@ -43,3 +43,29 @@ def test_schemes_without_a_pytorch_setting_are_refused():
         PhasePools("class-pools")
     with pytest.raises(ValueError, match="scheme must be one of"):
         PhasePools("per-tensor")
+
+
+def test_the_running_setting_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    from memfit.runtime.mem_pools import allocator_expandable
+
+    assert allocator_expandable() is False
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True")
+    assert allocator_expandable() is True
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")   # the newer name wins
+    assert allocator_expandable() is False
+
+
+def test_a_setting_already_in_force_is_not_refused_after_cuda_starts(monkeypatch):
+    """CUDA's state patched: no GPU here to start an allocator."""
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert use_expandable_segments(True) is True
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert use_expandable_segments(False) is True          # the default is in force
+    with pytest.raises(RuntimeError, match="CUDA is already initialised"):
+        use_expandable_segments(True)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ     # nothing set that nobody reads

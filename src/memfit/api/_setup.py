@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from memfit.api._plan_allocator import apply_allocator
 from memfit.devices import DeviceSpec, cpu_spec, get_device, with_cuda
 from memfit.knobs import Knobs
 from memfit.optimizers import IMPL_FLAGS, OptimizerRecipe
@@ -81,6 +82,8 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
         raise ValueError(f"offload_params={knobs.offload_params!r} needs offload_optimizer=True: "
                          "an offloaded weight's host copy is the optimizer's fp32 host twin, "
                          "stepped on the host (memfit.techniques.param_offload Note 1)")
+    # refused before the model is touched (api._plan_allocator Note 3)
+    pools, allocator_note = apply_allocator(plan, device_type)
     low_bit = None
     if knobs.optimizer_state not in (None, "fp32"):
         low_bit = LowBitOptimizer(LowBitOptimizer.Config(knobs.optimizer_state))
@@ -154,13 +157,16 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
         contexts.append(functools.partial(remat.session, model, optimizer))
         notes.append("remat: blocks' saved tensors are evicted under memory pressure and "
                      "recomputed when backward needs them (DTR)")
+    if pools is not None:
+        contexts.append(lambda: pools)            # leaves the last phase's pool after a step
+    notes += [allocator_note] if allocator_note else []
     applied = Applied(blocks=blocks, optimizer_rebuilt=rebuilt, budget_bytes=budget,
                       notes=notes)
     return Runner(model, optimizer, plan=plan, applied=applied, precision=tech,
                   accumulation=acc, loss_fn=loss_fn, scaler=scaler, scheduler=scheduler,
                   device_type=device_type, handles=handles, contexts=contexts, replan=replan,
                   batch_shapes=None if planned_batch is None else BatchShapes(planned_batch),
-                  user_step=user_step)
+                  user_step=user_step, on_phase=None if pools is None else pools.on_phase)
 
 
 def _merge_offload(blocks: dict[str, str], modes: dict[str, str]) -> None:

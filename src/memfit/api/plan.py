@@ -79,6 +79,7 @@ from torch import nn
 
 from memfit.api._choice import describe, knob_values
 from memfit.api._floor import first_samples, least_memory, longest_sequence
+from memfit.api._plan_allocator import AllocatorChoice
 from memfit.api._plan_levers import Levers, numerics_allowed, state_knobs
 from memfit.api._plan_remat import Planned, RematWeigh, check_remat, held_bytes, weigh
 from memfit.api._plan_words import (counted_levers, excluded_levers, global_reasons,
@@ -123,6 +124,8 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
     precision "auto"; Note 8). ``batches``: representative batches of the job, against which
     DTR is weighed (``remat`` unset; ``remat=True`` plans DTR; Note 9).
     ``gpus=N`` or ``"auto"``, ``sharding``: several GPUs (``api._plan_sharded``).
+    ``allocator``: a fixed ``AllocatorConfig`` (traced as set); unset, on a GPU the allocator
+    setting that reserves least is chosen and counted (``Plan.allocator``, api._plan_allocator).
     """
     from memfit.api._plan_sharded import is_sharded, plan_sharded
     if is_sharded(kwargs):
@@ -195,6 +198,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     ctx = _Context(k, spec, budget_bytes, baseline_s, b, held, user, default_impl,
                    plain.device_bytes + held[user], bool(variants), user_step is not None)
     ctx.fp32_state_bytes = models[key][0].optimizer_state_bytes
+    ctx.alloc = AllocatorChoice(model, spec, allocator)    # the allocator setting (issue 17)
     remat = None
     if k.remat is not False and user_step is None:     # DTR weighed (planner.remat_choice)
         remat = RematWeigh(model, batch, batches, plain, common, spec, user, b, budget_bytes,
@@ -237,7 +241,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     if fixed.keep_allowed(base.blocks) and not fixed.offload_optimizer and \
             fixed.micro_batch_size in (None, b):
         fits = [(pair, est, q) for pair, est, q in ((models[key], base, p), (user_pair, plain, user))
-                if est.device_bytes + held[q] <= budget_bytes]
+                if ctx.alloc.fits(est, held[q], budget_bytes)]
         if fits:       # the faster plain step that fits (Note 3: auto keeps fp32 where faster)
             pair, est, q = min(fits, key=lambda f: _plain_s(f[0], b))
             choice = _as_choice(pair, (q, k.optimizer_impl), b, est)
@@ -265,7 +269,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         q = choice.precision
         est = estimate(model, batch, precision=q,
                        **knob_values(choice, models[choice.key][0].blocks, k), **common)
-        if est.device_bytes + held[q] <= budget_bytes:
+        if ctx.alloc.fits(est, held[q], budget_bytes):     # _plan_allocator Note 2
             reasons = [] if attempt == 0 else [
                 f"the first {attempt} choice(s) re-traced over the budget; the search ran again "
                 f"{format_bytes(margins[choice.key] - held[q])} tighter"]
@@ -327,6 +331,7 @@ class _Context:
     user_step: bool = False        # planned for the user's own step (Note 7)
     floor_bytes: int | None = None     # the least re-traced, where traced (Note 5)
     fp32_state_bytes: float = 0.0      # the optimizer state as given, on the device
+    alloc: AllocatorChoice | None = None   # the allocator setting's choice (_plan_allocator)
 
 
 def _modelled_impl(recipe: OptimizerRecipe, params, spec) -> str | None:
@@ -437,7 +442,7 @@ def _make_plan(ctx: _Context, choice: Choice, est, model_pair, reasons: list[str
     elif host:
         why.append(f"host RAM: the offload needs {format_bytes(host)} of host memory "
                    "(offloaded activations and optimizer state) free beside the job")
-    return Plan(knobs, blocks=dict(zip(memory.blocks, choice.modes)),
+    plan = Plan(knobs, blocks=dict(zip(memory.blocks, choice.modes)),
                 predicted_peak_bytes=est.peak_bytes + held,
                 predicted_reserved_bytes=est.reserved_bytes + held,
                 predicted_device_bytes=device_bytes,
@@ -447,3 +452,4 @@ def _make_plan(ctx: _Context, choice: Choice, est, model_pair, reasons: list[str
                 floor_bytes=None if ctx.floor_bytes is None else min(ctx.floor_bytes, device_bytes),
                 block_costs=costs,
                 reasons=why, **extra)
+    return plan if ctx.alloc is None else ctx.alloc.apply(plan, est)

@@ -156,6 +156,7 @@ def run(args) -> int:
                     "plain_device_bytes": planned.plain.device_bytes,
                     "host_peak_bytes": _host_bytes(planned.chosen),
                     "plan": json.loads(p.to_json()), "validated": planned.chosen.validated,
+                    "allocator": None if p.allocator is None else dict(p.allocator),
                     "seconds": round(seconds, 2)})
         if args.plot:
             out["plot"] = args.plot
@@ -317,8 +318,13 @@ def _print_human(console, spec, model, planned, described, args, target, seconds
     where = "on " + target.where()
     console.print(f"plain step ({plain.knobs.precision}, the whole batch at once): "
                   + verdict(plain.device_bytes, p.budget_bytes, where))
+    saved = p.allocator["saved_bytes"] if p.allocator else 0    # api._plan_allocator Note 1
     console.print(f"with the plan ({p.knobs.precision}): "
-                  + verdict(chosen.device_bytes, p.budget_bytes, where))
+                  + verdict(chosen.device_bytes - saved, p.budget_bytes, where))
+    if p.allocator:
+        from memfit.api._plan_allocator import setting_name
+        console.print(f"allocator setting: {setting_name(p.allocator)} ({format_bytes(saved)} "
+                      "less reserved than the default, modelled)")
     host = _host_bytes(chosen)
     if host:
         console.print(f"host RAM for offload: {format_bytes(host)} at its peak (beside the "

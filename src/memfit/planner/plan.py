@@ -51,6 +51,9 @@ class Plan:
     block_costs: tuple[Mapping, ...] = ()         # per block: mode, bytes saved, time
     predicted_device_bytes: int | None = None     # reserved + CUDA context: what the budget caps
     schema_version: int = SCHEMA_VERSION
+    # the caching-allocator setting chosen (api._plan_allocator): scheme, expandable_segments,
+    # saved_bytes (modelled, already off the predicted bytes); None: PyTorch's default
+    allocator: Mapping | None = None
 
     def __post_init__(self):
         if not isinstance(self.knobs, Knobs):
@@ -65,6 +68,8 @@ class Plan:
         freeze(self, "blocks", MappingProxyType(dict(self.blocks)))
         freeze(self, "reasons", tuple(self.reasons))
         freeze(self, "block_costs", tuple(MappingProxyType(dict(c)) for c in self.block_costs))
+        if self.allocator is not None:
+            freeze(self, "allocator", MappingProxyType(dict(self.allocator)))
 
     def to_dict(self) -> dict:
         """Plain lists and dicts (what ``to_json`` writes)."""
@@ -73,6 +78,7 @@ class Plan:
         d["blocks"] = dict(self.blocks)
         d["reasons"] = list(self.reasons)
         d["block_costs"] = [dict(c) for c in self.block_costs]
+        d["allocator"] = None if self.allocator is None else dict(self.allocator)
         return d
 
     def to_json(self) -> str:

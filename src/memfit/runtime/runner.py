@@ -76,7 +76,8 @@ class Runner:
                  scheduler=None, device_type: str = "cpu", handles=(), contexts=(),
                  replan: Callable[[int], "Runner"] | None = None,
                  applied: Applied | None = None, batch_shapes: BatchShapes | None = None,
-                 user_step: UserStep | None = None):
+                 user_step: UserStep | None = None,
+                 on_phase: Callable[[str], None] | None = None):
         self.model = model
         self.optimizer = optimizer
         self.plan = plan              # as searched, never changed (Note 4)
@@ -90,6 +91,7 @@ class Runner:
         self.last_step: StepInfo | None = None
         self.batch_shapes = batch_shapes    # the planned batch's shapes (batch_shape Note 2)
         self.user_step = user_step          # the user's own step, run instead of Note 1's
+        self.on_phase = on_phase    # run's default on_phase (the plan's allocator pools)
         self.handles = list(handles)      # applied techniques; ``close`` removes them
         # factories of context managers entered around each effective batch (e.g. DTR)
         self.contexts = list(contexts)
@@ -167,7 +169,7 @@ class Runner:
     def run(self, batch, on_phase: Callable[[str], None] | None = None):
         """The effective batch, without host syncs (Note 2). Returns (loss, items or None,
         grad norm or None, number of micro-batches)."""
-        mark = on_phase or (lambda phase: None)
+        mark = on_phase or self.on_phase or (lambda phase: None)
         model, opt, scaler = self.model, self.optimizer, self.scaler
         if self.user_step is not None:        # Note 5
             return self.user_step(model, batch, opt, mark), None, None, 1
