@@ -12,17 +12,24 @@ from memfit.memplan.replay_match import ReplayMatcher
 from tests.helpers import tiny, track_real_step
 
 
-def _replay(matcher, log, change=()):
-    """Feed the log's births and deaths (in event order) to the matcher; ``change``: birth
-    ranks whose size is altered by 4 bytes."""
+def _events(log):
+    """The step's births and deaths in event order, as (is_birth, version), and each born
+    version's birth rank."""
     born = [v for v in np.argsort(log.birth_event, kind="stable") if log.birth_event[v] >= 0]
     rank = {int(v): k for k, v in enumerate(born)}
     events = sorted([(int(log.birth_event[v]), 1, int(v)) for v in born] +
                     [(int(log.death_event[v]), 0, int(v)) for v in range(len(log.nbytes))
                      if log.death_event[v] < log.num_events and log.birth_event[v] >= 0])
+    return [(bool(is_birth), v) for _, is_birth, v in events], rank
+
+
+def _replay(matcher, log, change=()):
+    """Feed the log's births and deaths (in event order) to the matcher; ``change``: birth
+    ranks whose size is altered by 4 bytes."""
+    events, rank = _events(log)
     handles = {}
     matcher.begin_step()
-    for _, is_birth, v in events:
+    for is_birth, v in events:
         if is_birth:
             size = int(log.nbytes[v]) + (4 if rank[v] in change else 0)
             handles[v], _ = matcher.malloc(size)

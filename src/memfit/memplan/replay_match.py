@@ -13,14 +13,20 @@ torch (``torch._C._cuda_customAllocator`` does not exist there).
 
 Note 2 (storages alive when the step starts). Parameters, optimizer state and the previous
 step's gradients are not allocated by the step; only storages born during it (``first_op >=
-0``) are expected, in birth order.
+0``) are expected, in birth order (``expected_allocations``, which the C++ side is given too).
+
+Note 3 (the C++ mirror). ``_replay_alloc.cpp`` is this class in C++ behind the
+``CUDAPluggableAllocator`` ABI (``memplan.replay_allocator``): the same order of checks (past the
+plan, size, conflict), the same rounding, and a 0-byte request served outside the plan,
+uncounted. Its host build is held to this class's counts on a real step
+(tests/memplan/test_replay_alloc_core.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ReplayMatcher", "MatchStats"]
+__all__ = ["ReplayMatcher", "MatchStats", "expected_allocations"]
 
 
 @dataclass
@@ -32,12 +38,17 @@ class MatchStats:
     miss_sizes: list[int] = field(default_factory=list)
 
 
+def expected_allocations(plan) -> list[tuple[int, int]]:
+    """(size, offset) of each storage the step allocates, in birth order (Note 2)."""
+    born = [a for a in plan.assignments if a.first_op >= 0]
+    return [(a.size, a.offset) for a in sorted(born, key=lambda a: a.first_op)]
+
+
 class ReplayMatcher:
     """Maps each step's mallocs onto a ``StaticPlan``'s offsets (Note 1)."""
 
     def __init__(self, plan, align_bytes: int | None = None):
-        born = [a for a in plan.assignments if a.first_op >= 0]         # Note 2
-        self._expected = [(a.size, a.offset) for a in sorted(born, key=lambda a: a.first_op)]
+        self._expected = expected_allocations(plan)                       # Note 2
         self.align = align_bytes if align_bytes is not None else plan.align_bytes
         self.stats = MatchStats()
         self._cursor = 0
@@ -52,6 +63,8 @@ class ReplayMatcher:
         """(handle, offset in the arena, or None for a miss the caching allocator serves)."""
         size = -(-nbytes // self.align) * self.align
         handle, self._next_handle = self._next_handle, self._next_handle + 1
+        if nbytes == 0:                   # outside the plan, uncounted (Note 3)
+            return handle, None
         if self._cursor >= len(self._expected):
             self.stats.beyond_plan += 1
             return handle, None
