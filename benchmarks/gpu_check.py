@@ -14,7 +14,8 @@ Pass marks: allocated within 3%, reserved within 5% (the targets of issue 3).
     python benchmarks/gpu_check.py            # on a machine with a CUDA GPU
     python benchmarks/gpu_check.py --dry-run  # predictions only (no GPU needed): checks the script
 
-Results: a table, and ``benchmarks/results/gpu_check-<date>.json`` (one row per case).
+Results: a table, and ``benchmarks/results/gpu_check-<date>.json`` (one row per case). The
+static-plan section (``static_plan_check``) writes ``gpu_static_plan-<date>.json``.
 """
 
 from __future__ import annotations
@@ -183,6 +184,82 @@ def planner_check(console, spec, dry_run: bool) -> dict:
     return out
 
 
+# --- static plan (issue 17): the allocator settings memplan models, measured -------------------
+STATIC_CASE = ("bert-base", 8, 256, "fp32")    # expandable segments save ~170 MiB (modelled)
+
+
+def static_plan_check(console, spec, dry_run: bool) -> list[dict]:
+    """The static-plan section: one step of ``STATIC_CASE`` under the default allocator and
+    under the setting ``memplan.allocator_options`` predicts reserves least, each in a fresh
+    process (benchmarks/static_plan.py --gpu-measure: PYTORCH_CUDA_ALLOC_CONF is read once);
+    measured ``max_memory_reserved`` beside the modelled reserved; then the replay allocator
+    (memplan.replay_allocator) serving steps 2-3 from the static plan, its misses counted, if it
+    builds here. Writes ``gpu_static_plan-<date>.json`` unless ``dry_run``."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    from memfit.memplan import allocator_options, static_plan
+    from memfit.memplan.replay_allocator import unavailable_reason
+    from memfit.memplan.replay_match import expected_allocations
+
+    name, bs, seq, precision = STATIC_CASE
+    if precision.startswith("bf16") and not spec.supports_bf16:
+        precision = "fp16"
+    s = zoo.get(name)
+    meta = s.build(device="meta")
+    batch = s.make_batch(meta, bs, seq_len=seq)
+    with console.status(f"static plan: {name} {bs}x{seq} predicted"):
+        est = memfit.estimate(meta, batch, "adamw", device=spec, precision=precision)
+        opts, sp = allocator_options(est), static_plan(est)
+    base = {"model": name, "batch": bs, "seq_len": seq, "precision": precision}
+    runs = [(opts.default, None)] + ([(opts.best, None)] if opts.best != opts.default else [])
+    runs.append((opts.default, {"expected": expected_allocations(sp),
+                                "arena_bytes": sp.arena_bytes, "align_bytes": sp.align_bytes}))
+    rows = []
+    for option, replay in runs:
+        row = {"setting": "replay allocator (static plan)" if replay else option.name,
+               "predicted_reserved_bytes": sp.arena_bytes if replay else option.reserved_bytes,
+               "lower_bound_bytes": sp.lower_bound_bytes}
+        reason = unavailable_reason() if replay else None
+        if reason:
+            row["error"] = reason
+        elif not dry_run:
+            cfg = dict(base, scheme=option.scheme, replay=replay)
+            env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:"
+                       + str(option.expandable_segments))
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump(cfg, f)
+            with console.status(f"static plan: {row['setting']} measured (a fresh process)"):
+                done = subprocess.run([sys.executable, str(Path(__file__).parent / "static_plan.py"),
+                                       "--gpu-measure", f.name], env=env, capture_output=True,
+                                      text=True, timeout=420)
+            os.unlink(f.name)
+            if done.returncode == 0:
+                row.update(json.loads(done.stdout.strip().splitlines()[-1]))
+            else:
+                row["error"] = done.stderr.strip()[-600:]
+        rows.append(row)
+    fmt = memfit.format_bytes
+    table = Table(title=f"static plan: {name} {bs}x{seq} {precision} on {spec.display_name}")
+    for col in ("setting", "predicted reserved", "measured reserved", "replay misses / hits",
+                "note"):
+        table.add_column(col, justify="left" if col in ("setting", "note") else "right")
+    for r in rows:
+        hits = f"{r['replay_misses']} / {r['replay_hits']}" if "replay_hits" in r else "-"
+        table.add_row(r["setting"], fmt(r["predicted_reserved_bytes"]) + " (modelled)",
+                      fmt(r["measured_reserved_bytes"]) if "measured_reserved_bytes" in r else "-",
+                      hits, r.get("error", "")[:160] or ("dry run" if dry_run else ""))
+    console.print(table)
+    console.print(f"static plan: lower bound {fmt(sp.lower_bound_bytes)}, arena "
+                  f"{fmt(sp.arena_bytes)}; best setting {opts.best.name} predicted to save "
+                  f"{fmt(opts.saved_bytes)} against the default (modelled)")
+    if not dry_run:
+        console.print(f"recorded in {_record.write('gpu_static_plan', base, rows)}")
+    return rows
+
+
 def _runner(s, batch_cpu, knobs):
     model = s.build(device="cuda")
     batch = {k: v.cuda() for k, v in batch_cpu.items()}
@@ -255,6 +332,7 @@ def main() -> None:
                       f"{est_s:.1f}")
     console.print(table)
     planner_check(console, spec, args.dry_run)
+    static_plan_check(console, spec, args.dry_run)
     if args.dry_run:
         console.print("dry run: predictions only, nothing recorded")
         return

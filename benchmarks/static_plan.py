@@ -11,12 +11,20 @@ MODELLED (memfit.trace.allocator), not measured: no GPU ran here. Then greedy vs
 MILP (HiGHS) on small graphs: seeded random lifetimes, and windows of a real traced step
 (the storages born in W consecutive ops, cut to that window), where the greedy layout's
 distance from the optimum is measured.
+
+``--gpu-measure CONFIG.json`` is the GPU worker benchmarks/gpu_check.py starts once per
+allocator setting (a fresh process each: ``PYTORCH_CUDA_ALLOC_CONF`` is read once, and the replay
+allocator must replace the allocator before the first CUDA tensor): it trains the configured
+zoo model on the GPU for a few steps under that setting and prints one JSON line of what it
+measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
@@ -103,13 +111,67 @@ def _compare(label, s, f, l) -> dict:
             "best_greedy_over_exact": min(by_size, by_life) / ex.arena_bytes}
 
 
+def gpu_measure(config_path: str) -> dict:
+    """The GPU worker (module docstring): ``{"model", "batch", "seq_len", "precision",
+    "scheme", "replay": null or {"expected", "arena_bytes", "align_bytes"}}``; the allocator
+    config comes in the environment. Measured on step 2 (the caching allocator's peak
+    statistics), or, under the replay allocator (which keeps none), its hit / miss counts over
+    steps 2-3 and the device's used bytes (cudaMemGetInfo)."""
+    cfg = json.loads(Path(config_path).read_text())
+    replay = None
+    if cfg.get("replay"):
+        from memfit.memplan.replay_allocator import ReplayAllocator
+
+        replay = ReplayAllocator.build()
+        replay.install()                  # before the first CUDA tensor
+    import torch
+
+    from memfit.runtime.mem_pools import PhasePools
+
+    spec = zoo.get(cfg["model"])
+    meta = spec.build(device="meta")
+    batch_cpu = spec.make_batch(meta, cfg["batch"], seq_len=cfg["seq_len"])
+    model = spec.build(device="cuda")
+    batch = {k: v.cuda() for k, v in batch_cpu.items()}
+    runner = memfit.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-5), batch,
+                        precision=cfg["precision"])
+    pools = PhasePools(cfg["scheme"])           # as build_runner applies a plan's setting
+    if pools.active:
+        runner.on_phase = pools.on_phase
+        runner.contexts.append(lambda: pools)
+    if replay is None:
+        from memfit.calibrate import measure_step
+
+        return measure_step(runner.step, batch)
+    runner.step(batch)                            # step 1: unarmed (state created)
+    torch.cuda.synchronize()
+    r = cfg["replay"]
+    replay.arm_expected([tuple(e) for e in r["expected"]], r["arena_bytes"], r["align_bytes"],
+                        torch.cuda.current_device())
+    for _ in range(2):
+        replay.begin_step()
+        runner.step(batch)
+        torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    stats = replay.stats()
+    return {"replay_hits": stats.hits, "replay_misses": stats.misses,
+            "replay_conflicts": stats.conflicts, "replay_beyond_plan": stats.beyond_plan,
+            "replay_expected_per_step": len(r["expected"]),
+            "measured_device_used_bytes": total - free}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpu-measure", default=None, metavar="CONFIG.json",
+                    help="run as benchmarks/gpu_check.py's GPU worker (module docstring)")
     ap.add_argument("--quick", action="store_true", help="two small models at short lengths")
     ap.add_argument("--gpu", default="gtx-1080-ti", help="the GPU modelled (default: the seed's)")
     ap.add_argument("--models", default=None, help="comma-separated zoo names (default: all)")
     args = ap.parse_args()
+    if args.gpu_measure:
+        print(json.dumps(gpu_measure(args.gpu_measure)))
+        return
     models = QUICK if args.quick else MODELS
     if args.models:
         want = args.models.split(",")
@@ -161,7 +223,8 @@ def main() -> None:
                       f"reserved {readme['reserved_bytes'] / MiB:.0f} MiB; the best PyTorch "
                       f"setting ({readme['best_setting']}) saves "
                       f"{readme['best_setting_saved_bytes'] / MiB:.0f} MiB. Not confirmed on a "
-                      "GPU (benchmarks/gpu_check.py has no static-plan check yet; none ran)")
+                      "GPU: benchmarks/gpu_check.py's static-plan section measures the settings "
+                      "on one (none ran for this record)")
     path = _record.write("static_plan" + ("-quick" if args.quick else ""),
                          {"gpu": args.gpu, "models": models, "optimizer": "adamw",
                           "precision": "fp32", "reserved": "modelled (memfit.trace.allocator)",
