@@ -231,10 +231,14 @@ def static_plan_check(console, spec, dry_run: bool) -> list[dict]:
                        + str(option.expandable_segments))
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(cfg, f)
+            worker = [sys.executable, str(Path(__file__).parent / "static_plan.py"),
+                      "--gpu-measure", f.name]
             with console.status(f"static plan: {row['setting']} measured (a fresh process)"):
-                done = subprocess.run([sys.executable, str(Path(__file__).parent / "static_plan.py"),
-                                       "--gpu-measure", f.name], env=env, capture_output=True,
-                                      text=True, timeout=420)
+                try:
+                    done = subprocess.run(worker, env=env, capture_output=True, text=True,
+                                          timeout=420)
+                except subprocess.TimeoutExpired:
+                    done = subprocess.CompletedProcess(worker, -1, "", "timed out after 420 s")
             os.unlink(f.name)
             if done.returncode == 0:
                 row.update(json.loads(done.stdout.strip().splitlines()[-1]))
