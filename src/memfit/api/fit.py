@@ -57,6 +57,12 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     states weighed; the workload's batches, against which DTR is weighed), for the plan made
     under ``budget``, and for each re-plan after an out-of-memory error.
 
+    On a GPU the plan may pick a caching-allocator setting (``runner.plan.allocator``): its
+    ``MemPool``s are entered around the step's phases; ``expandable_segments`` is weighed only
+    as the running allocator has it (a model on the GPU has started CUDA): export
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before starting Python to let memfit
+    use it (``memfit.api._plan_allocator`` Note 3).
+
     ``step=fn``: the user's own training step ``fn(model, batch, optimizer)``; the plan is made
     for it (``memfit.plan(step=fn)``: per-block modes and the optimizer's placement only) and
     ``runner.step(batch)`` calls ``fn(runner.model, batch, runner.optimizer)`` with the plan
