@@ -47,7 +47,7 @@ _UNDER = "the plain step fits under the allocator setting below"
 
 
 def setting_name(setting) -> str:
-    """"phase-pools + expandable_segments" for a plan's ``allocator``."""
+    """A plan's ``allocator`` by name, e.g. "phase-pools + expandable_segments"."""
     return setting["scheme"] + (" + expandable_segments" if setting["expandable_segments"]
                                 else "")
 
