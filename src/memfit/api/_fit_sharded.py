@@ -15,9 +15,17 @@ optimizer is rebuilt from the instance's class, hyper-parameters and groups over
 parameters (``OptimizerRecipe``'s ``origin`` mapping, as ``estimate_sharded`` does); the plan
 says so. A scheduler given as an instance would drive the old optimizer: pass a factory.
 
-Note 3 (the OOM guard). Off under more than one rank (``runtime.oom_guard`` Note 4): an
-out-of-memory error on one rank leaves the others inside a collective, so ranks cannot agree
-on a new plan after the fact; ``runner.applied.notes`` says so, and the error is raised as is.
+Note 3 (the OOM guard). With a budget the Runner's re-planner is collective
+(``runtime.oom_guard`` Note 6): when the optimizer-step check finds any rank over its budget,
+every rank calls it with the worst rank's excess; the budget is lowered by every excess so far
+(plus the single-device guard's margin), rank 0 plans again as in Note 1 (child process,
+broadcast), the layout (``gpus``, ``sharding``, ``fsdp_offload``), precision and optimizer
+placement kept, and every rank builds the same new plan over the same sharded model and
+optimizer: the per-block modes and micro-batch are re-applied, FSDP2's
+``reshard_after_forward`` set with ``set_reshard_after_forward``. When nothing fits, every rank
+raises the same ``BudgetTooSmall`` and the guard's Note 5 error. An out-of-memory error inside
+one rank's forward or backward stops every rank with that rank's error, with or without a
+budget (``runtime.oom_ranks`` Note 2).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from memfit.planner import Plan
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.techniques.sharding import Sharding
-from memfit.units import parse_bytes
+from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["fit_sharded", "is_sharded"]
 
@@ -67,19 +75,23 @@ def fit_sharded(model: nn.Module, optimizer, batch, budget, device, loss_fn, k: 
                          "pass scheduler=a factory, e.g. lambda opt: StepLR(opt, 10)")
     k = k.replace(gpus=world)
     rank_b = batch_size_of(prepare_batch(batch))
+    replan = None
     if budget is not None:
-        plan = _plan_on_rank0(model, batch, parse_bytes(budget), optimizer, device, loss_fn,
-                              count_fn, k, world, rank_b)
+        budget = parse_bytes(budget)
+        job = _Job(meta_copy(model), batch, optimizer if isinstance(optimizer, str)
+                   else _name_of(optimizer), device, loss_fn, count_fn, world, rank_b)
+        plan = job.plan(budget, k)
+        replan = _Replanner(job, budget, k, plan)
     else:
         if k.sharding in (None, "none"):
             raise ValueError(f"gpus={world} without a budget: say which layout, "
                              "sharding='fsdp' or 'ddp' (or give a budget and memfit picks)")
         spec = resolve_device(model, device)
         plan = Plan(k, device=spec.name, batch_size=rank_b)
-    return _apply(model, optimizer, plan, loss_fn, count_fn, scheduler)
+    return _apply(model, optimizer, plan, loss_fn, count_fn, scheduler, replan)
 
 
-def _apply(model, optimizer, plan: Plan, loss_fn, count_fn, scheduler):
+def _apply(model, optimizer, plan: Plan, loss_fn, count_fn, scheduler, replan=None):
     from torch.distributed.device_mesh import init_device_mesh
     pk = plan.knobs
     device_type = next((p.device.type for p in model.parameters()), "cpu")
@@ -91,12 +103,62 @@ def _apply(model, optimizer, plan: Plan, loss_fn, count_fn, scheduler):
     sharded = Sharding(config).apply(model, mesh)
     rest = Knobs(**{n: v for n, v in pk.to_dict().items() if n not in _SHARD})
     factory = scheduler if callable(scheduler) else None
-    return build_runner(sharded, OptimizerRecipe(optimizer), rest, plan=plan, origin=trainable,
-                        loss_fn=loss_fn, count_fn=count_fn, scheduler=factory,
-                        device_type=device_type,
-                        notes=[f"{pk.sharding} over {dist.get_world_size()} ranks: the "
-                               "optimizer was rebuilt over the sharded parameters "
-                               "(memfit.api._fit_sharded Note 2); OOM guard off (Note 3)"])
+    guard = ("OOM guard: ranks agree on a new plan at the optimizer step, and an "
+             "out-of-memory error elsewhere stops every rank with one error (Note 3)"
+             if replan is not None else "no budget, so no re-plan: an out-of-memory error "
+             "stops every rank with one error (Note 3)")
+    runner = build_runner(sharded, OptimizerRecipe(optimizer), rest, plan=plan,
+                          origin=trainable, loss_fn=loss_fn, count_fn=count_fn,
+                          scheduler=factory, device_type=device_type, replan=replan,
+                          notes=[f"{pk.sharding} over {dist.get_world_size()} ranks: the "
+                                 "optimizer was rebuilt over the sharded parameters "
+                                 f"(memfit.api._fit_sharded Note 2); {guard}"])
+    if replan is not None:
+        replan.runner = runner
+    return runner
+
+
+class _Replanner:
+    """The OOM guard's collective ``replan(excess)`` (Note 3): called on every rank with the
+    same excess, it plans on rank 0 under the budget lowered by every excess so far (the layout,
+    precision and optimizer kept) and applies the same plan on every rank."""
+
+    collective = True          # oom_guard Note 6: one plan for all ranks
+
+    def __init__(self, job: "_Job", budget: int, k: Knobs, first: Plan):
+        fk = first.knobs
+        self.job, self.budget, self.missing = job, budget, 0
+        self.fixed = k.replace(sharding=fk.sharding, fsdp_offload=fk.fsdp_offload,
+                               precision=fk.precision or "fp32",
+                               optimizer_impl=fk.optimizer_impl,
+                               offload_optimizer=fk.offload_optimizer)
+        self.runner = None         # set once built: its model, optimizer and loss
+
+    def __call__(self, excess: int):
+        from memfit.api.fit import _REPLAN_MARGIN_BYTES
+        self.missing += max(excess, 0) + min(_REPLAN_MARGIN_BYTES, self.budget // 16)
+        left = self.budget - self.missing
+        if left <= 0:          # the same numbers on every rank: the same error on each
+            raise BudgetTooSmall(
+                f"re-planning after running out of memory would leave nothing of the "
+                f"{format_bytes(self.budget)} budget ({format_bytes(self.missing)} measured "
+                "missing so far, on the worst rank): raise the budget", floor_bytes=
+                self.budget + self.missing, budget_bytes=self.budget)
+        plan = self.job.plan(left, self.fixed)       # a collective: every rank gets it
+        pk, r = plan.knobs, self.runner
+        model = r.model
+        rest = Knobs(**{n: v for n, v in pk.to_dict().items() if n not in _SHARD})
+        new = build_runner(model, OptimizerRecipe(r.optimizer), rest, plan=plan,
+                            loss_fn=r.loss_fn, count_fn=r.accumulation.count_fn,
+                            device_type=r.device_type, budget_bytes=self.budget,
+                            notes=[f"re-planned on every rank after running out of memory: "
+                                   f"planned on rank 0 under {format_bytes(left)}, "
+                                   f"{format_bytes(self.missing)} below the "
+                                   f"{format_bytes(self.budget)} budget"])
+        if pk.sharding == "fsdp" and hasattr(model, "set_reshard_after_forward"):
+            model.set_reshard_after_forward(True if pk.reshard_after_forward is None
+                                            else pk.reshard_after_forward)
+        return new
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -118,24 +180,32 @@ def _job_batch(batch, world: int, rank_b: int):
     return tree_map(grow, batch)
 
 
-def _plan_on_rank0(model, batch, budget, optimizer, device, loss_fn, count_fn, k: Knobs,
-                   world: int, rank_b: int) -> Plan:
-    box = [None]
-    if dist.get_rank() == 0:
-        knobs = {n: v for n, v in k.to_dict().items() if v is not None}
-        opt = optimizer if isinstance(optimizer, str) else _name_of(optimizer)
-        payload = pickle.dumps((meta_copy(model), _job_batch(batch, world, rank_b), budget,
-                                opt, device, loss_fn, count_fn, knobs))
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(1) as pool:
-            box[0] = pool.apply(_plan_child, (payload,))
-    dist.broadcast_object_list(box, src=0)
-    kind, text, floor, budget_bytes = box[0]
-    if kind == "BudgetTooSmall":          # the same error on every rank
-        raise BudgetTooSmall(text, floor_bytes=floor, budget_bytes=budget_bytes)
-    if kind != "plan":
-        raise ValueError(f"planning on rank 0 failed: {kind}: {text}")
-    return Plan.from_json(text)
+class _Job:
+    """What rank 0 plans for, at the start and at each re-plan (Note 1)."""
+
+    def __init__(self, meta, batch, optimizer: str, device, loss_fn, count_fn, world: int,
+                 rank_b: int):
+        self.meta, self.batch, self.optimizer, self.device = meta, batch, optimizer, device
+        self.loss_fn, self.count_fn, self.world, self.rank_b = loss_fn, count_fn, world, rank_b
+
+    def plan(self, budget: int, k: Knobs) -> Plan:
+        """The plan for ``budget``, made on rank 0 and broadcast: a collective."""
+        box = [None]
+        if dist.get_rank() == 0:
+            knobs = {n: v for n, v in k.to_dict().items() if v is not None}
+            payload = pickle.dumps((self.meta, _job_batch(self.batch, self.world, self.rank_b),
+                                    budget, self.optimizer, self.device, self.loss_fn,
+                                    self.count_fn, knobs))
+            ctx = multiprocessing.get_context("spawn")
+            with ctx.Pool(1) as pool:
+                box[0] = pool.apply(_plan_child, (payload,))
+        dist.broadcast_object_list(box, src=0)
+        kind, text, floor, budget_bytes = box[0]
+        if kind == "BudgetTooSmall":          # the same error on every rank
+            raise BudgetTooSmall(text, floor_bytes=floor, budget_bytes=budget_bytes)
+        if kind != "plan":
+            raise ValueError(f"planning on rank 0 failed: {kind}: {text}")
+        return Plan.from_json(text)
 
 
 def _name_of(optimizer) -> str:

@@ -34,19 +34,13 @@ half-updated, so it is marked and the guard re-raises it without a retry. Live b
 skipped. It reads host-side counters only, so ``Runner.run`` stays free of host syncs
 (runner Note 2); a traced plan has no budget and skips it.
 
-Note 4 (distributed). Under DDP/FSDP with more than one rank the guard is off: ranks would
-have to agree on one new plan, and an OOM on one rank leaves the others inside a collective.
-``runner.applied.notes`` says so when the runner is built, and an OOM re-raises with a note.
-
-Note 6 (ranks agree before the optimizer step). Under more than one rank the check of Note 3
-is collective: every rank puts its excess in its own slot of a vector, one ``all_reduce``
-sums it (a gather), and if any rank would cross its budget every rank raises
-``memfit.OutOfMemory`` with a note naming that rank and its excess. The optimizer step of
-FSDP2 and DDP runs no collective, so without this one rank would stop and the others would
-step and then wait for it forever in the next collective; here all stop at the same point, with
-the parameters unchanged on every rank. An out-of-memory error inside the forward or
-backward still leaves the other ranks inside a collective (Note 4): there is no agreement
-possible mid-step.
+Note 4 (distributed). Under DDP/FSDP with more than one rank the ranks must agree on one new
+plan: only a ``replan`` marked ``collective`` (``memfit.fit(..., gpus=, sharding=)``'s, which
+plans on rank 0 for all, ``api._fit_sharded`` Note 3) re-plans, at the optimizer-step check
+(Note 6). Any other ``replan`` (one process's planner, e.g. ``memfit.fit`` on a model the
+user wrapped in DDP) is not used: ``runner.applied.notes`` says so when the runner is built,
+and an out-of-memory error stops every rank with a note (Note 7). The Runner arms the guard
+under several ranks even without a ``replan``, for Note 7.
 
 Note 5 (a re-plan that fails). When ``replan`` raises (``BudgetTooSmall``: nothing fits what
 is left of the budget; or any other error while planning or building), the runner is left as
@@ -58,6 +52,30 @@ them (keeping the old ones would hold a gradient-sized copy through every batch)
 error stops training: the batch's out-of-memory error, rebuilt with its numbers (the original
 held the failed attempt's frames), with a note that says re-planning failed and why, raised
 ``from`` the re-plan's error. Nothing is lost: the next ``step`` runs the old plan.
+
+Note 6 (ranks agree before the optimizer step). Under more than one rank the check of Note 3
+is collective (``oom_ranks`` Note 1): one ``all_reduce`` gathers each rank's excess, live bytes,
+step bytes and budget, and if any rank would cross its budget every rank raises the same
+``memfit.OutOfMemory`` (the worst rank's numbers, a note naming it), marked agreed, with the
+parameters unchanged on every rank. The optimizer step of FSDP2 and DDP runs no collective,
+so without this one rank would stop and the others would step. With a collective ``replan``
+every rank then re-plans as one (Note 2, the excess the worst rank's, the same on each: rank 0
+plans and broadcasts, so every rank adopts the same plan), restores (Note 1) and retries;
+FSDP2's modules are resharded first (a failed attempt can leave a block's parameters
+unsharded). A re-plan that fails raises Note 5's error, the same on every rank (the numbers
+are agreed, ``BudgetTooSmall`` is decided once). Without a collective ``replan`` every rank
+raises the agreed error as is; the group stays usable.
+
+Note 7 (an out-of-memory error inside the step on one rank). Raised in a forward or backward
+(or inside the optimizer step, Note 3) it is this rank's alone, while the others wait in a
+collective: there is no agreement possible mid-step. The guard restores (Note 1), then
+``oom_ranks.stop_here`` publishes the error on the job's store and shuts this rank's
+connections to the others, and the error is re-raised with a note; on every other rank the
+pending collective then fails, and ``oom_ranks.stop_peer`` (on any ``RuntimeError`` out of the
+step) finds the published error and raises it, rebuilt, with a note naming the rank that ran
+out and by how much, instead of gloo's "Connection closed by peer" (``oom_ranks`` Notes 2-4:
+bounded waits, what the group is after, NCCL).
+
 """
 
 from __future__ import annotations
@@ -71,6 +89,7 @@ import torch
 
 from memfit.errors import OutOfMemory
 from memfit.measure.track import active_tracker
+from memfit.runtime import oom_ranks
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
@@ -98,6 +117,9 @@ class Snapshot:
         return cls(torch.get_rng_state(), cuda, scaler)
 
     def restore(self, runner: "Runner") -> None:
+        for m in runner.model.modules():       # FSDP2: the sharded parameters back in place
+            if hasattr(m, "reshard") and hasattr(m, "set_reshard_after_forward"):
+                m.reshard()
         for p in runner.model.parameters():
             p.grad = None
         for group in runner.optimizer.param_groups:     # e.g. bf16-pure's fp32 masters
@@ -132,36 +154,21 @@ def check_optimizer_step(step_bytes: int | None, budget_bytes: int | None,
                          device_type: str) -> None:
     """Raise ``memfit.OutOfMemory`` before an optimizer step predicted to add ``step_bytes``
     would cross ``budget_bytes`` (Note 3); None for either skips the check. Under several
-    ranks every rank raises when one would cross it (Note 6)."""
+    ranks every rank raises the same error when one would cross it (Note 6)."""
     if budget_bytes is None or step_bytes is None:
         return
     live = live_device_bytes(device_type)
     excess = 0 if live is None else live + step_bytes - budget_bytes
-    worst, where = _agree(excess, device_type)
+    (worst, worst_live, step_bytes, budget_bytes), where = oom_ranks.agree(
+        (excess, live or 0, step_bytes, budget_bytes), device_type)
     if worst <= 0:
         return
-    e = OutOfMemory(requested_bytes=step_bytes, live_bytes=live or 0,
+    e = OutOfMemory(requested_bytes=step_bytes, live_bytes=worst_live,
                     budget_bytes=budget_bytes, op="optimizer.step")
-    if where is not None:
-        e.add_note(f"memfit: rank {where} would cross the budget by {format_bytes(worst)} in "
-                   "the optimizer step, so every rank stops here, before any parameter "
-                   "changes (memfit.runtime.oom_guard Note 6)")
+    if where is not None:         # the worst rank's numbers, on every rank
+        e.add_note(oom_ranks.describe_worst(where, worst))
+        oom_ranks.mark_agreed(e)
     raise e
-
-
-def _agree(excess: int, device_type: str) -> tuple[int, int | None]:
-    """The largest excess over the ranks and the rank that has it (Note 6); this rank's alone
-    outside a job."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return excess, None
-    world = dist.get_world_size()
-    device = "cuda" if device_type == "cuda" else "cpu"
-    every = torch.zeros(world, dtype=torch.int64, device=device)
-    every[dist.get_rank()] = excess
-    dist.all_reduce(every)                       # each rank fills its own slot: a gather
-    rank = int(torch.argmax(every))
-    return int(every[rank]), rank
 
 
 @contextlib.contextmanager
@@ -180,28 +187,31 @@ def _describe(plan) -> str:
 
 
 class OomGuard:
-    """Reruns an effective batch that ran out of memory under a new plan (the Notes)."""
+    """Reruns an effective batch that ran out of memory under a new plan (the Notes).
 
-    def __init__(self, replan: Callable[[int], "Runner"], *, distributed: bool = False,
+    ``replan`` None: no re-plan (several ranks without a budget): an out-of-memory error still
+    stops every rank with one error (Note 7). A ``replan`` with ``collective = True`` plans
+    once for every rank (Note 6); under several ranks any other is not used (Note 4)."""
+
+    def __init__(self, replan: Callable[[int], "Runner"] | None, *, distributed: bool = False,
                  max_retries: int = MAX_RETRIES):
         if max_retries < 1:
             raise ValueError(f"OomGuard max_retries={max_retries} must be at least 1")
         self.replan = replan
         self.max_retries = max_retries
+        self.distributed = distributed
         self.off_reason = None
-        if distributed:
+        if distributed and replan is not None and not getattr(replan, "collective", False):
             self.off_reason = (
-                "OOM guard off: with more than one rank the ranks would have to agree on a new "
-                "plan, which memfit does not do yet; an out-of-memory error is raised as is")
+                "OOM guard off: with more than one rank the ranks must agree on a new plan, "
+                "which only memfit.fit(..., gpus=, sharding=) plans for (one plan made on rank "
+                "0 for all); an out-of-memory error stops every rank with one error instead "
+                "(memfit.runtime.oom_guard Note 7)")
 
     def step(self, runner: "Runner", batch) -> float:
-        if self.off_reason is not None:
-            try:
-                return runner.step_unguarded(batch)
-            except torch.OutOfMemoryError as e:
-                e.add_note(f"memfit: {self.off_reason}")
-                raise
         saved = Snapshot.take(runner)
+        if self.distributed:
+            oom_ranks.publish_endpoints()         # Note 7
         tried: list[str] = []
         while True:
             try:
@@ -209,19 +219,43 @@ class OomGuard:
             except torch.OutOfMemoryError as e:
                 excess, failed = excess_bytes(e), _Failure.of(e)
                 tried.append(f"{_describe(runner.plan)} (over by {format_bytes(excess)})")
-                if getattr(e, _COMMITTED, False):
+                committed = getattr(e, _COMMITTED, False)
+                if committed:
                     e.add_note("memfit OOM guard: not retried, the error came from inside the "
                                "optimizer step, which may have updated some parameters")
+                if self.distributed and not oom_ranks.is_agreed(e):    # Note 7
+                    if not committed:
+                        saved.restore(runner)
+                    self._say_off(e)
+                    oom_ranks.stop_here(e, failed)
+                    raise
+                if committed:
+                    raise
+                if self.replan is None or self.off_reason is not None:
+                    saved.restore(runner)     # every rank raises this same error (Note 6)
+                    self._say_off(e)
                     raise
                 if len(tried) > self.max_retries:
                     saved.restore(runner)
                     e.add_note(self._gave_up(tried))
                     raise
+            except RuntimeError as e:
+                if not self.distributed:
+                    raise
+                stop = oom_ranks.stop_peer(e, _Failure.from_dict)     # Note 7
+                if stop is None:
+                    raise
+                saved.restore(runner)
+                raise stop from None
             # outside the except block: the failed attempt's tensors are gone (Note 2)
             saved.restore(runner)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             self._replan(runner, excess, failed)
+
+    def _say_off(self, e: BaseException) -> None:
+        if self.off_reason is not None:
+            e.add_note(f"memfit: {self.off_reason}")
 
     def _replan(self, runner: "Runner", excess: int, failed: "_Failure") -> None:
         handles, new = list(runner.handles), None
@@ -256,17 +290,28 @@ class OomGuard:
 
 @dataclass(frozen=True)
 class _Failure:
-    """An out-of-memory error's kind and numbers, without its traceback (Note 5)."""
+    """An out-of-memory error's kind, numbers and notes, without its traceback (Note 5); as a
+    dict, what a rank publishes to the others (Note 7)."""
 
     fields: dict | None          # memfit.OutOfMemory's constructor arguments, else None
     message: str
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, e: torch.OutOfMemoryError) -> "_Failure":
+        notes = tuple(getattr(e, "__notes__", ()))
         if isinstance(e, OutOfMemory):
             return cls(dict(requested_bytes=e.requested_bytes, live_bytes=e.live_bytes,
-                            budget_bytes=e.budget_bytes, op=e.op, module=e.module), str(e))
-        return cls(None, str(e))
+                            budget_bytes=e.budget_bytes, op=e.op, module=e.module), str(e),
+                       notes)
+        return cls(None, str(e), notes)
+
+    def to_dict(self) -> dict:
+        return {"fields": self.fields, "message": self.message, "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "_Failure":
+        return cls(d["fields"], d["message"], tuple(d["notes"]))
 
     @property
     def numbers(self) -> str:
@@ -281,7 +326,8 @@ class _Failure:
     def error(self, note: str) -> torch.OutOfMemoryError:
         e = OutOfMemory(**self.fields) if self.fields is not None else \
             torch.OutOfMemoryError(self.message)
-        e.add_note(note)
+        for n in self.notes + (note,):
+            e.add_note(n)
         return e
 
 

@@ -97,7 +97,7 @@ class Runner:
         self.contexts = list(contexts)
         # replan(excess_bytes) -> a new Runner over the same model, adopted after an OOM
         self.guard = None
-        if replan is not None:
+        if replan is not None or _world(model) > 1:   # several ranks: oom_guard Note 7
             self.guard = OomGuard(replan, distributed=_world(model) > 1)
             if self.guard.off_reason is not None:
                 self.applied = self.applied.with_note(self.guard.off_reason)
