@@ -64,7 +64,9 @@ plans and broadcasts, so every rank adopts the same plan), restores (Note 1) and
 FSDP2's modules are resharded first (a failed attempt can leave a block's parameters
 unsharded). A re-plan that fails raises Note 5's error, the same on every rank (the numbers
 are agreed, ``BudgetTooSmall`` is decided once). Without a collective ``replan`` every rank
-raises the agreed error as is; the group stays usable.
+raises the agreed error as is; the group stays usable. Every rank must run the check or
+none (its ``all_reduce`` pairs with the others'): it runs where the plan has step bytes and
+the runner a budget, the same on every rank under ``memfit.fit``.
 
 Note 7 (an out-of-memory error inside the step on one rank). Raised in a forward or backward
 (or inside the optimizer step, Note 3) it is this rank's alone, while the others wait in a
@@ -74,7 +76,8 @@ connections to the others, and the error is re-raised with a note; on every othe
 pending collective then fails, and ``oom_ranks.stop_peer`` (on any ``RuntimeError`` out of the
 step) finds the published error and raises it, rebuilt, with a note naming the rank that ran
 out and by how much, instead of gloo's "Connection closed by peer" (``oom_ranks`` Notes 2-4:
-bounded waits, what the group is after, NCCL).
+bounded waits, what the group is after, NCCL). Any other ``RuntimeError`` is raised as is,
+after at most ``oom_ranks.KEY_WAIT_S`` looking for a published error.
 
 """
 

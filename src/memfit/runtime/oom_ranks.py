@@ -64,7 +64,8 @@ import torch.distributed as dist
 
 from memfit.units import format_bytes
 
-__all__ = ["ACK_TIMEOUT_S", "agree", "is_agreed", "multi_rank", "stop_here", "stop_peer"]
+__all__ = ["ACK_TIMEOUT_S", "agree", "describe_worst", "is_agreed", "mark_agreed", "multi_rank",
+           "publish_endpoints", "stop_here", "stop_peer"]
 
 ACK_TIMEOUT_S = 30.0     # the failing rank's wait for its peers to read its error (Note 2)
 ALL_AT_ONCE_S = 1.0      # how long the failing rank looks for the others running out too
@@ -277,5 +278,6 @@ def _wait(store, ranks: list[int], timeout_s: float, seen: bool = True) -> list[
 
 def describe_worst(rank: int, worst: int) -> str:
     return (f"memfit: rank {rank} would cross the budget by {format_bytes(worst)} in the "
-            "optimizer step, so every rank stops here, before any parameter changes "
+            "optimizer step, so no rank steps: every rank raises this error here, before any "
+            "parameter changes, and the ranks re-plan together where the guard can "
             "(memfit.runtime.oom_guard Note 6)")
