@@ -1,15 +1,15 @@
 """The matching logic of a replay allocator: serve a step's allocations from a static plan.
 
-Note 1 (what a replay allocator would do). A CUDA pluggable allocator
-(``torch.cuda.memory.CUDAPluggableAllocator`` + ``MemPool``) receives ``malloc(size)`` and
-``free(ptr)``, nothing else. In steady state every step makes the same allocations in the same
-order, so the ``k``-th malloc of a step is the ``k``-th storage born in the plan: if its size is
-the planned one it gets the planned offset in the arena (a hit), else the caching allocator
-serves it (a miss, counted), and so does every allocation past the plan's end. A hit's block is
+Note 1 (what a replay allocator does). A CUDA pluggable allocator
+(``torch.cuda.memory.CUDAPluggableAllocator``) receives ``malloc(size)`` and ``free(ptr)``,
+nothing else. In steady state every step makes the same allocations in the same order, so the
+``k``-th malloc of a step is the ``k``-th storage born in the plan: if its size is the planned
+one it gets the planned offset in the arena (a hit), else the fallback (``cudaMalloc``) serves
+it (a miss, counted), and so does every allocation past the plan's end. A hit's block is
 released at its free. Frees out of the plan's order could leave a planned block still held when
-it is wanted again: that allocation is a conflict, served by the caching allocator. This module
-is that logic, in Python, without CUDA: the C++ side cannot be built or loaded by a CPU build of
-torch (``torch._C._cuda_customAllocator`` does not exist there).
+it is wanted again: that allocation is a conflict, served by the fallback. This module is that
+logic, in Python, without CUDA (the spec); ``memplan.replay_allocator`` is the C++ side, which a
+CPU build of torch cannot load (``torch._C._cuda_customAllocator`` does not exist there).
 
 Note 2 (storages alive when the step starts). Parameters, optimizer state and the previous
 step's gradients are not allocated by the step; only storages born during it (``first_op >=
