@@ -125,6 +125,8 @@ def _forward_job(world: int, oom_rank: int, sharding: str) -> list[dict]:
     failing = ranks[oom_rank]["error"]
     assert failing["type"] == "OutOfMemory" and failing["op"] != "optimizer.step"
     assert failing["numbers"][2] == track_budget                 # track's own error
+    assert "closed its connections" in failing["notes"][-1]
+    assert "did not acknowledge" not in failing["notes"][-1]    # every peer read it
     for rank, r in enumerate(ranks):
         e = r["error"]
         assert e is not None and e["type"] == "OutOfMemory", (rank, e)
@@ -132,10 +134,11 @@ def _forward_job(world: int, oom_rank: int, sharding: str) -> list[dict]:
         assert e["numbers"] == failing["numbers"] and e["op"] == failing["op"]
         assert f"rank {oom_rank} of {world} ran out of memory" in "\n".join(e["notes"])
         assert r["unchanged"] and r["grads_none"]
-        assert r["initialized_after"]                          # oom_ranks Note 3
+        assert r["initialized_after"]             # kept, its connections shut (oom_ranks Note 3)
     for rank, r in enumerate(ranks):
         if rank != oom_rank:
-            assert "this rank" in r["error"]["notes"][-1] and "Connection" not in r["error"]["message"]
+            assert "this rank" in r["error"]["notes"][-1]
+            assert "Connection" not in r["error"]["message"]        # not gloo's error
     return ranks
 
 
