@@ -13,6 +13,7 @@ import memfit
 from memfit.devices import get_device
 from memfit.planner.time_model import flop_rate
 from memfit.planner.variants import auto_precisions
+from memfit.trace.allocator import AllocatorConfig
 from tests.helpers import tiny
 
 
@@ -44,7 +45,11 @@ def test_auto_plans_say_which_numerics_change_and_fit_their_modelled_budget():
     assert p.knobs.precision in ("bf16", "bf16-pure", "fp32")
     assert not p.knobs.remat                 # one fixed batch: a static plan (test_levers_dtr)
     knobs = {k: v for k, v in p.knobs.to_dict().items() if v is not None}
-    est = memfit.estimate(model, batch, device="a100-40gb", **knobs)
+    # traced under the allocator setting the plan chose (api._plan_allocator)
+    assert p.allocator is None or p.allocator["scheme"] == "default"   # pools: not here
+    config = AllocatorConfig(expandable_segments=bool(p.allocator and
+                                                      p.allocator["expandable_segments"]))
+    est = memfit.estimate(model, batch, device="a100-40gb", allocator=config, **knobs)
     assert est.device_bytes == p.predicted_device_bytes <= budget
     if p.knobs.precision != "fp32":
         said = next(r for r in p.reasons if r.startswith(f"precision {p.knobs.precision}"))

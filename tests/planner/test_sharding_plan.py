@@ -137,3 +137,20 @@ def test_mixed_precision_halves_the_unsharded_weights(gpt2):
     assert diff[fw] == pytest.approx(unsharded / 2 + s.blocks / 2, abs=1)
     assert diff[bw] == pytest.approx(unsharded / 2, abs=1)
     assert diff[0] == 0
+
+
+@pytest.mark.parametrize("fits_from", [1, 2, 3, 5, 8, 9, None])
+def test_fewest_bisects_to_the_linear_scan(fits_from):
+    """api._plan_sharded.fewest against a scan of every count, counting the probes."""
+    from memfit.api._plan_sharded import fewest
+    counts = [1, 2, 3, 4, 5, 6, 7, 8]
+    probes = []
+
+    def fits(n):
+        probes.append(n)
+        return fits_from is not None and n >= fits_from
+
+    scan = next((n for n in counts if fits_from is not None and n >= fits_from), None)
+    assert fewest(counts, fits) == scan
+    assert len(probes) <= 4                       # 1 + log2(8), not 8
+    assert fewest([], fits) is None

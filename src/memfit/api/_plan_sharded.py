@@ -16,8 +16,10 @@ buffers (outside the allocator) are not applied under sharding yet; a note says 
 
 Note 3 (verification). The layout chosen (fewest GPUs for "auto", then the fastest) is
 re-traced by ``estimate_sharded`` with its per-block modes and micro-batch: that trace is the
-answer. The layouts are searched a GPU count at a time, fewest first, until one is predicted
-to fit (a larger count is searched only when no smaller one fits, or its re-traces miss). If it misses the budget the search runs again with the cap lowered by what was
+answer. The fewest GPUs predicted to fit are found by bisection over the counts (``fewest``): one
+rank's bytes never grow with the count (its share of the state, and of the batch, only
+shrink; the unsharded buffers stay), so neither does what fits. Larger counts are searched
+only when the re-traces at the fewest miss. If it misses the budget the search runs again with the cap lowered by what was
 missing (as ``memfit.plan``'s Note 2), then moves to the next layout. One GPU is
 ``memfit.plan``'s question: when the models say a single device may fit, it is asked.
 
@@ -45,6 +47,7 @@ GPU-seconds per step (cards x step time): what a rental costs in card-hours, bef
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -173,6 +176,7 @@ class _Models:
     def __init__(self, est, half, p: str, b: int):
         self.est, self.half, self.p, self.b = est, half, p, b
         self._memory: dict = {}
+        self._time: dict = {}
 
     def memory(self, cand: Candidate, extra: int, context: int) -> MemoryModel:
         key = (cand, extra, context)
@@ -185,7 +189,10 @@ class _Models:
     def pair(self, cand: Candidate, spec):
         extra, context = _card_bytes(spec)
         memory, sh, hh = self.memory(cand, extra, context)
-        time = TimeModel(sh, spec, self.p, self.b, memory, hh)
+        if spec.name not in self._time:     # per-op costs: the same for every layout
+            self._time[spec.name] = TimeModel(sh, spec, self.p, self.b, memory, hh)
+        time = copy.copy(self._time[spec.name])
+        time.memory = memory                # the layout's bytes (offload, gradients)
         return memory, ShardedTime(time, self.est, cand, spec, 2 if cand.mp_policy else 4)
 
     def single_s(self, spec) -> float:
@@ -195,7 +202,9 @@ class _Models:
 
 
 def _search_row(models: _Models, cand: Candidate, spec, budget: int, k: Knobs, fixed_modes,
-                margin: int = 0) -> Row:
+                margin: int = 0, probe: bool = False) -> Row:
+    """The fastest configuration of ``cand`` predicted to fit; ``probe``: any one that fits,
+    tried at the micro-batch sizes that need least (1 and the rank's batch: search Note 2)."""
     b = models.b
     rb = -(-b // cand.gpus)
     memory, time = models.pair(cand, spec)
@@ -206,8 +215,31 @@ def _search_row(models: _Models, cand: Candidate, spec, budget: int, k: Knobs, f
     if floor > budget:
         return Row(cand, rb, None, floor)
     key = (models.p, k.optimizer_impl)
-    choice = search({key: (memory, time)}, rb, budget, fixed, {key: margin} if margin else None)
-    return Row(cand, rb, choice, floor)
+    pair = {key: (memory, time)}
+    margins = {key: margin} if margin else None
+    if probe and m is None:
+        for size in sorted({1, rb}):
+            choice = search(pair, rb, budget, dataclasses.replace(fixed, micro_batch_size=size),
+                            margins)
+            if choice is not None:
+                return Row(cand, rb, choice, floor)
+        return Row(cand, rb, None, floor)
+    return Row(cand, rb, search(pair, rb, budget, fixed, margins), floor)
+
+
+def fewest(counts: list[int], fits) -> int | None:
+    """The least of ``counts`` (ascending) where ``fits(n)``, by bisection: a rank's bytes never
+    grow with the count (Note 3), so neither does what fits. None: not even the last."""
+    lo, hi = 0, len(counts) - 1
+    if not counts or not fits(counts[hi]):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(counts[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return counts[lo]
 
 
 def _rank_knobs(k: Knobs, row: Row, blocks) -> Knobs:
@@ -249,17 +281,28 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
     reshard = k.reshard_after_forward
     cands = candidates(k.gpus, "fsdp" if k.mp_policy else k.sharding, reshard, b,
                        _mp_policies(k, p))
-    pending = sorted({c.gpus for c in cands}, reverse=True)      # searched fewest first
-    rows: list[Row] = []
+    counts = sorted({c.gpus for c in cands})
+
+    def at(n: int, probe: bool = False) -> list[Row]:
+        return [_search_row(models, c, spec, budget_bytes, k, fixed_modes, probe=probe)
+                for c in cands if c.gpus == n]
+
     say("searching layouts")
+    probed: dict[int, list[Row]] = {}
+
+    def fits(n: int) -> bool:
+        probed[n] = at(n, probe=True)
+        return any(r.choice is not None for r in probed[n])
+
+    first = fewest(counts, fits)
+    pending = [n for n in reversed(counts) if first is not None and n > first]
+    rows: list[Row] = at(first) if first is not None else probed[counts[-1]]
     margins: dict = {}
     tries: dict = {}
     for _ in range(len(cands) * (_ATTEMPTS + 1)):
         fitting = [r for r in rows if r.choice is not None]
-        if not fitting and pending:          # the next GPU count's layouts (Note 3)
-            n = pending.pop()
-            rows += [_search_row(models, c, spec, budget_bytes, k, fixed_modes)
-                     for c in cands if c.gpus == n]
+        if not fitting and pending:          # re-traces missed: the next count (Note 3)
+            rows += at(pending.pop())
             continue
         if not fitting:
             break
@@ -324,7 +367,7 @@ def _planned(k, row: Row, verified, device_bytes: int, models: _Models, spec, bu
     link, rate = interconnect(spec)
     baseline = models.single_s(spec)
     comm = time.comm_s(choice.micro_batch_size, row.rank_batch)
-    fewer = sorted({r.candidate.gpus for r in rows if r.candidate.gpus < c.gpus})
+    fewer = list(range(1, c.gpus))          # none fits there (bisection, Note 3)
     why = [f"{c.describe()}: each rank runs {row.rank_batch} of the batch's {models.b} samples "
            f"(memfit.api._plan_sharded Note 1)"]
     if fewer and k.gpus in (None, "auto"):
@@ -375,6 +418,7 @@ class GpuRow:
     rank_bytes: int | None           # predicted device bytes per GPU
     step_s: float | None
     link: str
+    why: str = ""                    # where gpus is None: why not (no bf16, nothing fits)
 
     @property
     def gpu_seconds(self) -> float | None:
@@ -396,7 +440,15 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
     traced: dict = {}
     rows = []
     for spec in specs:
-        k, _, p, prepared = _setup(model, batch, optimizer, spec, loss_fn, knobs, None, None)
+        try:
+            k, _, p, prepared = _setup(model, batch, optimizer, spec, loss_fn, knobs, None, None)
+        except ValueError as e:       # this card cannot run the precision asked (no bf16)
+            if "needs bf16 support" not in str(e):
+                raise
+            rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes, None, "",
+                               knobs.get("precision") or "", None, None,
+                               interconnect(spec)[0], "no bf16"))
+            continue
         if p not in traced:
             est, half = _traces(model, prepared, optimizer, loss_fn, count_fn, k, p, say,
                                 half=False)
@@ -405,22 +457,19 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
         from memfit.api.plan import _constraints
         fixed_modes = _constraints(model, k, models.b).modes
         say(f"searching {spec.name}")
-        found = None
-        for n in range(1, models.b + 1):
-            layouts = [r for r in (_search_row(models, c, spec, spec.usable_bytes, k,
-                                               fixed_modes)
-                                   for c in candidates(n, "fsdp" if k0.mp_policy
-                                                       else k0.sharding,
-                                                       k0.reshard_after_forward, models.b,
-                                                       _mp_policies(k0, p)))
-                       if r.choice is not None]
-            if layouts:
-                found = min(layouts, key=lambda r: r.choice.step_s)
-                break
+        def fitting(n: int, probe: bool = False) -> list[Row]:
+            return [r for r in (
+                _search_row(models, c, spec, spec.usable_bytes, k, fixed_modes, probe=probe)
+                for c in candidates(n, "fsdp" if k0.mp_policy else k0.sharding,
+                                    k0.reshard_after_forward, models.b,
+                                    _mp_policies(k0, p))) if r.choice is not None]
+
+        n = fewest(list(range(1, models.b + 1)), lambda n: bool(fitting(n, probe=True)))
+        found = None if n is None else min(fitting(n), key=lambda r: r.choice.step_s)
         link = interconnect(spec)[0]
         if found is None:
             rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes, None, "", p,
-                               None, None, link))
+                               None, None, link, f"nothing up to {models.b} GPUs fits"))
         else:
             rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes,
                                found.candidate.gpus, found.candidate.describe(), p,

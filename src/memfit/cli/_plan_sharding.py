@@ -127,14 +127,19 @@ def _print_rows(console, args, head: str, rows, seconds: float) -> int:
     for r in rows:
         link = r.link.split(" (")[0]
         if r.gpus is None:
-            t.add_row(r.gpu, "-", "does not fit", "-", format_bytes(r.usable_bytes), "-", "-",
-                      link)
+            t.add_row(r.gpu, "-", r.why or "does not fit", "-", format_bytes(r.usable_bytes),
+                      "-", "-", link)
             continue
         layout = r.layout.split(", ", 1)[1] if ", " in r.layout else r.layout
+        layout = layout.replace(", bf16 MixedPrecisionPolicy", " MP").replace(
+            ", unsharded forward to backward", " no-reshard")
         t.add_row(r.gpu, str(r.gpus), f"{layout} {r.precision}", format_bytes(r.rank_bytes),
                   format_bytes(r.usable_bytes), f"{r.step_s:.3g} s", f"{r.gpu_seconds:.3g}",
                   link)
     console.print(t)
+    if any("MixedPrecisionPolicy" in r.layout for r in rows):
+        console.print("MP: FSDP2's MixedPrecisionPolicy (bf16 weights and compute, fp32 "
+                      "reduce) instead of autocast; no-reshard: reshard_after_forward=False")
     console.print("modelled from one device's traces (memfit.api._plan_sharded Note 5); "
                   "`memfit plan --gpus auto --gpu NAME` re-traces one card's answer. "
                   f"Compared in {seconds:.1f} s")
