@@ -84,3 +84,20 @@ def test_one_rank_over_the_budget_stops_every_rank():
     for r in ranks:
         assert r["error"] is not None and r["error"]["op"] == "optimizer.step"
         assert any("rank 0 would cross the budget" in n for n in r["error"]["notes"])
+
+
+@pytest.mark.slow
+def test_planned_mixed_precision_run_applies_the_policy_under_the_budget():
+    """A plan with FSDP2's MixedPrecisionPolicy (api._plan_sharded Note 6) runs with it: the
+    ranks' knobs carry it and each rank stays under track(budget)."""
+    model, batch = tiny("llama-1b", batch_size=4)
+    half = {k: v[:2] for k, v in batch.items()}
+    plain = memfit.estimate_sharded(model, half, "adamw", "cpu", world_size=2,
+                                    mp_policy="bf16")
+    budget = int(plain.peak_bytes * 1.3)     # the model over-counts: planner.sharding Note 5
+    params, ranks = run_job({"arch": "llama-1b", "batch": 4, "budget": budget,
+                             "knobs": {"gpus": 2, "device": "cpu", "mp_policy": "bf16"}})
+    for r in ranks:
+        assert r["peak_bytes"] <= budget
+        assert (r["knobs"]["sharding"], r["knobs"]["mp_policy"]) == ("fsdp", "bf16")
+    assert all(p.dtype == torch.float32 for p in params.values())   # fp32 sharded weights

@@ -51,12 +51,12 @@ from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["fit_sharded", "is_sharded"]
 
-_SHARD = ("gpus", "sharding", "reshard_after_forward", "fsdp_offload")
+_SHARD = ("gpus", "sharding", "reshard_after_forward", "fsdp_offload", "mp_policy")
 
 
 def is_sharded(k: Knobs) -> bool:
     return k.gpus not in (None, 1) or k.sharding not in (None, "none") or \
-        k.reshard_after_forward is not None or bool(k.fsdp_offload)
+        k.reshard_after_forward is not None or bool(k.fsdp_offload) or k.mp_policy is not None
 
 
 def fit_sharded(model: nn.Module, optimizer, batch, budget, device, loss_fn, k: Knobs, *,
@@ -99,7 +99,7 @@ def _apply(model, optimizer, plan: Plan, loss_fn, count_fn, scheduler, replan=No
     trainable = [p for p in model.parameters() if p.requires_grad]
     config = Sharding.Config(kind=pk.sharding, reshard_after_forward=True
                              if pk.reshard_after_forward is None else pk.reshard_after_forward,
-                             offload=bool(pk.fsdp_offload))
+                             offload=bool(pk.fsdp_offload), mp_policy=pk.mp_policy)
     sharded = Sharding(config).apply(model, mesh)
     rest = Knobs(**{n: v for n, v in pk.to_dict().items() if n not in _SHARD})
     factory = scheduler if callable(scheduler) else None
@@ -129,6 +129,7 @@ class _Replanner:
         fk = first.knobs
         self.job, self.budget, self.missing = job, budget, 0
         self.fixed = k.replace(sharding=fk.sharding, fsdp_offload=fk.fsdp_offload,
+                               mp_policy=fk.mp_policy,
                                precision=fk.precision or "fp32",
                                optimizer_impl=fk.optimizer_impl,
                                offload_optimizer=fk.offload_optimizer)
