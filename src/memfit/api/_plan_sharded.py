@@ -469,7 +469,7 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
         link = interconnect(spec)[0]
         if found is None:
             rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes, None, "", p,
-                               None, None, link, f"nothing up to {models.b} GPUs fits"))
+                               None, None, link, f"none of 1-{models.b} GPUs fits"))
         else:
             rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes,
                                found.candidate.gpus, found.candidate.describe(), p,

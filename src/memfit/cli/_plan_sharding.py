@@ -111,31 +111,33 @@ def run_if_asked(args, base_knobs: dict) -> int | None:
 
 
 def _print_rows(console, args, head: str, rows, seconds: float) -> int:
-    from memfit.units import format_bytes
-
     if args.json:
         json.dump({"model": head, "modelled": True, "rows": [r.to_dict() for r in rows],
                    "seconds": round(seconds, 2)}, sys.stdout, indent=2)
         print()
         return 0
+    from rich import box
     from rich.table import Table
 
+    gib = 2 ** 30
     t = Table(title=f"{head}: the fewest GPUs of each kind that fit (modelled, "
-                    "cheapest GPU-seconds per step first)")
-    for col in ("GPU", "GPUs", "layout", "per GPU", "of", "step", "GPU-s", "link"):
-        t.add_column(col, no_wrap=col in ("GPU", "layout"))
+                    "cheapest GPU-seconds per step first)", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, wrap in (("GPU", False), ("n", False), ("layout", True), ("GiB per GPU", False),
+                      ("step s", False), ("GPU-s", False), ("link", True)):
+        t.add_column(col, no_wrap=not wrap, justify="left" if wrap or col == "GPU" else "right")
     for r in rows:
-        link = r.link.split(" (")[0]
+        link = r.link.split(" (")[0].replace("PCIe peer-to-peer", "PCIe p2p").replace(
+            "PCIe through host memory", "PCIe via host")
+        usable = f"{r.usable_bytes / gib:.1f}"
         if r.gpus is None:
-            t.add_row(r.gpu, "-", r.why or "does not fit", "-", format_bytes(r.usable_bytes),
-                      "-", "-", link)
+            t.add_row(r.gpu, "-", r.why or "does not fit", f"- / {usable}", "-", "-", link)
             continue
         layout = r.layout.split(", ", 1)[1] if ", " in r.layout else r.layout
         layout = layout.replace(", bf16 MixedPrecisionPolicy", " MP").replace(
             ", unsharded forward to backward", " no-reshard")
-        t.add_row(r.gpu, str(r.gpus), f"{layout} {r.precision}", format_bytes(r.rank_bytes),
-                  format_bytes(r.usable_bytes), f"{r.step_s:.3g} s", f"{r.gpu_seconds:.3g}",
-                  link)
+        t.add_row(r.gpu, str(r.gpus), f"{layout} {r.precision}",
+                  f"{r.rank_bytes / gib:.1f} / {usable}", f"{r.step_s:.3g}",
+                  f"{r.gpu_seconds:.3g}", link)
     console.print(t)
     if any("MixedPrecisionPolicy" in r.layout for r in rows):
         console.print("MP: FSDP2's MixedPrecisionPolicy (bf16 weights and compute, fp32 "
