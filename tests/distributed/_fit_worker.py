@@ -45,15 +45,22 @@ def run_rank(rank: int, world_size: int, port: int, job: dict, out_dir: str) -> 
         dist.destroy_process_group()
 
 
-def _stop_all(rank, runner, batch, job, out_dir):
-    """Rank ``ballast_rank`` holds a budget's worth of extra bytes through the step."""
-    error = None
+def ballast_step(rank, runner, batch, job) -> "memfit.OutOfMemory | None":
+    """One step in which rank ``ballast_rank`` holds a budget's worth of extra bytes: the
+    ``OutOfMemory`` this rank raised (its traceback dropped), or None."""
     with memfit.track(runner.model, runner.optimizer):
         ballast = torch.empty(job["budget"] // 4 if rank == job["ballast_rank"] else 0)
         try:
             runner.step(batch)
         except memfit.OutOfMemory as e:
-            error = {"op": e.op, "notes": list(getattr(e, "__notes__", []))}
-        del ballast
+            return e.with_traceback(None)
+        finally:
+            del ballast
+    return None
+
+
+def _stop_all(rank, runner, batch, job, out_dir):
+    e = ballast_step(rank, runner, batch, job)
+    error = None if e is None else {"op": e.op, "notes": list(getattr(e, "__notes__", []))}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"error": error}, f)

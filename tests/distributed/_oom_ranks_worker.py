@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import memfit
-from tests.distributed._fit_worker import full
+from tests.distributed._fit_worker import ballast_step, full
 from tests.distributed._worker import in_place_reduce_scatter
 
 
@@ -116,15 +116,8 @@ def _agree(rank, runner, batch, job):
 
 
 def _ballast(rank, runner, batch, job):
-    error = None
-    with memfit.track(runner.model, runner.optimizer):
-        ballast = torch.empty(job["budget"] // 4 if rank == job["ballast_rank"] else 0)
-        try:
-            runner.step(batch)
-        except memfit.OutOfMemory as e:
-            error = error_record(e)
-        del ballast
-    return {"error": error, "plan_kept": runner.plan.knobs.to_dict(),
+    e = ballast_step(rank, runner, batch, job)
+    return {"error": None if e is None else error_record(e), "plan_kept": runner.plan.knobs.to_dict(),
             "grads_none": all(p.grad is None for p in runner.model.parameters())}
 
 
