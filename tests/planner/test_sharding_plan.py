@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 
 import memfit
-from memfit.api._plan_sharded import compare_gpus, plan_sharded_traced
+from memfit.api._compare_gpus import compare_gpus
+from memfit.api._plan_sharded import plan_sharded_traced
 from memfit.api.plan import plan_traced
 from memfit.devices import get_device
 from tests.helpers import tiny

@@ -1,5 +1,5 @@
 """``memfit.plan(gpus=N | "auto", sharding=...)``: how many GPUs, which data-parallel layout, and
-the per-block plan of each rank; and ``compare_gpus``: the fewest cards of every GPU in the table.
+the per-block plan of each rank (``api._compare_gpus`` asks it of every GPU in the table).
 
 Note 1 (the batch). ``batch`` is the effective batch of the whole job, split over the ranks as
 data parallelism does (the same training as on one device): each rank runs ``ceil(b / N)``
@@ -43,11 +43,8 @@ the forward to the backward (``planner.sharding`` Note 4); under the policy it d
 large models the policy fits where autocast does not (Llama-2-7B, batch 8 x 2048, on 24 GB
 cards). ``mp_policy="bf16"`` given by the caller weighs it alone (FSDP2 only).
 
-Note 5 (compare_gpus). Every card of the table at its usable memory, the fewest GPUs (1..b)
-whose best layout the models predict to fit, and its step time; modelled from one trace per
-precision (state fixed, activations proportional to the batch: memory_model Note 2), not
-re-traced per card (33 verifications would take many minutes), and said so. Sorted by
-GPU-seconds per step (cards x step time): what a rental costs in card-hours, before prices.
+Note 5 (every card). ``api._compare_gpus`` searches the same models for each GPU of the table,
+without the re-trace.
 """
 
 from __future__ import annotations
@@ -76,7 +73,7 @@ from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.units import format_bytes, parse_bytes
 
-__all__ = ["plan_sharded", "plan_sharded_traced", "compare_gpus", "ShardedPlanned", "GpuRow"]
+__all__ = ["plan_sharded", "plan_sharded_traced", "ShardedPlanned", "fewest", "layouts"]
 
 _ATTEMPTS = 3
 _SLACK_BYTES = 2 ** 20
@@ -141,7 +138,7 @@ def _setup(model, batch, optimizer, device, loss_fn, knobs: dict, step, schedule
         raise ValueError("precision='bf16' (autocast) and mp_policy='bf16' both cast the "
                          "compute: pick one (mp_policy='bf16' is FSDP2's; leave precision "
                          "unset or 'fp32' with it)")
-    p = "bf16" if k.mp_policy else resolve_precision(k.precision, spec)   # Note 6
+    p = resolve_precision("bf16" if k.mp_policy else k.precision, spec)   # Note 6
     if p == "fp16" and k.precision == "auto":
         p = "fp32"
     if p not in ("fp32", "bf16"):
@@ -256,6 +253,12 @@ def _mp_policies(k: Knobs, p: str) -> tuple:
     return (None, "bf16") if p == "bf16" else (None,)
 
 
+def layouts(k: Knobs, gpus, b: int, p: str) -> list[Candidate]:
+    """The layouts ``k`` leaves open for ``gpus`` (an int or "auto") at batch ``b``."""
+    return candidates(gpus, "fsdp" if k.mp_policy else k.sharding, k.reshard_after_forward, b,
+                      _mp_policies(k, p))
+
+
 def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
                         loss_fn: Callable | None = None, *, count_fn: Callable | None = None,
                         on_progress: Callable[[str], None] | None = None, step=None,
@@ -273,9 +276,7 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
     models = _Models(_trace(model, batch, optimizer, loss_fn, count_fn, k, p, say), p, b)
     from memfit.api.plan import _constraints          # the caller's fixed per-block modes
     fixed_modes = _constraints(model, k, b).modes
-    reshard = k.reshard_after_forward
-    cands = candidates(k.gpus, "fsdp" if k.mp_policy else k.sharding, reshard, b,
-                       _mp_policies(k, p))
+    cands = layouts(k, k.gpus, b, p)
     counts = sorted({c.gpus for c in cands})
 
     def at(n: int, probe: bool = False) -> list[Row]:
@@ -398,74 +399,3 @@ def _planned(k, row: Row, verified, device_bytes: int, models: _Models, spec, bu
                 budget_bytes=budget, batch_size=row.rank_batch, block_costs=costs,
                 predicted_optimizer_step_bytes=optimizer_rise_bytes(verified), reasons=why)
     return ShardedPlanned(plan, choice.step_s, c, rows, verified, link)
-
-
-@dataclass(frozen=True)
-class GpuRow:
-    """One card of ``compare_gpus`` (Note 5): the fewest that fit and their step."""
-
-    gpu: str
-    display_name: str
-    usable_bytes: int
-    gpus: int | None                 # None: nothing up to the batch size fits
-    layout: str
-    precision: str
-    rank_bytes: int | None           # predicted device bytes per GPU
-    step_s: float | None
-    link: str
-    why: str = ""                    # where gpus is None: why not (no bf16, nothing fits)
-
-    @property
-    def gpu_seconds(self) -> float | None:
-        return None if self.step_s is None else self.gpus * self.step_s
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "gpu_seconds": self.gpu_seconds}
-
-
-def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable | None = None,
-                 *, specs=None, count_fn: Callable | None = None,
-                 on_progress: Callable[[str], None] | None = None, **knobs) -> list[GpuRow]:
-    """For every GPU of the table (or ``specs``), the fewest cards whose best layout the models
-    predict to fit its usable memory, cheapest (GPU-seconds per step) first (Note 5)."""
-    from memfit.devices import list_devices
-    say = on_progress or (lambda message: None)
-    specs = list(specs) if specs is not None else list_devices()
-    k0 = Knobs.from_kwargs(**knobs)
-    traced: dict = {}
-    rows = []
-    for spec in specs:
-        try:
-            k, _, p, prepared = _setup(model, batch, optimizer, spec, loss_fn, knobs, None, None)
-        except ValueError as e:       # this card cannot run the precision asked (no bf16)
-            if "needs bf16 support" not in str(e):
-                raise
-            rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes, None, "",
-                               knobs.get("precision") or "", None, None,
-                               interconnect(spec)[0], "no bf16"))
-            continue
-        if p not in traced:
-            traced[p] = _Models(_trace(model, prepared, optimizer, loss_fn, count_fn, k, p,
-                                       say), p, batch_size_of(prepared))
-        models = traced[p]
-        from memfit.api.plan import _constraints
-        fixed_modes = _constraints(model, k, models.b).modes
-        say(f"searching {spec.name}")
-        def fitting(n: int, probe: bool = False) -> list[Row]:
-            return [r for r in (
-                _search_row(models, c, spec, spec.usable_bytes, k, fixed_modes, probe=probe)
-                for c in candidates(n, "fsdp" if k0.mp_policy else k0.sharding,
-                                    k0.reshard_after_forward, models.b,
-                                    _mp_policies(k0, p))) if r.choice is not None]
-
-        n = fewest(list(range(1, models.b + 1)), lambda n: bool(fitting(n, probe=True)))
-        found = None if n is None else min(fitting(n), key=lambda r: r.choice.step_s)
-        link = interconnect(spec)[0]
-        if found is None:
-            rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes, None, "", p,
-                               None, None, link, f"none of 1-{models.b} GPUs fits"))
-        else:
-            rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes,
-                               found.candidate.gpus, found.candidate.describe(), p,
-                               found.choice.device_bytes, found.choice.step_s, link))
-    return sorted(rows, key=lambda r: (r.gpu_seconds is None, r.gpu_seconds or 0.0))

@@ -93,7 +93,7 @@ def run_if_asked(args, base_knobs: dict) -> int | None:
         batch = make_batch(spec, model, args, args.batch_size, args.seq_len)
         say = lambda m: status.update(m + "...")            # noqa: E731
         if args.compare_gpus:
-            from memfit.api._plan_sharded import compare_gpus
+            from memfit.api._compare_gpus import compare_gpus
             knobs.pop("gpus")
             rows = compare_gpus(model, batch, args.optimizer, on_progress=say, **knobs)
         else:
@@ -142,7 +142,7 @@ def _print_rows(console, args, head: str, rows, seconds: float) -> int:
     if any("MixedPrecisionPolicy" in r.layout for r in rows):
         console.print("MP: FSDP2's MixedPrecisionPolicy (bf16 weights and compute, fp32 "
                       "reduce) instead of autocast; no-reshard: reshard_after_forward=False")
-    console.print("modelled from one device's traces (memfit.api._plan_sharded Note 5); "
+    console.print("modelled from one device's trace (memfit.api._compare_gpus Note 1); "
                   "`memfit plan --gpus auto --gpu NAME` re-traces one card's answer. "
                   f"Compared in {seconds:.1f} s")
     return 0

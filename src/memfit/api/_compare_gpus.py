@@ -1,0 +1,96 @@
+"""``compare_gpus``: for every GPU of the table, the fewest cards that fit and their step time.
+
+Note 1 (modelled). Every card of the table at its usable memory, the fewest GPUs (1..b) whose
+best layout the models of ``api._plan_sharded`` predict to fit, and its step time; modelled
+from one trace per precision (state fixed, activations proportional to the batch:
+memory_model Note 2), not re-traced per card (33 verifications would take many minutes), and
+said so. The fewest are found by bisection (``api._plan_sharded.fewest``). Sorted by
+GPU-seconds per step (cards x step time): what a rental costs in card-hours, before prices.
+
+Note 2 (cards without bf16). Where the precision asked is bf16 (or FSDP2's bf16
+``mp_policy``) a card without bf16 cannot run it: its row says "no bf16" rather than stopping
+the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from memfit.api._plan_sharded import (Row, _Models, _search_row, _setup, _trace, fewest,
+                                      layouts)
+from memfit.knobs import Knobs
+from memfit.planner.sharding import interconnect
+from memfit.techniques.accumulation import batch_size_of
+
+__all__ = ["compare_gpus", "GpuRow"]
+
+
+@dataclass(frozen=True)
+class GpuRow:
+    """One card of ``compare_gpus``: the fewest that fit and their step."""
+
+    gpu: str
+    display_name: str
+    usable_bytes: int
+    gpus: int | None                 # None: nothing up to the batch size fits
+    layout: str
+    precision: str
+    rank_bytes: int | None           # predicted device bytes per GPU
+    step_s: float | None
+    link: str
+    why: str = ""                    # where gpus is None: why not (no bf16, nothing fits)
+
+    @property
+    def gpu_seconds(self) -> float | None:
+        return None if self.step_s is None else self.gpus * self.step_s
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "gpu_seconds": self.gpu_seconds}
+
+
+def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable | None = None,
+                 *, specs=None, count_fn: Callable | None = None,
+                 on_progress: Callable[[str], None] | None = None, **knobs) -> list[GpuRow]:
+    """For every GPU of the table (or ``specs``), the fewest cards whose best layout the models
+    predict to fit its usable memory, cheapest (GPU-seconds per step) first (Note 1)."""
+    from memfit.api.plan import _constraints
+    from memfit.devices import list_devices
+    say = on_progress or (lambda message: None)
+    specs = list(specs) if specs is not None else list_devices()
+    asked = Knobs.from_kwargs(**knobs)
+    wants_bf16 = asked.precision == "bf16" or asked.mp_policy is not None
+    traced: dict = {}
+    rows = []
+    for spec in specs:
+        link = interconnect(spec)[0]
+        if wants_bf16 and spec.kind == "cuda" and not spec.supports_bf16:       # Note 2
+            rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes, None, "",
+                               "bf16", None, None, link, "no bf16"))
+            continue
+        k, _, p, prepared = _setup(model, batch, optimizer, spec, loss_fn, knobs, None, None)
+        if p not in traced:
+            traced[p] = _Models(_trace(model, prepared, optimizer, loss_fn, count_fn, k, p,
+                                       say), p, batch_size_of(prepared))
+        models = traced[p]
+        fixed_modes = _constraints(model, k, models.b).modes
+        say(f"searching {spec.name}")
+
+        def fitting(n: int, probe: bool = False) -> list[Row]:
+            return [r for r in (
+                _search_row(models, c, spec, spec.usable_bytes, k, fixed_modes, probe=probe)
+                for c in layouts(k, n, models.b, p)) if r.choice is not None]
+
+        n = fewest(list(range(1, models.b + 1)), lambda n: bool(fitting(n, probe=True)))
+        if n is None:
+            rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes, None, "", p,
+                               None, None, link, f"none of 1-{models.b} GPUs fits"))
+            continue
+        found = min(fitting(n), key=lambda r: r.choice.step_s)
+        rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes,
+                           found.candidate.gpus, found.candidate.describe(), p,
+                           found.choice.device_bytes, found.choice.step_s, link))
+    return sorted(rows, key=lambda r: (r.gpu_seconds is None, r.gpu_seconds or 0.0))
