@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from memfit.api._plan_sharded import (Row, _Models, _search_row, _setup, _trace, fewest,
-                                      layouts)
+from memfit.api._plan_sharded import Row, _Models, _search_row, _setup, _trace, fewest
 from memfit.knobs import Knobs
-from memfit.planner.sharding import interconnect
+from memfit.planner.sharding import interconnect, layouts
 from memfit.techniques.accumulation import batch_size_of
 
 __all__ = ["compare_gpus", "GpuRow"]
@@ -82,7 +81,7 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
         def fitting(n: int, probe: bool = False) -> list[Row]:
             return [r for r in (
                 _search_row(models, c, spec, spec.usable_bytes, k, fixed_modes, probe=probe)
-                for c in layouts(k, n, models.b, p)) if r.choice is not None]
+                for c in layouts(k, n, models.b, p, spec)) if r.choice is not None]
 
         n = fewest(list(range(1, models.b + 1)), lambda n: bool(fitting(n, probe=True)))
         if n is None:

@@ -30,9 +30,10 @@ missing (as ``memfit.plan``'s Note 2), then moves to the next layout. One GPU is
 
 Note 4 (what is weighed). Precision (fp32, or bf16 autocast; "auto" takes bf16 where the card
 has it: FSDP2 here does not run fp16's GradScaler), micro-batch size, per-block keep /
-recompute / selective / offload, and the layout. Not weighed: optimizer-state offload and
-FSDP2's CPU offload (``estimate_sharded`` cannot verify them for a GPU yet, Note 2 there), and
-``reshard_after_forward`` as a group size (it may be fixed, not searched).
+recompute / selective / offload, the layout, and for a GPU FSDP2's CPU offload (sharded
+state on the host, ``planner.sharding`` Note 6; re-traced as ``trace.fsdp_offload`` places
+it). Not weighed: memfit's own optimizer-state offload, and ``reshard_after_forward`` as a
+group size (it may be fixed, not searched).
 
 Note 6 (FSDP2's mixed precision). Where the precision searched is bf16, every FSDP2 layout is
 weighed twice: with bf16 autocast (precision "bf16") and with FSDP2's own
@@ -66,14 +67,14 @@ from memfit.knobs import Knobs
 from memfit.planner import Plan
 from memfit.planner.memory_model import MemoryModel, optimizer_rise_bytes
 from memfit.planner.search import Constraints, search
-from memfit.planner.sharding import (Candidate, ShardedTime, candidates, interconnect,
+from memfit.planner.sharding import (Candidate, ShardedTime, interconnect, layouts,
                                      shard_estimate, state_bytes)
 from memfit.planner.time_model import TimeModel
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.units import format_bytes, parse_bytes
 
-__all__ = ["plan_sharded", "plan_sharded_traced", "ShardedPlanned", "fewest", "layouts"]
+__all__ = ["plan_sharded", "plan_sharded_traced", "ShardedPlanned", "fewest"]
 
 _ATTEMPTS = 3
 _SLACK_BYTES = 2 ** 20
@@ -127,9 +128,6 @@ def _setup(model, batch, optimizer, device, loss_fn, knobs: dict, step, schedule
                          "optimizer_state are not weighed with sharding yet (estimate_sharded "
                          "refuses them): plan without them")
     spec = resolve_device(model, device)
-    if k.fsdp_offload and spec.kind == "cuda":
-        raise ValueError("fsdp_offload for a GPU target is not supported yet: estimate_sharded "
-                         "cannot verify it (memfit.api._sharded Note 2); plan without it")
     if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload
                                 or k.mp_policy):
         raise ValueError("reshard_after_forward, fsdp_offload and mp_policy are FSDP2's: use "
@@ -201,7 +199,8 @@ def _search_row(models: _Models, cand: Candidate, spec, budget: int, k: Knobs, f
     b = models.b
     rb = -(-b // cand.gpus)
     memory, time = models.pair(cand, spec)
-    floor = int(state_bytes(models.est) / (cand.gpus if cand.sharding == "fsdp" else 1))
+    floor = 0 if cand.offload else \
+        int(state_bytes(models.est) / (cand.gpus if cand.sharding == "fsdp" else 1))
     m = k.micro_batch_size
     fixed = Constraints(None if m is None else min(m, rb), fixed_modes,
                         k.offload_optimizer if cand.sharding == "none" else False)
@@ -242,21 +241,8 @@ def _rank_knobs(k: Knobs, row: Row, blocks) -> Knobs:
     return k.replace(precision="fp32" if c.mp_policy else row.choice.precision, **values,
                      gpus=c.gpus, sharding=c.sharding,
                      reshard_after_forward=c.reshard_after_forward if c.sharding == "fsdp"
-                     else None, fsdp_offload=False if c.sharding == "fsdp" else None,
+                     else None, fsdp_offload=c.offload if c.sharding == "fsdp" else None,
                      mp_policy=c.mp_policy)
-
-
-def _mp_policies(k: Knobs, p: str) -> tuple:
-    """FSDP2's mixed-precision policies weighed (Note 6)."""
-    if k.mp_policy:
-        return (k.mp_policy,)
-    return (None, "bf16") if p == "bf16" else (None,)
-
-
-def layouts(k: Knobs, gpus, b: int, p: str) -> list[Candidate]:
-    """The layouts ``k`` leaves open for ``gpus`` (an int or "auto") at batch ``b``."""
-    return candidates(gpus, "fsdp" if k.mp_policy else k.sharding, k.reshard_after_forward, b,
-                      _mp_policies(k, p))
 
 
 def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
@@ -276,7 +262,7 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
     models = _Models(_trace(model, batch, optimizer, loss_fn, count_fn, k, p, say), p, b)
     from memfit.api.plan import _constraints          # the caller's fixed per-block modes
     fixed_modes = _constraints(model, k, b).modes
-    cands = layouts(k, k.gpus, b, p)
+    cands = layouts(k, k.gpus, b, p, spec)
     counts = sorted({c.gpus for c in cands})
 
     def at(n: int, probe: bool = False) -> list[Row]:
@@ -331,7 +317,7 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
         rows[rows.index(best)] = _search_row(models, c, spec, budget_bytes, k, fixed_modes,
                                              margins[c]) if retry else \
             Row(c, best.rank_batch, None, best.floor_bytes)
-    least = min((r.floor_bytes for r in rows), default=0)
+    least = min((r.floor_bytes for r in rows if not r.candidate.offload), default=0)
     most = max((r.candidate.gpus for r in rows), default=1)
     raise BudgetTooSmall(
         f"no layout of up to {most} GPU(s) fits {format_bytes(budget_bytes)} per GPU: the "
@@ -352,7 +338,8 @@ def _verify(model, batch, optimizer, spec, loss_fn, count_fn, k: Knobs, row: Row
             if v is not None and n not in _SHARD_KNOBS + ("offload_optimizer",)}
     return estimate_sharded(model, part, optimizer, spec, loss_fn, world_size=c.gpus,
                             sharding=c.sharding, reshard_after_forward=c.reshard_after_forward,
-                            mp_policy=c.mp_policy, count_fn=count_fn, **rest)
+                            mp_policy=c.mp_policy, fsdp_offload=c.offload, count_fn=count_fn,
+                            **rest)
 
 
 def _planned(k, row: Row, verified, device_bytes: int, models: _Models, spec, budget: int,
@@ -378,6 +365,10 @@ def _planned(k, row: Row, verified, device_bytes: int, models: _Models, spec, bu
                f"planner.sharding Note 2): {comm:.3g} s per step not hidden by compute (Note 3)")
     why.append(f"predicted step time {choice.step_s:.3g} s per effective batch of {models.b}; "
                f"one GPU's plain step of the whole batch would take {baseline:.3g} s (modelled)")
+    if c.offload:
+        why.append(f"FSDP2's CPU offload: the sharded state and the optimizer step on the host, "
+                   f"{format_bytes(verified.host_peak_bytes)} of host RAM per rank at its peak "
+                   "(planner.sharding Note 6)")
     if margin:
         why.append(f"the first choice re-traced over the budget; searched again "
                    f"{format_bytes(margin)} tighter")

@@ -17,9 +17,10 @@ the same step in real 2- and 4-process gloo jobs and compare each rank's ``track
 caching allocator's replay) are not applied under sharding yet, nor the collectives' stream
 ordering (on a GPU FSDP2 frees a buffer when the collective stream is done with it, not
 when Python drops it); a note says so. ``fsdp_offload`` is exact for a CPU target, where
-host and device are one memory and FSDP2's offload moves nothing; for a GPU target it is
-refused (the trace would have to tell the host's sharded state from the device's buffers, and
-model the per-group copy of the shard to the device before each all-gather).
+host and device are one memory and FSDP2's offload moves nothing; for a GPU target the trace
+is told what the GPU keeps on the host (the sharded parameters, gradients and optimizer state,
+``host_peak_bytes``) and the device copies of the shards it makes before each all-gather
+(``trace.fsdp_offload``).
 
 Note 3 (knobs). ``precision`` ("fp32" or "bf16" autocast), ``micro_batch_size`` (gradient
 sync only on the last micro-batch, as the Runner does), ``checkpoint``, ``offload``,
@@ -58,6 +59,7 @@ from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.techniques.sharding import Sharding
 from memfit.trace import FakeCopier, profile_step
+from memfit.trace.fsdp_offload import OffloadPlacement
 from memfit.trace.sharded import fake_process_group, trace_ddp_hook
 from memfit.units import parse_bytes
 
@@ -100,10 +102,6 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
     if k.precision == "bf16" and mp_policy is not None:
         raise ValueError("precision='bf16' (autocast) and mp_policy='bf16' both cast the "
                          "compute: pick one (mp_policy='bf16' is FSDP2's)")
-    if fsdp_offload and spec.kind == "cuda":
-        raise ValueError("fsdp_offload for a GPU target is not supported yet: the CPU trace "
-                         "cannot tell the host's sharded state from the device's buffers "
-                         "(Note 2); estimate without it, or for device='cpu'")
     limit = parse_bytes(budget) if budget is not None else spec.usable_bytes
     recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -125,9 +123,15 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
             runner = build_runner(sharded, recipe, k, plan=Plan(k), origin=trainable,
                                   loss_fn=loss_fn, count_fn=count_fn)
             fake_batch = runner.prepare(fake_batch)
+        placement = None
+        if config.offload and spec.kind == "cuda":          # Note 2
+            placement = OffloadPlacement(runner.model, runner.optimizer)
+            runner.optimizer.host_tensors = placement.host_tensors
 
         def run(on_phase):
-            runner.run(fake_batch, on_phase)
+            with placement.step(on_phase) if placement else \
+                    contextlib.nullcontext(on_phase) as mark:
+                runner.run(fake_batch, mark)
 
         def warm_up():                           # DDP: without its bucket rebuild (Note 4)
             with sharded.no_sync() if config.kind == "ddp" else contextlib.nullcontext():

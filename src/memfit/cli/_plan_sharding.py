@@ -39,6 +39,10 @@ def add_arguments(p) -> None:
                    help="fix FSDP2's MixedPrecisionPolicy: bf16 (bf16 unsharded weights and "
                         "compute, fp32 reduce; instead of autocast). Default: where the "
                         "precision is bf16, memfit weighs it against autocast")
+    g.add_argument("--fsdp-offload", default=None, choices=("on", "off"),
+                   help="fix FSDP2's CPU offload (sharded parameters, gradients and optimizer "
+                        "state in host RAM, the optimizer stepping on the host). Default: for "
+                        "a GPU memfit weighs both")
     g.add_argument("--compare-gpus", action="store_true",
                    help="print, for every GPU in the table, the fewest cards that fit and the "
                         "predicted step time, cheapest (GPU-seconds per step) first; modelled, "
@@ -48,7 +52,7 @@ def add_arguments(p) -> None:
 def _asked(args) -> bool:
     return args.gpus not in (None, 1) or args.sharding is not None or \
         args.reshard_after_forward is not None or args.mp_policy is not None or \
-        args.compare_gpus
+        args.fsdp_offload is not None or args.compare_gpus
 
 
 def _check(args) -> None:
@@ -72,7 +76,8 @@ def _knobs(args, base: dict) -> dict:
     knobs = {k: v for k, v in base.items() if v is not None}
     knobs.pop("offload_optimizer", None)
     knobs.update(gpus=args.gpus or "auto", sharding=args.sharding, reshard_after_forward=raf,
-                 mp_policy=args.mp_policy)
+                 mp_policy=args.mp_policy,
+                 fsdp_offload={"on": True, "off": False}.get(args.fsdp_offload))
     return {k: v for k, v in knobs.items() if v is not None}
 
 

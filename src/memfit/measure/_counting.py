@@ -36,7 +36,8 @@ from memfit.measure import _ledger as L
 if TYPE_CHECKING:
     from memfit.measure.track import Tracker
 
-__all__ = ["CountingMode", "host_allocations", "allocates_and_writes", "written_args"]
+__all__ = ["CountingMode", "host_allocations", "host_allocations_open", "allocates_and_writes",
+           "written_args"]
 
 _aten = torch.ops.aten
 _host = threading.local()
@@ -56,6 +57,11 @@ def host_allocations():
         yield
     finally:
         _host.depth = depth
+
+
+def host_allocations_open() -> bool:
+    """Whether this thread is inside ``host_allocations``."""
+    return getattr(_host, "depth", 0) > 0
 
 
 class CountingMode(TorchDispatchMode):
@@ -106,7 +112,7 @@ class CountingMode(TorchDispatchMode):
                             new.append(st)
                     elif func in _RESIZING:
                         resized.append(st)
-        on_host = getattr(_host, "depth", 0) > 0      # host memory: not under the budget
+        on_host = host_allocations_open()             # host memory: not under the budget
         requested = 0 if on_host else sum(st.nbytes() for st in new)
         requested += sum(max(0, ledger.growth(st)) for st in resized)
         if t.budget_bytes is not None and ledger.current_bytes + requested > t.budget_bytes:

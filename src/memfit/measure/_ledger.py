@@ -18,6 +18,15 @@ state tensor is recognised after ``optimizer.step``), and tensors alive before t
 be discovered only when an op first reads them. So the ledger records events (+bytes at
 birth, -bytes at death) and resolves the timeline, the peak and the breakdown at the peak
 afterwards, with every storage's final category and entry storages counted from the start.
+
+Note 4 (placement that the trace's device cannot show). A trace runs on the CPU, where host
+and device are one memory; what a GPU would hold elsewhere is told to the ledger. A storage
+marked host (``set_host``, or ``add(host=True)``) is host memory over its whole life;
+``move_to_host`` ends a storage's device life at that event and starts a host twin (another
+id, the same storage) that lives until the storage dies (FSDP2's gradients under CPU offload:
+reduce-scattered on the device, then copied to the host); ``transient`` / ``end_transient``
+record a device buffer that no tensor of the trace stands for (the device copy of a host
+shard a GPU makes before the all-gather, which on the CPU is the shard itself).
 """
 
 from __future__ import annotations
@@ -101,6 +110,7 @@ class Ledger:
         self._ev_delta: list[int] = []      # event log: +bytes at birth, -bytes at death
         self._host: set[int] = set()        # storage ids that live in host memory
         self._resizes: set[int] = set()     # event indices that are in-place resizes
+        self._moved: dict[int, int] = {}    # storage id -> its id after a move to the host
         self.open = True
 
     # -- registration -----------------------------------------------------------------------
@@ -172,6 +182,8 @@ class Ledger:
     def _died(self, sid: int, key: int) -> None:
         if not self.open:
             return
+        while sid in self._moved:       # moved to the host: the host copy dies (Note 4)
+            sid = self._moved[sid]
         if self._sid_of.get(key) == sid:
             del self._sid_of[key]
         if sid not in self._host:
@@ -210,6 +222,49 @@ class Ledger:
         if sid is not None and sid not in self._host:
             self._host.add(sid)
             self.current_bytes -= self._nbytes[sid]
+
+    def move_to_host(self, storage) -> None:
+        """``storage`` leaves the device now and lives on the host from here on (Note 4)."""
+        key = storage._cdata
+        sid = self._sid_of.get(key)
+        if sid is None or sid in self._host:
+            return
+        nbytes = self._nbytes[sid]
+        self._ev_sid.append(sid)                  # the device bytes die here...
+        self._ev_delta.append(-nbytes)
+        self.current_bytes -= nbytes
+        new = len(self._nbytes)                   # ...and a host twin is born
+        self._sid_of[key] = new
+        self._nbytes.append(nbytes)
+        self._category.append(self._category[sid])
+        self._ptr.append(self._ptr[sid])
+        self._refs.append(None)                   # the first id's reference reports the death
+        self._host.add(new)
+        self._moved[sid] = new
+        self._ev_sid.append(new)
+        self._ev_delta.append(nbytes)
+
+    def transient(self, nbytes: int, category: int = TEMPORARIES) -> int:
+        """A device buffer no tensor of the trace stands for (Note 4): born now; returns the
+        id ``end_transient`` takes."""
+        sid = len(self._nbytes)
+        self._nbytes.append(nbytes)
+        self._category.append(category)
+        self._ptr.append(0)
+        self._refs.append(None)
+        self._ev_sid.append(sid)
+        self._ev_delta.append(nbytes)
+        self.current_bytes += nbytes
+        return sid
+
+    def end_transient(self, sid: int) -> None:
+        self._ev_sid.append(sid)
+        self._ev_delta.append(-self._nbytes[sid])
+        self.current_bytes -= self._nbytes[sid]
+
+    def is_host(self, storage) -> bool:
+        sid = self._sid_of.get(storage._cdata)
+        return sid is not None and sid in self._host
 
     def device_events(self) -> list[tuple[int, int, int, bool]]:
         """(log index or -1 for an entry storage, storage id, +/- bytes, is an in-place

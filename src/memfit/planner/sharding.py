@@ -42,6 +42,17 @@ weights themselves). Measured: Llama-2-7B, batch 8 x 2048, 6 RTX 4090s, the chos
 23.97 GiB modelled, 22.79 GiB re-traced; a tiny Llama on the CPU: about 30% over. So the
 fewest GPUs it names can be one more than needed, never fewer.
 
+Note 6 (FSDP2's CPU offload). ``CPUOffloadPolicy`` keeps the sharded parameters, gradients
+and optimizer state in host memory (the optimizer steps on the host): none of the three is
+left on the device, which holds the unsharded buffers as without offload, plus, during each
+all-gather's copy-in, the device copy of the group's shards (the root's and the largest
+block's, 1/N of each, added over the forward and backward on the safe side;
+``trace.fsdp_offload`` Note 1). Each shard crosses the host link once per all-gather (added to
+the collective's time: the copy runs on the all-gather's stream, ahead of it) and each
+gradient shard once after its reduce-scatter; the optimizer step is the host's
+(``time_model``'s optimizer-offload step), over 1/N of the state. Weighed only for a GPU
+target: on the CPU host and device are one memory and offload moves nothing.
+
 Note 2 (the collectives' time). Over a ring of N ranks an all-gather or reduce-scatter of S
 bytes moves ``S (N-1)/N`` bytes through each rank's link, an all-reduce twice that. The link is
 the GPU's interconnect (``memfit._gpu_table.INTERCONNECT``: NVLink where the card has it, else
@@ -69,9 +80,10 @@ import numpy as np
 
 from memfit import _gpu_table
 from memfit.devices import DeviceSpec
+from memfit.knobs import Knobs
 
 __all__ = ["Candidate", "LINK_EFFICIENCY", "ShardedTime", "candidates", "interconnect",
-           "shard_estimate", "state_bytes"]
+           "layouts", "shard_estimate", "state_bytes"]
 
 LINK_EFFICIENCY = 0.75
 DDP_BUCKET_BYTES = 25 * 2 ** 20          # DDP's default bucket_cap_mb
@@ -85,6 +97,7 @@ class Candidate:
     sharding: str                        # "none", "ddp" or "fsdp"
     reshard_after_forward: bool = True   # FSDP2's; True for the others
     mp_policy: str | None = None         # FSDP2's MixedPrecisionPolicy: None or "bf16" (Note 5)
+    offload: bool = False                # FSDP2's CPUOffloadPolicy (Note 6)
 
     def describe(self) -> str:
         if self.sharding == "none":
@@ -93,13 +106,14 @@ class Candidate:
             return f"{self.gpus} GPUs, DDP"
         keep = "" if self.reshard_after_forward else ", unsharded forward to backward"
         mp = ", bf16 MixedPrecisionPolicy" if self.mp_policy else ""
-        return f"{self.gpus} GPUs, FSDP2{keep}{mp}"
+        return f"{self.gpus} GPUs, FSDP2{keep}{mp}" + (", CPU offload" if self.offload else "")
 
 
 def candidates(gpus, sharding: str | None, reshard, max_gpus: int,
-               mp_policies: tuple = (None,)) -> list[Candidate]:
+               mp_policies: tuple = (None,), offloads: tuple = (False,)) -> list[Candidate]:
     """Every layout the caller left open: ``gpus`` an int or "auto" (1..``max_gpus``);
-    ``mp_policies``: the FSDP2 mixed-precision policies weighed (Note 5)."""
+    ``mp_policies`` and ``offloads``: the FSDP2 mixed-precision policies and CPU offload
+    settings weighed (Notes 5, 6)."""
     counts = range(1, max_gpus + 1) if gpus in (None, "auto") else [gpus]
     out = []
     for n in counts:
@@ -112,8 +126,30 @@ def candidates(gpus, sharding: str | None, reshard, max_gpus: int,
         if sharding in (None, "fsdp"):
             for r in ((True, False) if reshard is None else (reshard,)):
                 for mp in mp_policies:
-                    out.append(Candidate(n, "fsdp", r, mp))
+                    out += [Candidate(n, "fsdp", r, mp, off) for off in offloads]
     return out
+
+
+def _mp_policies(k: Knobs, p: str) -> tuple:
+    """FSDP2's mixed-precision policies weighed (``api._plan_sharded`` Note 6)."""
+    if k.mp_policy:
+        return (k.mp_policy,)
+    return (None, "bf16") if p == "bf16" else (None,)
+
+
+def _offloads(k: Knobs, spec) -> tuple:
+    """FSDP2's CPU offload settings weighed (Note 6): for a GPU only (on the CPU it moves
+    nothing), unless the caller fixed it."""
+    if k.fsdp_offload is not None:
+        return (bool(k.fsdp_offload),)
+    return (False, True) if spec.kind == "cuda" else (False,)
+
+
+def layouts(k: Knobs, gpus, b: int, p: str, spec) -> list[Candidate]:
+    """The layouts ``k`` leaves open for ``gpus`` (an int or "auto") at batch ``b`` on ``spec``."""
+    fsdp_only = k.mp_policy or k.fsdp_offload
+    return candidates(gpus, "fsdp" if fsdp_only else k.sharding, k.reshard_after_forward, b,
+                      _mp_policies(k, p), _offloads(k, spec))
 
 
 def interconnect(spec: DeviceSpec) -> tuple[str, float]:
@@ -164,12 +200,14 @@ def shard_estimate(est, cand: Candidate, extra_bytes: int = 0, context_bytes: in
     add = {c: np.zeros(n) for c in cats}
     if cand.sharding == "fsdp":
         N = cand.gpus
-        for c in ("params", "grads", "optimizer"):
-            add[c] -= cats[c] * (1 - 1 / N)
+        for c in ("params", "grads", "optimizer"):                # Note 6: all on the host
+            add[c] -= cats[c] * (1 if cand.offload else 1 - 1 / N)
         unsharded = s.root + (2 * s.max_block if cand.reshard_after_forward else s.blocks)
         if cand.mp_policy:                                        # Note 5: bf16 copies
             unsharded /= 2
         add["params"][fw:opt] += unsharded
+        if cand.offload:                     # Note 6: the device copy of a group's shards
+            add["params"][fw:opt] += (s.root + s.max_block) / N
         if getattr(est.knobs, "precision", None) == "bf16" and not cand.mp_policy:   # Note 4
             add["params"][fw:bw] += s.blocks / 2
         add["grads"][bw:opt] += s.root + 2 * s.max_block
@@ -199,6 +237,11 @@ class ShardedTime:
         self._param_s = s.params / 4 * param_dtype_bytes * ring / link   # all parameters, once
         self._first_s = (s.root + s.max_block) / 4 * param_dtype_bytes * ring / link
         self._grad_s = s.params * ring / link            # fp32 gradients (reduce dtype)
+        if cand.offload:          # Note 6: each shard crosses the host link with its collective
+            host = spec.host_link_bytes_per_s
+            self._param_s += s.params / N / host
+            self._first_s += (s.root + s.max_block) / N / host
+            self._grad_s += s.params / N / host
         self._bucket_s = min(DDP_BUCKET_BYTES, s.params) * ring / link
         total = max(est.fw_flops + est.bw_flops, 1)
         self._fw_share = est.fw_flops / total
@@ -222,7 +265,7 @@ class ShardedTime:
             self._first_s / 2
 
     def optimizer_step_s(self, offload_optimizer: bool) -> float:
-        step = self.base.optimizer_step_s(offload_optimizer)
+        step = self.base.optimizer_step_s(offload_optimizer or self.cand.offload)   # Note 6
         return step / self.cand.gpus if self.cand.sharding == "fsdp" else step
 
     def step_s(self, m: int, b: int, modes, offload_optimizer: bool) -> float:

@@ -1,0 +1,98 @@
+"""FSDP2's CPU offload for a GPU target (``memfit.trace.fsdp_offload``): the sharded state is
+host memory, each all-gather reads device copies of the host shards, and the planner weighs
+offload where it fits fewer bytes. The oracle is FSDP2's sharding rule (every shard padded to
+``ceil(rows / world)`` rows), computed from the shapes alone."""
+
+import math
+from collections import Counter
+
+import pytest
+
+import memfit
+from memfit.api._sharded import estimate_sharded
+from memfit.errors import BudgetTooSmall
+from memfit.measure import find_blocks
+from tests.helpers import tiny
+
+WORLD = 2
+GPU = "a100-40gb"
+
+
+def padded_bytes(params) -> int:
+    return sum(math.ceil(p.shape[0] / WORLD) * (p.numel() // p.shape[0]) * p.element_size()
+               for p in params)
+
+
+def groups(model) -> tuple[int, list[int]]:
+    """The padded shard bytes of the root group and of each block (``techniques.sharding``
+    Note 1: fully_shard per block, the root takes the rest)."""
+    blocks = [list(model.get_submodule(n).parameters()) for n in find_blocks(model)]
+    inside = {id(p) for b in blocks for p in b}
+    root = [p for p in model.parameters() if id(p) not in inside]
+    return padded_bytes(root), [padded_bytes(b) for b in blocks]
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    model, batch = tiny("gpt2")
+    run = {(dev, off): estimate_sharded(model, batch, "adamw", dev, world_size=WORLD,
+                                        fsdp_offload=off)
+           for dev in ("cpu", GPU) for off in (False, True)}
+    return model, run
+
+
+def test_each_all_gather_reads_device_copies_of_the_group_shards(estimates):
+    """On the CPU the all-gather's copy-in reads the host shards in place; on a GPU it reads a
+    device copy of each (``FSDPParam.all_gather_inputs``): at every copy-in the GPU's timeline
+    rises by exactly one group's padded shard bytes more than the CPU's. Every group, the root
+    included (it is given ``reshard_after_forward=True`` too), is gathered twice: in forward,
+    and again in backward after resharding."""
+    model, run = estimates
+    cpu, gpu = run["cpu", True], run[GPU, True]
+    assert cpu.op_log == gpu.op_log
+    at = [i for i, op in enumerate(gpu.op_log) if "all_gather_copy_in" in op]
+    rise = lambda tl, i: tl[i] - tl[i - 1]                      # noqa: E731
+    extra = Counter(rise(gpu.timeline, i) - rise(cpu.timeline, i) for i in at)
+    root, blocks = groups(model)
+    assert extra == Counter([root, *blocks] * 2)
+
+
+def test_the_sharded_state_is_host_memory(estimates):
+    """Under offload no sharded parameter, gradient or optimizer state is on a GPU's device at
+    any point of the step; without offload the device holds every parameter's padded shard
+    throughout. The host holds at least the state: parameters, gradients, Adam's two moments."""
+    model, run = estimates
+    off, on = run[GPU, True], run[GPU, False]
+    shards = padded_bytes(model.parameters())
+    opt = off.phases["optimizer"]
+    assert max(off.timeline_by_category["optimizer"]) == 0
+    assert off.timeline_by_category["params"][opt:] == [0] * (len(off.timeline) - opt)
+    assert max(off.timeline_by_category["grads"][opt:]) == 0
+    assert min(on.timeline_by_category["params"]) >= shards
+    assert off.host_peak_bytes >= 4 * shards
+    assert on.host_peak_bytes == 0
+    assert run["cpu", True].host_peak_bytes == 0          # one memory: nothing moves
+    assert (run["cpu", True].peak_bytes, run["cpu", True].breakdown) == \
+        (run["cpu", False].peak_bytes, run["cpu", False].breakdown)
+
+
+def test_the_planner_offloads_where_nothing_else_fits():
+    """A budget halfway between the least a rank needs without offload (every block
+    recomputed, micro-batches of 1: the sharded state and the optimizer step's temporaries stay)
+    and with it: without offload nothing fits (BudgetTooSmall); left open, the planner picks
+    FSDP2's CPU offload, and its re-traced device bytes are under the budget."""
+    model, batch = tiny("gpt2", batch_size=2, seq_len=8)
+    least = {off: estimate_sharded(model, batch, "adamw", GPU, world_size=WORLD,
+                                   fsdp_offload=off, checkpoint="all",
+                                   micro_batch_size=1).peak_bytes for off in (False, True)}
+    assert least[True] < least[False]
+    spec = memfit.devices.get_device(GPU)
+    fixed = spec.cublas_workspace_bytes + spec.autograd_workspace_bytes + spec.cuda_context_bytes
+    budget = fixed + (least[True] + least[False]) // 2
+    with pytest.raises(BudgetTooSmall):
+        memfit.plan(model, batch, budget, "adamw", GPU, gpus=WORLD, sharding="fsdp",
+                    fsdp_offload=False)
+    plan = memfit.plan(model, batch, budget, "adamw", GPU, gpus=WORLD, sharding="fsdp")
+    assert plan.knobs.fsdp_offload is True
+    assert plan.predicted_device_bytes <= budget
+    assert any("CPU offload" in r for r in plan.reasons)
