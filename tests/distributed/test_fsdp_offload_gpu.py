@@ -35,26 +35,34 @@ def groups(model) -> tuple[int, list[int]]:
 @pytest.fixture(scope="module")
 def estimates():
     model, batch = tiny("gpt2")
-    run = {(dev, off): estimate_sharded(model, batch, "adamw", dev, world_size=WORLD,
-                                        fsdp_offload=off)
-           for dev in ("cpu", GPU) for off in (False, True)}
+    run = {(dev, off, mp): estimate_sharded(model, batch, "adamw", dev, world_size=WORLD,
+                                            fsdp_offload=off, mp_policy=mp)
+           for dev in ("cpu", GPU) for off in (False, True) for mp in (None, "bf16")
+           if off or mp is None}
     return model, run
 
 
-def test_each_all_gather_reads_device_copies_of_the_group_shards(estimates):
-    """On the CPU the all-gather's copy-in reads the host shards in place; on a GPU it reads a
-    device copy of each (``FSDPParam.all_gather_inputs``): at every copy-in the GPU's timeline
-    rises by exactly one group's padded shard bytes more than the CPU's. Every group, the root
-    included (it is given ``reshard_after_forward=True`` too), is gathered twice: in forward,
-    and again in backward after resharding."""
+@pytest.mark.parametrize("mp", [None, "bf16"])
+def test_each_all_gather_reads_device_copies_of_the_host_shards(estimates, mp):
+    """On the CPU the all-gather reads the host shards in place; on a GPU it reads a device
+    copy of each (``FSDPParam.all_gather_inputs``). Over the forward (the same ops on both;
+    nothing moves to the host before the backward) the GPU's timeline stands above the CPU's
+    only at those reads, by exactly one group's padded shard bytes at each copy-in (fp32: the
+    root's, then each block's), or, under the bf16 policy, by one parameter's at the cast of
+    each shard."""
     model, run = estimates
-    cpu, gpu = run["cpu", True], run[GPU, True]
+    cpu, gpu = run["cpu", True, mp], run[GPU, True, mp]
     assert cpu.op_log == gpu.op_log
-    at = [i for i, op in enumerate(gpu.op_log) if "all_gather_copy_in" in op]
-    rise = lambda tl, i: tl[i] - tl[i - 1]                      # noqa: E731
-    extra = Counter(rise(gpu.timeline, i) - rise(cpu.timeline, i) for i in at)
-    root, blocks = groups(model)
-    assert extra == Counter([root, *blocks] * 2)
+    fw, bw = gpu.phases["forward"], gpu.phases["backward"]
+    above = [g - c for g, c in zip(gpu.timeline, cpu.timeline)]
+    extra = Counter(d - above[fw - 1] for d in above[fw:bw] if d > above[fw - 1])
+    if mp is None:
+        root, blocks = groups(model)
+        assert extra == Counter([root, *blocks])
+        at = [i for i, op in enumerate(gpu.op_log[fw:bw]) if "all_gather_copy_in" in op]
+        assert len(at) == 1 + len(blocks)
+    else:
+        assert extra == Counter(padded_bytes([p]) for p in model.parameters())
 
 
 def test_the_sharded_state_is_host_memory(estimates):
@@ -62,7 +70,7 @@ def test_the_sharded_state_is_host_memory(estimates):
     any point of the step; without offload the device holds every parameter's padded shard
     throughout. The host holds at least the state: parameters, gradients, Adam's two moments."""
     model, run = estimates
-    off, on = run[GPU, True], run[GPU, False]
+    off, on = run[GPU, True, None], run[GPU, False, None]
     shards = padded_bytes(model.parameters())
     opt = off.phases["optimizer"]
     assert max(off.timeline_by_category["optimizer"]) == 0
@@ -71,9 +79,9 @@ def test_the_sharded_state_is_host_memory(estimates):
     assert min(on.timeline_by_category["params"]) >= shards
     assert off.host_peak_bytes >= 4 * shards
     assert on.host_peak_bytes == 0
-    assert run["cpu", True].host_peak_bytes == 0          # one memory: nothing moves
-    assert (run["cpu", True].peak_bytes, run["cpu", True].breakdown) == \
-        (run["cpu", False].peak_bytes, run["cpu", False].breakdown)
+    cpu_off, cpu_on = run["cpu", True, None], run["cpu", False, None]
+    assert cpu_off.host_peak_bytes == 0          # one memory: nothing moves
+    assert (cpu_off.peak_bytes, cpu_off.breakdown) == (cpu_on.peak_bytes, cpu_on.breakdown)
 
 
 def test_the_planner_offloads_where_nothing_else_fits():

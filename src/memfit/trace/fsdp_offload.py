@@ -22,10 +22,11 @@ Note 4), with nothing taken from FSDP2's internals but its public behaviour:
     happens between it and the last);
   - the optimizer phase allocates on the host (``host_allocations``): its temporaries, like
     its state, are host tensors;
-  - an op of the forward or backward that reads host storages and writes none (the
+  - an op of the forward or backward that reads host storages into new storages (the
     all-gather's copy-in of the host shards, or, under a mixed-precision policy, the cast of
     each) reads device copies of them: a transient of their bytes, born before the op's
-    outputs and dead after them.
+    outputs and dead after them. Views and in-place ops make no copy (a copy into a device
+    buffer reads the host directly; an add into a host gradient runs on the host).
 Not modelled: the pinned host staging copies (host bytes, not the device's), and under a
 mixed-precision policy the one fp32 device copy alive during each cast (the cast's input:
 one parameter's shard at a time).
@@ -90,7 +91,7 @@ class OffloadPlacement:
 
 
 class _HostReads(TorchDispatchMode):
-    """An op that reads host storages and writes none reads device copies of them (Note 2)."""
+    """An op that reads host storages into new storages reads device copies of them (Note 2)."""
 
     def __init__(self, tracker_of):
         super().__init__()
@@ -101,10 +102,9 @@ class _HostReads(TorchDispatchMode):
         tracker = self.tracker_of()
         if tracker is None or host_allocations_open():
             return func(*args, **kwargs)
+        if all(r.alias_info is not None for r in func._schema.returns):
+            return func(*args, **kwargs)    # a view or an in-place op: no new device buffer
         ledger = tracker.ledger
-        if any(ledger.is_host(st) for t in _written(func, args, kwargs)
-               for st in ledger.storages(t)):
-            return func(*args, **kwargs)              # a host op (the host gradient's +=)
         host, seen = 0, set()
         for x in tree_flatten((args, kwargs))[0]:
             if isinstance(x, torch.Tensor):
@@ -119,15 +119,3 @@ class _HostReads(TorchDispatchMode):
             return func(*args, **kwargs)
         finally:
             ledger.end_transient(sid)
-
-
-def _written(func, args, kwargs) -> list[torch.Tensor]:
-    """The tensors ``func`` writes in place (its schema's ``a!`` arguments, lists included)."""
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        x = args[i] if i < len(args) else kwargs.get(a.name)
-        out += [t for t in (x if isinstance(x, (list, tuple)) else [x])
-                if isinstance(t, torch.Tensor)]
-    return out
