@@ -26,6 +26,18 @@ optimizer: the per-block modes and micro-batch are re-applied, FSDP2's
 raises the same ``BudgetTooSmall`` and the guard's Note 5 error. An out-of-memory error inside
 one rank's forward or backward stops every rank with that rank's error, with or without a
 budget (``runtime.oom_ranks`` Note 2).
+
+Note 4 (a re-plan that fails on the way). Rank 0 always broadcasts a result: a failure before
+the child answers (``loss_fn`` that does not pickle, a child that dies or is killed, one that
+cannot start) is sent as one, and every rank raises the same ``ReplanError`` naming rank 0's
+failure, its type and text, and the fix; at a re-plan the guard then restores and raises its
+Note 5 error on every rank (``runtime.oom_guard``), parameters and optimizer state unchanged.
+The child is a ``spawn``-ed ``Process`` answering over a pipe rather than a ``Pool``: a pool
+whose worker is killed waits for its answer for ever, while the pipe reads end-of-file when
+the child exits (a child that hangs keeps rank 0, and the others with it, waiting up to the
+group's timeout). A rank that fails while the plan is shared (a peer died: gloo's "Connection
+closed by peer") raises ``ReplanError`` naming the rank it waited on and shuts its connections,
+so that no rank waits for the group's timeout (``runtime.replan_broadcast`` Note 1).
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
+from memfit.runtime.replan_broadcast import ReplanError, share_from_rank0
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.techniques.sharding import Sharding
@@ -190,23 +203,29 @@ class _Job:
         self.loss_fn, self.count_fn, self.world, self.rank_b = loss_fn, count_fn, world, rank_b
 
     def plan(self, budget: int, k: Knobs) -> Plan:
-        """The plan for ``budget``, made on rank 0 and broadcast: a collective."""
-        box = [None]
-        if dist.get_rank() == 0:
-            knobs = {n: v for n, v in k.to_dict().items() if v is not None}
-            payload = pickle.dumps((self.meta, _job_batch(self.batch, self.world, self.rank_b),
-                                    budget, self.optimizer, self.device, self.loss_fn,
-                                    self.count_fn, knobs))
-            ctx = multiprocessing.get_context("spawn")
-            with ctx.Pool(1) as pool:
-                box[0] = pool.apply(_plan_child, (payload,))
-        dist.broadcast_object_list(box, src=0)
-        kind, text, floor, budget_bytes = box[0]
+        """The plan for ``budget``, made on rank 0 and broadcast: a collective (Note 4)."""
+        kind, text, floor, budget_bytes = share_from_rank0(lambda: self._plan_here(budget, k))
         if kind == "BudgetTooSmall":          # the same error on every rank
             raise BudgetTooSmall(text, floor_bytes=floor, budget_bytes=budget_bytes)
+        if kind == _RANK0_FAILED:
+            raise ReplanError(text)
         if kind != "plan":
             raise ValueError(f"planning on rank 0 failed: {kind}: {text}")
         return Plan.from_json(text)
+
+    def _plan_here(self, budget: int, k: Knobs) -> tuple:
+        """Rank 0: ``_plan_child``'s result from a spawned process (Note 1); whatever fails
+        on the way is a result too (Note 4), so that rank 0 always has one to broadcast."""
+        knobs = {n: v for n, v in k.to_dict().items() if v is not None}
+        try:
+            payload = pickle.dumps((self.meta, _job_batch(self.batch, self.world, self.rank_b),
+                                    budget, self.optimizer, self.device, self.loss_fn,
+                                    self.count_fn, knobs))
+        except Exception as e:        # not swallowed: every rank raises it (Note 4)
+            return _rank0_failed("pickling the planning job for the child process", e,
+                                 "loss_fn and count_fn must be picklable: module-level "
+                                 "functions, not lambdas or closures (Note 1)")
+        return _in_child(payload)
 
 
 def _name_of(optimizer) -> str:
@@ -222,9 +241,56 @@ def _name_of(optimizer) -> str:
     return name
 
 
+_RANK0_FAILED = "memfit: rank 0 could not plan"      # a result's kind (Note 4)
+
+
+def _in_child(payload: bytes) -> tuple:
+    """``_plan_child(payload)`` in a spawned process, or the failure that stopped it (Note 4:
+    a pipe, not a Pool, so that a child that dies is seen)."""
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child_main, args=(payload, send), daemon=True)
+    try:
+        child.start()
+        send.close()              # the child holds the only writer: its exit is EOF here
+        return recv.recv()
+    except EOFError:
+        child.join()
+        return _rank0_failed("the planning child process", None,
+                             f"it exited with code {child.exitcode} before answering (a "
+                             "negative code is the signal that killed it, e.g. -9 from the "
+                             "host's out-of-memory killer): check rank 0's log and the host's "
+                             "free memory, then run again")
+    except Exception as e:
+        return _rank0_failed("starting or reading the planning child process", e,
+                             "check rank 0's log, then run again")
+    finally:
+        recv.close()
+        if child.is_alive():
+            child.kill()
+        if child.pid is not None:
+            child.join()
+
+
+def _rank0_failed(what: str, e: BaseException | None, fix: str) -> tuple:
+    error = f"{type(e).__name__}: {e}; " if e is not None else ""
+    return (_RANK0_FAILED, f"memfit: planning on rank 0 failed before it made a plan, at "
+            f"{what}: {error}{fix}. Every rank raises this error; no plan changed "
+            "(memfit.api._fit_sharded Note 4)", None, None)
+
+
+def _child_main(payload: bytes, send) -> None:
+    send.send(_plan_child(payload))
+
+
 def _plan_child(payload: bytes):
     from memfit.api.plan import plan
-    model, batch, budget, opt, device, loss_fn, count_fn, knobs = pickle.loads(payload)
+    try:
+        model, batch, budget, opt, device, loss_fn, count_fn, knobs = pickle.loads(payload)
+    except Exception as e:        # e.g. a loss_fn defined in an interactive __main__
+        return _rank0_failed("unpickling the planning job in the child process", e,
+                             "loss_fn and count_fn must be importable in a fresh interpreter: "
+                             "define them in a module (Note 1)")
     try:
         return "plan", plan(model, batch, budget, opt, device, loss_fn, count_fn=count_fn,
                             **knobs).to_json(), None, None
