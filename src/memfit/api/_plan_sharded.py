@@ -366,8 +366,10 @@ def _planned(k, row: Row, verified, device_bytes: int, models: _Models, spec, bu
     why.append(f"predicted step time {choice.step_s:.3g} s per effective batch of {models.b}; "
                f"one GPU's plain step of the whole batch would take {baseline:.3g} s (modelled)")
     if c.offload:
+        host = verified.host_peak_bytes
         why.append(f"FSDP2's CPU offload: the sharded state and the optimizer step on the host, "
-                   f"{format_bytes(verified.host_peak_bytes)} of host RAM per rank at its peak "
+                   f"{format_bytes(host)} of host RAM per rank at its peak, "
+                   f"{format_bytes(host * c.gpus)} for {c.gpus} ranks on one machine "
                    "(planner.sharding Note 6)")
     if margin:
         why.append(f"the first choice re-traced over the budget; searched again "

@@ -139,14 +139,21 @@ def _print_rows(console, args, head: str, rows, seconds: float) -> int:
             continue
         layout = r.layout.split(", ", 1)[1] if ", " in r.layout else r.layout
         layout = layout.replace(", bf16 MixedPrecisionPolicy", " MP").replace(
-            ", unsharded forward to backward", " no-reshard")
-        t.add_row(r.gpu, str(r.gpus), f"{layout} {r.precision}",
+            ", unsharded forward to backward", " no-reshard").replace(", CPU offload",
+                                                                      " offload")
+        precision = "" if " MP" in layout else f" {r.precision}"     # MP computes in bf16
+        t.add_row(r.gpu, str(r.gpus), f"{layout}{precision}",
                   f"{r.rank_bytes / gib:.1f} / {usable}", f"{r.step_s:.3g}",
                   f"{r.gpu_seconds:.3g}", link)
     console.print(t)
     if any("MixedPrecisionPolicy" in r.layout for r in rows):
         console.print("MP: FSDP2's MixedPrecisionPolicy (bf16 weights and compute, fp32 "
                       "reduce) instead of autocast; no-reshard: reshard_after_forward=False")
+    if any("CPU offload" in r.layout for r in rows):
+        console.print("offload: FSDP2's CPUOffloadPolicy (sharded weights, gradients and "
+                      "optimizer state in host RAM, the optimizer stepping on the host); "
+                      "`--gpus auto --gpu NAME` says how much host RAM; `--fsdp-offload off` "
+                      "compares without it")
     console.print("modelled from one device's trace (memfit.api._compare_gpus Note 1); "
                   "`memfit plan --gpus auto --gpu NAME` re-traces one card's answer. "
                   f"Compared in {seconds:.1f} s")
@@ -160,7 +167,9 @@ def _print_plan(console, args, head: str, planned, seconds: float) -> int:
     if args.json:
         json.dump({"model": head, "gpus": c.gpus, "sharding": c.sharding,
                    "reshard_after_forward": c.reshard_after_forward if c.sharding == "fsdp"
-                   else None, "mp_policy": c.mp_policy, "step_s": planned.step_s, "link": planned.link,
+                   else None, "mp_policy": c.mp_policy, "fsdp_offload": c.offload,
+                   "host_peak_bytes": planned.verified.host_peak_bytes if planned.verified
+                   else None, "step_s": planned.step_s, "link": planned.link,
                    "plan": json.loads(p.to_json()), "seconds": round(seconds, 2)},
                   sys.stdout, indent=2)
         print()
