@@ -111,11 +111,13 @@ def _failed(error: RuntimeError, n: int) -> ReplanError:
     seen = "".join(f"; rank {r} failed first, waiting on rank "
                    f"{'unknown' if p['waited_on'] is None else p['waited_on']}: {p['error']}"
                    for r, p in first)
-    how = ("it shut its connections to the job so that no rank waits on it" if closed else
+    how = ("this rank shut its connections to the job so that none waits on it" if closed else
            "the job's store is gone too (its host died), so nothing more could be read")
+    what = "share its plan" if rank == 0 else "get rank 0's plan"
     return ReplanError(
-        f"memfit: rank {rank} of {world} could not get rank 0's plan: sharing it (the job's "
-        f"store, then broadcast_object_list and a barrier) failed while waiting on {on}: "
+        f"memfit: rank {rank} of {world} could not {what}: sharing it "
+        f"(the job's store, then broadcast_object_list and a barrier) failed while waiting on "
+        f"{on}: "
         f"{type(error).__name__}: {text}{seen}. That rank most likely died: check its log for "
         f"its own error; {how}. Under torchrun the job ends, or restarts from your checkpoint "
         "with --max-restarts (memfit.runtime.replan_broadcast Note 1)", waited_on=who)
