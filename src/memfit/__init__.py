@@ -18,6 +18,7 @@ _LAZY = {
     "estimate_sharded": "memfit.api._sharded",
     "DeviceSpec": "memfit.devices", "get_device": "memfit.devices", "list_devices": "memfit.devices",
     "BudgetTooSmall": "memfit.errors", "OutOfMemory": "memfit.errors", "TraceError": "memfit.errors",
+    "ReplanError": "memfit.errors",
     "Knobs": "memfit.knobs", "Tracker": "memfit.measure", "track": "memfit.measure",
     "Plan": "memfit.planner", "Runner": "memfit.runtime", "StepInfo": "memfit.runtime",
     "format_bytes": "memfit.units", "parse_bytes": "memfit.units",

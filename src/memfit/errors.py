@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["OutOfMemory", "BudgetTooSmall", "TraceError", "MemfitError"]
+__all__ = ["OutOfMemory", "BudgetTooSmall", "TraceError", "MemfitError", "ReplanError"]
 
 
 class MemfitError(Exception):
@@ -52,4 +52,14 @@ class TraceError(MemfitError, RuntimeError):
     def __init__(self, message: str, *, op: str | None = None, module: str | None = None):
         self.op = op
         self.module = module
+        super().__init__(message)
+
+
+class ReplanError(MemfitError, RuntimeError):
+    """Re-planning across the ranks of a job failed: rank 0's planning, or sharing its plan.
+    ``waited_on`` is the rank this one was waiting on when gloo failed (None: unknown or not a
+    broadcast failure)."""
+
+    def __init__(self, message: str, *, waited_on: int | None = None):
+        self.waited_on = waited_on
         super().__init__(message)

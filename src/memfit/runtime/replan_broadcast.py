@@ -33,20 +33,10 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from memfit.errors import MemfitError
+from memfit.errors import ReplanError
 from memfit.runtime import oom_ranks
 
 __all__ = ["ReplanError", "share_from_rank0"]
-
-
-class ReplanError(MemfitError, RuntimeError):
-    """Re-planning across the ranks of a job failed: rank 0's planning, or sharing its plan.
-    ``waited_on`` is the rank this one was waiting on when gloo failed (None: unknown or not a
-    broadcast failure)."""
-
-    def __init__(self, message: str, *, waited_on: int | None = None):
-        self.waited_on = waited_on
-        super().__init__(message)
 
 
 _shares = [0]       # share_from_rank0 calls so far: every rank counts the same (Note 1)
