@@ -103,4 +103,17 @@ def test_the_planner_offloads_where_nothing_else_fits():
     plan = memfit.plan(model, batch, budget, "adamw", GPU, gpus=WORLD, sharding="fsdp")
     assert plan.knobs.fsdp_offload is True
     assert plan.predicted_device_bytes <= budget
-    assert any("CPU offload" in r for r in plan.reasons)
+    assert any("host RAM" in r for r in plan.reasons)
+    assert any("2 GPUs, FSDP2: does not fit" in r for r in plan.reasons)   # the tier before
+
+
+def test_offload_is_weighed_last_unless_asked_for():
+    """Where a layout without offload fits, the planner keeps the state on the device (offload
+    needs host RAM memfit cannot see, and steps the optimizer on the host); asked for, it
+    offloads."""
+    model, batch = tiny("gpt2", batch_size=2, seq_len=8)
+    kept = memfit.plan(model, batch, None, "adamw", GPU, gpus=WORLD, sharding="fsdp")
+    asked = memfit.plan(model, batch, None, "adamw", GPU, gpus=WORLD, sharding="fsdp",
+                        fsdp_offload=True)
+    assert (kept.knobs.fsdp_offload, asked.knobs.fsdp_offload) == (False, True)
+    assert asked.predicted_peak_bytes < kept.predicted_peak_bytes

@@ -34,8 +34,8 @@ GRID = [fsdp(r, mp) for r, mp in itertools.product([True, False], [None, "bf16"]
 DEFAULT = [("gpt2", fsdp(True, None)), ("gpt2", DDP), ("llama-1b", fsdp(False, "bf16")),
            ("bert-base", fsdp(True, "bf16"))]
 OFFLOAD = {**fsdp(True, None), "offload": True}
-# memfit's own knobs under sharding: recompute every block, two micro-batches (gradient sync on
-# the last only), clipping (a DTensor norm under FSDP2)
+# memfit's own knobs under sharding: recompute every block, two micro-batches (DDP all-reduces on
+# the last only, FSDP2 reduce-scatters each), clipping (a DTensor norm under FSDP2)
 KNOBS = {"checkpoint": "all", "micro_batch_size": 2, "max_grad_norm": 1.0}
 SLOW = {2: [(a, c) for a in ARCHS for c in GRID] + [("gpt2", OFFLOAD), ("gpt2", fsdp(), KNOBS),
                                                    ("llama-1b", DDP, KNOBS)],

@@ -22,7 +22,7 @@ from torch import nn
 
 from memfit.api._plan_sharded import Row, _Models, _search_row, _setup, _trace, fewest
 from memfit.knobs import Knobs
-from memfit.planner.sharding import interconnect, layouts
+from memfit.planner.sharding import interconnect, layout_tiers
 from memfit.techniques.accumulation import batch_size_of
 
 __all__ = ["compare_gpus", "GpuRow"]
@@ -78,17 +78,21 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
         fixed_modes = _constraints(model, k, models.b).modes
         say(f"searching {spec.name}")
 
-        def fitting(n: int, probe: bool = False) -> list[Row]:
+        def fitting(n: int, cands, probe: bool = False) -> list[Row]:
             return [r for r in (
                 _search_row(models, c, spec, spec.usable_bytes, k, fixed_modes, probe=probe)
-                for c in layouts(k, n, models.b, p, spec)) if r.choice is not None]
+                for c in cands if c.gpus == n) if r.choice is not None]
 
-        n = fewest(list(range(1, models.b + 1)), lambda n: bool(fitting(n, probe=True)))
+        for cands in layout_tiers(k, "auto", models.b, p, spec):     # offload last
+            counts = sorted({c.gpus for c in cands})
+            n = fewest(counts, lambda n: bool(fitting(n, cands, probe=True)))
+            if n is not None:
+                break
         if n is None:
             rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes, None, "", p,
                                None, None, link, f"none of 1-{models.b} GPUs fits"))
             continue
-        found = min(fitting(n), key=lambda r: r.choice.step_s)
+        found = min(fitting(n, cands), key=lambda r: r.choice.step_s)
         rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes,
                            found.candidate.gpus, found.candidate.describe(), p,
                            found.choice.device_bytes, found.choice.step_s, link))

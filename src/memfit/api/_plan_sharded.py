@@ -32,7 +32,9 @@ Note 4 (what is weighed). Precision (fp32, or bf16 autocast; "auto" takes bf16 w
 has it: FSDP2 here does not run fp16's GradScaler), micro-batch size, per-block keep /
 recompute / selective / offload, the layout, and for a GPU FSDP2's CPU offload (sharded
 state on the host, ``planner.sharding`` Note 6; re-traced as ``trace.fsdp_offload`` places
-it). Not weighed: memfit's own optimizer-state offload, and ``reshard_after_forward`` as a
+it), searched only where no layout without it fits unless ``fsdp_offload=True`` is asked for
+(``layout_tiers``: the search runs tier by tier, the rows of the earlier tiers kept for the
+plan's reasons). Not weighed: memfit's own optimizer-state offload, and ``reshard_after_forward`` as a
 group size (it may be fixed, not searched).
 
 Note 6 (FSDP2's mixed precision). Where the precision searched is bf16, every FSDP2 layout is
@@ -67,7 +69,7 @@ from memfit.knobs import Knobs
 from memfit.planner import Plan
 from memfit.planner.memory_model import MemoryModel, optimizer_rise_bytes
 from memfit.planner.search import Constraints, search
-from memfit.planner.sharding import (Candidate, ShardedTime, interconnect, layouts,
+from memfit.planner.sharding import (Candidate, ShardedTime, interconnect, layout_tiers,
                                      shard_estimate, state_bytes)
 from memfit.planner.time_model import TimeModel
 from memfit.step import prepare_batch
@@ -262,65 +264,78 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
     models = _Models(_trace(model, batch, optimizer, loss_fn, count_fn, k, p, say), p, b)
     from memfit.api.plan import _constraints          # the caller's fixed per-block modes
     fixed_modes = _constraints(model, k, b).modes
-    cands = layouts(k, k.gpus, b, p, spec)
-    counts = sorted({c.gpus for c in cands})
+    before: list[Row] = []          # the rows of the tiers searched before (Note 4)
 
-    def at(n: int, probe: bool = False) -> list[Row]:
-        return [_search_row(models, c, spec, budget_bytes, k, fixed_modes, probe=probe)
-                for c in cands if c.gpus == n]
+    def search_in(cands: list[Candidate]):
+        """(the plan, the rows weighed), or (None, the rows) when nothing in ``cands`` fits."""
+        counts = sorted({c.gpus for c in cands})
 
-    say("searching layouts")
-    probed: dict[int, list[Row]] = {}
+        def at(n: int, probe: bool = False) -> list[Row]:
+            return [_search_row(models, c, spec, budget_bytes, k, fixed_modes, probe=probe)
+                    for c in cands if c.gpus == n]
 
-    def fits(n: int) -> bool:
-        probed[n] = at(n, probe=True)
-        return any(r.choice is not None for r in probed[n])
+        say("searching layouts")
+        probed: dict[int, list[Row]] = {}
 
-    first = fewest(counts, fits)
-    pending = [n for n in reversed(counts) if first is not None and n > first]
-    rows: list[Row] = at(first) if first is not None else probed[counts[-1]]
-    margins: dict = {}
-    tries: dict = {}
-    for _ in range(len(cands) * (_ATTEMPTS + 1)):
-        fitting = [r for r in rows if r.choice is not None]
-        if not fitting and pending:          # re-traces missed: the next count (Note 3)
-            rows += at(pending.pop())
-            continue
-        if not fitting:
-            break
-        n = min(r.candidate.gpus for r in fitting)
-        best = min((r for r in fitting if r.candidate.gpus == n), key=lambda r: r.choice.step_s)
-        c = best.candidate
-        if c.sharding == "none":                      # one GPU: memfit.plan's question (Note 3)
-            say("one GPU may fit: planning it")
-            from memfit.api.plan import plan
-            single = {n: v for n, v in k.to_dict().items()
-                      if v is not None and n not in _SHARD_KNOBS}
-            try:
-                one = plan(model, batch, budget_bytes, optimizer, spec, loss_fn,
-                           count_fn=count_fn, **single)
-            except BudgetTooSmall:
-                rows = [r for r in rows if r is not best]
+        def fits(n: int) -> bool:
+            probed[n] = at(n, probe=True)
+            return any(r.choice is not None for r in probed[n])
+
+        first = fewest(counts, fits)
+        pending = [n for n in reversed(counts) if first is not None and n > first]
+        rows: list[Row] = at(first) if first is not None else probed[counts[-1]]
+        margins: dict = {}
+        tries: dict = {}
+        for _ in range(len(cands) * (_ATTEMPTS + 1)):
+            fitting = [r for r in rows if r.choice is not None]
+            if not fitting and pending:          # re-traces missed: the next count (Note 3)
+                rows += at(pending.pop())
                 continue
-            return ShardedPlanned(one, best.choice.step_s, c, rows, None, "")
-        say(f"verifying: re-tracing one rank of {c.describe()}, "
-            f"{describe(best.choice, best.rank_batch)}")
-        verified = _verify(model, batch, optimizer, spec, loss_fn, count_fn, k, best,
-                           models.memory(c, *_card_bytes(spec))[0].blocks)
-        device_bytes = verified.peak_bytes + sum(_card_bytes(spec))
-        if device_bytes <= budget_bytes:
-            return _planned(k, best, verified, device_bytes, models, spec, budget_bytes, rows,
-                            margins.get(c, 0))
-        margins[c] = margins.get(c, 0) + device_bytes - budget_bytes + _SLACK_BYTES
-        tries[c] = tries.get(c, 0) + 1
-        retry = tries[c] < _ATTEMPTS and margins[c] < budget_bytes
-        rows[rows.index(best)] = _search_row(models, c, spec, budget_bytes, k, fixed_modes,
-                                             margins[c]) if retry else \
-            Row(c, best.rank_batch, None, best.floor_bytes)
+            if not fitting:
+                break
+            n = min(r.candidate.gpus for r in fitting)
+            best = min((r for r in fitting if r.candidate.gpus == n),
+                       key=lambda r: r.choice.step_s)
+            c = best.candidate
+            if c.sharding == "none":              # one GPU: memfit.plan's question (Note 3)
+                say("one GPU may fit: planning it")
+                from memfit.api.plan import plan
+                single = {n: v for n, v in k.to_dict().items()
+                          if v is not None and n not in _SHARD_KNOBS}
+                try:
+                    one = plan(model, batch, budget_bytes, optimizer, spec, loss_fn,
+                               count_fn=count_fn, **single)
+                except BudgetTooSmall:
+                    rows = [r for r in rows if r is not best]
+                    continue
+                return ShardedPlanned(one, best.choice.step_s, c, rows, None, ""), rows
+            say(f"verifying: re-tracing one rank of {c.describe()}, "
+                f"{describe(best.choice, best.rank_batch)}")
+            verified = _verify(model, batch, optimizer, spec, loss_fn, count_fn, k, best,
+                               models.memory(c, *_card_bytes(spec))[0].blocks)
+            device_bytes = verified.peak_bytes + sum(_card_bytes(spec))
+            if device_bytes <= budget_bytes:
+                return _planned(k, best, verified, device_bytes, models, spec, budget_bytes,
+                                before + rows, margins.get(c, 0)), rows
+            margins[c] = margins.get(c, 0) + device_bytes - budget_bytes + _SLACK_BYTES
+            tries[c] = tries.get(c, 0) + 1
+            retry = tries[c] < _ATTEMPTS and margins[c] < budget_bytes
+            rows[rows.index(best)] = _search_row(models, c, spec, budget_bytes, k, fixed_modes,
+                                                 margins[c]) if retry else \
+                Row(c, best.rank_batch, None, best.floor_bytes)
+        return None, rows
+
+    for cands in layout_tiers(k, k.gpus, b, p, spec):
+        planned, tier_rows = search_in(cands)
+        if planned is not None:
+            return planned
+        before += tier_rows
+    rows = before
     least = min((r.floor_bytes for r in rows if not r.candidate.offload), default=0)
     most = max((r.candidate.gpus for r in rows), default=1)
+    offload = " (with FSDP2's CPU offload too)" if any(r.candidate.offload for r in rows) else ""
     raise BudgetTooSmall(
-        f"no layout of up to {most} GPU(s) fits {format_bytes(budget_bytes)} per GPU: the "
+        f"no layout of up to {most} GPU(s){offload} fits {format_bytes(budget_bytes)} per GPU: the "
         f"batch of {b} splits over at most {b} ranks (memfit.api._plan_sharded Note 1), and "
         f"even then each rank's sharded parameters, gradients and optimizer state need "
         f"{format_bytes(least)} before activations. Levers: a larger batch (more ranks), a "

@@ -51,7 +51,10 @@ block's, 1/N of each, added over the forward and backward on the safe side;
 the collective's time: the copy runs on the all-gather's stream, ahead of it) and each
 gradient shard once after its reduce-scatter; the optimizer step is the host's
 (``time_model``'s optimizer-offload step), over 1/N of the state. Weighed only for a GPU
-target: on the CPU host and device are one memory and offload moves nothing.
+target (on the CPU host and device are one memory and offload moves nothing), and, unless the
+caller asks for it, only where no layout without it fits (``layout_tiers``): it needs the
+sharded state in host RAM (Llama-2-7B on 2 ranks: 63 GiB per rank), which memfit cannot see
+for the machine a plan is for, and its host optimizer step is slower.
 
 Note 2 (the collectives' time). Over a ring of N ranks an all-gather or reduce-scatter of S
 bytes moves ``S (N-1)/N`` bytes through each rank's link, an all-reduce twice that. The link is
@@ -60,8 +63,9 @@ PCIe peer-to-peer at the host-link rate, or through host memory at half of it fo
 cards without peer-to-peer), at ``LINK_EFFICIENCY`` of its rate (NCCL's bus bandwidth on 8
 NVLink GPUs reaches ~75-80% of the link's one-direction rate). FSDP2 all-gathers every
 parameter in each micro-batch's forward, again in its backward when it resharded after
-forward, and reduce-scatters the gradients once per effective batch (sync only on the last
-micro-batch); DDP all-reduces the gradients once, in buckets.
+forward, and reduce-scatters the gradients in each micro-batch's backward
+(``techniques.accumulation`` Note 3: no-sync would keep every gradient unsharded); DDP
+all-reduces the gradients once per effective batch, in buckets.
 
 Note 3 (overlap). FSDP2 prefetches one block ahead and runs its collectives on their own
 stream, so a phase costs the longer of its compute and its collectives, plus what cannot hide:
@@ -83,7 +87,7 @@ from memfit.devices import DeviceSpec
 from memfit.knobs import Knobs
 
 __all__ = ["Candidate", "LINK_EFFICIENCY", "ShardedTime", "candidates", "interconnect",
-           "layouts", "shard_estimate", "state_bytes"]
+           "layout_tiers", "shard_estimate", "state_bytes"]
 
 LINK_EFFICIENCY = 0.75
 DDP_BUCKET_BYTES = 25 * 2 ** 20          # DDP's default bucket_cap_mb
@@ -137,19 +141,21 @@ def _mp_policies(k: Knobs, p: str) -> tuple:
     return (None, "bf16") if p == "bf16" else (None,)
 
 
-def _offloads(k: Knobs, spec) -> tuple:
-    """FSDP2's CPU offload settings weighed (Note 6): for a GPU only (on the CPU it moves
-    nothing), unless the caller fixed it."""
-    if k.fsdp_offload is not None:
-        return (bool(k.fsdp_offload),)
-    return (False, True) if spec.kind == "cuda" else (False,)
-
-
-def layouts(k: Knobs, gpus, b: int, p: str, spec) -> list[Candidate]:
-    """The layouts ``k`` leaves open for ``gpus`` (an int or "auto") at batch ``b`` on ``spec``."""
+def layout_tiers(k: Knobs, gpus, b: int, p: str, spec) -> list[list[Candidate]]:
+    """The layouts ``k`` leaves open for ``gpus`` (an int or "auto") at batch ``b`` on ``spec``,
+    in the order they are searched: for a GPU with ``fsdp_offload`` left open, the layouts
+    without FSDP2's CPU offload first, and with it only where none of those fits (Note 6);
+    on the CPU offload moves nothing and is not weighed."""
     fsdp_only = k.mp_policy or k.fsdp_offload
-    return candidates(gpus, "fsdp" if fsdp_only else k.sharding, k.reshard_after_forward, b,
-                      _mp_policies(k, p), _offloads(k, spec))
+    tier = lambda off: candidates(gpus, "fsdp" if fsdp_only else k.sharding,   # noqa: E731
+                                  k.reshard_after_forward, b, _mp_policies(k, p), (off,))
+    if k.fsdp_offload:
+        return [[c for c in tier(True) if c.sharding == "fsdp"]]
+    if k.fsdp_offload is not None:
+        return [tier(False)]
+    if spec.kind != "cuda":
+        return [tier(False)]
+    return [tier(False), [c for c in tier(True) if c.sharding == "fsdp"]]
 
 
 def interconnect(spec: DeviceSpec) -> tuple[str, float]:
@@ -260,7 +266,7 @@ class ShardedTime:
             per_bw = bw / n
             return max(2 * self._grad_s - per_bw, 0.0) + 2 * self._bucket_s
         ag_bw = self._param_s if c.reshard_after_forward else 0.0
-        exposed = max(n * self._param_s - fw, 0.0) + max(n * ag_bw + self._grad_s - bw, 0.0)
+        exposed = max(n * self._param_s - fw, 0.0) + max(n * (ag_bw + self._grad_s) - bw, 0.0)
         return exposed + n * self._first_s * (2 if c.reshard_after_forward else 1) + \
             self._first_s / 2
 

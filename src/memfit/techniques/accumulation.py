@@ -11,9 +11,13 @@ Note 2 (what the model counts). A causal LM shifts its labels by one position, s
 ``labels[..., 1:] != -100``; other token-level losses (masked LM, token classification,
 seq2seq) count ``labels != -100``; anything else counts samples. ``count_fn(batch)`` overrides.
 
-Note 3 (synchronisation). Under DDP the first M-1 micro-batches run in ``no_sync()`` and
-under FSDP2 with ``set_requires_gradient_sync(False)``, so gradients are reduced once, on the
-last micro-batch.
+Note 3 (synchronisation). Under DDP the first M-1 micro-batches run in ``no_sync()``, so
+gradients are all-reduced once, on the last micro-batch: every rank holds the whole gradient
+either way. Under FSDP2 every micro-batch reduce-scatters its gradients and each rank adds its
+shard to its sharded gradient: FSDP2's no-sync (``set_requires_gradient_sync(False)``) would
+keep every block's gradients unsharded until the last micro-batch, the whole model's gradients
+on each rank (Llama-2-7B: 25 GiB in fp32), which is what sharding is there to avoid. The
+price is one reduce-scatter per micro-batch (``planner.sharding`` Note 2).
 """
 
 from __future__ import annotations
@@ -85,12 +89,10 @@ class Accumulation:
 
     @staticmethod
     def sync(model: nn.Module, last: bool):
-        """Context for one micro-batch: reduce gradients only on the last one (Note 3)."""
+        """Context for one micro-batch: under DDP, all-reduce gradients only on the last one;
+        FSDP2 reduce-scatters every micro-batch's (Note 3)."""
         if isinstance(model, nn.parallel.DistributedDataParallel) and not last:
             return model.no_sync()
-        setter = getattr(model, "set_requires_gradient_sync", None)
-        if setter is not None:          # FSDP2 (fully_shard)
-            setter(last)
         return contextlib.nullcontext()
 
     def warn_if_inexact(self, model: nn.Module, batch) -> None:
