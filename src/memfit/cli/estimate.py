@@ -243,7 +243,8 @@ def _print_human(console, spec, model, est, described, args, target) -> None:
         if est.card is not None:
             console.print(card_line(est.card))
     console.print(verdict(est.device_bytes, est.limit_bytes, "on " + target.where()))
-    if est.host_peak_bytes and (args.offload not in (None, "none") or args.offload_optimizer):
+    if est.host_peak_bytes and (args.offload not in (None, "none") or args.offload_optimizer
+                                or args.fsdp_offload):
         console.print(f"host RAM for offload: {format_bytes(est.host_peak_bytes)} at its peak")
     if est.remat_peak_bytes is not None:
         console.print(f"DTR (simulated): peak {format_bytes(est.remat_peak_bytes)}, recompute "

@@ -72,8 +72,12 @@ def _globals(plan: "Plan") -> list[str]:
             out.append(f"micro-batch {m} x {-(-b // m)} accumulated (batch {b})")
         elif b:
             out.append(f"batch {b} in one micro-batch")
-    out.append("optimizer state on the host" if k.offload_optimizer else
-               "optimizer state on the device")
+    if getattr(k, "fsdp_offload", None):
+        out.append("sharded weights, gradients and optimizer state on the host (FSDP2 CPU "
+                   "offload)")
+    else:
+        out.append("optimizer state on the host" if k.offload_optimizer else
+                   "optimizer state on the device")
     if k.optimizer_state not in (None, "fp32"):
         out.append(f"{k.optimizer_state} optimizer state (changes the numerics)")
     if k.offload_params not in (None, "none"):
