@@ -117,3 +117,11 @@ def test_offload_is_weighed_last_unless_asked_for():
                         fsdp_offload=True)
     assert (kept.knobs.fsdp_offload, asked.knobs.fsdp_offload) == (False, True)
     assert asked.predicted_peak_bytes < kept.predicted_peak_bytes
+
+
+def test_ddp_asked_for_weighs_no_offload():
+    """``sharding="ddp"`` on a GPU: offload is FSDP2's, so nothing fitting is BudgetTooSmall
+    (the offload tier is empty, not searched)."""
+    model, batch = tiny("gpt2", batch_size=2, seq_len=8)
+    with pytest.raises(BudgetTooSmall, match="no layout of up to 2 GPU"):
+        memfit.plan(model, batch, 2 ** 20, "adamw", GPU, gpus=WORLD, sharding="ddp")

@@ -146,16 +146,15 @@ def layout_tiers(k: Knobs, gpus, b: int, p: str, spec) -> list[list[Candidate]]:
     in the order they are searched: for a GPU with ``fsdp_offload`` left open, the layouts
     without FSDP2's CPU offload first, and with it only where none of those fits (Note 6);
     on the CPU offload moves nothing and is not weighed."""
-    fsdp_only = k.mp_policy or k.fsdp_offload
-    tier = lambda off: candidates(gpus, "fsdp" if fsdp_only else k.sharding,   # noqa: E731
-                                  k.reshard_after_forward, b, _mp_policies(k, p), (off,))
-    if k.fsdp_offload:
-        return [[c for c in tier(True) if c.sharding == "fsdp"]]
+    def tier(offload: bool) -> list[Candidate]:
+        out = candidates(gpus, "fsdp" if k.mp_policy or offload else k.sharding,
+                         k.reshard_after_forward, b, _mp_policies(k, p), (offload,))
+        return [c for c in out if c.offload] if offload else out      # FSDP2's own option
+
     if k.fsdp_offload is not None:
-        return [tier(False)]
-    if spec.kind != "cuda":
-        return [tier(False)]
-    return [tier(False), [c for c in tier(True) if c.sharding == "fsdp"]]
+        return [tier(bool(k.fsdp_offload))]
+    open_ = spec.kind == "cuda" and k.sharding in (None, "fsdp")     # DDP has no offload
+    return [tier(False), tier(True)] if open_ else [tier(False)]
 
 
 def interconnect(spec: DeviceSpec) -> tuple[str, float]:
