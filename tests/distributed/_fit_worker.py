@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import memfit
-from tests.distributed._worker import in_place_reduce_scatter
+from tests.distributed._worker import join, rank_share, reduce_scatter_in_place
 
 
 def full(p):
@@ -17,19 +17,12 @@ def full(p):
 
 
 def run_rank(rank: int, world_size: int, port: int, job: dict, out_dir: str) -> None:
-    from tests.helpers import tiny
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join(rank, world_size, port)
     try:
-        model, batch = tiny(job["arch"], batch_size=job["batch"])
-        n = job["batch"] // world_size
-        mine = {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+        model, mine = rank_share(job, rank, world_size)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         runner = memfit.fit(model, opt, mine, budget=job.get("budget"), **job["knobs"])
-        for m in runner.model.modules():
-            if hasattr(m, "set_custom_reduce_scatter"):
-                m.set_custom_reduce_scatter(in_place_reduce_scatter())
+        reduce_scatter_in_place(runner.model)
         if "ballast_rank" in job:            # one rank over the budget: every rank must stop
             return _stop_all(rank, runner, mine, job, out_dir)
         with memfit.track(runner.model, runner.optimizer, budget=job.get("budget")) as t:

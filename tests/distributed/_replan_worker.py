@@ -27,7 +27,7 @@ import torch.distributed as dist
 import memfit
 from memfit.runtime.replan_broadcast import ReplanError
 from tests.distributed._oom_ranks_worker import error_record, local
-from tests.distributed._worker import in_place_reduce_scatter
+from tests.distributed._worker import join, rank_share, reduce_scatter_in_place
 
 
 def _sigkill_self():
@@ -46,15 +46,10 @@ def _loss_fn(job):
 
 
 def run_rank(rank: int, world_size: int, port: int, job: dict, out_dir: str) -> None:
-    from tests.helpers import tiny
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join(rank, world_size, port)
     out = {}
     try:
-        model, batch = tiny(job["arch"], batch_size=job["batch"])
-        n = job["batch"] // world_size
-        mine = {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+        model, mine = rank_share(job, rank, world_size)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         t0 = time.monotonic()
         try:
@@ -63,9 +58,7 @@ def run_rank(rank: int, world_size: int, port: int, job: dict, out_dir: str) -> 
         except ReplanError as e:           # "fit_lambda": the first plan
             out.update(fit_error=error_record(e), seconds=time.monotonic() - t0)
             return
-        for m in runner.model.modules():
-            if hasattr(m, "set_custom_reduce_scatter"):
-                m.set_custom_reduce_scatter(in_place_reduce_scatter())
+        reduce_scatter_in_place(runner.model)
         runner.step(mine)              # momentum buffers: optimizer state to keep
         if rank == job["stale_rank"]:
             runner.plan = dataclasses.replace(runner.plan,

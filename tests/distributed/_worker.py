@@ -44,6 +44,28 @@ def in_place_reduce_scatter():
     return InPlaceReduceScatter()
 
 
+def join(rank: int, world_size: int, port: int) -> None:
+    """This process joins the job as ``rank`` of ``world_size`` (gloo, one intra-op thread)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def rank_share(job: dict, rank: int, world_size: int):
+    """The tiny ``job["arch"]`` model and this rank's share of its ``job["batch"]`` samples."""
+    from tests.helpers import tiny
+    model, batch = tiny(job["arch"], batch_size=job["batch"])
+    n = job["batch"] // world_size
+    return model, {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+
+
+def reduce_scatter_in_place(model) -> None:
+    """Every FSDP2 module of ``model`` reduce-scatters through ``InPlaceReduceScatter`` (Note 1)."""
+    for m in model.modules():
+        if hasattr(m, "set_custom_reduce_scatter"):
+            m.set_custom_reduce_scatter(in_place_reduce_scatter())
+
+
 def measure(model, batch, optimizer, config: Sharding.Config, mesh, knobs: dict) -> dict:
     """Shard ``model``, run two steps, then measure the next: the steady state (DDP rebuilds
     its buckets at step 2, ``api._sharded`` Note 4)."""
@@ -68,9 +90,7 @@ def run_rank(rank: int, world_size: int, port: int, jobs: list, out_dir: str) ->
     ``out_dir/rank{rank}.json``."""
     from tests.helpers import tiny
     from torch.distributed.device_mesh import init_device_mesh
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join(rank, world_size, port)
     try:
         mesh = init_device_mesh("cpu", (world_size,))
         out = []
