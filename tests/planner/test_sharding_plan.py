@@ -143,7 +143,7 @@ def test_mixed_precision_halves_the_unsharded_weights(gpt2):
 @pytest.mark.parametrize("fits_from", [1, 2, 3, 5, 8, 9, None])
 def test_fewest_bisects_to_the_linear_scan(fits_from):
     """api._plan_sharded.fewest against a scan of every count, counting the probes."""
-    from memfit.api._plan_sharded import fewest
+    from memfit.api._sharded_models import fewest
     counts = [1, 2, 3, 4, 5, 6, 7, 8]
     probes = []
 

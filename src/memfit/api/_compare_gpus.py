@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from memfit.api._plan_sharded import Row, _Models, _search_row, _setup, _trace, fewest
+from memfit.api._sharded_models import Row, _Models, _search_row, _setup, _trace, fewest
 from memfit.knobs import Knobs
 from memfit.planner.sharding import interconnect, layout_tiers
 from memfit.techniques.accumulation import batch_size_of

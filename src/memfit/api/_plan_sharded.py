@@ -21,7 +21,7 @@ buffers (outside the allocator) are not applied under sharding yet; a note says 
 
 Note 3 (verification). The layout chosen (fewest GPUs for "auto", then the fastest) is
 re-traced by ``estimate_sharded`` with its per-block modes and micro-batch: that trace is the
-answer. The fewest GPUs predicted to fit are found by bisection over the counts (``fewest``): one
+answer. The fewest GPUs predicted to fit are found by bisection over the counts (``_sharded_models.fewest``): one
 rank's bytes never grow with the count (its share of the state, and of the batch, only
 shrink; the unsharded buffers stay), so neither does what fits. Larger counts are searched
 only when the re-traces at the fewest miss. If it misses the budget the search runs again with the cap lowered by what was
@@ -52,8 +52,6 @@ without the re-trace.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,22 +59,17 @@ from torch import nn
 
 from memfit.api._choice import describe, knob_values
 from memfit.api._floor import first_samples
-from memfit.api._setup import resolve_device, resolve_precision
-from memfit.api._validate import check_batch
-from memfit.api.estimate import estimate
+from memfit.api._sharded_models import (Row, _card_bytes, _Models, _search_row, _setup, _trace,
+                                        fewest)
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.planner import Plan
-from memfit.planner.memory_model import MemoryModel, optimizer_rise_bytes
-from memfit.planner.search import Constraints, search
-from memfit.planner.sharding import (Candidate, ShardedTime, interconnect, layout_tiers,
-                                     shard_estimate, state_bytes)
-from memfit.planner.time_model import TimeModel
-from memfit.step import prepare_batch
+from memfit.planner.memory_model import optimizer_rise_bytes
+from memfit.planner.sharding import Candidate, interconnect, layout_tiers
 from memfit.techniques.accumulation import batch_size_of
 from memfit.units import format_bytes, parse_bytes
 
-__all__ = ["plan_sharded", "plan_sharded_traced", "ShardedPlanned", "fewest"]
+__all__ = ["plan_sharded", "plan_sharded_traced", "ShardedPlanned"]
 
 _ATTEMPTS = 3
 _SLACK_BYTES = 2 ** 20
@@ -88,16 +81,6 @@ def is_sharded(knobs: dict) -> bool:
     return knobs.get("gpus") not in (None, 1) or knobs.get("sharding") not in (None, "none") \
         or knobs.get("reshard_after_forward") is not None or bool(knobs.get("fsdp_offload")) \
         or knobs.get("mp_policy") is not None
-
-
-@dataclass
-class Row:
-    """One layout as the models (and, for the chosen one, the re-trace) predict it."""
-
-    candidate: Candidate
-    rank_batch: int
-    choice: object | None            # planner.search.Choice, None: nothing fits
-    floor_bytes: int = 0             # a lower bound: the rank's sharded state alone
 
 
 @dataclass
@@ -116,124 +99,6 @@ def plan_sharded(model: nn.Module, batch, budget=None, optimizer="adamw", device
                  loss_fn: Callable | None = None, **kwargs) -> Plan:
     """``memfit.plan`` with ``gpus=N`` or ``"auto"`` and/or ``sharding`` (module Notes)."""
     return plan_sharded_traced(model, batch, budget, optimizer, device, loss_fn, **kwargs).plan
-
-
-def _setup(model, batch, optimizer, device, loss_fn, knobs: dict, step, scheduler):
-    k = Knobs.from_kwargs(**knobs)
-    for name, value in (("step", step), ("scheduler", scheduler)):
-        if value is not None:
-            raise ValueError(f"{name} with gpus/sharding is not supported yet: plan the "
-                             f"sharded step without {name}")
-    if k.remat or k.offload_optimizer or k.offload_params or \
-            k.optimizer_state not in (None, "fp32"):
-        raise ValueError("remat, offload_optimizer, offload_params and low-bit "
-                         "optimizer_state are not weighed with sharding yet (estimate_sharded "
-                         "refuses them): plan without them")
-    spec = resolve_device(model, device)
-    if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload
-                                or k.mp_policy):
-        raise ValueError("reshard_after_forward, fsdp_offload and mp_policy are FSDP2's: use "
-                         "sharding='fsdp', or leave them unset with 'ddp'")
-    if k.mp_policy and k.precision == "bf16":
-        raise ValueError("precision='bf16' (autocast) and mp_policy='bf16' both cast the "
-                         "compute: pick one (mp_policy='bf16' is FSDP2's; leave precision "
-                         "unset or 'fp32' with it)")
-    p = resolve_precision("bf16" if k.mp_policy else k.precision, spec)   # Note 6
-    if p == "fp16" and k.precision == "auto":
-        p = "fp32"
-    if p not in ("fp32", "bf16"):
-        raise ValueError(f"precision={p!r} with sharding: use 'fp32' or 'bf16' (autocast; "
-                         "fp16's GradScaler and bf16-pure are not supported under FSDP2 here)")
-    batch = prepare_batch(batch)
-    check_batch(model, batch, loss_fn)
-    return k, spec, p, batch
-
-
-def _trace(model, batch, optimizer, loss_fn, count_fn, k: Knobs, p: str, say):
-    """The single-device trace of Note 2, on the CPU (as estimate_sharded's)."""
-    say(f"tracing the plain step on one device ({p}, batch {batch_size_of(batch)})")
-    return estimate(model, batch, optimizer=optimizer, device="cpu", loss_fn=loss_fn,
-                    count_fn=count_fn, precision=p, max_grad_norm=k.max_grad_norm,
-                    zero_grad=k.zero_grad, optimizer_impl=k.optimizer_impl)
-
-
-def _card_bytes(spec) -> tuple[int, int]:
-    """(bytes inside the allocator a step always adds, bytes outside it) for ``spec``."""
-    if spec.kind != "cuda":
-        return 0, 0
-    return spec.cublas_workspace_bytes + spec.autograd_workspace_bytes, spec.cuda_context_bytes
-
-
-class _Models:
-    """Memory and time models per layout, from the one trace (cached per card class)."""
-
-    def __init__(self, est, p: str, b: int):
-        self.est, self.p, self.b = est, p, b
-        self._memory: dict = {}
-        self._time: dict = {}
-
-    def memory(self, cand: Candidate, extra: int, context: int) -> MemoryModel:
-        key = (cand, extra, context)
-        if key not in self._memory:
-            sh = shard_estimate(self.est, cand, extra, context)
-            self._memory[key] = MemoryModel(sh, self.b), sh
-        return self._memory[key]
-
-    def pair(self, cand: Candidate, spec):
-        extra, context = _card_bytes(spec)
-        memory, sh = self.memory(cand, extra, context)
-        if spec.name not in self._time:     # per-op costs: the same for every layout
-            self._time[spec.name] = TimeModel(sh, spec, self.p, self.b, memory)
-        time = copy.copy(self._time[spec.name])
-        time.memory = memory                # the layout's bytes (offload, gradients)
-        return memory, ShardedTime(time, self.est, cand, spec, 2 if cand.mp_policy else 4)
-
-    def single_s(self, spec) -> float:
-        """The plain step of the whole batch on one device (the ratio's baseline)."""
-        memory, time = self.pair(Candidate(1, "none"), spec)
-        return time.step_s(self.b, self.b, ("keep",) * len(memory.blocks), False)
-
-
-def _search_row(models: _Models, cand: Candidate, spec, budget: int, k: Knobs, fixed_modes,
-                margin: int = 0, probe: bool = False) -> Row:
-    """The fastest configuration of ``cand`` predicted to fit; ``probe``: any one that fits,
-    tried at the micro-batch sizes that need least (1 and the rank's batch: search Note 2)."""
-    b = models.b
-    rb = -(-b // cand.gpus)
-    memory, time = models.pair(cand, spec)
-    floor = 0 if cand.offload else \
-        int(state_bytes(models.est) / (cand.gpus if cand.sharding == "fsdp" else 1))
-    m = k.micro_batch_size
-    fixed = Constraints(None if m is None else min(m, rb), fixed_modes,
-                        k.offload_optimizer if cand.sharding == "none" else False)
-    if floor > budget:
-        return Row(cand, rb, None, floor)
-    key = (models.p, k.optimizer_impl)
-    pair = {key: (memory, time)}
-    margins = {key: margin} if margin else None
-    if probe and m is None:
-        for size in sorted({1, rb}):
-            choice = search(pair, rb, budget, dataclasses.replace(fixed, micro_batch_size=size),
-                            margins)
-            if choice is not None:
-                return Row(cand, rb, choice, floor)
-        return Row(cand, rb, None, floor)
-    return Row(cand, rb, search(pair, rb, budget, fixed, margins), floor)
-
-
-def fewest(counts: list[int], fits) -> int | None:
-    """The least of ``counts`` (ascending) where ``fits(n)``, by bisection: a rank's bytes never
-    grow with the count (Note 3), so neither does what fits. None: not even the last."""
-    lo, hi = 0, len(counts) - 1
-    if not counts or not fits(counts[hi]):
-        return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(counts[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return counts[lo]
 
 
 def _rank_knobs(k: Knobs, row: Row, blocks) -> Knobs:
