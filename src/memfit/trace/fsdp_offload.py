@@ -53,7 +53,7 @@ class OffloadPlacement:
     host (Note 2). ``model``: the sharded fake model; ``optimizer``: the fake optimizer."""
 
     def __init__(self, model: nn.Module, optimizer):
-        self.model, self.optimizer = model, optimizer
+        self.optimizer = optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_set)
