@@ -32,6 +32,7 @@ from torch.utils.flop_counter import flop_registry
 
 from memfit.errors import OutOfMemory
 from memfit.measure import _ledger as L
+from memfit.measure._sizes import hint
 
 if TYPE_CHECKING:
     from memfit.measure.track import Tracker
@@ -113,7 +114,7 @@ class CountingMode(TorchDispatchMode):
                     elif func in _RESIZING:
                         resized.append(st)
         on_host = host_allocations_open()             # host memory: not under the budget
-        requested = 0 if on_host else sum(st.nbytes() for st in new)
+        requested = 0 if on_host else sum(hint(st.nbytes()) for st in new)
         requested += sum(max(0, ledger.growth(st)) for st in resized)
         if t.budget_bytes is not None and ledger.current_bytes + requested > t.budget_bytes:
             raise OutOfMemory(requested_bytes=requested, live_bytes=ledger.current_bytes,
@@ -132,7 +133,7 @@ class CountingMode(TorchDispatchMode):
         n = 0
         counter = flop_registry.get(func._overloadpacket)
         if counter is not None:
-            n = int(counter(*args, **kwargs, out_val=out))
+            n = hint(counter(*args, **kwargs, out_val=out))
             if backward:
                 t.bw_flops += n
             else:
@@ -152,13 +153,13 @@ def _touched_bytes(ledger, args, kwargs, out) -> tuple[int, int]:
     total = fixed = 0
     for x in tree_flatten((args, kwargs))[0]:
         if isinstance(x, torch.Tensor):
-            n = x.numel() * x.element_size()
+            n = hint(x.numel()) * x.element_size()
             total += n
             if any(ledger.category_of(st) in _STATE for st in ledger.storages(x)):
                 fixed += n
     for x in tree_flatten(out)[0]:
         if isinstance(x, torch.Tensor):
-            total += x.numel() * x.element_size()
+            total += hint(x.numel()) * x.element_size()
     return total, fixed
 
 

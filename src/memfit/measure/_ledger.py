@@ -27,6 +27,12 @@ id, the same storage) that lives until the storage dies (FSDP2's gradients under
 reduce-scattered on the device, then copied to the host); ``transient`` / ``end_transient``
 record a device buffer that no tensor of the trace stands for (the device copy of a host
 shard a GPU makes before the all-gather, which on the CPU is the shard itself).
+
+Note 5 (symbolic sizes). In a trace shared by several batch shapes (``trace.shared_shapes``) a
+storage's size is a ``SymInt``. The ledger counts its value in the traced shape, as any trace
+does, and also keeps its expression per event, so that ``device_events(value)`` gives the same
+event log in another shape; the structure of the log (which storage is born and dies when) is
+the traced one, which the shared trace's guards ensure holds for that shape.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from memfit.measure._sizes import expr as _expr
+from memfit.measure._sizes import hint as _hint
 
 # Categories, strongest first: a storage carries the strongest category it was ever marked with.
 CATEGORIES = ("params", "grads", "optimizer", "other", "inputs", "activations", "temporaries")
@@ -111,6 +120,11 @@ class Ledger:
         self._host: set[int] = set()        # storage ids that live in host memory
         self._resizes: set[int] = set()     # event indices that are in-place resizes
         self._moved: dict[int, int] = {}    # storage id -> its id after a move to the host
+        # symbolic sizes (Note 5): storage id -> its size's expression now, and at entry; event
+        # index -> its +/- bytes' expression
+        self._size_expr: dict[int, object] = {}
+        self._entry_expr: dict[int, object] = {}
+        self._ev_expr: dict[int, object] = {}
         self.open = True
 
     # -- registration -----------------------------------------------------------------------
@@ -129,6 +143,9 @@ class Ledger:
         key = storage._cdata
         sid = len(self._nbytes)
         nbytes = storage.nbytes()
+        if (e := _expr(nbytes)) is not None:
+            self._size_expr[sid] = e
+            nbytes = _hint(nbytes)
         self._sid_of[key] = sid
         self._nbytes.append(nbytes)
         self._category.append(category)
@@ -140,10 +157,24 @@ class Ledger:
             self.current_bytes += nbytes
         if entry:
             self._entry[sid] = nbytes
+            if e is not None:
+                self._entry_expr[sid] = e
         else:
-            self._ev_sid.append(sid)
-            self._ev_delta.append(nbytes)
+            self._log(sid, nbytes, e)
         return sid
+
+    def _log(self, sid: int, delta: int, delta_expr=None) -> None:
+        if delta_expr is not None:
+            self._ev_expr[len(self._ev_delta)] = delta_expr
+        self._ev_sid.append(sid)
+        self._ev_delta.append(delta)
+
+    def _birth_expr(self, sid: int):
+        return self._size_expr.get(sid)
+
+    def _death_expr(self, sid: int):
+        e = self._size_expr.get(sid)
+        return None if e is None else -e
 
     def mark(self, storage, category: int) -> None:
         sid = self._sid_of.get(storage._cdata)
@@ -163,21 +194,28 @@ class Ledger:
     def growth(self, storage) -> int:
         """Bytes a counted storage has grown by since it was last recorded (resize_)."""
         sid = self._sid_of.get(storage._cdata)
-        return 0 if sid is None or sid in self._host else storage.nbytes() - self._nbytes[sid]
+        return 0 if sid is None or sid in self._host else \
+            _hint(storage.nbytes()) - self._nbytes[sid]
 
     def resize(self, storage) -> None:
         """A storage changed size in place (``resize_``/``set_``): record the difference."""
         sid = self._sid_of.get(storage._cdata)
         if sid is None:
             return
-        delta = storage.nbytes() - self._nbytes[sid]
-        if delta:
+        new = storage.nbytes()
+        delta = _hint(new) - self._nbytes[sid]
+        new_expr, old_expr = _expr(new), self._size_expr.get(sid)
+        if delta or (new_expr is not None and new_expr != old_expr):
             self._nbytes[sid] += delta
             if sid not in self._host:
                 self.current_bytes += delta
             self._resizes.add(len(self._ev_delta))
-            self._ev_sid.append(sid)
-            self._ev_delta.append(delta)
+            delta_expr = None
+            if new_expr is not None or old_expr is not None:
+                self._size_expr[sid] = new if new_expr is None else new_expr
+                delta_expr = self._size_expr[sid] - (self._nbytes[sid] - delta
+                                                     if old_expr is None else old_expr)
+            self._log(sid, delta, delta_expr)
 
     def _died(self, sid: int, key: int) -> None:
         if not self.open:
@@ -188,8 +226,7 @@ class Ledger:
             del self._sid_of[key]
         if sid not in self._host:
             self.current_bytes -= self._nbytes[sid]
-        self._ev_sid.append(sid)
-        self._ev_delta.append(-self._nbytes[sid])
+        self._log(sid, -self._nbytes[sid], self._death_expr(sid))
 
     def close(self) -> None:
         """Stop listening for deaths (storages that outlive the region stay counted live)."""
@@ -230,48 +267,66 @@ class Ledger:
         if sid is None or sid in self._host:
             return
         nbytes = self._nbytes[sid]
-        self._ev_sid.append(sid)                  # the device bytes die here...
-        self._ev_delta.append(-nbytes)
+        self._log(sid, -nbytes, self._death_expr(sid))   # the device bytes die here...
         self.current_bytes -= nbytes
         new = len(self._nbytes)                   # ...and a host twin is born
         self._sid_of[key] = new
         self._nbytes.append(nbytes)
+        if sid in self._size_expr:
+            self._size_expr[new] = self._size_expr[sid]
         self._category.append(self._category[sid])
         self._ptr.append(self._ptr[sid])
         self._refs.append(None)                   # the first id's reference reports the death
         self._host.add(new)
         self._moved[sid] = new
-        self._ev_sid.append(new)
-        self._ev_delta.append(nbytes)
+        self._log(new, nbytes, self._birth_expr(new))
 
     def transient(self, nbytes: int, category: int = TEMPORARIES) -> int:
         """A device buffer no tensor of the trace stands for (Note 4): born now; returns the
         id ``end_transient`` takes."""
         sid = len(self._nbytes)
+        if (e := _expr(nbytes)) is not None:
+            self._size_expr[sid] = e
+            nbytes = _hint(nbytes)
         self._nbytes.append(nbytes)
         self._category.append(category)
         self._ptr.append(0)
         self._refs.append(None)
-        self._ev_sid.append(sid)
-        self._ev_delta.append(nbytes)
+        self._log(sid, nbytes, e)
         self.current_bytes += nbytes
         return sid
 
     def end_transient(self, sid: int) -> None:
-        self._ev_sid.append(sid)
-        self._ev_delta.append(-self._nbytes[sid])
+        self._log(sid, -self._nbytes[sid], self._death_expr(sid))
         self.current_bytes -= self._nbytes[sid]
 
     def is_host(self, storage) -> bool:
         sid = self._sid_of.get(storage._cdata)
         return sid is not None and sid in self._host
 
-    def device_events(self) -> list[tuple[int, int, int, bool]]:
+    @property
+    def symbolic(self) -> bool:
+        """Whether some storage's size is symbolic (Note 5)."""
+        return bool(self._size_expr)
+
+    def size_exprs(self) -> set:
+        """Every expression ``device_events(value)`` asks ``value`` for (Note 5)."""
+        return set(self._entry_expr.values()) | set(self._ev_expr.values())
+
+    def device_events(self, value=None) -> list[tuple[int, int, int, bool]]:
         """(log index or -1 for an entry storage, storage id, +/- bytes, is an in-place
-        resize) on the device: entry storages first (their size on entry), then the log."""
-        out = [(-1, sid, n, False) for sid, n in self._entry.items() if sid not in self._host]
+        resize) on the device: entry storages first (their size on entry), then the log.
+        ``value(expr) -> int``: the bytes in another shape of a symbolic trace (Note 5)."""
+        if value is None:
+            entry, log = self._entry, self._ev_delta
+        else:
+            entry = {sid: value(self._entry_expr[sid]) if sid in self._entry_expr else n
+                     for sid, n in self._entry.items()}
+            log = [value(self._ev_expr[i]) if i in self._ev_expr else d
+                   for i, d in enumerate(self._ev_delta)]
+        out = [(-1, sid, n, False) for sid, n in entry.items() if sid not in self._host]
         out += [(i, s, d, i in self._resizes)
-                for i, (s, d) in enumerate(zip(self._ev_sid, self._ev_delta))
+                for i, (s, d) in enumerate(zip(self._ev_sid, log))
                 if s not in self._host]
         return out
 

@@ -44,6 +44,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from memfit.measure._ledger import storages_of
+from memfit.measure._sizes import hint
 
 
 @dataclass
@@ -336,5 +337,5 @@ def _unique_bytes(items) -> int:
             for st in storages_of(t):
                 if st._cdata not in seen:
                     seen.add(st._cdata)
-                    total += st.nbytes()
+                    total += hint(st.nbytes())
     return total

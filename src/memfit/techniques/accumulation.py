@@ -51,7 +51,10 @@ def batch_size_of(batch) -> int:
     if not dims:
         raise ValueError("the batch has no tensor with a batch dimension (every tensor is a "
                          "scalar): give tensors shaped [batch, ...]")
-    return max(set(dims), key=dims.count)
+    # symbolic sizes (a trace shared by several shapes) are not hashable: count their
+    # expressions
+    keys = [d.node.expr if isinstance(d, torch.SymInt) else d for d in dims]
+    return dims[keys.index(max(set(keys), key=keys.count))]
 
 
 class Accumulation:
