@@ -208,6 +208,18 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         return _estimate_one_rank(model, batch, optimizer, device, loss_fn, k, budget=budget,
                                   count_fn=count_fn, step=step, scheduler=scheduler,
                                   allocator=allocator)
+    return traced_estimate(model, batch, optimizer, device, loss_fn, k, FakeCopier("cpu"),
+                           budget=budget, count_fn=count_fn, allocator=allocator,
+                           allocator_replay=allocator_replay, step=step, scheduler=scheduler,
+                           cuda_version=cuda_version)[0]
+
+
+def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier, *,
+                    budget=None, count_fn=None, allocator=None, allocator_replay=True, step=None,
+                    scheduler=None, cuda_version=None):
+    """``estimate`` of one device, traced on fakes made by ``copier``: (the Estimate, the
+    tracker that counted it, the CudaModel of a GPU target or None). A shared trace
+    (``memfit.api._shared_shapes``) replays the tracker in other shapes."""
     k.check_available()
     user = as_user_step(step)
     if scheduler is not None and (hasattr(scheduler, "step") or not callable(scheduler)):
@@ -233,7 +245,6 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
 
     cuda = CudaModel(spec, allocator) if spec.kind == "cuda" else None
     replay = cuda is not None and allocator_replay
-    copier = FakeCopier("cpu")
     fake_model = copier.module(model)
     fake_model.train(model.training)
     fake_batch = copier.tree(batch)
@@ -299,7 +310,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         notes.append(f"remat: DTR simulated under {limit} B: peak {sim.peak_bytes} B, "
                      f"{sim.evictions} evictions, {sim.recompute_flops} recompute FLOPs, floor "
                      f"{sim.floor_bytes} B" + ("" if sim.feasible else " (the budget is below it)"))
-    return Estimate(
+    est = Estimate(
         remat_peak_bytes=sim and sim.peak_bytes, remat_floor_bytes=sim and sim.floor_bytes,
         remat_recompute_flops=sim and sim.recompute_flops,
         peak_bytes=peak, reserved_bytes=reserved, breakdown=breakdown, context_bytes=context,
@@ -311,6 +322,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
         basis="cuda-model" if cuda else "cpu-trace", knobs_blocks=dict(runner.applied.blocks),
         op_costs=prof.op_costs, card=card, lifetimes=storage_log(tracker),
     )
+    return est, tracker, cuda
 
 
 def _sharded(k: Knobs) -> bool:

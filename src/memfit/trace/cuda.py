@@ -113,15 +113,25 @@ class CudaModel:
 
     def replay(self, tracker) -> CudaMemory:
         """Replay the ledger through the caching allocator (Note 2)."""
-        ledger = tracker.ledger
         resolved = tracker.resolved
-        window = resolved.window_start
+        alloc_peak, reserved_peak, peak_event, workspace = self.replay_peaks(tracker)
+        exact = resolved.breakdown_at(peak_event)
+        exact["other"] += alloc_peak - sum(exact.values())
+        assert list(exact) == list(CATEGORIES)
+        return CudaMemory(alloc_peak, reserved_peak, exact, peak_event, self.spec.cuda_context_bytes,
+                          workspace)
+
+    def replay_peaks(self, tracker, value=None) -> tuple[int, int, int, int]:
+        """(allocated peak, reserved peak, ledger event at the allocated peak, workspace bytes)
+        of step 2 through the caching allocator; ``value``: the ledger's sizes in another
+        shape of a shared trace (``Ledger.device_events``, measure._ledger Note 5)."""
+        window = tracker.resolved.window_start
         allocator, handles, sizes = CachingAllocator(self.allocator), {}, {}
         alloc_peak, reserved_peak, peak_event = -1, 0, window - 1
         workspaces = {_CUBLAS: self.spec.cublas_workspace_bytes,      # devices Note 4
                       _CUBLAS_AUTOGRAD: self.spec.autograd_workspace_bytes}
         workspace_done = False
-        for ev, sid, delta, is_resize in ledger.device_events():
+        for ev, sid, delta, is_resize in tracker.ledger.device_events(value):
             if ev >= 0 and not workspace_done:   # the first matmuls allocate cuBLAS's workspaces
                 for key, size in workspaces.items():
                     handles[key] = allocator.malloc(size)
@@ -146,8 +156,4 @@ class CudaModel:
         if alloc_peak < 0:
             stats = allocator.stats
             alloc_peak, reserved_peak = stats.allocated_bytes, stats.reserved_bytes
-        exact = resolved.breakdown_at(peak_event)
-        exact["other"] += alloc_peak - sum(exact.values())
-        assert list(exact) == list(CATEGORIES)
-        return CudaMemory(alloc_peak, reserved_peak, exact, peak_event, self.spec.cuda_context_bytes,
-                          sum(workspaces.values()))
+        return alloc_peak, reserved_peak, peak_event, sum(workspaces.values())
