@@ -7,10 +7,11 @@ use) the rows are traced side by side; each worker runs one intra-op thread, so 
 2-core machine do not fight over the cores. Workers start with ``spawn`` (a fresh interpreter:
 forking a process whose torch has started its thread pools can hang) and import memfit once.
 
-Note 2 (order). Cached rows are read in this process and never reach a worker. The rest are
-submitted longest first (plans, which trace several configurations, then XLM-R large, then
-base), so that no long row starts last while the other workers sit idle; results come back in
-the table's order, whatever order they finish in.
+Note 2 (order). Cached rows are read in this process and never reach a worker. The rest go
+out as groups of one shared trace (``seed_table.group_key``, Note 2 there) and plans,
+longest first (XLM-R large's plan, then its groups, then base's), so that no long task starts
+last while the other workers sit idle; results come back in the table's order, whatever order
+they finish in.
 """
 
 from __future__ import annotations
@@ -42,24 +43,20 @@ def _init_worker() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _work(task: tuple, use_cache: bool) -> dict:
+def _work(task: tuple, use_cache: bool) -> list[dict]:
     kind, args, device = task
-    if kind == "estimate":
-        return st.estimate_row(args, device, use_cache=use_cache)
+    if kind == "group":
+        return st.estimate_group(args, device, use_cache=use_cache)
     model, seq_len, batch_size, tiny = args
-    return st.plan_row(model, seq_len, batch_size, device, tiny, use_cache=use_cache)
+    return [st.plan_row(model, seq_len, batch_size, device, tiny, use_cache=use_cache)]
 
 
 def _cost(task: tuple) -> int:
+    """In units of a shared trace of XLM-R base: a plan traces about twice, large's layers
+    are twice base's at about twice the width."""
     kind, args, _ = task
-    model = args.model if kind == "estimate" else args[0]
-    return (2 if kind == "plan" else 1) * (3 if "large" in model else 1)
-
-
-def _row(task: tuple):
-    kind, args, _ = task
-    return args if kind == "estimate" else st.Row(args[0], args[1], "auto", "auto", args[2],
-                                                  args[3])
+    model = args[0].model if kind == "group" else args[0]
+    return (3 if kind == "plan" else 1) * (2 if "large" in model else 1)
 
 
 def trace_rows(rows: list, plans: list[tuple], device, use_cache: bool = True, jobs: int = 1,
@@ -67,28 +64,40 @@ def trace_rows(rows: list, plans: list[tuple], device, use_cache: bool = True, j
     """(one result per row, one per plan), each as ``seed_table.estimate_row`` /
     ``plan_row`` return it. ``plans``: ``(model, seq_len, batch_size, tiny)`` tuples.
     ``on_done(done, total)`` after each result."""
-    tasks = [("estimate", r, device) for r in rows] + [("plan", p, device) for p in plans]
-    results: list = [None] * len(tasks)
-    for i, task in enumerate(tasks):
-        if use_cache:
-            results[i] = st.cached_result(task[0], _row(task), device)
-    todo = sorted((i for i, r in enumerate(results) if r is None), key=lambda i: -_cost(tasks[i]))
+    items = [("estimate", r) for r in rows] + \
+        [("plan", st.Row(p[0], p[1], "auto", "auto", p[2], p[3])) for p in plans]
+    results: list = [st.cached_result(kind, row, device) if use_cache else None
+                     for kind, row in items]
+    groups: dict[tuple, list[int]] = {}           # rows of one shared trace (by row index)
+    for i, got in enumerate(results[:len(rows)]):
+        if got is None:
+            groups.setdefault(st.group_key(rows[i]), []).append(i)
+    tasks = [("group", [rows[i] for i in g], device) for g in groups.values()]
+    slots = list(groups.values())                 # where each task's results go
+    for j, p in enumerate(plans):
+        if results[len(rows) + j] is None:
+            tasks.append(("plan", p, device))
+            slots.append([len(rows) + j])
+    order = sorted(range(len(tasks)), key=lambda t: -_cost(tasks[t]))
     report = on_done or (lambda done, total: None)
-    done = len(tasks) - len(todo)
-    report(done, len(tasks))
-    jobs = max(1, min(jobs, len(todo)))
+    done = sum(r is not None for r in results)
+    report(done, len(items))
+
+    def finished(t: int, got: list[dict]) -> None:
+        nonlocal done
+        for i, r in zip(slots[t], got):
+            results[i] = r
+        done += len(got)
+        report(done, len(items))
+    jobs = max(1, min(jobs, len(tasks)))
     if jobs == 1:
-        for i in todo:
-            results[i] = _work(tasks[i], use_cache)
-            done += 1
-            report(done, len(tasks))
+        for t in order:
+            finished(t, _work(tasks[t], use_cache))
     else:
         ctx = multiprocessing.get_context("spawn")
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx,
                                     initializer=_init_worker) as pool:
-            futures = {pool.submit(_work, tasks[i], use_cache): i for i in todo}
+            futures = {pool.submit(_work, tasks[t], use_cache): t for t in order}
             for f in cf.as_completed(futures):
-                results[futures[f]] = f.result()
-                done += 1
-                report(done, len(tasks))
+                finished(futures[f], f.result())
     return results[:len(rows)], results[len(rows):]

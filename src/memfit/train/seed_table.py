@@ -7,9 +7,12 @@ exactly the arguments ``memfit estimate --model M --batch-size B --seq-len S --p
 default allocator): a row's bytes are that command's, by construction, and a test holds a
 sample of rows to it.
 
-Note 2 (cost, and the cache). A row costs one trace (tens of seconds for XLM-R large on a
-loaded 2-core machine; trace time depends on the number of ops, not on batch or length). A
-row's result is kept in ``~/.cache/memfit/bench-seed/`` (or ``MEMFIT_CACHE``) under a key of
+Note 2 (cost, and the cache). A trace's time depends on the number of ops, not on batch or
+length, so the rows that differ only in batch size and length (one model, precision and
+checkpointing) are one group with one trace, its batch and length symbolic, replayed in each
+row's shape (``estimate_group``; ``memfit.api._shared_shapes``, whose Note 2 says why each
+row's figures are still ``memfit estimate``'s, and which traces a row alone where they would
+not be). A shared trace of XLM-R large takes about 10 s on a quiet core. A row's result is kept in ``~/.cache/memfit/bench-seed/`` (or ``MEMFIT_CACHE``) under a key of
 the row, the device, torch's version and a hash of memfit's own source files (less the
 command line, this package, reports and integrations, which no estimate runs), so a rerun
 costs nothing and any change to what estimates traces again. ``use_cache=False`` ignores it.
@@ -20,11 +23,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-__all__ = ["Row", "seed_rows", "estimate_row", "plan_row", "cache_key", "cached_result",
-           "MODELS", "SEQ_LENS"]
+__all__ = ["Row", "seed_rows", "estimate_row", "estimate_group", "group_key", "plan_row",
+           "cache_key", "cached_result", "MODELS", "SEQ_LENS"]
 
 MODELS = ("xlm-roberta-base", "xlm-roberta-large")
 SEQ_LENS = (128, 256, 512)
@@ -95,17 +98,21 @@ def _cached(kind: str, row: Row, device, use_cache: bool, compute) -> dict:
     hit = cached_result(kind, row, device) if use_cache else None
     if hit is not None:
         return hit
-    path = _cache_dir() / f"{cache_key(kind, row, device)}.json"
     result = compute()
     if use_cache:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(result))
-            os.replace(tmp, path)
-        except OSError:
-            pass                                  # a read-only home: no cache, same numbers
+        _store(kind, row, device, result)
     return {**result, "cached": False}
+
+
+def _store(kind: str, row: Row, device, result: dict) -> None:
+    path = _cache_dir() / f"{cache_key(kind, row, device)}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, path)
+    except OSError:
+        pass                                      # a read-only home: no cache, same numbers
 
 
 _MODELS: dict = {}
@@ -131,22 +138,63 @@ def _batch(row: Row):
                            padded=False, task=None)
 
 
+def _estimate_kwargs(row: Row, device) -> dict:
+    """``memfit estimate``'s arguments for the row's flags (cli.estimate)."""
+    from memfit.trace.allocator import AllocatorConfig
+
+    return dict(optimizer="adamw", device=device, budget=None, precision=row.precision,
+                micro_batch_size=None,
+                checkpoint=None if row.checkpoint == "none" else row.checkpoint, offload=None,
+                offload_optimizer=None, remat=None, zero_grad=None,
+                allocator=AllocatorConfig(expandable_segments=False))
+
+
+def _figures(est, shared: bool) -> dict:
+    return {"peak_bytes": est.peak_bytes, "reserved_bytes": est.reserved_bytes,
+            "device_bytes": est.device_bytes, "fits": est.fits, "limit_bytes": est.limit_bytes,
+            "trace_seconds": est.trace_seconds, "shared_trace": shared}
+
+
 def estimate_row(row: Row, device, use_cache: bool = True) -> dict:
-    """The row's ``memfit estimate`` figures (Note 1)."""
+    """The row's ``memfit estimate`` figures (Note 1), from its own trace."""
     def compute() -> dict:
         import memfit
-        from memfit.trace.allocator import AllocatorConfig
 
         _, model = _model(row.model, row.tiny)
-        est = memfit.estimate(model, _batch(row), optimizer="adamw", device=device, budget=None,
-                              precision=row.precision, micro_batch_size=None,
-                              checkpoint=None if row.checkpoint == "none" else row.checkpoint,
-                              offload=None, offload_optimizer=None, remat=None, zero_grad=None,
-                              allocator=AllocatorConfig(expandable_segments=False))
-        return {"peak_bytes": est.peak_bytes, "reserved_bytes": est.reserved_bytes,
-                "device_bytes": est.device_bytes, "fits": est.fits,
-                "limit_bytes": est.limit_bytes, "trace_seconds": est.trace_seconds}
+        return _figures(memfit.estimate(model, _batch(row), **_estimate_kwargs(row, device)),
+                        shared=False)
     return _cached("estimate", row, device, use_cache, compute)
+
+
+def group_key(row: Row) -> tuple:
+    """Rows with one key differ only in batch size and length: one shared trace (Note 2)."""
+    return (row.model, row.precision, row.checkpoint, row.tiny)
+
+
+def estimate_group(rows: list[Row], device, use_cache: bool = True) -> list[dict]:
+    """``estimate_row`` of each row of one group (one ``group_key``), from one shared trace where
+    it holds (Note 2); cached rows are read, the others traced and cached."""
+    from memfit.api._shared_shapes import estimate_shapes
+
+    out: list[dict | None] = [cached_result("estimate", r, device) if use_cache else None
+                              for r in rows]
+    todo = [r for r, got in zip(rows, out) if got is None]
+    if todo:
+        first = todo[0]
+        _, model = _model(first.model, first.tiny)
+        shapes = [{"batch": r.batch_size, "seq": r.seq_len} for r in todo]
+        make = lambda s: _batch(replace(first, batch_size=s["batch"], seq_len=s["seq"]))
+        kwargs = _estimate_kwargs(first, device)
+        results = estimate_shapes(model, make, shapes, kwargs.pop("optimizer"),
+                                  kwargs.pop("device"), **kwargs)
+        done = iter(_figures(e, e.shared) for e in results)
+        for i, got in enumerate(out):
+            if got is None:
+                fresh = next(done)
+                if use_cache:
+                    _store("estimate", rows[i], device, fresh)
+                out[i] = {**fresh, "cached": False}
+    return out
 
 
 def plan_row(model_name: str, seq_len: int, batch_size: int, device, tiny: bool = False,
