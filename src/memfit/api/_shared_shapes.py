@@ -11,8 +11,10 @@ one (sympy), so it pays from the second shape on.
 Note 2 (when it holds). A shape is replayed only where the trace in that shape would run the
 same ops: every decision the trace took on a symbolic size (a Python comparison of a
 ``SymInt``, in PyTorch's decompositions, the model's code or memfit's kernel models) is one of
-the shape environment's guards, and the shape must satisfy every one of them. A shape that does
-not, or whose sizes are not all >= 2, is traced on its own, as is every shape when the shared
+the shape environment's guards, and the shape must satisfy every one of them; and its batch
+must be the traced one in that shape (every dimension that changes is a symbol: a decoder's
+labels whose length follows the input's would keep the traced length otherwise). A shape that
+does not, or whose sizes are not all >= 2, is traced on its own, as is every shape when the shared
 trace fails (e.g. a data-dependent op: the shared trace knows no batch values, Note 2 of
 ``trace.data_dependent``). So each figure is what ``estimate`` gives for that shape.
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 from memfit.api.estimate import estimate, traced_estimate
 from memfit.knobs import Knobs
+from memfit.step import prepare_batch
 from memfit.trace.card import card_breakdown
 from memfit.trace.symbolic import SymbolicCopier
 from memfit.units import parse_bytes
@@ -82,9 +85,11 @@ def _shared_trace(model, make_batch, hint: dict[str, int], k: Knobs, kwargs: dic
     """``shape -> ShapeEstimate | None`` from one symbolic trace at ``hint``, or None where the
     shared trace cannot run (Note 2)."""
     copier = SymbolicCopier("cpu", {v: n for n, v in hint.items()})
+    traced = prepare_batch(make_batch(hint))    # estimate's own first step, done here so that
+                                                 # the batches compared are the ones traced
     try:
         est, tracker, cuda = traced_estimate(
-            model, make_batch(hint), kwargs["optimizer"], kwargs["device"], kwargs["loss_fn"],
+            model, traced, kwargs["optimizer"], kwargs["device"], kwargs["loss_fn"],
             k, copier, budget=kwargs["budget"], allocator=kwargs["allocator"])
     except Exception as e:       # noqa: BLE001 - each shape is then traced on its own (Note 2)
         logging.getLogger(__name__).info("no shared trace, each shape traced alone: %s", e)
@@ -94,7 +99,8 @@ def _shared_trace(model, make_batch, hint: dict[str, int], k: Knobs, kwargs: dic
     limit = parse_bytes(kwargs["budget"]) if kwargs["budget"] is not None else est.limit_bytes
 
     def one(shape: dict[str, int]) -> ShapeEstimate | None:
-        if set(shape) != set(hint) or min(shape.values()) < 2 or not copier.holds(shape):
+        if set(shape) != set(hint) or not copier.holds(shape) or \
+                not copier.same_batch(traced, prepare_batch(make_batch(shape)), shape):
             return None
         if shape == hint:
             return ShapeEstimate(est.peak_bytes, est.reserved_bytes, est.device_bytes,

@@ -39,7 +39,7 @@ class FakeCopier:
             with self.mode:
                 fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
         else:
-            fake = self.mode.from_tensor(t.detach())
+            fake = self._from_real(t.detach())
         if isinstance(t, nn.Parameter):
             fake = nn.Parameter(fake, requires_grad=t.requires_grad)
         elif t.requires_grad:
@@ -47,6 +47,9 @@ class FakeCopier:
         self.data.offer(fake, t)
         self._memo[id(t)] = fake
         return fake
+
+    def _from_real(self, t: torch.Tensor) -> torch.Tensor:
+        return self.mode.from_tensor(t)
 
     def tree(self, obj):
         """Fake every tensor in a pytree (dicts, lists, tuples); leave other leaves alone."""

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.utils._pytree import tree_flatten
 
 from memfit.trace.fake import FakeCopier
 
@@ -65,6 +66,11 @@ class SymbolicCopier(FakeCopier):
         self._memo[id(t)] = fake
         return fake
 
+    def _from_real(self, t: torch.Tensor) -> torch.Tensor:
+        # a real tensor that is not the batch's (a weight) keeps its sizes: the fake mode would
+        # make each of its dimensions a symbol of its own
+        return self.mode.from_tensor(t, static_shapes=True)
+
     def holds(self, values: dict[str, int]) -> bool:
         """Whether the trace's guards hold in the shape ``values`` (name -> size): then the
         trace would take the same branches there."""
@@ -77,6 +83,30 @@ class SymbolicCopier(FakeCopier):
         conditions += [ra.expr for asserts in env.deferred_runtime_asserts.values()
                        for ra in asserts]
         return all(c.xreplace(subs) == sympy.true for c in conditions)
+
+    def same_batch(self, traced, batch, values: dict[str, int]) -> bool:
+        """Whether ``batch`` is the traced batch ``traced`` in the shape ``values``: the same
+        structure, dtypes and non-tensor leaves, and each tensor's sizes those of its fake in
+        that shape (a dimension that is not symbolic, e.g. a decoder's length derived from the
+        batch's length, would keep its traced size in the replay)."""
+        a, spec_a = tree_flatten(traced)
+        b, spec_b = tree_flatten(batch)
+        if spec_a != spec_b:
+            return False
+        value = self.sizes(values)
+        for x, y in zip(a, b):
+            if not isinstance(x, torch.Tensor):
+                if isinstance(y, torch.Tensor) or x != y:
+                    return False
+                continue
+            fake = self._memo.get(id(x))
+            if not isinstance(y, torch.Tensor) or fake is None or x.dtype != y.dtype or \
+                    fake.dim() != y.dim():
+                return False
+            for n, m in zip(fake.shape, y.shape):
+                if (value(n.node.expr) if isinstance(n, torch.SymInt) else n) != m:
+                    return False
+        return True
 
     def sizes(self, values: dict[str, int]):
         """``value(expr) -> int`` in the shape ``values``, for ``Ledger.device_events``."""

@@ -1,0 +1,160 @@
+"""``estimate_shapes``: one trace with symbolic batch and length, replayed in each shape, gives
+exactly what ``memfit.estimate`` gives for that shape (the oracle: a trace of that shape alone),
+and a shape the shared trace cannot stand for is traced alone.
+
+The structural oracle is stronger than equal peaks: the replayed ledger (every birth and death,
+with its bytes) and the op log equal those of the shape's own trace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit import zoo
+from memfit.api._shared_shapes import estimate_shapes
+from memfit.api.estimate import traced_estimate
+from memfit.knobs import Knobs
+from memfit.trace.fake import FakeCopier
+from memfit.trace.symbolic import SymbolicCopier
+
+GPU = "rtx-6000"
+FIGURES = ("peak_bytes", "reserved_bytes", "device_bytes", "limit_bytes", "fits")
+
+
+def zoo_batches(name: str):
+    spec = zoo.get(name)
+    model = spec.build(None, tiny=True, device="meta")
+    return model, lambda s: spec.make_batch(model, s["batch"], seq_len=s["seq"], image_size=None,
+                                            padded=False, task=None)
+
+
+def assert_each_equals_its_own_estimate(model, make, shapes, got, **kwargs):
+    for shape, g in zip(shapes, got):
+        est = memfit.estimate(model, make(shape), **kwargs)
+        for key in FIGURES:
+            assert getattr(g, key) == getattr(est, key), (shape, key)
+
+
+@pytest.mark.parametrize("name,knobs", [
+    pytest.param("xlm-roberta-base", dict(precision="fp16", checkpoint="all"),
+                 marks=pytest.mark.slow),                 # 10 s
+    ("bert-base", dict(precision="fp32")),
+])
+def test_one_trace_gives_every_shape_its_own_estimate(name, knobs):
+    model, make = zoo_batches(name)
+    shapes = [{"batch": 4, "seq": 32}, {"batch": 8, "seq": 32}, {"batch": 6, "seq": 64}]
+    got = estimate_shapes(model, make, shapes, "adamw", GPU, **knobs)
+    assert [g.shared for g in got] == [True] * 3          # one trace served them all
+    assert len({g.peak_bytes for g in got}) == 3
+    assert_each_equals_its_own_estimate(model, make, shapes, got, optimizer="adamw",
+                                        device=GPU, **knobs)
+
+
+def test_the_replayed_ledger_is_the_shapes_own_event_by_event():
+    model, make = zoo_batches("xlm-roberta-base")
+    k = Knobs.from_kwargs(precision="fp16")
+    copier = SymbolicCopier("cpu", {4: "batch", 32: "seq"})
+    _, shared, _ = traced_estimate(model, make({"batch": 4, "seq": 32}), "adamw", GPU, None, k,
+                                   copier)
+    shape = {"batch": 6, "seq": 40}
+    assert copier.holds(shape)
+    _, own, _ = traced_estimate(model, make(shape), "adamw", GPU, None, k, FakeCopier("cpu"))
+    assert shared.ledger.device_events(copier.sizes(shape)) == own.ledger.device_events()
+    assert list(map(str, shared.op_log)) == list(map(str, own.op_log))
+    # and the traced shape's own figures are the plain trace's
+    _, plain, _ = traced_estimate(model, make({"batch": 4, "seq": 32}), "adamw", GPU, None, k,
+                                  FakeCopier("cpu"))
+    assert shared.ledger.device_events() == plain.ledger.device_events()
+
+
+class _LengthBranch(nn.Module):
+    """Takes another path for long inputs: the guard ``seq <= 40`` refuses the longer shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 16)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if ids.shape[1] > 40:
+            h = torch.cat([h, h], dim=-1)[..., :16].contiguous()
+        return self.out(h)
+
+
+def _loss(model, batch):
+    return model(batch["ids"]).float().pow(2).mean()
+
+
+def _ids(shape):
+    return {"ids": torch.randint(0, 100, (shape["batch"], shape["seq"]))}
+
+
+def test_a_shape_the_guards_or_the_rules_refuse_is_traced_alone():
+    model = _LengthBranch()
+    shapes = [{"batch": 4, "seq": 32}, {"batch": 6, "seq": 24}, {"batch": 4, "seq": 48},
+              {"batch": 1, "seq": 32}]
+    got = estimate_shapes(model, _ids, shapes, "adamw", GPU, _loss, precision="fp32")
+    # the long shape fails the guard; batch 1 is outside the sizes a symbol stands for (>= 2)
+    assert [g.shared for g in got] == [True, True, False, False]
+    assert_each_equals_its_own_estimate(model, _ids, shapes, got, optimizer="adamw", device=GPU,
+                                        loss_fn=_loss, precision="fp32")
+
+
+def _ids_and_half(shape):
+    return {"ids": torch.randint(0, 100, (shape["batch"], shape["seq"])),
+            "half": torch.randint(0, 100, (shape["batch"], shape["seq"] // 2))}
+
+
+def _both_loss(model, batch):
+    return _loss(model, batch) + model(batch["half"]).float().mean()
+
+
+@pytest.mark.parametrize("name", ["half-length", pytest.param("t5-base", marks=pytest.mark.slow)])
+def test_a_batch_dimension_that_is_not_a_symbol_is_traced_alone(name):
+    """A tensor a quarter (T5's labels) or half the input's length: a dimension the shared
+    trace holds fixed, so another length's batch is not the traced one (``same_batch``)."""
+    if name == "t5-base":
+        (model, make), loss = zoo_batches(name), None
+    else:
+        model, make, loss = _LengthBranch(), _ids_and_half, _both_loss
+    shapes = [{"batch": 4, "seq": 32}, {"batch": 6, "seq": 32}, {"batch": 4, "seq": 40}]
+    got = estimate_shapes(model, make, shapes, "adamw", GPU, loss, precision="fp32")
+    assert [g.shared for g in got] == [True, True, False]
+    assert_each_equals_its_own_estimate(model, make, shapes, got, optimizer="adamw", device=GPU,
+                                        loss_fn=loss, precision="fp32")
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 8)
+
+    def forward(self, ids):
+        return self.emb(ids[ids > 50])       # its size is in the data
+
+
+def test_a_data_dependent_step_traces_every_shape_alone():
+    model = _DataDependent()
+    shapes = [{"batch": 4, "seq": 32}, {"batch": 6, "seq": 24}]
+    torch.manual_seed(0)
+    batches = {(s["batch"], s["seq"]): _ids(s) for s in shapes}
+    make = lambda s: batches[(s["batch"], s["seq"])]
+    got = estimate_shapes(model, make, shapes, "sgd", GPU, _loss, precision="fp32")
+    assert [g.shared for g in got] == [False, False]
+    assert_each_equals_its_own_estimate(model, make, shapes, got, optimizer="sgd", device=GPU,
+                                        loss_fn=_loss, precision="fp32")
+
+
+def test_a_cpu_target_and_a_single_shape_are_traced_alone():
+    model, make = zoo_batches("bert-base")
+    shapes = [{"batch": 4, "seq": 32}, {"batch": 6, "seq": 32}]
+    assert [g.shared for g in estimate_shapes(model, make, shapes, "sgd", "cpu")] == [False] * 2
+    assert [g.shared for g in estimate_shapes(model, make, shapes[:1], "sgd", GPU)] == [False]
+
+
+def test_symbolic_sizes_need_distinct_values_of_at_least_two():
+    with pytest.raises(ValueError, match="distinct names and sizes >= 2"):
+        SymbolicCopier("cpu", {1: "batch", 32: "seq"})
