@@ -28,39 +28,46 @@ def bench_json(argv, monkeypatch, tmp_path) -> dict:
     return json.loads(out)
 
 
-def test_a_tiny_row_equals_memfit_estimate_and_the_cache_repeats_it(monkeypatch, tmp_path):
+def test_tiny_rows_from_one_shared_trace_equal_memfit_estimate_and_the_cache_repeats_them(
+        monkeypatch, tmp_path):
     from memfit import zoo
 
-    argv = ["--tiny", "--models", "base", "--seq-lens", "32", "--batch-sizes", "4",
+    argv = ["--tiny", "--models", "base", "--seq-lens", "32,48", "--batch-sizes", "4",
             "--precisions", "fp16", "--checkpointing", "on", "--no-plan"]
     first = bench_json(argv, monkeypatch, tmp_path)
-    (row,) = first["rows"]
-    assert (row["precision"], row["checkpoint"], row["cached"]) == ("fp16", "all", False)
+    assert len(first["rows"]) == 2
     # the same model as a config file, through `memfit estimate --config`
     config = tmp_path / "config.json"
     zoo.get("xlm-roberta-base").config(tiny=True).to_json_file(str(config))
-    est = estimate_cli(["--config", str(config), "--batch-size", "4", "--seq-len", "32",
-                        "--precision", "fp16", "--checkpoint", "all", "--gpu", "rtx-6000",
-                        "--task", "sequence-classification"])
-    for key in ("peak_bytes", "reserved_bytes", "device_bytes", "fits", "limit_bytes"):
-        assert row[key] == est[key], key
+    for row in first["rows"]:
+        assert (row["precision"], row["checkpoint"], row["cached"]) == ("fp16", "all", False)
+        assert row["shared_trace"] is True         # one trace for both rows
+        est = estimate_cli(["--config", str(config), "--batch-size", str(row["batch_size"]),
+                            "--seq-len", str(row["seq_len"]), "--precision", "fp16",
+                            "--checkpoint", "all", "--gpu", "rtx-6000",
+                            "--task", "sequence-classification"])
+        for key in ("peak_bytes", "reserved_bytes", "device_bytes", "fits", "limit_bytes"):
+            assert row[key] == est[key], (row, key)
+    assert len({r["peak_bytes"] for r in first["rows"]}) == 2
     again = bench_json(argv, monkeypatch, tmp_path)
-    assert again["rows"][0]["cached"] is True
-    assert {k: v for k, v in again["rows"][0].items() if k != "cached"} == \
-        {k: v for k, v in row.items() if k != "cached"}
+    assert [r["cached"] for r in again["rows"]] == [True] * 2
+    assert [{k: v for k, v in r.items() if k != "cached"} for r in again["rows"]] == \
+        [{k: v for k, v in r.items() if k != "cached"} for r in first["rows"]]
     assert first["gpu"] == "rtx-6000" and first["measured"] is None
 
 
-@pytest.mark.slow       # two traces of XLM-R base (a minute each on a loaded 2-core machine)
-def test_a_base_row_equals_memfit_estimate(monkeypatch, tmp_path):
-    out = bench_json(["--models", "base", "--seq-lens", "128", "--batch-sizes", "8",
+@pytest.mark.slow       # a shared trace and two plain ones of XLM-R base (~15 s quiet)
+def test_base_rows_equal_memfit_estimate(monkeypatch, tmp_path):
+    out = bench_json(["--models", "base", "--seq-lens", "128", "--batch-sizes", "8,16",
                       "--precisions", "fp16", "--checkpointing", "off", "--no-plan",
                       "--gpu", "1080ti", "--no-cache"], monkeypatch, tmp_path)
-    est = estimate_cli(["--model", "xlm-roberta-base", "--batch-size", "8", "--seq-len", "128",
-                        "--precision", "fp16", "--gpu", "1080ti"])
-    (row,) = out["rows"]
-    for key in ("peak_bytes", "reserved_bytes", "device_bytes", "fits"):
-        assert row[key] == est[key], key
+    for row in out["rows"]:
+        assert row["shared_trace"] is True
+        est = estimate_cli(["--model", "xlm-roberta-base", "--batch-size",
+                            str(row["batch_size"]), "--seq-len", "128", "--precision", "fp16",
+                            "--gpu", "1080ti"])
+        for key in ("peak_bytes", "reserved_bytes", "device_bytes", "fits"):
+            assert row[key] == est[key], (row, key)
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -84,9 +91,9 @@ def test_help():
 
 @pytest.mark.slow       # two spawned workers import torch + transformers (25 s idle, minutes loaded)
 def test_rows_traced_by_worker_processes_equal_the_rows_traced_here(tmp_path, monkeypatch):
-    """The pool (train._seed_pool) changes where a row is traced, never its numbers: two rows
-    in two spawned workers, against the same rows traced in this process, and back in the
-    table's order."""
+    """The pool (train._seed_pool) changes where a row is traced, never its numbers: three rows
+    (two of them one shared trace) in two spawned workers, against the same rows traced alone
+    in this process, and back in the table's order."""
     import memfit
     from memfit.train._seed_pool import trace_rows
     from memfit.train.seed_table import Row, estimate_row
@@ -94,11 +101,13 @@ def test_rows_traced_by_worker_processes_equal_the_rows_traced_here(tmp_path, mo
     monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "cache"))
     device = memfit.devices.get_device("rtx-6000")
     rows = [Row("xlm-roberta-base", 32, "fp32", "none", 2, True),
-            Row("xlm-roberta-base", 32, "fp16", "all", 4, True)]
+            Row("xlm-roberta-base", 32, "fp16", "all", 4, True),
+            Row("xlm-roberta-base", 48, "fp32", "none", 3, True)]    # shares the first's trace
     seen = []
     got, plans = trace_rows(rows, [], device, use_cache=False, jobs=2,
                             on_done=lambda done, total: seen.append((done, total)))
-    assert plans == [] and seen[-1] == (2, 2)
+    assert plans == [] and seen[-1] == (3, 3)
+    assert [r["shared_trace"] for r in got] == [True, False, True]
     for row, r in zip(rows, got):
         here = estimate_row(row, device, use_cache=False)
         for key in ("peak_bytes", "reserved_bytes", "device_bytes", "fits"):

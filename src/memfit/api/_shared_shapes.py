@@ -34,7 +34,6 @@ from memfit.knobs import Knobs
 from memfit.step import prepare_batch
 from memfit.trace.card import card_breakdown
 from memfit.trace.symbolic import SymbolicCopier
-from memfit.units import parse_bytes
 
 __all__ = ["ShapeEstimate", "estimate_shapes"]
 
@@ -96,7 +95,6 @@ def _shared_trace(model, make_batch, hint: dict[str, int], k: Knobs, kwargs: dic
         return None
     if cuda is None:
         return None              # a CPU target: its figures are the tracker's own; not shared
-    limit = parse_bytes(kwargs["budget"]) if kwargs["budget"] is not None else est.limit_bytes
 
     def one(shape: dict[str, int]) -> ShapeEstimate | None:
         if set(shape) != set(hint) or not copier.holds(shape) or \
@@ -110,6 +108,6 @@ def _shared_trace(model, make_batch, hint: dict[str, int], k: Knobs, kwargs: dic
         except ValueError:
             return None
         card = card_breakdown(cuda.spec, reserved, est.op_log, workspace)
-        return ShapeEstimate(peak, reserved, reserved + card.outside_allocator_bytes, limit,
-                             est.trace_seconds, shared=True)
+        return ShapeEstimate(peak, reserved, reserved + card.outside_allocator_bytes,
+                             est.limit_bytes, est.trace_seconds, shared=True)
     return one

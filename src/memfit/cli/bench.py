@@ -1,7 +1,8 @@
 """``memfit bench seed``: the seed's memory table of XLM-R base and large, for any GPU.
 
 Rows are ``memfit estimate`` runs (memfit.train.seed_table Note 1), so each number equals that
-command's; memfit's own plan for each model closes the table. Predicted only: there is no
+command's, traced once per group of rows that differ only in batch size and length (Note 2
+there); memfit's own plan for each model closes the table. Predicted only: there is no
 measured column unless a GPU runs it (none here).
 """
 
@@ -57,8 +58,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description="The seed's memory table regenerated: XLM-RoBERTa base and large x sequence "
                     "length x fp32 / fp16 AMP x gradient checkpointing off / on x batch size, "
                     "AdamW, predicted for --gpu (each row equals `memfit estimate` with the same "
-                    "flags), then memfit's own plan per model. One trace per row; results are "
-                    "cached in ~/.cache/memfit (keyed by memfit's source), so a rerun is instant.")
+                    "flags), then memfit's own plan per model. Rows that differ only in batch "
+                    "size and length share one trace (symbolic batch and length, replayed per "
+                    "row; a row it cannot stand for is traced alone), about a minute cold for "
+                    "the default table; results are cached in ~/.cache/memfit (keyed by "
+                    "memfit's source), so a rerun is instant.")
     from memfit.train.seed_table import SEQ_LENS
 
     s.add_argument("--gpu", default=DEFAULT_BENCH_GPU, metavar="NAME",

@@ -28,7 +28,7 @@ reduce-scattered on the device, then copied to the host); ``transient`` / ``end_
 record a device buffer that no tensor of the trace stands for (the device copy of a host
 shard a GPU makes before the all-gather, which on the CPU is the shard itself).
 
-Note 5 (symbolic sizes). In a trace shared by several batch shapes (``trace.shared_shapes``) a
+Note 5 (symbolic sizes). In a trace shared by several batch shapes (``api._shared_shapes``) a
 storage's size is a ``SymInt``. The ledger counts its value in the traced shape, as any trace
 does, and also keeps its expression per event, so that ``device_events(value)`` gives the same
 event log in another shape; the structure of the log (which storage is born and dies when) is
@@ -169,9 +169,6 @@ class Ledger:
         self._ev_sid.append(sid)
         self._ev_delta.append(delta)
 
-    def _birth_expr(self, sid: int):
-        return self._size_expr.get(sid)
-
     def _death_expr(self, sid: int):
         e = self._size_expr.get(sid)
         return None if e is None else -e
@@ -279,7 +276,7 @@ class Ledger:
         self._refs.append(None)                   # the first id's reference reports the death
         self._host.add(new)
         self._moved[sid] = new
-        self._log(new, nbytes, self._birth_expr(new))
+        self._log(new, nbytes, self._size_expr.get(new))
 
     def transient(self, nbytes: int, category: int = TEMPORARIES) -> int:
         """A device buffer no tensor of the trace stands for (Note 4): born now; returns the

@@ -1,4 +1,4 @@
-"""Sizes that may be symbolic: a trace shared by several batch shapes (``trace.shared_shapes``).
+"""Sizes that may be symbolic: a trace shared by several batch shapes (``api._shared_shapes``).
 
 Such a trace runs its batch with symbolic dimensions, so a storage's ``nbytes()`` is a
 ``SymInt``. The counters keep two things for it: its value in the traced shape (``hint``, an

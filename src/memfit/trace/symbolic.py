@@ -114,6 +114,8 @@ class SymbolicCopier(FakeCopier):
         done: dict = {}
 
         def value(e) -> int:
+            if isinstance(e, int):
+                return e
             if e not in done:
                 out = e.xreplace(subs)
                 if not out.is_number:
