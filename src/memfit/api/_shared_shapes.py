@@ -29,6 +29,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from memfit.api._setup import resolve_device
 from memfit.api.estimate import estimate, traced_estimate
 from memfit.knobs import Knobs
 from memfit.step import prepare_batch
@@ -67,8 +68,9 @@ def estimate_shapes(model, make_batch: Callable[[dict[str, int]], object],
                   allocator=allocator, **{n: v for n, v in k.to_dict().items() if v is not None})
     hint = next((s for s in shapes if min(s.values()) >= 2
                  and len(set(s.values())) == len(s)), None)
-    shared = _shared_trace(model, make_batch, hint, k, kwargs) if hint and len(shapes) > 1 \
-        else None
+    gpu = resolve_device(model, device).kind == "cuda"    # a CPU target has no replay to share
+    shared = _shared_trace(model, make_batch, hint, k, kwargs) \
+        if gpu and hint and len(shapes) > 1 else None
     out = []
     for shape in shapes:
         got = shared(shape) if shared is not None else None
@@ -93,8 +95,6 @@ def _shared_trace(model, make_batch, hint: dict[str, int], k: Knobs, kwargs: dic
     except Exception as e:       # noqa: BLE001 - each shape is then traced on its own (Note 2)
         logging.getLogger(__name__).info("no shared trace, each shape traced alone: %s", e)
         return None
-    if cuda is None:
-        return None              # a CPU target: its figures are the tracker's own; not shared
 
     def one(shape: dict[str, int]) -> ShapeEstimate | None:
         if set(shape) != set(hint) or not copier.holds(shape) or \
