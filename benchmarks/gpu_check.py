@@ -36,6 +36,7 @@ import memfit  # noqa: E402
 from memfit import zoo  # noqa: E402
 
 import _record  # noqa: E402
+from _gpu_seed import seed_check  # noqa: E402
 from _timing import CONTROL, interleave  # noqa: E402
 
 # (model, tiny, batch, seq_len or None, precision)
@@ -337,6 +338,7 @@ def main() -> None:
     console.print(table)
     planner_check(console, spec, args.dry_run)
     static_plan_check(console, spec, args.dry_run)
+    seed_check(console, spec, args.dry_run)
     if args.dry_run:
         console.print("dry run: predictions only, nothing recorded")
         return

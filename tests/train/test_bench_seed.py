@@ -33,7 +33,7 @@ def test_tiny_rows_from_one_shared_trace_equal_memfit_estimate_and_the_cache_rep
     from memfit import zoo
 
     argv = ["--tiny", "--models", "base", "--seq-lens", "32,48", "--batch-sizes", "4",
-            "--precisions", "fp16", "--checkpointing", "on", "--no-plan"]
+            "--precisions", "fp16", "--checkpointing", "on", "--no-plan", "--gpu", "rtx-6000"]
     first = bench_json(argv, monkeypatch, tmp_path)
     assert len(first["rows"]) == 2
     # the same model as a config file, through `memfit estimate --config`
@@ -53,7 +53,7 @@ def test_tiny_rows_from_one_shared_trace_equal_memfit_estimate_and_the_cache_rep
     assert [r["cached"] for r in again["rows"]] == [True] * 2
     assert [{k: v for k, v in r.items() if k != "cached"} for r in again["rows"]] == \
         [{k: v for k, v in r.items() if k != "cached"} for r in first["rows"]]
-    assert first["gpu"] == "rtx-6000" and first["measured"] is None
+    assert first["gpu"] == "rtx-6000" and first["measured"] is False   # another card than here
 
 
 @pytest.mark.slow       # a shared trace and two plain ones of XLM-R base (~15 s quiet)
@@ -114,3 +114,62 @@ def test_rows_traced_by_worker_processes_equal_the_rows_traced_here(tmp_path, mo
             assert r[key] == here[key], (row, key)
     assert got[0]["peak_bytes"] != got[1]["peak_bytes"]
     assert not (tmp_path / "cache").exists()        # no cache asked: none written
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_measure_without_a_gpu_is_refused_and_predictions_say_so(monkeypatch, tmp_path):
+    code, out, err = cli(["bench", "seed", "--measure"])
+    assert code == 2 and "Traceback" not in err and "sees none here" in err, err
+    got = bench_json(["--tiny", "--models", "base", "--seq-lens", "32", "--batch-sizes", "4",
+                      "--precisions", "fp32", "--checkpointing", "off", "--no-plan"],
+                     monkeypatch, tmp_path)
+    assert got["measured"] is False and got["measured_note"] == "predicted only (no GPU here)"
+    assert not any(k.startswith("measured") for k in got["rows"][0])
+
+
+@pytest.mark.requires_gpu
+def test_rows_measured_on_this_gpu_beside_the_predictions(monkeypatch, tmp_path):
+    """On a GPU: the measured columns of tiny rows, within gpu_check's marks of the prediction
+    (allocated 3%, reserved 5%)."""
+    got = bench_json(["--tiny", "--models", "base", "--seq-lens", "32,48", "--batch-sizes", "4",
+                      "--precisions", "fp32,fp16", "--checkpointing", "off", "--no-plan",
+                      "--measure"], monkeypatch, tmp_path)
+    assert got["measured"] is True
+    for r in got["rows"]:
+        assert r["measured_oom"] is False
+        assert abs(r["peak_bytes"] / r["measured_allocated_bytes"] - 1) <= 0.03, r
+        assert abs(r["reserved_bytes"] / r["measured_reserved_bytes"] - 1) <= 0.05, r
+
+
+@pytest.mark.requires_gpu
+def test_measuring_here_while_predicting_another_card_is_refused():
+    other = "gtx-1080-ti" if "1080" not in __import__("torch").cuda.get_device_name() else "h200"
+    code, out, err = cli(["bench", "seed", "--measure", "--gpu", other])
+    assert code == 2 and "compare like with like" in err, err
+
+
+def test_gpu_checks_seed_section_predicts_and_measures_nothing_without_a_gpu(monkeypatch):
+    """benchmarks/_gpu_seed.py (gpu_check's seed-table slice), dry: the predicted rows are
+    ``memfit bench seed``'s, and no measured figure is made up."""
+    import sys
+    from pathlib import Path
+
+    from rich.console import Console
+
+    import memfit
+    from memfit.train.seed_table import Row, estimate_row
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    import _gpu_seed
+
+    rows = [Row("xlm-roberta-base", 32, "fp32", "none", 4, True),
+            Row("xlm-roberta-base", 48, "fp32", "none", 4, True)]
+    monkeypatch.setattr(_gpu_seed, "ROWS", rows)
+    device = memfit.get_device("rtx-6000")
+    out = _gpu_seed.seed_check(Console(file=sys.stderr), device, dry_run=True)
+    for row, r in zip(rows, out):
+        assert r["shared_trace"] is True
+        alone = estimate_row(row, device, use_cache=False)
+        assert (r["peak_bytes"], r["reserved_bytes"]) == (alone["peak_bytes"],
+                                                          alone["reserved_bytes"])
+        assert not any(k.startswith("measured") or k == "pass" for k in r)

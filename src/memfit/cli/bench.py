@@ -65,9 +65,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "memfit's source), so a rerun is instant.")
     from memfit.train.seed_table import SEQ_LENS
 
-    s.add_argument("--gpu", default=DEFAULT_BENCH_GPU, metavar="NAME",
-                   help=f"GPU of `memfit gpus` (default: {DEFAULT_BENCH_GPU}, the seed's Quadro "
-                        "RTX 6000 24 GB; the seed's other card is gtx-1080-ti)")
+    s.add_argument("--gpu", default=None, metavar="NAME",
+                   help="GPU of `memfit gpus` (default: this machine's GPU when torch sees one, "
+                        f"else {DEFAULT_BENCH_GPU}, the seed's Quadro RTX 6000 24 GB; the seed's "
+                        "other card is gtx-1080-ti)")
+    s.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run every row for real on this machine's GPU and show the "
+                        "measured memory beside the prediction (default: on when there is a GPU "
+                        "here and --gpu is it)")
     s.add_argument("--models", type=_choices(("base", "large")), default=("base", "large"),
                    metavar="LIST", help="base, large or base,large (default: both)")
     s.add_argument("--seq-lens", type=_int_list, default=SEQ_LENS, metavar="LIST",
@@ -104,10 +109,15 @@ def run(args) -> int:
     from memfit.train._seed_pool import default_jobs, trace_rows
     from memfit.train.seed_table import seed_rows
 
-    device = resolve_device(argparse.Namespace(gpu=args.gpu, device=None))
+    import torch
+
+    here = torch.cuda.is_available()
+    device = resolve_device(argparse.Namespace(gpu=args.gpu or ("cuda" if here else
+                                                                  DEFAULT_BENCH_GPU), device=None))
     if device.kind != "cuda":
         raise ValueError(f"--gpu {args.gpu}: the seed's table is for a GPU; name one of "
                          "`memfit gpus`")
+    measure = _measure(args, device, here)
     models = tuple(f"xlm-roberta-{m}" for m in args.models)
     check = {"none": "none", "off": "none", "on": "all"}
     if args.plan_seq_len is None:
@@ -127,6 +137,13 @@ def run(args) -> int:
                           f"{'s' if jobs > 1 else ''})...")
         row_results, plan_results = trace_rows(rows, plan_specs, device, not args.no_cache,
                                                jobs, progress)
+    if measure:
+        from memfit.train.seed_measure import measure_row
+
+        with console.status("measuring...") as status:
+            for i, (row, r) in enumerate(zip(rows, row_results)):
+                status.update(f"measuring row {i + 1}/{len(rows)} on the {device.display_name}")
+                r.update(measure_row(row))
     results = list(zip(rows, row_results))
     plans = [(spec[0], r) for spec, r in zip(plan_specs, plan_results)]
     seconds = time.perf_counter() - start
@@ -136,8 +153,8 @@ def run(args) -> int:
         plot_seed_table(args.plot, results, plans, device)
     if args.json:
         out = {"gpu": device.name, "gpu_display": device.display_name,
-               "usable_bytes": device.usable_bytes, "tiny": args.tiny, "measured": None,
-               "measured_note": "no GPU here: predicted only",
+               "usable_bytes": device.usable_bytes, "tiny": args.tiny, "measured": measure,
+               "measured_note": _measured_note(measure, here),
                "rows": [{**row.__dict__, **r} for row, r in results],
                "plans": [{"model": m, "batch_size": args.plan_batch,
                           "seq_len": args.plan_seq_len, **r} for m, r in plans],
@@ -145,38 +162,80 @@ def run(args) -> int:
         json.dump(out, sys.stdout, indent=2)
         print()
         return 0
-    _print_table(console, results, plans, device, args, seconds)
+    _print_table(console, results, plans, device, args, seconds, measure, here)
     return 0
 
 
-def _print_table(console, results, plans, device, args, seconds: float) -> None:
+def _measure(args, device, here: bool) -> bool:
+    """Whether to run the rows on this machine's GPU too (``--measure``), refused where the
+    measured and predicted columns would be of different cards."""
+    if args.measure is False or (args.measure is None and not here):
+        return False
+    if not here:
+        import torch
+
+        raise ValueError(f"--measure runs every row on this machine's GPU, and torch "
+                         f"{torch.__version__} sees none here: drop --measure for predictions "
+                         "only")
+    from memfit.cli._common import resolve_device
+
+    local = resolve_device(argparse.Namespace(gpu="cuda", device=None))
+    if local.name == device.name:
+        return True
+    if args.measure is None:
+        return False                  # predictions for another card, as asked
+    raise ValueError(f"--measure runs the rows on this machine's {local.display_name}, but --gpu "
+                     f"{args.gpu} predicts for the {device.display_name}: drop --gpu to compare "
+                     "like with like, or drop --measure")
+
+
+def _measured_note(measure: bool, here: bool) -> str:
+    if not measure:
+        return "predicted only" + ("" if here else " (no GPU here)")
+    from memfit.train.seed_measure import allocator_note
+
+    return "measured on this GPU, one row after another in this process, step 2 " \
+        "(memfit.train.seed_measure); plan rows are predicted only" + \
+        (f"; {allocator_note()}" if allocator_note() else "")
+
+
+def _print_table(console, results, plans, device, args, seconds: float, measure: bool,
+                 here: bool) -> None:
     from rich.table import Table
 
     from memfit.units import format_bytes
 
     t = Table(title=f"XLM-R memory per training step (AdamW) on the {device.display_name} "
-                    f"({format_bytes(device.usable_bytes)} usable), predicted by memfit")
+                    f"({format_bytes(device.usable_bytes)} usable), predicted by memfit"
+                    + (", measured on it" if measure else ""))
+    numbers = ("seq", "batch", "on the device", "allocated peak", "measured on the device",
+               "measured peak")
     for col in ("model", "seq", "precision", "checkpointing", "batch", "on the device",
-                "allocated peak", "fits"):
-        t.add_column(col, justify="right" if col in ("seq", "batch", "on the device",
-                                                     "allocated peak") else "left")
+                "allocated peak", "fits") + numbers[-2:] * measure:
+        t.add_column(col, justify="right" if col in numbers else "left")
     for row, r in results:
+        measured = ()
+        if measure:
+            measured = ("[red]out of memory[/red]", "") if r["measured_oom"] else \
+                (format_bytes(r["measured_device_bytes"]),
+                 format_bytes(r["measured_allocated_bytes"]))
         t.add_row(row.model.replace("xlm-roberta-", "XLM-R ") + (" (tiny)" if row.tiny else ""),
                   str(row.seq_len), "fp16 AMP" if row.precision == "fp16" else "fp32",
                   "on" if row.checkpoint == "all" else "off", str(row.batch_size),
                   format_bytes(r["device_bytes"]), format_bytes(r["peak_bytes"]),
-                  "yes" if r["fits"] else "[red]no[/red]")
+                  "yes" if r["fits"] else "[red]no[/red]", *measured)
     for m, r in plans:
         how = f"plan: {r['precision']}, micro {r['micro_batch_size']}, {r['blocks']}" + \
               (", optimizer on host" if r["offload_optimizer"] else "")
         ratio = r["step_time_ratio"]
         t.add_row(m.replace("xlm-roberta-", "XLM-R "), str(args.plan_seq_len), how,
                   f"time {ratio:.2f}x" if ratio is not None else "", str(args.plan_batch),
-                  format_bytes(r["device_bytes"]), format_bytes(r["peak_bytes"]), "yes")
+                  format_bytes(r["device_bytes"]), format_bytes(r["peak_bytes"]), "yes",
+                  *(("-", "-") if measure else ()))
     console.print(t)
     cached = sum(r.get("cached", False) for _, r in results + plans)
     console.print(f"{len(results)} rows and {len(plans)} plans in {seconds:.1f} s ({cached} "
                   "from the cache); 'on the device' is what `memfit estimate` reports (reserved "
-                  "+ CUDA context); predicted only (no GPU measured here)")
+                  f"+ CUDA context); {_measured_note(measure, here)}")
     if args.plot:
         console.print(f"chart written to {args.plot}")
