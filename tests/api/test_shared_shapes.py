@@ -158,3 +158,32 @@ def test_a_cpu_target_and_a_single_shape_are_traced_alone():
 def test_symbolic_sizes_need_distinct_values_of_at_least_two():
     with pytest.raises(ValueError, match="distinct names and sizes >= 2"):
         SymbolicCopier("cpu", {1: "batch", 32: "seq"})
+
+
+def test_batches_whose_tensors_share_or_slice_a_storage_are_traced_alone():
+    """A fake of its own per batch tensor would count two views of one storage twice, and a
+    slice of a longer buffer by its elements instead of the whole buffer."""
+    model = _LengthBranch()
+    aliased = lambda s: (lambda ids: {"ids": ids, "half": ids.detach()})(_ids(s)["ids"])
+    shapes = [{"batch": 4, "seq": 32}, {"batch": 6, "seq": 32}]
+    got = estimate_shapes(model, aliased, shapes, "adamw", GPU, _both_loss, precision="fp32")
+    assert [g.shared for g in got] == [False, False]
+    assert_each_equals_its_own_estimate(model, aliased, shapes, got, optimizer="adamw",
+                                        device=GPU, loss_fn=_both_loss, precision="fp32")
+    # cropped from a 40-long buffer: only the full length owns its storage
+    cropped = lambda s: {"ids": torch.randint(0, 100, (s["batch"], 40))[:, :s["seq"]]}
+    shapes = [{"batch": 4, "seq": 40}, {"batch": 4, "seq": 24}, {"batch": 6, "seq": 40}]
+    got = estimate_shapes(model, cropped, shapes, "adamw", GPU, _loss, precision="fp32")
+    assert [g.shared for g in got] == [True, False, True]
+    assert_each_equals_its_own_estimate(model, cropped, shapes, got, optimizer="adamw",
+                                        device=GPU, loss_fn=_loss, precision="fp32")
+
+
+def test_one_rank_of_a_sharded_job_is_estimated_as_estimate_does():
+    model = _LengthBranch()
+    shapes = [{"batch": 4, "seq": 32}, {"batch": 6, "seq": 32}]
+    got = estimate_shapes(model, _ids, shapes, "adamw", GPU, _loss, precision="fp32", gpus=2,
+                          sharding="ddp")
+    assert [g.shared for g in got] == [False, False]
+    assert_each_equals_its_own_estimate(model, _ids, shapes, got, optimizer="adamw", device=GPU,
+                                        loss_fn=_loss, precision="fp32", gpus=2, sharding="ddp")

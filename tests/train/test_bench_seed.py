@@ -173,3 +173,26 @@ def test_gpu_checks_seed_section_predicts_and_measures_nothing_without_a_gpu(mon
         assert (r["peak_bytes"], r["reserved_bytes"]) == (alone["peak_bytes"],
                                                           alone["reserved_bytes"])
         assert not any(k.startswith("measured") or k == "pass" for k in r)
+
+
+def test_the_measured_step_starts_from_the_steady_state_and_ooms_are_told_apart():
+    """seed_measure's two CPU-checkable parts: steps run until AdamW has its state (and no more),
+    and library allocation failures count as out of memory while other errors do not."""
+    import torch
+
+    import memfit
+    from memfit.train.seed_measure import _out_of_memory, _reach_steady_state
+    from tests.helpers import tiny
+
+    model, batch = tiny("bert-base")
+    runner = memfit.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-5), batch)
+    calls = []
+    step = runner.step_unguarded
+    runner.step_unguarded = lambda b: calls.append(1) or step(b)
+    _reach_steady_state(runner, batch)
+    assert calls == [1] and runner.optimizer.state
+    _reach_steady_state(runner, batch)
+    assert calls == [1]                              # already there: no step
+    assert _out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling"))
+    assert _out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not _out_of_memory(RuntimeError("expected scalar type Half but found Float"))

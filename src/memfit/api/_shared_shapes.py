@@ -13,10 +13,13 @@ same ops: every decision the trace took on a symbolic size (a Python comparison 
 ``SymInt``, in PyTorch's decompositions, the model's code or memfit's kernel models) is one of
 the shape environment's guards, and the shape must satisfy every one of them; and its batch
 must be the traced one in that shape (every dimension that changes is a symbol: a decoder's
-labels whose length follows the input's would keep the traced length otherwise). A shape that
-does not, or whose sizes are not all >= 2, is traced on its own, as is every shape when the shared
-trace fails (e.g. a data-dependent op: the shared trace knows no batch values, Note 2 of
-``trace.data_dependent``). So each figure is what ``estimate`` gives for that shape.
+labels whose length follows the input's would keep the traced length otherwise), each of its
+tensors owning a contiguous storage of its own (a slice of a longer buffer counts the whole
+buffer; two views of one storage count it once). A shape that does not, or whose sizes are not
+all >= 2, is traced on its own, as is every shape when the shared trace fails (e.g. a
+data-dependent op: the shared trace knows no batch values, Note 2 of ``trace.data_dependent``),
+for a CPU target, and for one rank of a sharded job. So each figure is what ``estimate`` gives
+for that shape.
 
 Note 3 (what it gives). Per shape: the allocated and reserved peaks of step 2 and the device
 bytes with the card's lines outside the allocator, i.e. the figures a table shows. The timeline,
@@ -30,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfit.api._setup import resolve_device
-from memfit.api.estimate import estimate, traced_estimate
+from memfit.api.estimate import _sharded, estimate, traced_estimate
 from memfit.knobs import Knobs
 from memfit.step import prepare_batch
 from memfit.trace.card import card_breakdown
@@ -68,7 +71,8 @@ def estimate_shapes(model, make_batch: Callable[[dict[str, int]], object],
                   allocator=allocator, **{n: v for n, v in k.to_dict().items() if v is not None})
     hint = next((s for s in shapes if min(s.values()) >= 2
                  and len(set(s.values())) == len(s)), None)
-    gpu = resolve_device(model, device).kind == "cuda"    # a CPU target has no replay to share
+    # a CPU target has no replay to share; one rank of a sharded job is estimate's other path
+    gpu = resolve_device(model, device).kind == "cuda" and not _sharded(k)
     shared = _shared_trace(model, make_batch, hint, k, kwargs) \
         if gpu and hint and len(shapes) > 1 else None
     out = []

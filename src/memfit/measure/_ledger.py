@@ -202,7 +202,7 @@ class Ledger:
         new = storage.nbytes()
         delta = _hint(new) - self._nbytes[sid]
         new_expr, old_expr = _expr(new), self._size_expr.get(sid)
-        if delta or (new_expr is not None and new_expr != old_expr):
+        if delta or new_expr != old_expr:
             self._nbytes[sid] += delta
             if sid not in self._host:
                 self.current_bytes += delta

@@ -40,6 +40,7 @@ class SymbolicCopier(FakeCopier):
         self.shape_env = ShapeEnv()
         self.mode = FakeTensorMode(allow_non_fake_inputs=False, shape_env=self.shape_env)
         self.symbols: dict[str, sympy.Symbol] = {}
+        self._storages: dict[int, bool] = {}      # batch storages seen -> holds a symbolic one
         self._sizes: dict[int, torch.SymInt] = {}
         for value, name in dims.items():
             source = ConstantSource(f"memfit_{name}")
@@ -53,11 +54,17 @@ class SymbolicCopier(FakeCopier):
             self._sizes[value] = self.shape_env.create_symintnode(sym, hint=value, source=source)
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
-        if id(t) in self._memo or t.device.type == "meta" or isinstance(t, nn.Parameter) \
-                or not any(n in self._sizes for n in t.shape):
+        if id(t) in self._memo or t.device.type == "meta" or isinstance(t, nn.Parameter):
             return super().tensor(t)
-        if not t.is_contiguous() or t.storage_offset() != 0 or \
-                t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        key = t.untyped_storage().data_ptr()
+        symbolic = any(n in self._sizes for n in t.shape)
+        if self._storages.get(key) or (symbolic and key in self._storages):
+            raise ValueError("batch tensors that share a storage cannot be symbolic (each is "
+                             "faked with a storage of its own)")
+        self._storages[key] = symbolic
+        if not symbolic:
+            return super().tensor(t)
+        if not _owns_storage(t):
             raise ValueError("a symbolic batch tensor must own a contiguous storage (a view or "
                              "a strided tensor keeps its traced layout only in its own shape)")
         with self.mode:
@@ -93,6 +100,9 @@ class SymbolicCopier(FakeCopier):
         b, spec_b = tree_flatten(batch)
         if spec_a != spec_b:
             return False
+        storages = [y.untyped_storage().data_ptr() for y in b if isinstance(y, torch.Tensor)]
+        if len(set(storages)) != len(storages):
+            return False                  # shared storages: the traced batch had none
         value = self.sizes(values)
         for x, y in zip(a, b):
             if not isinstance(x, torch.Tensor):
@@ -101,8 +111,8 @@ class SymbolicCopier(FakeCopier):
                 continue
             fake = self._memo.get(id(x))
             if not isinstance(y, torch.Tensor) or fake is None or x.dtype != y.dtype or \
-                    fake.dim() != y.dim():
-                return False
+                    fake.dim() != y.dim() or not _owns_storage(y):
+                return False              # (a strided tensor counts its whole storage)
             for n, m in zip(fake.shape, y.shape):
                 if (value(n.node.expr) if isinstance(n, torch.SymInt) else n) != m:
                     return False
@@ -123,3 +133,9 @@ class SymbolicCopier(FakeCopier):
                 done[e] = int(out)
             return done[e]
         return value
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """``t`` is its whole storage, laid out contiguously: its bytes are its elements'."""
+    return t.is_contiguous() and t.storage_offset() == 0 and \
+        t.untyped_storage().nbytes() == t.numel() * t.element_size()
