@@ -2,7 +2,10 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit.trace.fidelity import FidelityMode
 
@@ -125,3 +128,123 @@ def test_layer_and_group_norm_statistics_dtype_like_the_cpu_kernel(norm, dtype):
     with fake_mode, FidelityMode():
         fixed = op(*fargs)
     assert [layout(t) for t in fixed] == [layout(t) for t in real]
+
+
+class _Recorder(TorchDispatchMode):
+    """Every aten call of a real run whose outputs include a storage none of its inputs hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        held = {x.untyped_storage()._cdata for x in tree_flatten((args, kwargs))[0]
+                if isinstance(x, torch.Tensor)}
+        if any(isinstance(x, torch.Tensor) and x.untyped_storage()._cdata not in held
+               for x in tree_flatten(out)[0]):
+            self.calls.append((func, args, kwargs, out))
+        return out
+
+
+def _storage_bytes(out) -> list[int]:
+    return [x.untyped_storage().nbytes() for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+
+
+def _storage_gaps(fn, *inputs):
+    """Run ``fn(*inputs)`` and its backward (into the first input) for real; replay each aten call on fakes under
+    ``FidelityMode``; the calls whose new outputs' storage bytes differ (fake vs real)."""
+    inputs = [inputs[0].requires_grad_(), *inputs[1:]]      # the prediction; targets have none
+    with _Recorder() as rec:
+        out = fn(*inputs)
+        out.sum().backward()
+    gaps = []
+    for func, args, kwargs, out in rec.calls:
+        fake_mode = FakeTensorMode()
+        fargs, fkwargs = tree_map(lambda x: fake_mode.from_tensor(x) if isinstance(x, torch.Tensor)
+                                  else x, (args, kwargs))
+        with fake_mode, FidelityMode():
+            fout = func(*fargs, **fkwargs)
+        real, fake = (_storage_bytes(out), _storage_bytes(fout))
+        if real != fake:
+            gaps.append((str(func), real, fake))
+    return gaps
+
+
+def _x():
+    return torch.rand(6, 5)
+
+
+LOSSES = {  # name -> (fn(x, y, reduction=...), inputs): every loss of torch.nn.functional but CTC
+    "mse": (F.mse_loss, lambda: (_x(), _x())),
+    "mse_broadcast": (F.mse_loss, lambda: (_x(), torch.rand(5))),
+    "l1": (F.l1_loss, lambda: (_x(), _x())),
+    "smooth_l1": (F.smooth_l1_loss, lambda: (_x(), _x())),
+    "smooth_l1_beta0": (lambda x, y, **kw: F.smooth_l1_loss(x, y, **kw, beta=0.0),
+                        lambda: (_x(), _x())),
+    "huber": (F.huber_loss, lambda: (_x(), _x())),
+    "bce": (F.binary_cross_entropy, lambda: (_x(), _x())),
+    "bce_weight": (lambda x, y, **kw: F.binary_cross_entropy(x, y, weight=torch.rand(5), **kw),
+                   lambda: (_x(), _x())),
+    "bce_logits": (F.binary_cross_entropy_with_logits, lambda: (_x(), _x())),
+    "soft_margin": (F.soft_margin_loss, lambda: (_x(), _x().sign())),
+    "multilabel_soft_margin": (F.multilabel_soft_margin_loss, lambda: (_x(), _x().round())),
+    "cross_entropy": (F.cross_entropy, lambda: (_x(), torch.randint(5, (6,)))),
+    "cross_entropy_probs": (lambda x, y, **kw: F.cross_entropy(x, y.softmax(-1), **kw,
+                                                               label_smoothing=0.1),
+                            lambda: (_x(), _x())),
+    "nll": (F.nll_loss, lambda: (_x().log_softmax(-1), torch.randint(5, (6,)))),
+    "kl_div": (F.kl_div, lambda: (_x().log_softmax(-1), _x().softmax(-1))),
+    "kl_div_log_target": (lambda x, y, **kw: F.kl_div(x, y, **kw, log_target=True),
+                          lambda: (_x().log_softmax(-1), _x().log_softmax(-1))),
+    "poisson_nll": (F.poisson_nll_loss, lambda: (_x(), _x())),
+    "gaussian_nll": (lambda x, y, **kw: F.gaussian_nll_loss(x, y, torch.rand(6, 5) + 0.1, **kw),
+                     lambda: (_x(), _x())),
+    "hinge_embedding": (F.hinge_embedding_loss, lambda: (_x(), _x().sign())),
+    "cosine_embedding": (lambda x, y, **kw: F.cosine_embedding_loss(x, y, torch.ones(6), **kw),
+                         lambda: (_x(), _x())),
+    "margin_ranking": (lambda x, y, **kw: F.margin_ranking_loss(x, y, torch.ones(6, 5), **kw),
+                       lambda: (_x(), _x())),
+    "triplet_margin": (lambda x, y, **kw: F.triplet_margin_loss(x, y, torch.rand(6, 5), **kw),
+                       lambda: (_x(), _x())),
+    "multi_margin": (F.multi_margin_loss, lambda: (_x(), torch.randint(5, (6,)))),
+    "multilabel_margin": (F.multilabel_margin_loss, lambda: (_x(), torch.randint(5, (6, 5)))),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_every_loss_keeps_the_storage_the_real_kernel_keeps(loss, reduction):
+    """Rule 5: mse, smooth_l1, bce and soft_margin, reduced, return a 0-d tensor on the whole
+    unreduced buffer (the real kernel's storage, the oracle); every other loss a fresh one.
+    Forward and backward, every aten call: fake storage bytes == real storage bytes."""
+    fn, inputs = LOSSES[loss]
+    assert _storage_gaps(lambda x, y: fn(x, y, reduction=reduction), *inputs()) == []
+
+
+REDUCTIONS = {
+    "sum": lambda x: x.sum(), "mean": lambda x: x.mean(), "mean_dim": lambda x: x.mean(1),
+    "amax": lambda x: x.amax(1), "max": lambda x: x.max(), "max_dim": lambda x: x.max(1).values,
+    "min": lambda x: x.min(), "var": lambda x: x.var(), "std_dim": lambda x: x.std(0),
+    "var_mean": lambda x: sum(torch.var_mean(x, 1)), "norm": lambda x: x.norm(),
+    "norm_dim": lambda x: torch.linalg.vector_norm(x, dim=1), "logsumexp": lambda x: x.logsumexp(1),
+    "prod": lambda x: x.prod(), "cumsum": lambda x: x.cumsum(0), "softmax": lambda x: x.softmax(1),
+    "log_softmax": lambda x: x.log_softmax(0), "nansum": lambda x: x.nansum(),
+    "trace": lambda x: x[:5].trace(), "dist": lambda x: torch.dist(x, x.flip(0)),
+}
+
+
+@pytest.mark.parametrize("reduction", list(REDUCTIONS))
+def test_every_reduction_keeps_the_storage_the_real_kernel_keeps(reduction):
+    assert _storage_gaps(REDUCTIONS[reduction], _x()) == []
+
+
+def test_reduced_mse_holds_the_unreduced_buffer_by_hand():
+    """The hand oracle behind Rule 5: 100 x 50 fp32 elements, 4 bytes each, alive in the loss."""
+    a, b = torch.randn(100, 50), torch.randn(100, 50)
+    fake_mode = FakeTensorMode()
+    with fake_mode, FidelityMode():
+        fake = F.mse_loss(fake_mode.from_tensor(a), fake_mode.from_tensor(b))
+    assert F.mse_loss(a, b).untyped_storage().nbytes() == 100 * 50 * 4
+    assert fake.shape == () and fake.untyped_storage().nbytes() == 100 * 50 * 4

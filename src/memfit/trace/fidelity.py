@@ -30,6 +30,22 @@ bf16 matmul or conv gets one: ModernBERT's, Swin's) makes ``layer_norm_cpu`` /
 ``group_norm_cpu`` return ``mean``/``rstd`` in fp32 (their ``mixed_type`` path); the meta
 functions return them in the input's dtype.
 
+Rule 5 (losses that keep their unreduced buffer). Four losses, reduced ("mean" or "sum"),
+return a 0-d tensor whose storage is the whole unreduced loss, alive as long as the loss is
+(until backward frees it): the real kernel allocates the elementwise loss as its output, then
+shrinks the output to 0-d with ``resize_``, which never gives memory back. ``mse_loss`` and
+``smooth_l1_loss`` do it in their structured meta function (``build_borrowing_binary_op`` then
+``resize_({})``: the one meta function of the CPU and CUDA kernels); ``binary_cross_entropy``
+in ``binary_cross_entropy_cpu`` and ``_cuda`` alike (``empty_like(input)``, then
+``loss.resize_as_(loss_reduced)``); ``soft_margin_loss`` in its composite ``_out`` (``neg_out``
+into the output, then ``resize_({})``). The fake kernels return a fresh 4-byte scalar. The rule
+gives the fake output the unreduced loss's storage (broadcast of input and target, in the
+output's dtype), shrunk the same way. The other losses and reductions were audited against the
+real CPU kernels (every op of torch's ``op_db``, forward and backward: fake and real storage
+bytes of each new output; tests/trace/test_fidelity.py keeps the losses and reductions) and
+agree: ``huber_loss``, ``l1_loss``, the cross-entropies, ``kl_div``, ... return a reduction's
+fresh output.
+
 Data-dependent ops (``nonzero``, ``unique``, ``masked_select``, boolean indexing, ``.item()``)
 are resolved from the real batch by ``memfit.trace.data_dependent`` when ``FidelityMode`` is
 given its ``DataValues``.
@@ -101,12 +117,28 @@ def _grouped_mm_cpu(func, args, kwargs):
     return torch.empty(_grouped_mm_shape(a, b, offs), dtype=out_dtype, device=a.device)
 
 
+def _keeps_unreduced(reduction_at: int):
+    """Rule 5, for a loss whose ``reduction`` argument is positional argument ``reduction_at``."""
+    def rule(args, kwargs, out):
+        reduction = kwargs.get("reduction", args[reduction_at] if len(args) > reduction_at else 1)
+        if reduction == 0:                       # "none": the output is the unreduced loss
+            return out
+        unreduced = torch.broadcast_shapes(args[0].shape, args[1].shape)
+        buffer = torch.empty(unreduced, dtype=out.dtype, device=out.device)
+        return buffer.resize_(out.shape)         # storage kept, as the real kernel's resize_
+    return rule
+
+
 _RULES = {
     _aten.native_batch_norm.default: _batch_norm_mixed,
     _aten._native_batch_norm_legit.default: _batch_norm_mixed,
     _aten.native_layer_norm_backward.default: _layer_norm_backward_contiguous,
     _aten.native_layer_norm.default: lambda args, kwargs, out: _norm_mixed(args[0], args[2:4], out),
     _aten.native_group_norm.default: lambda args, kwargs, out: _norm_mixed(args[0], args[1:3], out),
+    _aten.mse_loss.default: _keeps_unreduced(2),
+    _aten.smooth_l1_loss.default: _keeps_unreduced(2),
+    _aten.soft_margin_loss.default: _keeps_unreduced(2),
+    _aten.binary_cross_entropy.default: _keeps_unreduced(3),
 }
 _REPLACEMENTS = {_aten._grouped_mm.default: _grouped_mm_cpu}
 
