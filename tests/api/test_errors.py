@@ -51,8 +51,20 @@ def test_sequence_longer_than_the_position_table():
     model = spec.build(device="meta")
     batch = spec.make_batch(model, 2, seq_len=64)
     batch["input_ids"] = torch.randint(5, 100, (2, 600))
-    with pytest.raises(ValueError, match="512"):
+    with pytest.raises(ValueError, match="at most 512 tokens") as caught:
         memfit.estimate(model, batch)
+    assert "--" not in str(caught.value)   # an API error names the API's arguments, not CLI flags
+
+
+def test_no_position_limit_is_not_a_limit_of_minus_one():
+    """XLNet's max_position_embeddings is -1, "no sequence length limit": its batch is estimated
+    (it was refused as longer than -1 positions)."""
+    import transformers
+
+    config = transformers.XLNetConfig(vocab_size=128, d_model=32, n_layer=2, n_head=2, d_inner=64)
+    model = transformers.XLNetLMHeadModel(config)
+    ids = torch.randint(3, 120, (2, 16))
+    assert memfit.estimate(model, {"input_ids": ids, "labels": ids.clone()}).peak_bytes > 0
 
 
 def test_token_ids_outside_the_vocabulary():

@@ -373,3 +373,50 @@ def test_config_file_errors(tmp_path):
     with pytest.raises(ValueError, match="BertForPreTraining; pass task="):
         zoo.from_config_file(pretraining)
     assert zoo.from_config_file(pretraining, task="masked-lm").default_task == "masked-lm"
+
+
+_POSITION_CONVENTIONS = {  # tiny models, 16 positions where the convention has a field for them
+    "xlnet": transformers.XLNetConfig(vocab_size=64, d_model=16, n_layer=1, n_head=2, d_inner=32),
+    "t5": transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2),
+    "gpt2": transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=16),
+    "roberta": transformers.RobertaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                          num_attention_heads=2, intermediate_size=32,
+                                          max_position_embeddings=16),
+    "gptj": transformers.GPTJConfig(vocab_size=64, n_embd=16, n_layer=1, n_head=2, rotary_dim=4,
+                                    n_positions=16),
+    "llama": transformers.LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, intermediate_size=32,
+                                      max_position_embeddings=16),
+    "deberta-v2": transformers.DebertaV2Config(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, intermediate_size=32,
+                                               max_position_embeddings=16, relative_attention=True,
+                                               position_biased_input=False, pos_att_type=["p2c", "c2p"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_POSITION_CONVENTIONS))
+def test_table_limit_is_where_the_real_forward_fails(name):
+    """Oracle: the model's own forward. At ``table_limit`` tokens it runs and one more fails; with
+    no limit (XLNet's -1, relative and rotary positions) 3x the configured positions run, and
+    zoo batches are made at that length where ``position_limit`` is None too."""
+    from memfit.zoo._batches import make_batch, position_limit, table_limit
+
+    config = _POSITION_CONVENTIONS[name]
+    model = transformers.AutoModel.from_config(config).eval()
+    limit, why = table_limit(config)
+
+    def forward(length):
+        ids = torch.randint(3, 60, (1, length))
+        extra = {"decoder_input_ids": ids} if config.is_encoder_decoder else {}
+        with torch.no_grad():
+            model(input_ids=ids, **extra)
+
+    if limit is None:
+        forward(48)
+    else:
+        forward(limit)
+        with pytest.raises((IndexError, RuntimeError)):
+            forward(limit + 1)
+    if position_limit(config)[0] is None:
+        assert make_batch(config, "causal-lm", 1, seq_len=48)["input_ids"].shape == (1, 48), why
+    assert (limit is None) == (name in ("xlnet", "t5", "llama", "deberta-v2")), why

@@ -9,22 +9,9 @@ import torch
 from torch import nn
 
 from memfit.techniques.accumulation import unwrap
+from memfit.zoo._batches import table_limit
 
 __all__ = ["check_batch", "describe_batch_mismatch"]
-
-
-def _position_limit(config) -> int | None:
-    """Longest input the model's position embeddings allow, or None when unbounded."""
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if limit is None or getattr(config, "position_embedding_type", "absolute") != "absolute":
-        return None
-    model_type = getattr(config, "model_type", "")
-    if "roberta" in model_type or model_type in ("camembert", "longformer"):
-        # positions start after the padding index (RoBERTa's create_position_ids_from_input_ids)
-        limit -= (getattr(config, "pad_token_id", 1) or 0) + 1
-    if getattr(config, "rope_theta", None) is not None or "llama" in model_type:
-        return None   # rotary positions: no table to index
-    return limit
 
 
 def check_batch(model: nn.Module, batch, loss_fn=None) -> None:
@@ -36,11 +23,12 @@ def check_batch(model: nn.Module, batch, loss_fn=None) -> None:
     config = getattr(model, "config", None)
     ids = batch.get("input_ids")
     if config is not None and isinstance(ids, torch.Tensor) and ids.dim() >= 2:
-        limit = _position_limit(config)
+        limit, why = table_limit(config)
         if limit is not None and ids.shape[-1] > limit:
             raise ValueError(
                 f"the batch's sequence length {ids.shape[-1]} exceeds what "
-                f"{type(model).__name__} can embed ({limit} positions): use --seq-len <= {limit}"
+                f"{type(model).__name__} can embed ({limit} positions: {why}): give a batch whose "
+                f"input_ids hold at most {limit} tokens per row"
             )
         vocab = getattr(config, "vocab_size", None)
         if vocab and ids.device.type != "meta" and not isinstance(ids, torch._subclasses.FakeTensor):

@@ -10,8 +10,14 @@ real tokens: row 0 is full, the last row half full, independent of ``seed``. Pad
 right: mask 0, id ``pad_token_id`` (0 when the config has none), label -100.
 
 Note 3 (position limits). RoBERTa-family models number positions from ``padding_idx + 1``, so
-``max_position_embeddings=514`` allows 512 tokens; GPT-2 allows ``n_positions``; T5's relative
-buckets have no limit; other models allow ``max_position_embeddings``.
+``max_position_embeddings=514`` allows 512 tokens; GPT-2 allows ``n_positions``; other models allow
+``max_position_embeddings``. No limit: a field that is absent, None or not positive (XLNet's
+``max_position_embeddings`` is -1, "no sequence length limit"), relative positions (T5's buckets,
+DeBERTa with ``position_biased_input=False``). ``position_limit`` is that length (a rotary model's
+trained context counts: batches and searches stay within it); ``table_limit`` is the length past
+which the forward fails (a learned or sinusoidal table indexed by position), so a longer batch is
+refused only there: rotary positions (``rope_parameters``) and ``position_embedding_type`` other
+than "absolute" have no table.
 
 Note 4 (speech and contrastive batches). ``speech-seq2seq`` (Whisper) feeds ``input_features``
 of ``num_mel_bins`` x ``2 * max_source_positions`` frames (the length the encoder checks) and
@@ -27,7 +33,7 @@ import warnings
 import torch
 import transformers
 
-__all__ = ["TASKS", "make_batch", "position_limit", "token_id_range"]
+__all__ = ["TASKS", "make_batch", "position_limit", "table_limit", "token_id_range"]
 
 TASKS = ("sequence-classification", "token-classification", "masked-lm", "causal-lm", "seq2seq-lm",
          "image-classification", "speech-seq2seq", "contrastive")
@@ -75,19 +81,38 @@ def position_limit(config: transformers.PretrainedConfig) -> tuple[int | None, s
     if getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None:
         return position_limit(config.text_config)       # CLIP-like: seq_len is the text's
     if hasattr(config, "max_target_positions"):          # Whisper-like: seq_len is the target's
-        return config.max_target_positions, f"max_target_positions {config.max_target_positions}"
-    model_type = getattr(config, "model_type", "")
+        return _bounded(config, "max_target_positions")
     if hasattr(config, "relative_attention_num_buckets"):
         return None, "relative position buckets have no limit"
-    if model_type in _OFFSET_POSITION_TYPES:
+    if getattr(config, "position_biased_input", None) is False:
+        return None, "relative positions only (position_biased_input=False) have no limit"
+    field = "n_positions" if hasattr(config, "n_positions") else "max_position_embeddings"
+    limit, why = _bounded(config, field)
+    if limit is not None and getattr(config, "model_type", "") in _OFFSET_POSITION_TYPES:
         pad = config.pad_token_id or 0
-        limit = config.max_position_embeddings - pad - 1
-        return limit, (f"max_position_embeddings {config.max_position_embeddings} minus {pad + 1}, "
-                       f"because positions start at padding_idx + 1 = {pad + 1}")
-    if hasattr(config, "n_positions"):
-        return config.n_positions, f"n_positions {config.n_positions}"
-    limit = getattr(config, "max_position_embeddings", None)
-    return limit, f"max_position_embeddings {limit}"
+        return limit - pad - 1, (f"{why} minus {pad + 1}, because positions start at "
+                                 f"padding_idx + 1 = {pad + 1}")
+    return limit, why
+
+
+def table_limit(config: transformers.PretrainedConfig) -> tuple[int | None, str]:
+    """The length past which the model's forward fails (a position table), and why (Note 3)."""
+    if getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None:
+        return table_limit(config.text_config)
+    if getattr(config, "rope_parameters", None) is not None or getattr(config, "rope_theta", None) is not None:
+        return None, "rotary positions have no table"
+    kind = getattr(config, "position_embedding_type", "absolute")
+    if kind != "absolute":
+        return None, f"position_embedding_type {kind!r} has no table"
+    return position_limit(config)
+
+
+def _bounded(config, field: str) -> tuple[int | None, str]:
+    """``config.field`` as a limit; absent, None or not positive means none (Note 3)."""
+    value = getattr(config, field, None)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None, f"{field} {value} means no limit"
+    return value, f"{field} {value}"
 
 
 def token_id_range(config: transformers.PretrainedConfig) -> tuple[int, int]:
@@ -169,7 +194,7 @@ def _resolve_seq_len(config, task, seq_len) -> int:
         seq_len = DEFAULT_SEQ_LEN if limit is None else min(DEFAULT_SEQ_LEN, limit)
     _check_positive_int("seq_len", seq_len)
     if limit is not None and seq_len > limit:
-        field = "n_positions" if hasattr(config, "n_positions") else "max_position_embeddings"
+        field = why.split()[0]
         raise ValueError(
             f"seq_len {seq_len} exceeds the position limit of this {config.model_type} model: at most "
             f"{limit} tokens ({why}). Use seq_len <= {limit}, or build the model with a larger "
