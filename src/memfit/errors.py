@@ -38,11 +38,16 @@ class OutOfMemory(torch.OutOfMemoryError):
 
 
 class BudgetTooSmall(ValueError):
-    """No configuration in reach fits the budget; ``floor_bytes`` is the least that would."""
+    """No configuration in reach fits the budget; ``floor_bytes`` is the least that would.
+    ``floor_is_bound``: True where the budget was refused before any trace, under a lower bound
+    of the floor from the parameters alone (weights, gradients, optimizer state): the floor is
+    then at least ``floor_bytes``."""
 
-    def __init__(self, message: str, *, floor_bytes: int, budget_bytes: int):
+    def __init__(self, message: str, *, floor_bytes: int, budget_bytes: int,
+                 floor_is_bound: bool = False):
         self.floor_bytes = floor_bytes
         self.budget_bytes = budget_bytes
+        self.floor_is_bound = floor_is_bound
         super().__init__(message)
 
 

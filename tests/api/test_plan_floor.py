@@ -11,9 +11,12 @@ at the peak.) The floor must be their minimum, and the same number in
 the floor plans, one byte less raises.
 """
 
+import importlib
 import itertools
+import sys
 
 import pytest
+import torch
 
 import memfit
 from memfit.units import format_bytes
@@ -79,7 +82,7 @@ def test_a_frozen_model_plans_smaller():
     on the host there) falls by at least the frozen part's gradients (its bytes, fp32)."""
     model, batch = tiny("gpt2", batch_size=2, seq_len=32)
     with pytest.raises(memfit.BudgetTooSmall) as info:
-        memfit.plan(model, batch, budget=2 ** 20, offload_params="none")
+        memfit.plan(model, batch, budget=2 ** 20, offload_params="none", floor=True)
     full_floor = info.value.floor_bytes
     frozen = [p for n, p in model.named_parameters() if ".h." in n]
     for p in frozen:
@@ -87,3 +90,73 @@ def test_a_frozen_model_plans_smaller():
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     p = memfit.plan(model, batch, budget=full_floor - 1, floor=True, offload_params="none")
     assert p.floor_bytes <= full_floor - frozen_bytes
+
+
+# --- the floor's lower bound, before any trace (issue 26 item 15, _floor Note 5) ----------
+
+def _mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    batch = {"x": torch.randn(4, 64)}
+    return model, batch, (lambda m, b: m(b["x"]).pow(2).mean())
+
+
+def _no_trace(monkeypatch):
+    def traced(*args, **kwargs):
+        raise AssertionError("traced")
+    importlib.import_module("memfit.api.plan")       # the module (memfit.api.plan is the function)
+    monkeypatch.setattr(sys.modules["memfit.api.plan"], "estimate", traced)
+
+
+def test_a_budget_under_the_weights_bound_is_refused_before_any_trace(monkeypatch):
+    """Every lever open (CPU, fp32): the gradients alone stay on the device (the weights and
+    the state may go to the host), so the bound is 4 B per weight, counted here by hand."""
+    model, batch, loss = _mlp()
+    grads = sum(4 * p.numel() for p in model.parameters())
+    _no_trace(monkeypatch)
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        memfit.plan(model, batch, budget=grads - 1, loss_fn=loss)
+    assert info.value.floor_is_bound and info.value.floor_bytes == grads
+    text = str(info.value)
+    assert "needs at least " + format_bytes(grads) in text and "freeze parameters" in text
+    assert len(text.splitlines()) >= 4 and " B:" not in text          # lines, no raw bytes
+    with pytest.raises(AssertionError, match="traced"):     # one byte more: on to the trace
+        memfit.plan(model, batch, budget=grads, loss_fn=loss)
+
+
+def test_the_bound_with_levers_fixed_counts_weights_gradients_and_adam_state(monkeypatch):
+    """Weights and state held on the device by the caller: weights + gradients + AdamW's two
+    fp32 moments and its 4-byte step per parameter, by hand; a GPU adds its CUDA context."""
+    model, batch, loss = _mlp()
+    numel = sum(p.numel() for p in model.parameters())
+    n = len(list(model.parameters()))
+    need = 4 * numel + 4 * numel + 8 * numel + 4 * n
+    _no_trace(monkeypatch)
+    fixed = dict(offload_optimizer=False, offload_params="none", loss_fn=loss)
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        memfit.plan(model, batch, budget=need - 1, **fixed)
+    assert info.value.floor_bytes == need
+    with pytest.raises(AssertionError, match="traced"):
+        memfit.plan(model, batch, budget=need, **fixed)
+    gpu = memfit.devices.get_device("gtx-1080-ti")
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        memfit.plan(model, batch, budget=need + gpu.cuda_context_bytes - 1, device=gpu,
+                    precision="fp32", **fixed)
+    assert info.value.floor_bytes == need + gpu.cuda_context_bytes
+
+
+@pytest.mark.parametrize("fixed", [{}, dict(offload_optimizer=False, offload_params="none")])
+def test_the_bound_is_never_above_the_traced_floor(fixed):
+    """The bound is a lower bound of the same floor: the traced floor is at least it, and a
+    budget at the bound goes on to the trace (which then plans or refuses with the floor)."""
+    model, batch, loss = _mlp()
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        memfit.plan(model, batch, budget=1, loss_fn=loss, **fixed)
+    bound = info.value.floor_bytes
+    assert info.value.floor_is_bound
+    floor = memfit.plan(model, batch, loss_fn=loss, floor=True, **fixed).floor_bytes
+    assert bound <= floor
+    try:
+        memfit.plan(model, batch, budget=bound, loss_fn=loss, **fixed)
+    except memfit.BudgetTooSmall as e:
+        assert not e.floor_is_bound and e.floor_bytes == floor

@@ -101,7 +101,7 @@ def test_plan_weighs_low_bit_states_only_when_numerics_may_change():
     real run of it stays under the budget, measured at the predicted peak."""
     model, batch = _gpt2(2)
     with pytest.raises(memfit.BudgetTooSmall) as info:
-        memfit.plan(model, batch, budget=1, offload_optimizer=False)
+        memfit.plan(model, batch, budget=1, offload_optimizer=False, floor=True)
     fp32_floor = info.value.floor_bytes
     with pytest.raises(memfit.BudgetTooSmall):
         memfit.plan(model, batch, budget=fp32_floor - 1, offload_optimizer=False)
@@ -123,7 +123,7 @@ def test_fit_passes_allow_numerics_change_to_its_plan():
     the fp32-state floor a low-bit state, and without it BudgetTooSmall."""
     model, batch = _gpt2(2)
     with pytest.raises(memfit.BudgetTooSmall) as info:
-        memfit.plan(model, batch, budget=1, offload_optimizer=False)
+        memfit.plan(model, batch, budget=1, offload_optimizer=False, floor=True)
     budget = info.value.floor_bytes - 1
     expected = memfit.plan(model, batch, budget=budget, offload_optimizer=False,
                            allow_numerics_change=True)

@@ -61,7 +61,7 @@ def test_param_offload_model_predicts_what_track_measures_and_is_a_last_resort()
 def test_plan_offloads_parameters_below_every_other_floor():
     model, batch = _gpt2(2)
     with pytest.raises(memfit.BudgetTooSmall) as info:
-        memfit.plan(model, batch, budget=1, offload_params="none")
+        memfit.plan(model, batch, budget=1, offload_params="none", floor=True)
     without = info.value.floor_bytes
     p = memfit.plan(model, batch, budget=without - 1)
     assert p.knobs.offload_params == "all" and p.knobs.offload_optimizer

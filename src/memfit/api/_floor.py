@@ -26,10 +26,28 @@ sequence length (dimension 1 of every tensor of two or more dimensions: ids, mas
 are cut to a shorter length, and a bisection over the length traces the configuration at each
 (without the allocator replay, plus the CUDA context), then confirms the answer with the
 replay (on a GPU those are the bytes the budget caps), bisecting below it where that fails. A batch without
-such a dimension (images) has no sequence lever.
+such a dimension (images), or without an integer tensor along it (ids, a mask: a float
+``(batch, features)`` input has no sequence), has no sequence lever.
+
+Note 5 (the bound before any trace, issue 26). What every configuration the search could pick
+keeps on the device is known from the parameters alone: the gradients of the trainable
+parameters (all alive when backward ends, whatever the micro-batches, recompute, offload or
+optimizer placement: parameter offload releases weights, never gradients, param_offload Note
+4), the weights no lever moves to the host (frozen ones always; trainable ones unless parameter
+offload is open), the optimizer state where no lever moves it (Adam's, counted exactly by
+``low_bit_optimizer.state_bytes`` at the least state the search may pick; another optimizer's
+as 0) and, on a GPU, the CUDA context. Each precision the search weighs gets its own sum
+(bf16-pure: 16-bit weights and gradients, its fp32 masters not counted) and the least is the
+bound. Every term is part of what the traced floor counts, so the bound is at most the floor
+and a budget under it is refused at once (``plan``) with the floor's own message. One
+assumption: every trainable parameter gets a gradient; one the loss never reaches (an unused
+pooler) has none, and the bound is then high by its bytes, less than what one sample's
+activations add to the floor on any model seen.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_map
@@ -39,7 +57,8 @@ from memfit.api.estimate import estimate
 from memfit.planner.search import floor_candidates
 from memfit.techniques.accumulation import Accumulation
 
-__all__ = ["FLOOR_PRUNE", "least_memory", "first_samples", "longest_sequence"]
+__all__ = ["FLOOR_PRUNE", "least_memory", "first_samples", "longest_sequence", "Bound",
+           "lower_bound"]
 
 FLOOR_PRUNE = 1.5       # floor candidates the models put this far above the least go untraced
 
@@ -107,7 +126,9 @@ def longest_sequence(batch, fits, confirm=None) -> tuple[int | None, int] | None
     if not isinstance(batch, dict):
         return None
     lengths = {v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim >= 2}
-    if len(lengths) != 1:
+    tokens = any(isinstance(v, torch.Tensor) and v.ndim >= 2 and not v.is_floating_point()
+                 for v in batch.values())       # ids or a mask: else dimension 1 is features
+    if len(lengths) != 1 or not tokens:
         return None
     given = lengths.pop()
     if given < 2:
@@ -127,3 +148,47 @@ def longest_sequence(batch, fits, confirm=None) -> tuple[int | None, int] | None
     if confirm is not None and good and not confirm(cut(good)):
         good = bisect(confirm, 0, good)
     return (good or None), given
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The floor's lower bound, from the parameters alone (Note 5); bytes on the device.
+    ``params_bytes``, ``grads_bytes`` and ``optimizer_state_bytes`` are the job as given with
+    everything on the device (what ``_plan_words.too_small`` names, as it does the traced
+    floor's); ``bytes`` is the least over the configurations the search may pick."""
+
+    bytes: int                     # the bound: the floor is at least this
+    precision: str                 # the precision whose sum is the least
+    params_bytes: int              # every weight, in its dtype
+    grads_bytes: int               # one gradient per trainable weight
+    optimizer_state_bytes: int     # fp32 Adam state (0 for another optimizer)
+
+
+def lower_bound(params, *, precisions, optimizer_class, context_bytes: int,
+                state_on_host: bool, params_on_host: bool, state: str | None,
+                low_bit: bool) -> Bound:
+    """Note 5. ``params``: the model's parameters (``requires_grad`` says which train);
+    ``precisions``: those the search weighs; ``state_on_host`` / ``params_on_host``: whether
+    the search may move the optimizer state / the block weights to the host; ``state``: a fixed
+    ``optimizer_state`` (None: fp32, or a low-bit one where ``low_bit``)."""
+    from memfit.techniques.low_bit_optimizer import STATES, state_bytes
+
+    trainable = [p for p in params if p.requires_grad]
+    frozen_bytes = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+    train_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    adam = optimizer_class is not None and issubclass(optimizer_class, torch.optim.Adam) or \
+        optimizer_class is not None and issubclass(optimizer_class, torch.optim.AdamW)
+    states = [state] if state not in (None, "fp32") else \
+        ["fp32", *(STATES if low_bit else ())]
+    state_least = min(state_bytes(trainable, s) for s in states) if adam else 0
+    fp32_state = state_bytes(trainable, "fp32") if adam else 0
+    sums = {}
+    for q in precisions:
+        if q == "bf16-pure":        # 16-bit weights and gradients; state on the device
+            half = sum(p.numel() * min(p.element_size(), 2) for p in params)
+            sums[q] = half + sum(p.numel() * min(p.element_size(), 2) for p in trainable)
+        else:
+            sums[q] = frozen_bytes + (0 if params_on_host else train_bytes) + train_bytes + \
+                (0 if state_on_host else state_least)
+    q = min(sums, key=sums.get)
+    return Bound(sums[q] + context_bytes, q, frozen_bytes + train_bytes, train_bytes, fp32_state)

@@ -19,6 +19,10 @@ them: freezing or LoRA (a different training job), a smaller model, shorter sequ
 the longest that fits, traced), and sharding over several GPUs (the plan is for one); and,
 apart, memfit's own levers the caller's settings kept out, so that the floor is not mistaken
 for memfit's least.
+
+Note 4 (lines a person reads). ``BudgetTooSmall``'s text is one line for the verdict (the
+floor in one unit, what it was traced at), one for the levers the floor counts, then one line
+per lever beyond them: a person scans it, a program reads ``floor_bytes``.
 """
 
 from __future__ import annotations
@@ -141,10 +145,12 @@ def _optimizer_reasons(k, choice, memory, ctx) -> list[str]:
 
 def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
               excluded: list[str] = (), seq: tuple[int | None, int] | None = None,
-              gpus: int = 1, counted: list[str] = ()) -> BudgetTooSmall:
+              gpus: int = 1, counted: list[str] = (), bound: bool = False) -> BudgetTooSmall:
     """The floor (re-traced over every lever memfit has, plan Note 5) and what is beyond it
     (Note 3): ``excluded``, memfit's levers the caller's settings left out; ``seq``, (the
-    longest sequence the floor's configuration fits, or None if none does; the batch's)."""
+    longest sequence the floor's configuration fits, or None if none does; the batch's).
+    ``bound``: ``floor_bytes`` is the floor's lower bound from the parameters alone (_floor
+    Note 5), found before any trace: the floor is at least that. One line per lever (Note 4)."""
     params, grads = memory.params_bytes, memory.grads_bytes
     state = memory.optimizer_state_bytes
     levers = []
@@ -170,21 +176,22 @@ def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
                       f"{given} tokens) does not fit the least-memory configuration")
     if gpus == 1:
         share = budget_bytes - (floor_bytes - train)
-        ranks = -(-int(train) // int(share)) if share > 0 else None
+        ranks = -(-int(train) // int(share)) if share > 0 and not bound else None
         levers.append("sharding (FSDP) over several GPUs: this plan is for one"
                       + (f"; the gradients and optimizer state split over about {ranks} would "
                          "fit" if ranks and ranks > 1 else ""))
-    out = f"Beyond memfit's levers: {'; '.join(levers)}"
+    needs = "needs at least" if bound else "needs"
+    lines = [f"nothing memfit can do fits {format_bytes(budget_bytes)}: the least device memory "
+             f"any plan {needs} {format_bytes(floor_bytes)} ({described})."]
     if counted:
-        out = f"The floor counts {', '.join(counted)}. " + out
+        lines.append(f"The floor counts {', '.join(counted)}.")
+    lines.append("Beyond memfit's levers:")
+    lines += [f"  - {lever}" for lever in levers]
     if excluded:
-        out += (". memfit's levers your settings left out (the floor does not count them): "
-                + "; ".join(excluded))
-    return BudgetTooSmall(
-        f"nothing memfit can do fits {format_bytes(budget_bytes)}: the least device memory "
-        f"any plan needs is {format_bytes(floor_bytes)} ({floor_bytes / GiB:.4g} GiB, "
-        f"{floor_bytes} B: {described}). {out}",
-        floor_bytes=floor_bytes, budget_bytes=budget_bytes)
+        lines.append("memfit's levers your settings left out (the floor does not count them):")
+        lines += [f"  - {lever}" for lever in excluded]
+    return BudgetTooSmall("\n".join(lines), floor_bytes=floor_bytes, budget_bytes=budget_bytes,
+                          floor_is_bound=bound)
 
 
 def counted_levers(k, numerics: bool, user_step: bool, precisions) -> list[str]:

@@ -35,6 +35,11 @@ traced when the search finds nothing that fits (the least-memory configuration i
 answer, or ``BudgetTooSmall`` says by how much it misses), or when asked (``floor=True``); a
 plan found without it has ``floor_bytes=None``: on a large model the floor's candidates cost
 more traces than the plan itself (micro-batch 1 runs several micro-batches per trace).
+Before any trace, the floor's lower bound from the parameters alone (weights, gradients,
+optimizer state at the least the search may pick; _floor Note 5) refuses a budget under it in
+well under a second, with the same words (``BudgetTooSmall.floor_is_bound``). Not with
+``floor=True`` (the caller asks for the traced floor, even where nothing fits) nor with
+``remat=True`` (DTR's floor is its simulation's, Note 9).
 
 Note 7 (the user's step). With ``step=fn`` every trace above runs the user's step
 (``api._user_step`` Notes 1-4), the half-batch one on the first half of the batch. The step
@@ -78,7 +83,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from memfit.api._choice import describe, knob_values
-from memfit.api._floor import first_samples, least_memory, longest_sequence
+from memfit.api._floor import first_samples, least_memory, longest_sequence, lower_bound
 from memfit.api._plan_allocator import AllocatorChoice
 from memfit.api._plan_levers import Levers, numerics_allowed, state_knobs
 from memfit.api._plan_remat import Planned, RematWeigh, check_remat, held_bytes, weigh
@@ -168,6 +173,11 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     recipe.check_impl(trainable)
     p = resolve_precision(k.precision, spec)              # the one searched (Note 3)
     user = "fp32" if k.precision in (None, "auto") else p
+    others = [q for q in auto_precisions(spec) if q != p] \
+        if k.precision == "auto" and user_step is None else []
+    if not floor and not k.remat:     # Note 5: no trace (asked for the floor: it is traced)
+        _refuse_below_bound(model, spec, k, recipe, trainable, budget_bytes, numerics,
+                            user_step is not None, {p, user, *others})
     fixed = _constraints(model, k, b)
     common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
                   allocator=allocator, max_grad_norm=k.max_grad_norm, zero_grad=k.zero_grad,
@@ -222,8 +232,6 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                 held[q] = 0 if user_step else held_bytes(original, q)
                 levers.traces[q] = est
 
-    others = [q for q in auto_precisions(spec) if q != p] \
-        if k.precision == "auto" and user_step is None else []
 
     def least():                   # the floor, traced once (Note 5), over every lever
         nonlocal traced_floor
@@ -312,6 +320,27 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                     budget_bytes, excluded_levers(k, numerics, user_step is not None), seq,
                     counted=counted_levers(k, numerics, user_step is not None,
                                            sorted({q[0] for q in models})))
+
+
+def _refuse_below_bound(model, spec, k: Knobs, recipe, trainable, budget_bytes: int,
+                        numerics: bool, user_step: bool, precisions) -> None:
+    """``BudgetTooSmall`` before any trace where the floor's lower bound from the parameters
+    alone (_floor Note 5) is over the budget: the same words as the traced floor's."""
+    bound = lower_bound(
+        list(model.parameters()), precisions=sorted(precisions),
+        optimizer_class=recipe.optimizer_class(trainable),
+        context_bytes=spec.cuda_context_bytes if spec.kind == "cuda" else 0,
+        state_on_host=k.offload_optimizer is not False,
+        params_on_host=k.offload_params not in (None, "none") or (
+            k.offload_params is None and k.offload_optimizer is not False and not user_step),
+        state=k.optimizer_state, low_bit=numerics and not user_step)
+    if bound.bytes <= budget_bytes:
+        return
+    raise too_small(bound.bytes, bound, f"a bound from the parameters alone at {bound.precision}, "
+                    "checked before tracing", budget_bytes,
+                    excluded_levers(k, numerics, user_step),
+                    counted=counted_levers(k, numerics, user_step, sorted(precisions)),
+                    bound=True)
 
 
 @dataclass
