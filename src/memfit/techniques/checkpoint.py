@@ -29,13 +29,16 @@ Note 2 (``every:K``). Blocks in execution order are counted from 1 and every K-t
 indices K-1, 2K-1, ... (as torchtitan's ``ac_freq``), so ``every:1`` is ``all`` and a model
 with fewer than K blocks recomputes nothing (a warning says so).
 
-Note 3 (selective). ``create_selective_checkpoint_contexts`` lets the forward keep the outputs of
-the ops in ``SAVED_OPS`` (policy ``MUST_SAVE``) and recompute every other op (``PREFER_RECOMPUTE``:
-pointwise ops, norms, softmax, dropout, casts, views). Kept: the matmuls ``mm``, ``addmm``,
+Note 3 (selective). The forward keeps the outputs of the ops in ``SAVED_OPS`` and the recompute
+reruns every other op (pointwise ops, norms, softmax, dropout, casts, views), through the two
+dispatch modes of ``_selective`` (its Note 1: why not torch's ``create_selective_checkpoint_
+contexts``, which refuses an output mutated in place, as timm's squeeze-excitation does, and a
+second backward, as a gradient penalty does; a kept output that is mutated is recomputed instead,
+and a second backward recomputes what the first one took). Kept: the matmuls ``mm``, ``addmm``,
 ``bmm``, ``baddbmm``, ``addbmm``, ``_scaled_mm``, ``_grouped_mm``, ``_scaled_grouped_mm``;
 ``convolution``/``_convolution``; the fused attentions ``_scaled_dot_product_{flash,
 flash_attention_for_cpu, efficient, cudnn, fused_attention_overrideable}_attention`` and
-``_flash_attention_forward``/``_efficient_attention_forward``. The policy sees aten ops below
+``_flash_attention_forward``/``_efficient_attention_forward``. The forward mode sees aten ops below
 autograd, after composite ops are decomposed: ``linear`` and ``matmul`` arrive as
 ``addmm``/``mm``/``bmm``, and the math SDPA path as ``bmm`` + ``softmax``, so listing them is
 enough. These are the ops whose recompute costs FLOPs; what is recomputed is memory-bound.
@@ -45,7 +48,8 @@ re-enters it for the recompute by itself. memfit's ``CudaAutocastMode`` is a tor
 mode, not autocast state: the recompute runs in backward, outside it, so it would recompute in
 fp32 and checkpoint would raise a metadata mismatch. With an ``autocast_factory`` the recompute
 context enters a fresh ``autocast_factory()`` (a new autocast region, new weight cache, as real
-autocast does); with ``selective`` it enters that and the selective recompute context together.
+autocast does); with ``selective`` it enters that and the selective recompute context together,
+each time checkpoint enters it (``_Together``: a second backward recomputes again, Note 3).
 The forward context adds no autocast: the forward already runs inside the user's mode.
 
 Note 5 (caches). A key/value cache handed to a checkpointed block would be written twice: once
@@ -74,10 +78,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils import checkpoint as _torch_checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from memfit.measure import find_blocks
 from memfit.techniques._blocks import check_names, resolve_policy
+from memfit.techniques._selective import selective_contexts
 
 __all__ = ["Checkpoint", "CheckpointHandle", "CACHE_ARGS", "MODES", "SAVED_OPS"]
 
@@ -102,13 +106,6 @@ _ENGINE_PARAMS = [p for p in inspect.signature(_ENGINE).parameters.values()
 def _engine_args(**given) -> list:
     """The engine's positional parameters in order: ``given`` by name, the rest at defaults."""
     return [given[p.name] if p.name in given else p.default for p in _ENGINE_PARAMS]
-
-
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Note 3: keep what matmul-like ops return, recompute the rest."""
-    if op.overloadpacket in SAVED_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _BlockHooks:
@@ -166,19 +163,31 @@ class _BlockHooks:
     def _contexts(self):
         """(forward context, recompute context) for one checkpointed call (Notes 3, 4)."""
         if self.selective:
-            forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
+            forward, recompute = selective_contexts(SAVED_OPS)
         else:
             forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
         if self.autocast_factory is None:
             return forward, recompute
-        return forward, _entered_together(self.autocast_factory, recompute)
+        return forward, _Together(self.autocast_factory, recompute)
 
 
-@contextlib.contextmanager
-def _entered_together(factory, recompute):
-    """The recompute context of Note 4: made and entered only when checkpoint enters it."""
-    with factory(), recompute:
-        yield
+class _Together:
+    """The recompute context of Note 4: a fresh ``factory()`` and ``recompute`` entered together
+    each time checkpoint enters it (once per backward that reaches the block)."""
+
+    def __init__(self, factory, recompute):
+        self.factory, self.recompute = factory, recompute
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self):
+        with contextlib.ExitStack() as stack:      # a failed enter leaves nothing entered
+            stack.enter_context(self.factory())
+            stack.enter_context(self.recompute)
+            self._stacks.append(stack.pop_all())
+        return self
+
+    def __exit__(self, *exc):
+        return self._stacks.pop().__exit__(*exc)
 
 
 def _hooks_of(block: nn.Module) -> list[_BlockHooks]:
