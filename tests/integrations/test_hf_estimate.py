@@ -108,6 +108,23 @@ def test_unsupported_settings_are_named():
         mf_hf.estimate(trainer)
 
 
+def test_checkpoint_offload_that_cannot_run_here_is_refused():
+    """transformers' offload pins host memory; on a machine without an accelerator train()
+    stops in pin_memory, which the estimate of a CPU target said nothing about."""
+    from transformers.utils.import_utils import get_current_accelerator
+
+    if get_current_accelerator() is not None:
+        pytest.skip("the fault is that of a machine without an accelerator")
+    kw = {"offload": True, "use_reentrant": False}
+    trainer = tiny_trainer("gpt2", activation_checkpointing=True,
+                           activation_checkpointing_kwargs=kw)
+    with pytest.raises(RuntimeError, match="pin"):            # what the real run does here
+        trainer.train()
+    with pytest.raises(ValueError, match="offload=True.*pin_memory.*Remove offload"):
+        mf_hf.estimate(trainer)
+    assert mf_hf.estimate(trainer, "a100-80gb").peak_bytes > 0      # runs on a GPU
+
+
 def test_too_few_samples_for_one_optimizer_step():
     trainer = tiny_trainer("gpt2", samples=4, gradient_accumulation_steps=4)
     with pytest.raises(ValueError, match="fewer than gradient_accumulation_steps=4"):

@@ -201,6 +201,37 @@ def test_training_arguments_accept_the_keywords(tmp_path, precision):
     assert args.gradient_accumulation_steps == 8 and args.per_device_train_batch_size == 4
 
 
+def test_a_cpu_plan_exports_no_offload_and_train_runs_here():
+    """transformers' offload pins host memory (save_on_cpu(pin_memory=True)): on this CPU-only
+    machine a CPU plan's offload made trainer.train() stop in pin_memory (exports Note 5)."""
+    pytest.importorskip("accelerate")
+    import torch
+
+    from tests.integrations.hf_helpers import tiny_trainer
+
+    if torch.accelerator.is_available():
+        pytest.skip("the fault is that of a machine without an accelerator")
+    trainer = tiny_trainer("gpt2", max_steps=1)
+    names = [n for n, _ in trainer.model.named_modules() if n.count(".") == 2 and ".h." in n]
+    p = Plan(Knobs(), blocks={n: "recompute+offload" for n in names}, device="cpu")
+    e = to_training_arguments(p, 2)
+    assert e.config["activation_checkpointing"] is True
+    assert "offload" not in e.config["activation_checkpointing_kwargs"]
+    assert any("exported without offload" in n for n in e.notes)
+    assert e.knobs.offload == "none" and e.knobs.checkpoint not in (None, "none")
+    tiny_trainer("gpt2", max_steps=1, **e.config).train()          # runs where it was planned
+
+
+def test_a_plan_without_a_device_keeps_offload_and_says_it_needs_a_gpu():
+    e = _training_arguments(plan(["recompute+offload"] * 6), 8, NEW)
+    assert e.config["activation_checkpointing_kwargs"]["offload"] is True
+    assert any("needs a GPU" in n and "pin_memory" in n for n in e.notes)
+    gpu = dataclasses.replace(plan(["recompute+offload"] * 6), device="a100-80gb")
+    e = _training_arguments(gpu, 8, NEW)
+    assert e.config["activation_checkpointing_kwargs"]["offload"] is True
+    assert not any("pin_memory" in n for n in e.notes)
+
+
 # -- Accelerate -----------------------------------------------------------------------------------
 
 def test_accelerate_config_keys_and_yaml():

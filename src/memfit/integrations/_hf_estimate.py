@@ -34,6 +34,7 @@ def estimate(trainer, device=None, *, batch=None, budget=None, **knobs) -> Estim
     """
     check_supported(trainer)
     check_gpu_checkpointing(trainer, device)
+    check_offload_runs(trainer, device)
     batch = trainer_batch(trainer) if batch is None else batch
     step = TrainerStep(trainer)
     optimizer = trainer_optimizer(trainer)
@@ -56,3 +57,21 @@ def check_gpu_checkpointing(trainer, device) -> None:
         return
     if trainer.args.activation_checkpointing:
         check(trainer.args.activation_checkpointing_kwargs)
+
+
+def check_offload_runs(trainer, device) -> None:
+    """transformers' checkpoint ``offload`` pins its host copies on the machine's accelerator
+    (``save_on_cpu(pin_memory=True)``); on a machine without one ``train()`` stops in
+    ``pin_memory``: a CPU target there is refused with the fix, not estimated as if it ran."""
+    args = trainer.args
+    if not (args.activation_checkpointing and
+            (args.activation_checkpointing_kwargs or {}).get("offload")):
+        return
+    from transformers.utils.import_utils import get_current_accelerator
+    if resolve_device(trainer.model, device).kind == "cpu" and get_current_accelerator() is None:
+        raise ValueError(
+            "activation_checkpointing_kwargs offload=True: transformers pins the offloaded "
+            "inputs (save_on_cpu(pin_memory=True)), which needs a GPU, and this machine has "
+            "none, so trainer.train() would stop in pin_memory. Remove offload (on the CPU host "
+            "and device are one memory: it saves nothing), or estimate for a GPU "
+            "(device='a100-80gb') to run there")

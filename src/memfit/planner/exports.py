@@ -49,10 +49,19 @@ which blocks can differ (the note lists the plan's). ``offload`` applies to ever
 layer. A plan that lists no blocks (made by hand, never applied) is exported from its policy.
 
 Note 4 (DeepSpeed). Its export, activation checkpointing and ZeRO stages: ``planner._export_deepspeed``.
+
+Note 5 (where transformers' offload runs). transformers offloads a checkpointed layer's inputs
+with ``save_on_cpu(pin_memory=True)``, pinning on the machine's accelerator; without one (a
+CPU-only machine) the pinned allocation fails and ``trainer.train()`` stops in ``pin_memory``.
+An export runs where the plan was made: a plan for the CPU is exported without ``offload``
+(there host and device are one memory, so the offload saved no bytes a person could use) and
+its knobs, hence ``predicted_device_bytes``, count the inputs kept; a plan that records no
+device keeps ``offload`` and says that it needs a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -238,8 +247,6 @@ def _names(names) -> str:
 
 def to_training_arguments(plan: "Plan", batch_size: int) -> Export:
     """Keywords for ``transformers.TrainingArguments`` (for this installed transformers)."""
-    import dataclasses
-
     from transformers import TrainingArguments
 
     fields = frozenset(f.name for f in dataclasses.fields(TrainingArguments))
@@ -261,6 +268,8 @@ def _training_arguments(plan: "Plan", batch_size: int, fields: frozenset[str]) -
     new = "activation_checkpointing" in fields
     flag = "activation_checkpointing" if new else "gradient_checkpointing"
     acts = _activations(plan, notes)
+    if new and acts.offload:
+        acts = _offload_where_planned(plan, acts, notes)
     n = _every_n(acts, notes)
     config[flag] = n is not None
     if n is not None:
@@ -298,6 +307,22 @@ def _training_arguments(plan: "Plan", batch_size: int, fields: frozenset[str]) -
         plan, b, _trainer_recomputes(acts, n, new),
         precision="bf16" if precision == "bf16-pure" else precision, clip=clip,
         offload_optimizer=False, optimizer_impl=impl if impl == "fused" else None))
+
+
+def _offload_where_planned(plan: "Plan", acts: _Activations, notes: list[str]) -> _Activations:
+    """Note 5: transformers' offload only where the plan's device can pin host memory."""
+    if plan.device == "cpu":
+        notes.append("offload: transformers pins the offloaded inputs (save_on_cpu(pin_memory="
+                     "True)), which needs a GPU, and this plan is for the CPU, where "
+                     "trainer.train() would stop in pin_memory: exported without offload (on the "
+                     "CPU host and device are one memory; the recomputed blocks' inputs stay "
+                     "there and predicted_device_bytes counts them)")
+        return dataclasses.replace(acts, offload=False)
+    if plan.device is None:
+        notes.append("offload: transformers pins the offloaded inputs, which needs a GPU: on a "
+                     "CPU-only machine trainer.train() stops in pin_memory (the plan records no "
+                     "device); remove offload from activation_checkpointing_kwargs there")
+    return acts
 
 
 def _trainer_recomputes(acts: _Activations, n: int | None, new: bool) -> _Activations:
