@@ -63,19 +63,32 @@ def global_reasons(k, choice, memory, b: int, ctx, ratio: float) -> list[str]:
         out.append(f"precision {choice.precision}: auto keeps fp32 on a CPU")
     if choice.micro_batch_size < b:
         n = -(-b // choice.micro_batch_size)
-        out.append(f"micro-batch {choice.micro_batch_size} x {n} accumulated: the largest "
-                   "micro-batch the fastest plan could afford (each extra micro-batch repeats "
-                   "the launches and weight reads)")
+        why = (f"your micro_batch_size={k.micro_batch_size}" if k.micro_batch_size is not None
+               else "the largest micro-batch the fastest plan could afford (each extra "
+                    "micro-batch repeats the launches and weight reads)")
+        out.append(f"micro-batch {choice.micro_batch_size} x {n} accumulated: {why}")
     modes = [m for m in choice.modes if m != "keep"]
     if modes:
         counts = ", ".join(f"{modes.count(m)} {m}" for m in ("recompute", "selective", "offload")
                            if m in modes)
-        out.append(f"blocks: {counts} of {len(choice.modes)}: the mix of modes that costs the "
-                   "least predicted time (exact MILP over every block) while every peak point "
-                   "stays under the cap; the table shows what each saves and pays")
+        fixed = [f"{name}={_policy_words(v)}" for name, v in
+                 (("checkpoint", k.checkpoint), ("offload", k.offload)) if v is not None]
+        why = (f"as your {' and '.join(fixed)} set" if fixed and
+               all(v is not None for v in (k.checkpoint, k.offload)) else
+               "the mix of modes that costs the least predicted time (exact MILP over every "
+               "block) while every peak point stays under the cap" +
+               (f", within your {' and '.join(fixed)}" if fixed else "") +
+               "; the table shows what each saves and pays")
+        out.append(f"blocks: {counts} of {len(choice.modes)}: {why}")
     out += _optimizer_reasons(k, choice, memory, ctx)
     out += lever_reasons(k, choice, memory, ctx)
     return out
+
+
+def _policy_words(value) -> str:
+    """A checkpoint / offload policy as typed: a string as is, block names joined by commas
+    (never a Python tuple)."""
+    return value if isinstance(value, str) else ",".join(value)
 
 
 _PRECISION_WORDS = {   # why auto chose it, and which numerics change (planner.variants Note 3)

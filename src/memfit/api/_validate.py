@@ -10,8 +10,14 @@ from torch import nn
 
 from memfit.techniques.accumulation import unwrap
 from memfit.zoo._batches import table_limit
+from memfit.zoo._model_arg import check_model
 
-__all__ = ["check_batch", "describe_batch_mismatch"]
+__all__ = ["check_model", "check_batch", "describe_batch_mismatch", "check_order"]
+
+# the three fronts' positional orders, named in the error (issue 26): they differ
+_ORDERS = {"estimate": "memfit.estimate(model, batch, optimizer, device, loss_fn)",
+           "plan": "memfit.plan(model, batch, budget, optimizer, device, loss_fn)",
+           "fit": "memfit.fit(model, optimizer, batch, budget, device, loss_fn)"}
 
 
 def check_batch(model: nn.Module, batch, loss_fn=None) -> None:
@@ -62,3 +68,44 @@ def describe_batch_mismatch(model: nn.Module, batch, error: Exception) -> ValueE
         f"the batch does not match {type(model).__name__}: {error} (batch: {shapes}). Make the "
         "batch for this model (memfit.zoo specs have make_batch) or check its sizes"
     )
+
+
+def _looks_like_budget(value) -> bool:
+    from memfit.units import parse_bytes
+
+    if not isinstance(value, str):
+        return False
+    try:
+        parse_bytes(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _looks_like_optimizer(value) -> bool:
+    from memfit.optimizers import OPTIMIZERS
+
+    return isinstance(value, torch.optim.Optimizer) or callable(value) and \
+        not isinstance(value, nn.Module) or isinstance(value, str) and value in OPTIMIZERS
+
+
+def check_order(front: str, *, optimizer=None, budget=None, batch=None) -> None:
+    """A value given in another front's position (the orders differ): a ``ValueError`` naming
+    this front's order and the keyword to use, not an error about the value."""
+    wrong = None
+    if front == "plan" and budget is not None and _looks_like_optimizer(budget):
+        wrong = f"the third argument is the budget, and {_short(budget)} is an optimizer " \
+                "(or a function), not a byte size: pass optimizer=... (or loss_fn=...) by keyword"
+    elif front == "estimate" and _looks_like_budget(optimizer):
+        wrong = f"the third argument is the optimizer, and {optimizer!r} is a byte size: " \
+                f"pass budget={optimizer!r} by keyword"
+    elif front == "fit" and isinstance(optimizer, (Mapping, torch.Tensor)) and \
+            _looks_like_optimizer(batch):
+        wrong = "the optimizer comes second and the batch third: fit(model, optimizer, batch)"
+    if wrong:
+        raise ValueError(f"{_ORDERS[front]}: {wrong} (estimate, plan and fit take their "
+                         "arguments after the model in different orders: name them by keyword)")
+
+
+def _short(value) -> str:
+    return repr(value) if isinstance(value, str) else type(value).__name__

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import CheckpointError
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
 from memfit.api._user_step import (as_user_step, check_cuda_autocast, check_step_knobs,
                                    explain_step_error, step_notes, with_backward_phase)
-from memfit.api._validate import check_batch, describe_batch_mismatch
+from memfit.api._validate import check_batch, check_order, describe_batch_mismatch
 from memfit.devices import DeviceSpec
 from memfit.errors import TraceError
 from memfit.knobs import Knobs
@@ -203,6 +203,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     ``"ddp"``: one rank's figures of an N-rank job, ``batch`` being one rank's batch
     (``memfit.estimate_sharded``, which also takes FSDP2's ``mp_policy`` and a ``rank``).
     """
+    check_order("estimate", optimizer=optimizer)
     k = Knobs.from_kwargs(**knobs)
     if _sharded(k):
         return _estimate_one_rank(model, batch, optimizer, device, loss_fn, k, budget=budget,
@@ -307,9 +308,13 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
     sim = None
     if k.remat and budget is not None:      # DTR replayed on the traced timeline
         sim = simulate_dtr(prof.timeline, spans_from_modules(prof.modules, prof.blocks), limit)
-        notes.append(f"remat: DTR simulated under {limit} B: peak {sim.peak_bytes} B, "
-                     f"{sim.evictions} evictions, {sim.recompute_flops} recompute FLOPs, floor "
-                     f"{sim.floor_bytes} B" + ("" if sim.feasible else " (the budget is below it)"))
+        from memfit.units import format_bytes        # words a person reads, not raw B
+
+        notes.append(f"remat: DTR simulated under {format_bytes(limit)}: peak "
+                     f"{format_bytes(sim.peak_bytes)}, {sim.evictions} evictions, "
+                     f"{sim.recompute_flops:,} recompute FLOPs, floor "
+                     f"{format_bytes(sim.floor_bytes)}"
+                     + ("" if sim.feasible else " (the budget is below it)"))
     est = Estimate(
         remat_peak_bytes=sim and sim.peak_bytes, remat_floor_bytes=sim and sim.floor_bytes,
         remat_recompute_flops=sim and sim.recompute_flops,
@@ -336,9 +341,12 @@ def _estimate_one_rank(model, batch, optimizer, device, loss_fn, k: Knobs, *, bu
     """``estimate(gpus=N, sharding=...)``: ``estimate_sharded`` with the other knobs."""
     from memfit.api._sharded import estimate_sharded
     if k.gpus in (None, 1) or k.gpus == "auto" or k.sharding in (None, "none"):
-        raise ValueError(f"gpus={k.gpus!r}, sharding={k.sharding!r}: one rank of a "
+        given = [f"{n}={v!r}" for n, v in (("gpus", k.gpus), ("sharding", k.sharding))
+                 if v is not None] or ["an FSDP2 knob (reshard_after_forward, fsdp_offload, "
+                                       "mp_policy)"]   # no Python None in the words
+        raise ValueError(f"{', '.join(given)}: one rank of a "
                          "data-parallel job needs both gpus=N (N >= 2 ranks; 'auto' is for "
-                         "memfit.plan) and sharding='fsdp' or 'ddp'")
+                         "memfit.plan) and sharding='fsdp' or sharding='ddp'")
     if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload
                                 or k.mp_policy):
         raise ValueError("reshard_after_forward, fsdp_offload and mp_policy are FSDP2's: use "

@@ -9,7 +9,7 @@ from torch import nn
 from memfit.api._fit_sharded import fit_sharded, is_sharded
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
 from memfit.api._user_step import STEP_FIXED_NOTE, as_user_step, check_step_knobs
-from memfit.api._validate import check_batch
+from memfit.api._validate import check_batch, check_order
 from memfit.api.plan import plan
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
@@ -71,6 +71,7 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     (it is rebuilt when the optimizer state is offloaded) and ``runner.close()`` to remove
     the hooks. There is no re-plan on out-of-memory for a user step.
     """
+    check_order("fit", optimizer=optimizer, batch=batch)
     knobs_in = Knobs.from_kwargs(**knobs)
     knobs_in.check_available()
     planning = {n: v for n, v in (("allow_numerics_change", allow_numerics_change),

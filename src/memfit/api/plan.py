@@ -91,7 +91,7 @@ from memfit.api._plan_words import (counted_levers, excluded_levers, global_reas
                                     host_bytes, too_small)
 from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._user_step import STEP_FIXED_NOTE, as_user_step, check_step_knobs
-from memfit.api._validate import check_batch
+from memfit.api._validate import check_batch, check_order
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe, impl_of, supports_impl
@@ -133,6 +133,7 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
     setting that reserves least is chosen and counted (``Plan.allocator``, api._plan_allocator).
     """
     from memfit.api._plan_sharded import is_sharded, plan_sharded
+    check_order("plan", budget=budget)
     if is_sharded(kwargs):
         return plan_sharded(model, batch, budget, optimizer, device, loss_fn, **kwargs)
     return plan_traced(model, batch, budget, optimizer, device, loss_fn, **kwargs).plan

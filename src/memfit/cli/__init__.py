@@ -8,6 +8,8 @@ Bad input ends in one line, ``memfit: error: ...`` naming CLI flags, and exit st
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import os
 import sys
@@ -20,7 +22,7 @@ from memfit.cli import models as _models
 from memfit.cli import plan as _plan
 from memfit.cli import train as _train
 from memfit.cli._args import join_dash_values
-from memfit.cli._errors import cli_warnings, format_error, is_user_error
+from memfit.cli._errors import cli_warnings, error_json, format_error, is_user_error
 
 __all__ = ["main", "build_parser"]
 
@@ -54,13 +56,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["plan", *argv]
+    said = io.StringIO()
     try:
-        args = parser.parse_args(join_dash_values(argv))
+        with contextlib.redirect_stderr(said):
+            args = parser.parse_args(join_dash_values(argv))
     except SystemExit as e:         # --help, --version, or argparse refusing a value (2)
-        return e.code if isinstance(e.code, int) else 2
+        sys.stderr.write(said.getvalue())
+        code = e.code if isinstance(e.code, int) else 2
+        if code and "--json" in argv:       # refused under --json: JSON too (_errors Note 4)
+            import json
+
+            last = (said.getvalue().strip().splitlines() or ["invalid arguments"])[-1]
+            json.dump({"error": last.split(": error: ", 1)[-1], "type": "usage"}, sys.stdout,
+                      indent=2)
+            print()
+        return code
+    sys.stderr.write(said.getvalue())
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-    with cli_warnings():
+    flags = _option_strings(parser, args.command)
+    with cli_warnings(flags=flags):
         try:
             return args.run(args) or 0
         except BrokenPipeError:     # `memfit gpus | head`: the reader left; nothing to say
@@ -72,5 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:      # bad input or a job that cannot fit: what, and the fix
             if not is_user_error(e):
                 raise               # a bug in memfit: its traceback is the report
-            print(format_error(e), file=sys.stderr)
+            if getattr(args, "json", False):     # one JSON object on stdout (_errors Note 4)
+                import json
+
+                json.dump(error_json(e, flags), sys.stdout, indent=2)
+                print()
+            print(format_error(e, flags), file=sys.stderr)
             return 2
+
+
+def _option_strings(parser: argparse.ArgumentParser, command: str | None) -> set[str] | None:
+    """Every flag of subcommand ``command`` (what its errors may name, _errors Note 3)."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        sub = action.choices.get(command) if hasattr(action, "choices") else None
+        if sub is not None:
+            return {o for a in sub._actions for o in a.option_strings}
+    return None

@@ -4,6 +4,12 @@ Note 1 (values that start with '-'). argparse reads ``--budget -3GiB`` as a flag
 the unknown option ``-3GiB`` and answers "expected one argument". ``join_dash_values`` rewrites
 it to ``--budget=-3GiB`` before parsing, so the value reaches its type and is refused for what
 it is (negative), with the fix.
+
+Note 2 (one syntax per flag, issue 26). A flag that switches a lever takes ``on`` or ``off`` in
+every subcommand (``--offload-optimizer on``), and alone means on (``--offload-optimizer``, as
+``estimate`` spelled it), so a command line copied from one subcommand to another means the
+same. ``--reshard-after-forward`` takes on, off or a group size N; its old true/false still
+work, with a deprecation warning.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import os
 from memfit.knobs import ZERO_GRADS
 from memfit.units import UNITS_HELP, parse_bytes
 
-__all__ = ["budget_bytes", "reserve_bytes", "cuda_version", "positive_int", "positive_float", "int_or_auto",
+__all__ = ["add_switch", "reshard_value", "budget_bytes", "reserve_bytes", "cuda_version", "positive_int", "positive_float", "int_or_auto",
            "join_dash_values", "check_output_path", "progressive_spec", "add_zero_grad_arg",
            "VALUE_FLAGS", "BYTES_HELP"]
 
@@ -155,3 +161,36 @@ def check_output_file(path: str | None, flag: str, suffixes: tuple[str, ...],
     if not path.lower().endswith(suffixes):
         raise ValueError(f"{where}: " + (suffix_message or
                                          f"the file name must end in {' or '.join(suffixes)}"))
+
+
+def _on_off(text: str) -> bool:
+    low = text.lower()
+    if low in ("on", "off"):
+        return low == "on"
+    raise argparse.ArgumentTypeError(f"{text!r}: write on or off")
+
+
+def add_switch(g, flag: str, help: str) -> None:
+    """``flag [on|off]`` (Note 2): True, False, or None when not given."""
+    g.add_argument(flag, nargs="?", const=True, default=None, type=_on_off, metavar="on|off",
+                   help=f"{help} (the flag alone: on)")
+
+
+def reshard_value(text: str) -> bool | int:
+    """--reshard-after-forward on|off|N (Note 2); true/false are the old spelling."""
+    import sys
+
+    low = text.lower()
+    if low in ("on", "off"):
+        return low == "on"
+    if low in ("true", "false"):     # parsed before the CLI's warning display: said here
+        print(f"memfit: warning: --reshard-after-forward {text} is deprecated: write "
+              f"--reshard-after-forward {'on' if low == 'true' else 'off'}", file=sys.stderr)
+        return low == "true"
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: write on, off, or a group size N >= 2")
+    return n

@@ -8,6 +8,14 @@ Note 2 (warnings). A library warning is shown once per message, as ``memfit: war
 without the source line Python's default display prints (a line of memfit's code means nothing
 to a CLI user). Deprecation notices from third-party libraries (transformers' FutureWarning
 about its own API) are for their developers and are not shown.
+
+Note 3 (only this command's flags). A rewrite happens only where the command printing the
+message has every flag it names (``memfit train`` has no ``--lora-rank``): elsewhere the API's
+words stay, which name the fix without sending the user to a flag that is not there.
+
+Note 4 (shapes). An error keeps its lines (``BudgetTooSmall`` is a verdict, then one lever a
+line); under ``--json`` it is one JSON object on stdout (``error``, ``type``, and the numbers
+an error carries), so a program reading stdout gets JSON whatever happened.
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ import re
 import sys
 import warnings
 
-__all__ = ["to_flags", "format_error", "cli_warnings", "is_user_error"]
+__all__ = ["to_flags", "format_error", "error_text", "error_json", "cli_warnings",
+           "is_user_error"]
 
 # API spellings that have a CLI one, replaced as they are (Note 1)
 _PHRASES = {
@@ -56,19 +65,33 @@ def _flag(name: str) -> str:
     return _FLAGS.get(name) or _PLAIN_WORDS[name]
 
 
+_SWITCHES = {"offload_optimizer", "fsdp_offload", "reshard_after_forward"}   # on|off (_args Note 2)
+
+
 def _assignment(m: re.Match) -> str:
+    """``name=value`` -> ``--flag value``, a Python True/False as the flag says it."""
     name, value = m.group(1), next(g for g in m.groups()[1:] if g is not None)
-    if name == "offload_optimizer":
+    if name in _SWITCHES:
         value = {"True": "on", "False": "off"}.get(value, value)
+    elif name == "remat" and value in ("True", "False"):
+        return "--remat" if value == "True" else "no --remat"
     return f"{_flag(name)} {value}"
 
 
-def to_flags(message: str) -> str:
-    """``"micro_batch_size=4 is larger than ..."`` -> ``"--micro-batch-size 4 is larger ..."``."""
+def to_flags(message: str, flags=None) -> str:
+    """``"micro_batch_size=4 is larger than ..."`` -> ``"--micro-batch-size 4 is larger ..."``.
+    ``flags``: the option strings of the command printing it (Note 3); None: every command's."""
+    def has(cli: str) -> bool:
+        named = re.findall(r"--[\w-]+", cli)
+        return flags is None or all(f in flags for f in named)
+
     for api, cli in _PHRASES.items():
-        message = message.replace(api, cli)
-    message = _ASSIGN.sub(_assignment, message)
-    return _KEYWORD.sub(lambda m: _FLAGS[m.group(1)], message)
+        if has(cli):
+            message = message.replace(api, cli)
+    message = _ASSIGN.sub(lambda m: _assignment(m) if has(_flag(m.group(1))) else m.group(0),
+                          message)
+    return _KEYWORD.sub(lambda m: _FLAGS[m.group(1)] if has(_FLAGS[m.group(1)]) else m.group(0),
+                        message)
 
 
 def is_user_error(e: BaseException) -> bool:
@@ -80,21 +103,35 @@ def is_user_error(e: BaseException) -> bool:
     return errors is not None and isinstance(e, (errors.MemfitError, errors.OutOfMemory))
 
 
-def format_error(e: BaseException) -> str:
+def error_text(e: BaseException, flags=None) -> str:
+    """The message of ``e`` in the CLI's words (Notes 1, 3), its lines kept (Note 4)."""
     text = str(e).strip() or type(e).__name__
     if isinstance(e, OSError) and e.filename and str(e.filename) not in text:
         text = f"{text}: {e.filename}"
-    text = text.removeprefix("memfit: ")
-    return "memfit: error: " + to_flags(" ".join(text.split("\n")) if len(text) < 400 else text)
+    return to_flags(text.removeprefix("memfit: "), flags)
+
+
+def format_error(e: BaseException, flags=None) -> str:
+    return "memfit: error: " + error_text(e, flags)
+
+
+def error_json(e: BaseException, flags=None) -> dict:
+    """The error as ``--json`` prints it (Note 4): one object, the numbers as numbers."""
+    out = {"error": error_text(e, flags), "type": type(e).__name__}
+    for name in ("floor_bytes", "budget_bytes", "floor_is_bound"):
+        if getattr(e, name, None) is not None:
+            out[name] = getattr(e, name)
+    return out
 
 
 @contextlib.contextmanager
-def cli_warnings(stream=None):
-    """Show warnings once each, one line, in CLI words (Note 2)."""
+def cli_warnings(stream=None, flags=None):
+    """Show warnings once each, one line, in CLI words (Note 2); ``flags``: the command's
+    (Note 3)."""
     seen: set[str] = set()
 
     def show(message, category, filename, lineno, file=None, line=None):
-        text = to_flags(str(message).strip())
+        text = to_flags(str(message).strip(), flags)
         if text in seen:
             return
         seen.add(text)

@@ -8,6 +8,9 @@ import json
 import sys
 import time
 
+from memfit.cli._args import add_switch, reshard_value
+from memfit.knobs import SHARDINGS
+
 __all__ = ["add_arguments", "run_if_asked"]
 
 
@@ -30,19 +33,21 @@ def add_arguments(p) -> None:
     g.add_argument("--gpus", default=None, type=_gpus, metavar="N|auto",
                    help="plan one rank of N GPUs, or 'auto': the fewest that fit; the batch is "
                         "the whole job's, split over the ranks")
-    g.add_argument("--sharding", default=None, choices=("ddp", "fsdp"),
-                   help="fix the layout: ddp (replicated) or fsdp (FSDP2 fully_shard per "
-                        "block); default: memfit picks")
-    g.add_argument("--reshard-after-forward", default=None, choices=("on", "off"),
-                   help="fix FSDP2's reshard_after_forward (default: memfit picks)")
+    g.add_argument("--sharding", default=None, choices=SHARDINGS,
+                   help="fix the layout: ddp (replicated), fsdp (FSDP2 fully_shard per "
+                        "block) or none (one device); default: memfit picks")
+    g.add_argument("--reshard-after-forward", default=None, type=reshard_value,
+                   metavar="on|off|N",
+                   help="fix FSDP2's reshard_after_forward: on, off, or reshard to N ranks "
+                        "(default: memfit picks)")
     g.add_argument("--mp-policy", default=None, choices=("bf16",),
                    help="fix FSDP2's MixedPrecisionPolicy: bf16 (bf16 unsharded weights and "
                         "compute, fp32 reduce; instead of autocast). Default: where the "
                         "precision is bf16, memfit weighs it against autocast")
-    g.add_argument("--fsdp-offload", default=None, choices=("on", "off"),
-                   help="fix FSDP2's CPU offload (sharded parameters, gradients and optimizer "
-                        "state in host RAM, the optimizer stepping on the host). Default: for "
-                        "a GPU memfit weighs both")
+    add_switch(g, "--fsdp-offload",
+               "fix FSDP2's CPU offload: on (sharded parameters, gradients and optimizer state "
+               "in host RAM, the optimizer stepping on the host) or off. Default: for a GPU "
+               "memfit weighs both")
     g.add_argument("--compare-gpus", action="store_true",
                    help="print, for every GPU in the table, the fewest cards that fit and the "
                         "predicted step time, cheapest (GPU-seconds per step) first; modelled, "
@@ -50,7 +55,7 @@ def add_arguments(p) -> None:
 
 
 def _asked(args) -> bool:
-    return args.gpus not in (None, 1) or args.sharding is not None or \
+    return args.gpus not in (None, 1) or args.sharding not in (None, "none") or \
         args.reshard_after_forward is not None or args.mp_policy is not None or \
         args.fsdp_offload is not None or args.compare_gpus
 
@@ -59,7 +64,7 @@ def _check(args) -> None:
     other = [f for f, v in (("--export", args.export), ("--what-if", args.what_if),
                             ("--progressive", args.progressive), ("--plot", args.plot),
                             ("--floor", args.floor), ("--hf-args", args.hf_args),
-                            ("--offload-optimizer on", args.offload_optimizer == "on"))
+                            ("--offload-optimizer on", args.offload_optimizer is True))
              if v]
     if other:
         raise ValueError(f"{', '.join(other)} with --gpus/--sharding/--compare-gpus is not "
@@ -72,12 +77,11 @@ def _check(args) -> None:
 
 
 def _knobs(args, base: dict) -> dict:
-    raf = {"on": True, "off": False}.get(args.reshard_after_forward)
     knobs = {k: v for k, v in base.items() if v is not None}
     knobs.pop("offload_optimizer", None)
-    knobs.update(gpus=args.gpus or "auto", sharding=args.sharding, reshard_after_forward=raf,
-                 mp_policy=args.mp_policy,
-                 fsdp_offload={"on": True, "off": False}.get(args.fsdp_offload))
+    knobs.update(gpus=args.gpus or "auto", sharding=args.sharding,
+                 reshard_after_forward=args.reshard_after_forward, mp_policy=args.mp_policy,
+                 fsdp_offload=args.fsdp_offload)
     return {k: v for k, v in knobs.items() if v is not None}
 
 

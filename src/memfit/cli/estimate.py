@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from memfit.cli._args import add_zero_grad_arg, positive_int
+from memfit.cli._args import (add_switch, add_zero_grad_arg, positive_float, positive_int,
+                              reshard_value)
 from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, hf_trainer
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model_and_batch, check_paths,
@@ -40,19 +41,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(PYTORCH_CUDA_ALLOC_CONF) instead of the default")
     g.add_argument("--micro-batch-size", type=positive_int, default=None, metavar="N",
                    help="accumulate the batch in micro-batches of N samples (default: none)")
+    g.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="X",
+                   help="clip the global gradient norm at X (counted in the optimizer step; "
+                        "default: no clipping)")
     g.add_argument("--checkpoint", default=None, metavar="POLICY",
                    help="recompute blocks in backward: all, every:K, selective (default: none)")
     g.add_argument("--offload", default=None, metavar="POLICY",
                    help="keep blocks' saved activations in host memory: all, every:K "
                         "(default: none)")
-    g.add_argument("--offload-optimizer", action="store_true",
-                   help="keep the optimizer's state (and its step) in host memory")
+    add_switch(g, "--offload-optimizer",
+               "keep the optimizer's state (and its step) in host memory: on or off (default: "
+               "off)")
     g.add_argument("--offload-params", default=None, metavar="POLICY",
                    help="keep blocks' weights in host memory, fetched before each block runs: "
                         "all, every:K (needs --offload-optimizer; default: none)")
     g.add_argument("--optimizer-state", default=None, choices=OPTIMIZER_STATES, metavar="DTYPE",
-                   help="store Adam/AdamW's moments in bf16, 8bit or 4bit (torchao's low-bit "
-                        "optimizers: changes the numerics) instead of fp32. One of "
+                   help="store Adam/AdamW's moments in bf16, 8bit or 4bit (8bit: bitsandbytes, "
+                        "bf16/4bit: torchao; changes the numerics) instead of fp32. One of "
                         f"{', '.join(OPTIMIZER_STATES)}")
     g.add_argument("--gpus", type=positive_int, default=None, metavar="N",
                    help="one rank of an N-rank data-parallel job (with --sharding; the batch is "
@@ -60,16 +65,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--sharding", default=None, choices=SHARDINGS,
                    help="with --gpus: fsdp (FSDP2 fully_shard per block and at the root) or "
                         "ddp (DistributedDataParallel's gradient buckets)")
-    g.add_argument("--reshard-after-forward", default=None, type=_reshard, metavar="true|false|N",
-                   help="FSDP2's: free the unsharded weights after each block's forward (true, "
-                        "the default), keep them to the backward (false), or reshard to N ranks")
+    g.add_argument("--reshard-after-forward", default=None, type=reshard_value,
+                   metavar="on|off|N",
+                   help="FSDP2's: free the unsharded weights after each block's forward (on, "
+                        "the default), keep them to the backward (off), or reshard to N ranks")
     g.add_argument("--mp-policy", default=None, choices=("bf16",),
                    help="FSDP2's MixedPrecisionPolicy: bf16 unsharded weights and compute, fp32 "
                         "sharded weights and gradient reduction (with --precision fp32: no "
                         "autocast)")
-    g.add_argument("--fsdp-offload", action="store_true",
-                   help="FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer "
-                        "state in host memory")
+    add_switch(g, "--fsdp-offload",
+               "FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer state in "
+               "host memory: on or off (default: off)")
     g.add_argument("--remat", action="store_true",
                    help="with --budget: simulate DTR (memfit.remat) on the traced step: its peak, "
                         "recompute FLOPs and the least budget it reaches")
@@ -80,19 +86,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     _report_args.add_arguments(g)            # --report, --snapshot, --snapshot-at
     p.set_defaults(run=run)
     return p
-
-
-def _reshard(text: str) -> bool | int:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: write true, false, or a group size N >= 2")
-    return n
 
 
 def _check(args) -> None:
@@ -130,12 +123,13 @@ def run(args) -> int:
                     model, batch, optimizer=args.optimizer, device=target.device,
                     budget=target.budget_bytes, precision=args.precision,
                     micro_batch_size=args.micro_batch_size, checkpoint=args.checkpoint,
-                    offload=args.offload, offload_optimizer=args.offload_optimizer or None,
+                    offload=args.offload, offload_optimizer=args.offload_optimizer,
                     remat=args.remat or None, zero_grad=args.zero_grad,
+                    max_grad_norm=args.max_grad_norm,
                     optimizer_state=args.optimizer_state, offload_params=args.offload_params,
                     gpus=args.gpus, sharding=args.sharding,
                     reshard_after_forward=args.reshard_after_forward,
-                    fsdp_offload=args.fsdp_offload or None, mp_policy=args.mp_policy,
+                    fsdp_offload=args.fsdp_offload, mp_policy=args.mp_policy,
                     **impl,
                     allocator=allocator)
     shapes = {k: list(v.shape) for k, v in batch.items()}

@@ -34,17 +34,18 @@ def rows() -> list[dict]:
 
 
 def run(args) -> int:
-    from memfit.units import format_bytes
+    from memfit.units import GiB
 
     right = {"justify": "right", "no_wrap": True}
-    columns = [("name", {"no_wrap": True}), ("memory", right), ("usable", right),
+    # one unit for both columns (issue 26): GiB, two decimals, so they compare at a glance
+    columns = [("name", {"no_wrap": True}), ("memory GiB", right), ("usable GiB", right),
                ("auto", {"no_wrap": True}), ("TFLOP/s 16-bit", right), ("GB/s", right),
                ("GPU", {})]
     return print_listing(
         args, rows(), "GPUs (pass the name as --gpu; 'cpu' plans for this machine's RAM; "
                       "~: usable not published, estimated)",
         columns,
-        lambda r: [r["name"], format_bytes(r["memory_bytes"], 0),
-                   ("" if r["usable_measured"] else "~") + format_bytes(r["usable_bytes"]),
+        lambda r: [r["name"], f"{r['memory_bytes'] / GiB:.2f}",
+                   ("" if r["usable_measured"] else "~") + f"{r['usable_bytes'] / GiB:.2f}",
                    r["auto_precision"], f"{max(r['peak_fp16_tflops'], r['peak_bf16_tflops']):g}",
                    str(r["memory_bandwidth_gb_per_s"]), r["display_name"].removeprefix("NVIDIA ")])

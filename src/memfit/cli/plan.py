@@ -7,7 +7,8 @@ import json
 import sys
 import time
 
-from memfit.cli._args import add_zero_grad_arg, positive_float, positive_int, progressive_spec
+from memfit.cli._args import (add_switch, add_zero_grad_arg, positive_float, positive_int,
+                              progressive_spec)
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model, check_paths, make_batch,
                                 optimizer_impl_knob, resolve_target)
@@ -15,7 +16,7 @@ from memfit.cli import _plan_sharding
 from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, export_path, hf_trainer
 from memfit.cli._json import byte_counts_checked
 from memfit.cli.estimate import describe_batch, trainable_line
-from memfit.knobs import PRECISIONS
+from memfit.knobs import OPTIMIZER_STATES, PRECISIONS
 
 EXPORTS = ("transformers", "accelerate", "deepspeed")
 
@@ -45,8 +46,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "per block)")
     g.add_argument("--offload", default=None, metavar="POLICY",
                    help="fix activation offload: none, all, every:K (default: memfit picks)")
-    g.add_argument("--offload-optimizer", default=None, choices=("on", "off"),
-                   help="fix where the optimizer state lives (default: memfit picks)")
+    add_switch(g, "--offload-optimizer",
+               "fix where the optimizer state lives: on (host memory) or off (the device); "
+               "default: memfit picks")
+    g.add_argument("--offload-params", default=None, metavar="POLICY",
+                   help="fix which blocks' weights live in host memory, fetched before each "
+                        "block runs: none, all, every:K (needs the optimizer state on the host; "
+                        "default: memfit picks, as a last resort)")
+    g.add_argument("--optimizer-state", default=None, choices=OPTIMIZER_STATES, metavar="DTYPE",
+                   help="fix how Adam/AdamW's moments are stored: fp32, bf16, 8bit or 4bit "
+                        "(8bit: bitsandbytes, bf16/4bit: torchao; changes the numerics); default: memfit "
+                        "may pick a low-bit one under precision auto")
     g.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="X",
                    help="clip the global gradient norm at X (counted in the optimizer step)")
     g.add_argument("--no-numerics-change", action="store_true",
@@ -82,11 +92,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _knobs(args) -> dict:
-    oo = {"on": True, "off": False}.get(args.offload_optimizer)
     return dict(precision=args.precision, micro_batch_size=args.micro_batch_size,
-                checkpoint=args.checkpoint, offload=args.offload, offload_optimizer=oo,
-                max_grad_norm=args.max_grad_norm, zero_grad=args.zero_grad,
-                **optimizer_impl_knob(args))
+                checkpoint=args.checkpoint, offload=args.offload,
+                offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
+                optimizer_state=args.optimizer_state, max_grad_norm=args.max_grad_norm,
+                zero_grad=args.zero_grad, **optimizer_impl_knob(args))
 
 
 def _check(args) -> None:
@@ -94,6 +104,9 @@ def _check(args) -> None:
     from memfit.knobs import Knobs
 
     check_paths(args, "--plot")
+    from memfit.cli import _report_args
+
+    _report_args.check(args)                   # --report, --snapshot: as --plot, before a trace
     Knobs.from_kwargs(**_knobs(args))          # policy strings etc.: ValueError naming the flag
     if args.progressive and args.seq_len != "auto" and args.seq_len is not None and \
             args.progressive[0] >= args.seq_len:
@@ -329,7 +342,9 @@ def _print_human(console, spec, model, planned, described, args, target, seconds
     if host:
         console.print(f"host RAM for offload: {format_bytes(host)} at its peak (beside the "
                       "training process's own)")
-    explanation = p.explain()
+    from memfit.cli._errors import to_flags
+
+    explanation = to_flags(p.explain())         # the API's keywords as this command's flags
     console.print(explanation, markup=False, highlight=False)
     if p.predicted_step_time_ratio is not None and "step time" not in explanation:
         console.print(f"[bold]predicted step time: {p.predicted_step_time_ratio:.2f}x[/bold] the "
