@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import (checkpoint, create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
+from torch.utils.flop_counter import FlopCounterMode
 
 import memfit
 from memfit.techniques._selective import selective_contexts
@@ -170,6 +171,26 @@ def test_a_mutated_output_is_not_kept():
         se(x)
     kept = forward.kept[torch.ops.aten.convolution.default]
     assert kept[0] is None and kept[1] is not None
+
+
+def _step_flops(model, batch) -> int:
+    with FlopCounterMode(display=False) as fc:
+        _grads_of_steps(model, batch, steps=1)
+    return fc.get_total_flops()
+
+
+def test_what_selective_reruns_is_the_mutated_conv():
+    # The price of the drop, exactly: the selective step's FLOPs are the plain step's plus one
+    # forward of each block's se.conv_reduce (measured per module in a plain forward), the only
+    # kept op whose output is mutated; every other conv is handed back, not rerun.
+    plain, wrapped, batch = _build(), _build(), _images()
+    Checkpoint(Checkpoint.Config("selective")).apply(wrapped)
+    with FlopCounterMode(display=False) as fc:
+        plain(batch[0])
+    per_module = {k: sum(v.values()) for k, v in fc.get_flop_counts().items()}
+    reduce = sum(per_module[f"EfficientNetish.blocks.{i}.se.conv_reduce"] for i in range(3))
+    assert reduce > 0
+    assert _step_flops(wrapped, batch) - _step_flops(plain, batch) == reduce
 
 
 def test_output_mutated_after_the_block():
