@@ -130,3 +130,42 @@ def test_precision_auto_is_not_for_estimate():
     model, batch = tiny("bert-base")
     with pytest.raises(ValueError, match="fixed precision"):
         memfit.estimate(model, batch, precision="auto")
+
+
+def test_a_name_where_a_module_is_needed():
+    """Every front that takes a model says how to get one from a name (was AttributeError:
+    'str' object has no attribute 'parameters'); something else is named by its type."""
+    model, batch = tiny("gpt2")
+    zoo_call = r"memfit\.zoo\.get\('gpt2'\); model = spec\.build\(device='meta'\)"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fronts = {"estimate": lambda m: memfit.estimate(m, batch),
+              "plan": lambda m: memfit.plan(m, batch, budget="1GiB"),
+              "fit": lambda m: memfit.fit(m, opt, batch),
+              "estimate_sharded": lambda m: memfit.estimate_sharded(m, batch, world_size=2),
+              "estimate gpus": lambda m: memfit.estimate(m, batch, gpus=2, sharding="fsdp"),
+              "track": lambda m: memfit.track(m)}
+    for name, call in fronts.items():
+        with pytest.raises(ValueError, match=zoo_call):
+            call("gpt2")
+        with pytest.raises(ValueError, match="must be a torch.nn.Module .*got NoneType" if
+                           name != "track" else "got dict"):
+            call(None if name != "track" else {"model": model})
+    with pytest.raises(ValueError, match="zoo.names()"):
+        memfit.estimate("no-such-model", batch)
+    with pytest.raises(ValueError, match="optimizer must be a torch.optim.Optimizer.*'adamw'"):
+        memfit.track(model, "adamw")
+
+
+def test_integrations_name_the_object_they_need():
+    """The integrations' entry points given the wrong object (a model for the Trainer, the
+    model where the Accelerator goes) say what they need (was AttributeError: no 'args')."""
+    model, batch = tiny("gpt2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mf_hf = pytest.importorskip("memfit.integrations.transformers")
+    with pytest.raises(ValueError, match="give a transformers.Trainer.*got GPT2LMHeadModel"):
+        mf_hf.estimate(model)
+    with pytest.raises(ValueError, match="give a transformers.Trainer.*got str"):
+        mf_hf.fit("trainer", budget="1GiB")
+    mf_acc = pytest.importorskip("memfit.integrations.accelerate")
+    with pytest.raises(ValueError, match="give the accelerate.Accelerator.*got GPT2LMHeadModel"):
+        mf_acc.estimate(model, opt, batch, None)

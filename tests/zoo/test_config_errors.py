@@ -59,3 +59,32 @@ def test_unknown_task(tmp_path):
         zoo.from_config_file(path, task="summarise")
     with pytest.raises(ValueError, match="unknown task 'summarise' .*valid tasks are"):
         zoo.from_config_file(path).check_task("summarise")
+
+
+@pytest.mark.parametrize("model_type,arch,field,value", [
+    ("gpt2", "GPT2LMHeadModel", "n_layer", -2),               # was "__len__() should return >= 0"
+    ("bert", "BertForMaskedLM", "num_hidden_layers", -2),     # was an empty ModuleList: 0 layers
+    ("llama", "LlamaForCausalLM", "hidden_size", -8),         # was torch's "negative dimension"
+    ("bert", "BertForMaskedLM", "num_attention_heads", 0),
+])
+def test_a_size_that_is_not_positive(tmp_path, model_type, arch, field, value):
+    """A config.json, and the same field as a zoo override, name the field and its value before
+    anything is built."""
+    path = write(tmp_path, {"model_type": model_type, "architectures": [arch], field: value})
+    expected = rf"the config is invalid \(field '{field}'\): {field} must be a positive int, got {value}"
+    with pytest.raises(ValueError, match=expected):
+        zoo.from_config_file(path).build(device="meta")
+    name = {"gpt2": "gpt2", "bert": "bert-base", "llama": "llama-1b"}[model_type]
+    with pytest.raises(ValueError, match=expected):
+        zoo.get(name).build(tiny=True, **{field: value})
+
+
+def test_sizes_in_a_sub_config_and_per_stage_lists():
+    """CLIP's text_config is checked as its own config; Swin's per-stage head counts entry by
+    entry (a valid list passes)."""
+    with pytest.raises(ValueError, match=r"\(text_config\).*'num_hidden_layers'.*got -1"):
+        zoo.get("clip-vit-base-patch32").config(text_config={"num_hidden_layers": -1})
+    swin = zoo.get("swin-tiny")
+    assert swin.config().num_heads == [3, 6, 12, 24]
+    with pytest.raises(ValueError, match=r"'num_heads'.*positive int per entry"):
+        swin.config(num_heads=[3, 6, -12, 24])

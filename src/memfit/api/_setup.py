@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from memfit.api._plan_allocator import apply_allocator
+from memfit.zoo._model_arg import check_model
 from memfit.devices import DeviceSpec, cpu_spec, get_device, with_cuda
 from memfit.knobs import Knobs
 from memfit.optimizers import IMPL_FLAGS, OptimizerRecipe
@@ -30,7 +31,9 @@ __all__ = ["resolve_device", "resolve_precision", "build_runner"]
 def resolve_device(model: nn.Module, device, cuda_version=None) -> DeviceSpec:
     """``device`` (a name, "cpu", "cuda", a profile FILE.json, a DeviceSpec), else where the
     model is; ``cuda_version`` ("12.4") sets the CUDA its context figures assume
-    (``memfit.devices.with_cuda``; refused for the CPU)."""
+    (``memfit.devices.with_cuda``; refused for the CPU). Every front asks this first, so
+    it refuses what is not a model (``zoo._model_arg.check_model``)."""
+    check_model(model)
     if device is not None:
         spec = get_device(device)
     else:

@@ -64,7 +64,12 @@ AHEAD = "look_ahead"
 def check_supported(accelerator) -> None:
     """A ValueError naming what this step does not model (Note 2): several processes,
     DeepSpeed / FSDP / Megatron, a loss scaler."""
+    from accelerate import Accelerator
     from accelerate.utils import DistributedType
+    if not isinstance(accelerator, Accelerator):
+        raise ValueError(f"give the accelerate.Accelerator the loop uses, got "
+                         f"{type(accelerator).__name__} (the arguments are accelerator, model, "
+                         "optimizer, batch)")
     bad = []
     if accelerator.num_processes > 1:
         bad.append(f"num_processes={accelerator.num_processes} (estimate one rank with "

@@ -62,6 +62,11 @@ AHEAD = "look_ahead"
 def check_supported(trainer) -> None:
     """A ValueError naming the setting when the trainer runs something this step does not
     model (distributed, compiled, DeepSpeed/FSDP, NEFTune, Liger kernels)."""
+    import transformers
+    if not isinstance(trainer, transformers.Trainer):
+        raise ValueError(f"give a transformers.Trainer (built with the model, TrainingArguments and "
+                         f"train_dataset), got {type(trainer).__name__}: for a bare model use "
+                         "memfit.estimate(model, batch) / memfit.fit(model, optimizer, batch)")
     args = trainer.args
     refused = [
         (args.world_size > 1, f"world_size={args.world_size} (one process per device is "

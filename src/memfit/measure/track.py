@@ -34,6 +34,7 @@ from memfit.measure._counting import (CountingMode, allocates_and_writes, host_a
 from memfit.measure._ledger import Ledger
 from memfit.measure._modules import ModuleRecord, ModuleWatch
 from memfit.units import parse_bytes
+from memfit.zoo._model_arg import check_model
 
 __all__ = ["Tracker", "track", "host_allocations", "active_tracker"]
 
@@ -355,4 +356,9 @@ def track(model: nn.Module | None = None, optimizer=None, budget=None,
     it raise ``memfit.OutOfMemory`` without effect; ``device`` picks the device whose bytes
     count (default: where the model is, else the CPU).
     """
+    if model is not None:
+        check_model(model, "track's model")
+    if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")):
+        raise ValueError(f"track's optimizer must be a torch.optim.Optimizer instance (or None), got "
+                         f"{type(optimizer).__name__} {optimizer!r}")
     return Tracker(model=model, optimizer=optimizer, budget=budget, device=device)

@@ -25,7 +25,7 @@ import transformers
 from transformers import AutoConfig
 from transformers.models.auto import configuration_auto, modeling_auto
 
-from memfit.zoo._config_errors import CONFIG_ERRORS, invalid_config
+from memfit.zoo._config_errors import CONFIG_ERRORS, check_sizes, invalid_config
 from memfit.zoo._spec import ModelSpec
 
 __all__ = ["from_config_file"]
@@ -104,11 +104,14 @@ def _make_config(file: Path, model_type: str, values: dict) -> transformers.Pret
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         raise ValueError(f"unknown model_type {model_type!r} in {file}: transformers {transformers.__version__} "
                          f"has no config class for it.{hint} Fix the field, or upgrade transformers.")
+    check_sizes(str(file), values)
     try:
-        return AutoConfig.for_model(model_type, **values)
+        config = AutoConfig.for_model(model_type, **values)
     except CONFIG_ERRORS as err:
         fields = set(values) | set(vars(configuration_auto.CONFIG_MAPPING[model_type]()))
         raise invalid_config(str(file), sorted(fields), err) from err
+    check_sizes(str(file), config)
+    return config
 
 
 def _infer_family(config: transformers.PretrainedConfig, arch: str | None, task: str | None) -> str:

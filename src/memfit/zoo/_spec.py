@@ -26,7 +26,7 @@ import transformers
 from torch import nn
 
 from memfit.zoo import _batches
-from memfit.zoo._config_errors import CONFIG_ERRORS, invalid_config
+from memfit.zoo._config_errors import CONFIG_ERRORS, check_sizes, invalid_config
 
 __all__ = ["ModelSpec", "count_parameters", "FAMILIES", "TASKS"]
 
@@ -95,10 +95,13 @@ class ModelSpec:
             values.update(copy.deepcopy(dict(self.tiny_overrides)))
         self._check_override_names(overrides)
         values.update(overrides)
+        check_sizes(self.source or self.name, values)
         try:
-            return self.config_class(**values)
+            config = self.config_class(**values)
         except CONFIG_ERRORS as err:
             raise invalid_config(self.source or self.name, sorted(values), err) from err
+        check_sizes(self.source or self.name, config)
+        return config
 
     def build(self, task: str | None = None, *, tiny: bool = False, device: str | torch.device = "cpu",
               dtype: torch.dtype | None = None, seed: int = 0, **overrides: Any) -> nn.Module:
