@@ -21,10 +21,8 @@ only every k-th call would be counted at a call that does not.
 
 Note 3 (the batch). The step receives the batch as given: an all-ones attention mask is kept
 (``fn`` may read it), unlike memfit's own step (``memfit.step.prepare_batch``). transformers
-skips building the 4-D mask for an all-ones one on real tensors but cannot tell on fakes
-(``is_tracing``), so there the trace may count a few more bytes than the real step (the 4-D
-mask; never fewer); the estimate says so in its notes. Drop such a mask from the batch
-(``memfit.step.prepare_batch``) for figures exact to the byte.
+skips building the 4-D mask for an all-ones one on real tensors, and so does the trace: it
+reads the mask's real values where the real step does (``trace.known_values``).
 
 Note 4 (what cannot be traced). ``fn`` runs on fake tensors: a real tensor it captured from
 outside (the real model, an EMA copy made beforehand, a scheduler over the real optimizer)
@@ -35,11 +33,9 @@ loss instead of reading it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from memfit.errors import TraceError
 from memfit.knobs import Knobs
-from memfit.step import UserStep, prepare_batch
+from memfit.step import UserStep
 
 __all__ = ["check_step_knobs", "as_user_step", "with_backward_phase", "explain_step_error",
            "step_notes", "check_cuda_autocast", "STEP_FIXED_NOTE"]
@@ -80,15 +76,7 @@ def check_step_knobs(k: Knobs, batch_size: int, loss_fn=None) -> Knobs:
 
 def step_notes(step: UserStep, batch) -> list[str]:
     """What an estimate of a user step says about itself (Note 3)."""
-    notes = [f"traced the user's step {step.name} (steady state: its second call counted)"]
-    if isinstance(batch, Mapping):
-        dropped = sorted(set(batch) - set(prepare_batch(batch)))
-        if dropped:
-            notes.append(f"the batch's {', '.join(dropped)} is all ones: on fake tensors "
-                         "transformers builds the 4-D mask the real step skips, so these figures "
-                         "may be a few bytes high; drop it from the batch "
-                         "(memfit.step.prepare_batch) for exact ones")
-    return notes
+    return [f"traced the user's step {step.name} (steady state: its second call counted)"]
 
 
 def with_backward_phase(phases: dict[str, int], modules) -> dict[str, int]:

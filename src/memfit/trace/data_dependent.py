@@ -12,9 +12,16 @@ data-dependent ops read); floating tensors (pixels, audio features, weights) are
 ``propagate`` extends it op by op: an op all of whose tensor inputs are known, and whose inputs
 and outputs hold at most ``MAX_KNOWN_ELEMENTS`` elements, is also run on the real values, and
 its outputs become known (``labels >= 0`` from ``labels``, a micro-batch slice from the batch).
-An in-place op on a known tensor makes it unknown (the real values are never written). This is
-the all-ones-mask rule of ``memfit.step.prepare_batch`` carried through the step: where the real
-step's control flow or sizes depend on the data, the trace reads the same data.
+An in-place op on a known tensor makes it unknown (the real values are never written), and so
+are the known tensors that share its storage (views of it, its base). This is the all-ones-mask
+rule of ``memfit.step.prepare_batch`` carried through the step: where the real step's control
+flow or sizes depend on the data, the trace reads the same data.
+
+Note 3 (values made in the step). A factory op whose values are fixed by its arguments alone
+(``ones``, ``zeros``, ``full``, ``arange``, ``scalar_tensor`` and their ``_like`` / ``new_``
+forms) makes a known tensor, of any dtype, within the same size limit: Bart's decoder makes
+the all-ones mask it was not given (``torch.ones(batch, length)``) and transformers reads it
+(``trace.known_values``), as the real step does.
 
 Note 2 (what is resolved). When the fake mode refuses an op for want of values, ``resolve``
 runs it on the real values and returns fakes of the real outputs' sizes, strides and dtypes
@@ -81,7 +88,11 @@ class DataValues:
         return len(self._real)
 
     def propagate(self, func, args, kwargs, out) -> None:
-        """After ``func`` ran on fakes: mirror it on real values where every input is known (Note 1)."""
+        """After ``func`` ran on fakes: mirror it on real values where every input is known (Note 1),
+        or where its values are fixed by its arguments (Note 3)."""
+        if func in _FIXED_VALUES:
+            self._made(func, args, kwargs, out)
+            return
         if not self._real:
             return
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -89,8 +100,7 @@ class DataValues:
         if not any(known):
             return
         if func._schema.is_mutable:
-            for t in inputs:
-                self._real.pop(t, None)
+            self._forget(inputs)
             return
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not all(known) or not outputs or _elements(inputs + outputs) > MAX_KNOWN_ELEMENTS:
@@ -116,6 +126,27 @@ class DataValues:
         if func is _aten.index.Tensor:
             return self._bool_index(func, *args, **kwargs)
         return None
+
+    def _made(self, func, args, kwargs, out) -> None:
+        """Note 3: run a fixed-values factory for real; its input (a ``_like``'s) gives only a shape."""
+        if (not isinstance(out, torch.Tensor) or not all(isinstance(n, int) for n in out.shape)
+                or out.numel() > MAX_KNOWN_ELEMENTS):        # symbolic sizes: no guard is added
+            return
+        with unset_fake_temporarily():
+            real_args, real_kwargs = tree_map(lambda t: torch.empty_strided(
+                t.shape, t.stride(), dtype=t.dtype) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            real = func(*real_args, **{**real_kwargs, "device": "cpu"})
+        if tuple(real.shape) == tuple(out.shape) and real.dtype == out.dtype:
+            self._real[out] = real
+
+    def _forget(self, inputs) -> None:
+        """An in-place op touched ``inputs``: they, and known tensors on their storages, are unknown
+        (Note 1)."""
+        storages = {t.untyped_storage()._cdata for t in inputs}
+        for t in [t for t in self._real.keys() if t.untyped_storage()._cdata in storages]:
+            self._real.pop(t, None)
+        for t in inputs:
+            self._real.pop(t, None)
 
     def _run_real(self, func, args, kwargs):
         real_args, real_kwargs = tree_map(lambda t: self._real[t] if isinstance(t, torch.Tensor)
@@ -153,6 +184,13 @@ class DataValues:
         out = func(x, replaced)
         self.propagate(func, (x, replaced), {}, out)
         return out
+
+
+_FIXED_VALUES = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.arange.default,
+                 _aten.arange.start, _aten.arange.start_step, _aten.scalar_tensor.default,
+                 _aten.ones_like.default, _aten.zeros_like.default, _aten.full_like.default,
+                 _aten.new_ones.default, _aten.new_zeros.default, _aten.new_full.default}
+"""Factories whose values their arguments fix (Note 3); ``empty`` and random ones are not."""
 
 
 def _is_data(t) -> bool:

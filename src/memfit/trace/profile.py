@@ -10,7 +10,8 @@ Note 2 (mode order). The fake mode is entered first, ``FidelityMode`` (fake outp
 match real kernels) next, and the counting mode on top, so the counter sees each op once, as
 the real run does, with the outputs the real kernel would give, and not the decompositions the
 fake mode may run underneath. ``FiniteGradsMode`` sits between the two: a GradScaler in a user's
-step reads its inf check back, which it answers "finite" (``trace.finite_grads``).
+step reads its inf check back, which it answers "finite" (``trace.finite_grads``). transformers reads
+the batch's masks where the real step does (``trace.known_values``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from memfit.measure import ModuleRecord, Tracker
 from memfit.trace.fake import FakeCopier
 from memfit.trace.fidelity import FidelityMode
 from memfit.trace.finite_grads import FiniteGradsMode
+from memfit.trace.known_values import known_values_readable
 
 __all__ = ["StepProfile", "profile_step", "warm_up_optimizer"]
 
@@ -74,7 +76,8 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
     ``two_steps``: instead, count two whole steps and take the peak over the second (an
     allocator replay needs the first step's history); ``after_first(tracker)`` runs between.
     """
-    with copier.mode, FidelityMode(copier.data), FiniteGradsMode(copier.data):
+    with (copier.mode, FidelityMode(copier.data), FiniteGradsMode(copier.data),
+          known_values_readable(copier.data)):
         if not two_steps:            # two steps need no warm-up: step 1 is it
             (warm_up or (lambda: warm_up_optimizer(model, optimizer)))()
         tracker = Tracker(model=model, optimizer=optimizer, device=copier.device, fake=True)
