@@ -87,7 +87,7 @@ def test_8bit_state_follows_fp32_adamw_within_torchaos_tolerance():
     runs = [memfit.fit(m, torch.optim.AdamW(m.parameters(), lr=1e-3), batch, loss_fn=loss_fn,
                        **extra) for m, extra in ((fp32, {}), (low, {"optimizer_state": "8bit"}))]
     losses = [[r.step(batch) for _ in range(20)] for r in runs]
-    assert type(runs[1].optimizer.state[low[0].weight]["exp_avg"]).__name__ == "OptimState8bit"
+    assert runs[1].optimizer.state[low[0].weight]["state1"].dtype == torch.uint8   # bitsandbytes
     assert losses[0] != losses[1]                     # the state really is 8-bit
     assert losses[1][-1] < 0.1 * losses[1][0]         # and it trains
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]),

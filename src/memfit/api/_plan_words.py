@@ -30,7 +30,7 @@ from __future__ import annotations
 from memfit.errors import BudgetTooSmall
 from memfit.optimizers import IMPL_FLAGS
 from memfit.planner._explain import ratio_words
-from memfit.techniques.low_bit_optimizer import NUMERICS_NOTE
+from memfit.techniques.low_bit_optimizer import LIBRARY, NUMERICS_NOTE
 from memfit.units import GiB, format_bytes
 
 __all__ = ["global_reasons", "host_bytes", "too_small", "excluded_levers", "counted_levers",
@@ -115,10 +115,12 @@ def lever_reasons(k, choice, memory, ctx) -> list[str]:
         why = "precision='auto' allows it" if k.precision == "auto" else \
             "allow_numerics_change=True allows it"
         saved = getattr(ctx, "fp32_state_bytes", 0) - memory.optimizer_state_bytes
-        out.append(f"optimizer state {state} (torchao): this {NUMERICS_NOTE.format(what=state)}; "
+        lib = LIBRARY[state]
+        out.append(f"optimizer state {state} ({lib}): this "
+                   f"{NUMERICS_NOTE.format(what=state, lib=lib)}; "
                    f"{why}. It saves {format_bytes(max(saved, 0))} of device memory against "
                    "fp32 state, for a step predicted faster than any plan without it; fit "
-                   "rebuilds the optimizer as torchao's low-bit Adam/AdamW")
+                   f"rebuilds the optimizer as {lib}'s low-bit Adam/AdamW")
     if choice.offload_params is not None and choice.offload_params != k.offload_params:
         out.append(f"block weights on the host (offload_params={choice.offload_params!r}): no "
                    "plan that keeps the weights on the device fits; each block's weights are "
@@ -216,7 +218,7 @@ def counted_levers(k, numerics: bool, user_step: bool, precisions) -> list[str]:
     if k.offload_optimizer is not False:
         out.append("the optimizer state on the host")
     if numerics and k.optimizer_state is None and not user_step:
-        out.append("a bf16, 4-bit or 8-bit optimizer state (torchao)")
+        out.append("a bf16, 4-bit (torchao) or 8-bit (bitsandbytes) optimizer state")
     if k.offload_params is None and k.offload_optimizer is not False and not user_step:
         out.append("the block weights on the host")
     return out

@@ -173,7 +173,8 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     ``remat`` (with ``budget``: DTR simulated on the traced step, ``remat_*`` fields; the
     traced figures stay those of the plain step), ``zero_grad`` (the loop style: "before-forward",
     the default, "after-forward" or "keep-buffers", ``memfit.step`` Note 1), ``optimizer_state``
-    ("bf16", "8bit", "4bit": torchao's low-bit Adam/AdamW, ``techniques.low_bit_optimizer``),
+    ("8bit": bitsandbytes', "bf16", "4bit": torchao's low-bit Adam/AdamW,
+    ``techniques.low_bit_optimizer``),
     ``offload_params`` (block weights on the host, with ``offload_optimizer``,
     ``techniques.param_offload``); ``count_fn`` as in ``fit``.
     For a GPU the CPU trace is run through models of CUDA's autocast, attention kernels,

@@ -51,9 +51,9 @@ saved; a block's mode applies to all its passes (block hooks act on every call).
 saved nothing (under ``no_grad``) are no passes. A block with a forward left without a backward,
 or a backward without a forward, can only be kept.
 
-Note 9 (low-bit optimizer state). torchao's low-bit Adam (``optimizer_state``) changes only the
-optimizer's bytes: its state, alive at every point, and its step's temporaries (int64 codes,
-parameter-sized). ``with_optimizer_state(est)`` reads both off a plain trace with that state:
+Note 9 (low-bit optimizer state). A low-bit Adam (``optimizer_state``) changes only the
+optimizer's bytes: its state, alive at every point, and its step's temporaries (on CPU
+parameter-sized fp32 copies; none in bitsandbytes' fused CUDA kernel: low_bit_optimizer Note 5). ``with_optimizer_state(est)`` reads both off a plain trace with that state:
 the optimizer category's difference at each point before the step (the forward and backward
 run the same ops) shifts every point, and the step's rise replaces this model's (as Note 7).
 

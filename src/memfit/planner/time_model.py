@@ -40,7 +40,7 @@ weight crosses it before the block's forward and again before its backward, once
 micro-batch, and the copies are synchronous (param_offload Note 5): nothing hides them.
 ``with_fetches(bytes)`` adds ``bytes / link`` per micro-batch.
 
-Note 8 (low-bit optimizer state). Its step (dequantize, Adam, quantize: torchao's ops, eager) is
+Note 8 (low-bit optimizer state). Its step (dequantize, Adam, quantize: the library's ops) is
 timed from the ops of a trace with that state (``with_optimizer_step``, as Note 6).
 """
 

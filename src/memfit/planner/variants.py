@@ -17,7 +17,8 @@ the first ``samples`` of it) so that this layer imports nothing above it.
 
 Note 2 (when). Low-bit states change the numerics: they are weighed only when the caller
 allows it (``allow_numerics_change``, implied by ``precision="auto"``), only for Adam/AdamW
-(torchao's), and a state torchao or the optimizer refuses is skipped. Parameter offload is a
+(bitsandbytes' 8-bit, torchao's 4-bit and bf16), and a state whose library is missing or
+that the optimizer refuses is skipped. Parameter offload is a
 last resort (synchronous copies of every weight, twice per micro-batch): it is weighed when
 nothing else fits, and by the floor.
 
@@ -50,7 +51,7 @@ def add_low_bit(models: dict, traces: dict, trace: Callable, say: Callable[[str]
                 states=LOW_BIT_STATES) -> list[str]:
     """Add a model per low-bit state to every ``(precision, None)`` model whose precision keeps
     its optimizer over the parameters (Note 1); ``traces``: precision -> its plain trace.
-    Returns the states added (those torchao and the optimizer accept)."""
+    Returns the states added (those the libraries and the optimizer accept)."""
     added = []
     keys = [k for k in models if len(k) == 2 and k[1] is None and k[0] != "bf16-pure"]
     for state in states:
@@ -61,7 +62,7 @@ def add_low_bit(models: dict, traces: dict, trace: Callable, say: Callable[[str]
                 say(f"tracing the plain step with {state} optimizer state ({precision})")
                 try:
                     est = trace(precision, None, optimizer_state=state)
-                except (ValueError, ImportError):  # torchao missing, a class it lacks
+                except (ValueError, ImportError):  # library missing, a class it lacks
                     break
             memory, time = models[key]
             models[variant_key(precision, None, state)] = (

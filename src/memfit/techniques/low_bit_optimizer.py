@@ -1,44 +1,71 @@
-"""Low-bit optimizer states (``optimizer_state="bf16" | "8bit" | "4bit"``) through torchao.
+"""Low-bit optimizer states (``optimizer_state="bf16" | "8bit" | "4bit"``).
 
 Note 1 (what is built). The user's Adam or AdamW (class, hyper-parameters, param groups) is
-rebuilt as torchao's low-bit optimizer over the same parameters: ``AdamW8bit``/``Adam8bit``
-(block-wise dynamic 8-bit moments, 256 values per fp32 scale; Dettmers et al.,
-https://arxiv.org/abs/2110.02861), ``AdamW4bit``/``Adam4bit`` (4-bit, 128 per scale; Li et al.,
-https://arxiv.org/abs/2309.01507), or for "bf16" torchao's ``_AdamW`` base with its moments
-held as bf16 tensors (rounded to nearest when stored) and, where the parameters themselves are
-bf16, torchao's stochastic rounding of the update (``bf16_stochastic_round``). As in torchao,
-only tensors of at least 4096 values whose size the block divides are quantized; the others
-keep fp32 moments. Only Adam and AdamW have low-bit versions; anything else is refused, as
-are ``amsgrad``, ``maximize`` and ``differentiable`` (torchao's step has none of them). The
+rebuilt over the same parameters as the low-bit optimizer users run for that state:
+- "8bit": bitsandbytes' ``AdamW8bit``/``Adam8bit`` (block-wise dynamic 8-bit moments, 256
+  values per fp32 absmax; Dettmers et al., https://arxiv.org/abs/2110.02861), stepped by its
+  fused kernel (Note 5). As in bitsandbytes, tensors of fewer than 4096 values
+  (``min_8bit_size``) keep fp32 moments and its 32-bit kernel.
+- "4bit": torchao's ``AdamW4bit``/``Adam4bit`` (4-bit, 128 per scale; Li et al.,
+  https://arxiv.org/abs/2309.01507); "bf16": torchao's ``_AdamW`` base with its moments held
+  as bf16 tensors (rounded to nearest when stored) and, where the parameters themselves are
+  bf16, torchao's stochastic rounding of the update (``bf16_stochastic_round``). As in
+  torchao, only tensors of at least 4096 values whose size the block divides are quantized;
+  the others keep fp32 moments.
+Only Adam and AdamW have low-bit versions; anything else is refused, as are ``amsgrad``,
+``maximize`` and ``differentiable`` (neither library's step has them), and for "8bit" torch's
+Adam with ``weight_decay > 0`` (bitsandbytes' Adam kernels decay decoupled, AdamW's way). The
 numerics change: the plan must say so (``NUMERICS_NOTE``).
 
-Note 2 (the step: eager, every op at the top). torchao's ``step`` runs ``single_param_adam``
-under ``torch.compile(fullgraph=True)``. That cannot be traced or measured: torch.compile
-refuses to run under a (non-infra) ``TorchDispatchMode`` ("non-infra torch dispatch mode
-present", and with ``fullgraph=True`` it raises), which is what ``memfit.track`` and the fake
-trace are; and on CPU inductor builds C++ (gcc, here about two minutes for a 2-layer MLP).
-Calling torchao's function eagerly is no better for accounting: its state subclasses
-(``OptimState8bit``/``OptimState4bit``) quantize inside their ``__torch_dispatch__`` of
+Note 2 (torchao's step: eager, every op at the top). torchao's ``step`` runs
+``single_param_adam`` under ``torch.compile(fullgraph=True)``. That cannot be traced or
+measured: torch.compile refuses to run under a (non-infra) ``TorchDispatchMode`` ("non-infra
+torch dispatch mode present", and with ``fullgraph=True`` it raises), which is what
+``memfit.track`` and the fake trace are; and on CPU inductor builds C++ (gcc, here about two
+minutes for a 2-layer MLP). Calling torchao's function eagerly is no better for accounting:
+its state subclasses (``OptimState4bit``) quantize inside their ``__torch_dispatch__`` of
 ``copy_``, and a dispatch mode sees only that outer op, so a counter would miss the
 quantization's temporaries (int64 codes, parameter-sized, per state). So ``step`` here is
 torchao's ``single_param_adam`` with the subclass ops unrolled: dequantize is the subclass's
 own Python ``dequantize()`` and the store is its ``copy_`` body (``scale_tensor``, then
-``quantize_8bit_with_qmap``/``quantize_4bit_with_qmap`` and the 4-bit packing), all torchao
-functions called at the top, so every temporary is an op the counter sees, in the estimate as
-in a real run. It is bitwise equal to torchao's eager step (a test holds it to that); the
-compiled step fuses these ops and allocates less, so on a GPU the estimate is an upper bound
-for a user who compiles. ``lr`` stays a float (torchao turns it into a tensor, which LR
-schedulers then must ``fill_``); a tensor ``lr`` also works.
+``quantize_4bit_with_qmap`` and the 4-bit packing), all torchao functions called at the top,
+so every temporary is an op the counter sees, in the estimate as in a real run. It is bitwise
+equal to torchao's eager step (a test holds it to that); the compiled step fuses these ops and
+allocates less, so on a GPU the estimate is an upper bound for a user who compiles. ``lr``
+stays a float (torchao turns it into a tensor, which LR schedulers then must ``fill_``); a
+tensor ``lr`` also works. The eager step's temporaries (several fp32 and int64 copies of the
+largest parameter) can exceed what 4-bit state saves on a model dominated by one tensor (an
+embedding): the planner weighs a state by its trace (planner.variants), so it then does not
+pick it.
 
-Note 3 (accounting). State tensors are torchao's wrapper subclasses; ``memfit.track`` counts
-their inner storages (codes, scales, and one qmap per state: 1 KiB at 8 bits, 64 B at 4 bits)
-through ``__tensor_flatten__``. ``state_bytes`` gives the exact state bytes of a parameter
-list, what a planner should weigh (bytes per parameter of state: fp32 8, bf16 4, 8bit
-2 + 8/256, 4bit 1 + 8/128, plus a 4-byte step per tensor).
+Note 3 (accounting). torchao's states are wrapper subclasses; ``memfit.track`` counts their
+inner storages (codes, scales, and one qmap per state: 64 B at 4 bits) through
+``__tensor_flatten__``. bitsandbytes' states are plain tensors (uint8 codes, fp32 absmax per
+block of 256, a Python int step) with two 256-value fp32 maps shared by every parameter of the
+optimizer. ``state_bytes`` gives the exact state bytes of a parameter list, what a planner
+should weigh (bytes per parameter of state: fp32 8, bf16 4, 8bit 2 + 8/256, 4bit 1 + 8/128,
+plus a 4-byte step tensor per torch/torchao tensor).
 
 Note 4 (torchao's caches). torchao builds its quantization maps once per process
 (``functools.lru_cache`` over ``tensor.tolist()``); built first under a fake trace they would
 fail (a fake has no values), so they are built here, outside every mode, before any state.
+
+Note 5 (bitsandbytes' step: what runs where). ``update_step`` calls the custom op
+``bitsandbytes::optimizer_update_8bit_blockwise`` (``optimizer_update_32bit`` below 4096
+values) once per parameter. On CUDA its kernel is fused: it reads the codes, dequantizes,
+updates and requantizes in registers and writes ``p``, the codes and the absmax in place,
+allocating nothing (``backends/cuda/ops.py`` passes raw pointers to ``cadam_8bit_blockwise_*``).
+bitsandbytes registers a fake implementation that allocates nothing too, so a trace for a CUDA
+target (``use_cuda_kernel``, called by ``trace.cuda``) counts exactly that. On CPU the
+registered kernel is Python (``backends/cpu/ops.py``): it dequantizes both moments to fp32,
+makes an fp32 gradient and the denominator (and, briefly, its ``sqrt``), updates ``p`` in
+place and requantizes (each ``quantize_blockwise`` a uint8 copy and the absmax): per 8-bit
+parameter of N values, 20 N bytes at its peak, freed before the next. Behind the op those
+temporaries are invisible to a dispatch mode (``memfit.track``, the fake trace) but not to the
+allocator, so on CPU tensors the op is redirected (a ``TorchFunctionMode`` around
+``update_step``) to that same registered CPU function, called as Python: the same ops, the
+same numbers (a test holds it bitwise to ``bnb.optim.AdamW8bit``), every temporary one the
+counter sees. Either way, it is bitsandbytes' own ``step`` that runs.
 """
 
 from __future__ import annotations
@@ -48,6 +75,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.optimizers import OptimizerRecipe
@@ -57,14 +85,33 @@ __all__ = ["LowBitOptimizer", "LowBitRecipe", "STATES", "LOW_BIT_CLASSES", "NUME
 
 STATES = ("bf16", "8bit", "4bit")
 # torch class -> the torchao classes built for it, per state (Note 1)
-LOW_BIT_CLASSES = {"Adam": ("Adam8bit", "Adam4bit", "_AdamW (bf16 state)"),
-                   "AdamW": ("AdamW8bit", "AdamW4bit", "_AdamW (bf16 state)")}
+LOW_BIT_CLASSES = {"Adam": ("bitsandbytes Adam8bit", "torchao Adam4bit",
+                            "torchao _AdamW (bf16 state)"),
+                   "AdamW": ("bitsandbytes AdamW8bit", "torchao AdamW4bit",
+                             "torchao _AdamW (bf16 state)")}
 NUMERICS_NOTE = ("changes the numerics: the optimizer's moments are stored in {what} instead "
-                 "of fp32 (torchao), so updates differ from fp32 Adam by the quantization error")
+                 "of fp32 ({lib}), so updates differ from fp32 Adam by the quantization error")
+LIBRARY = {"8bit": "bitsandbytes", "4bit": "torchao", "bf16": "torchao"}
 _WHAT = {"bf16": "bf16", "8bit": "8 bits (block-wise, 256 values per fp32 scale)",
          "4bit": "4 bits (block-wise, 128 values per fp32 scale)"}
 _BLOCK = {"8bit": 256, "4bit": 128}
-_MIN_NUMEL = 4096          # torchao quantizes tensors of at least this many values (Note 1)
+_MIN_NUMEL = 4096          # both libraries quantize tensors of at least this many values (Note 1)
+_BNB_QMAP_BYTES = 2 * 256 * 4     # bitsandbytes' signed and unsigned maps, one per optimizer
+
+
+def _bnb():
+    """bitsandbytes' optim package and its registered CPU kernels (Note 5)."""
+    try:
+        import bitsandbytes.optim as bnb_optim
+        from bitsandbytes.backends.cpu import ops as cpu_ops
+    except ImportError as e:
+        raise ValueError("optimizer_state='8bit' needs bitsandbytes (>= 0.50), which is not "
+                         "installed: pip install bitsandbytes, or leave optimizer_state unset "
+                         "(fp32)") from e
+    if not hasattr(cpu_ops, "_optimizer_update_8bit_blockwise_cpu"):
+        raise ValueError("optimizer_state='8bit' needs bitsandbytes >= 0.50 (its CPU optimizer "
+                         "kernels): pip install -U bitsandbytes")
+    return bnb_optim, cpu_ops
 
 
 def _torchao(state: str):
@@ -78,24 +125,90 @@ def _torchao(state: str):
     return ao_optim, quant_utils, subclass_8bit, subclass_4bit
 
 
+def _class_for(state: str, adamw: bool) -> type:
+    """The optimizer class built for ``state`` (Note 1)."""
+    return (_bnb_classes() if state == "8bit" else _torchao_classes())[state, adamw]
+
+
 @functools.cache
-def _classes() -> dict[tuple[str, bool], type]:
+def _bnb_classes() -> dict[tuple[str, bool], type]:
+    """("8bit", is_adamw) -> bitsandbytes' 8-bit Adam with memfit's CPU redirect (Note 5)."""
+    bnb_optim, _ = _bnb()
+    return {("8bit", adamw): type(f"Bnb{base.__name__}", (_BnbStep, base), {"is_adamw": adamw})
+            for adamw, base in ((True, bnb_optim.AdamW8bit), (False, bnb_optim.Adam8bit))}
+
+
+@functools.cache
+def _torchao_classes() -> dict[tuple[str, bool], type]:
     """(state, is_adamw) -> an eager-stepping subclass of torchao's optimizer (Note 2)."""
-    ao, _, s8, s4 = _torchao("8bit")
+    ao, _, _, s4 = _torchao("4bit")
     with _disable_current_modes():       # Note 4
-        for mod in (s8, s4):
-            mod.get_qmap_signed()
-            mod.get_qmap_unsigned()
+        s4.get_qmap_signed()
+        s4.get_qmap_unsigned()
     out = {}
     for adamw in (True, False):
         prefix = "AdamW" if adamw else "Adam"
-        for state, base in (("8bit", getattr(ao, prefix + "8bit")),
-                            ("4bit", getattr(ao, prefix + "4bit"))):
-            out[state, adamw] = type(f"Eager{base.__name__}", (_EagerStep, base), {})
+        base = getattr(ao, prefix + "4bit")
+        out["4bit", adamw] = type(f"Eager{base.__name__}", (_EagerStep, base), {})
         out["bf16", adamw] = type(f"{prefix}Bf16State", (_EagerStep, ao._AdamW),
                                   {"_decoupled": adamw, "__init__": _bf16_init,
                                    "_new_buffer": _bf16_new_buffer})
     return out
+
+
+class _CpuKernels(TorchFunctionMode):
+    """bitsandbytes' optimizer ops on CPU tensors run its registered CPU kernels as Python,
+    so every temporary is an op a dispatch mode sees (Note 5)."""
+
+    def __init__(self, cpu_ops):
+        super().__init__()
+        ops = torch.ops.bitsandbytes
+        self.kernels = {}
+        for op, kernel in ((ops.optimizer_update_8bit_blockwise,
+                            cpu_ops._optimizer_update_8bit_blockwise_cpu),
+                           (ops.optimizer_update_32bit, cpu_ops._optimizer_update_32bit_cpu)):
+            self.kernels[op] = self.kernels[op.default] = kernel    # called as packet or overload
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kernel = self.kernels.get(func)
+        if kernel is not None and all(a.device.type == "cpu" for a in args
+                                      if isinstance(a, torch.Tensor)):
+            return kernel(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+@functools.cache
+def _bnb_qmaps() -> tuple[list[float], list[float]]:
+    """bitsandbytes' signed and unsigned dynamic maps, built outside every mode (Note 4: its
+    ``create_dynamic_map`` reads values with ``tolist``, which a fake cannot)."""
+    from bitsandbytes import functional as F
+
+    with _disable_current_modes():
+        return tuple(F.create_dynamic_map(signed=s).tolist() for s in (True, False))
+
+
+class _BnbStep:
+    """bitsandbytes' 8-bit Adam step (Note 5); mixed in before its class."""
+
+    state_name = "8bit"
+    cuda_kernel = False     # True: model the fused CUDA kernel on fake CPU tensors (trace.cuda)
+
+    def fill_qmap(self) -> None:
+        """bitsandbytes' ``fill_qmap``, its maps made in the current mode (fake in a trace)."""
+        signed, unsigned = _bnb_qmaps()
+        self.name2qmap["dynamic"] = torch.tensor(signed, dtype=torch.float32)
+        self.name2qmap["udynamic"] = torch.tensor(unsigned, dtype=torch.float32)
+
+    def use_cuda_kernel(self) -> None:
+        """Step as on a GPU: the op itself, whose fused kernel (and fake) allocates nothing."""
+        self.cuda_kernel = True
+
+    @torch.no_grad()
+    def update_step(self, group, p, gindex, pindex):
+        if self.cuda_kernel:
+            return super().update_step(group, p, gindex, pindex)
+        with _CpuKernels(_bnb()[1]):
+            return super().update_step(group, p, gindex, pindex)
 
 
 class _EagerStep:
@@ -148,12 +261,8 @@ def _load(x: torch.Tensor) -> torch.Tensor:
 
 def _store(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)``, with torchao's subclass ``copy_`` body unrolled (Note 2)."""
-    _, q, s8, s4 = _torchao("8bit")
-    if isinstance(dst, s8.OptimState8bit):
-        scaled, scale = q.scale_tensor(src, dst.block_size)
-        dst.codes.copy_(q.quantize_8bit_with_qmap(scaled, dst.qmap))
-        dst.scale.copy_(scale)
-    elif isinstance(dst, s4.OptimState4bit):
+    _, q, _, s4 = _torchao("4bit")
+    if isinstance(dst, s4.OptimState4bit):
         scaled, scale = q.scale_tensor(src.view(-1), dst.block_size)
         codes = q.quantize_4bit_with_qmap(scaled, dst.qmap)
         dst.codes.copy_((codes[::2] << 4) | codes[1::2])
@@ -187,17 +296,24 @@ def _adam(p, grad, state, group, is_adamw: bool, stochastic_round: bool) -> None
 
 
 def is_low_bit(optimizer) -> bool:
-    return isinstance(optimizer, _EagerStep)
+    return isinstance(optimizer, (_EagerStep, _BnbStep))
 
 
 def state_bytes(params, state: str) -> int:
     """The exact bytes of optimizer state Adam keeps for ``params`` (tensors or shapes) under
     ``state`` ("fp32" too): a planner's weight for this lever (Note 3)."""
-    total = 0
+    total, maps = 0, 0
     for p in params:
         numel = math.prod(p.shape) if hasattr(p, "shape") else math.prod(p)
-        total += 4                                   # the step counter, a 0-dim fp32 tensor
         block = _BLOCK.get(state)
+        if state == "8bit":                           # bitsandbytes: the step is an int
+            if numel >= _MIN_NUMEL:
+                total += 2 * (numel + -(numel // -block) * 4)
+                maps = _BNB_QMAP_BYTES
+            else:
+                total += 2 * 4 * numel
+            continue
+        total += 4                                   # the step counter, a 0-dim fp32 tensor
         if state == "bf16":
             total += 2 * 2 * numel
         elif block is not None and numel >= _MIN_NUMEL and numel % block == 0:
@@ -206,11 +322,11 @@ def state_bytes(params, state: str) -> int:
             total += 2 * (code_bytes + numel // block * 4 + qmap)
         else:
             total += 2 * 4 * numel
-    return total
+    return total + maps
 
 
 class LowBitOptimizer:
-    """Rebuild the user's Adam/AdamW with low-bit states through torchao (Notes 1-4)."""
+    """Rebuild the user's Adam/AdamW with low-bit states (bitsandbytes, torchao; Notes 1-5)."""
 
     @dataclass(frozen=True)
     class Config:
@@ -226,18 +342,20 @@ class LowBitOptimizer:
 
     def note(self) -> str:
         """What applying this did, for ``runner.applied.notes`` and a plan's reasons."""
-        return (f"optimizer_state={self.config.state}: the optimizer was rebuilt as torchao's "
+        state = self.config.state
+        return (f"optimizer_state={state}: the optimizer was rebuilt as {LIBRARY[state]}'s "
                 f"low-bit Adam (runner.optimizer); this "
-                + NUMERICS_NOTE.format(what=_WHAT[self.config.state]))
+                + NUMERICS_NOTE.format(what=_WHAT[state], lib=LIBRARY[state]))
 
     def recipe(self, recipe: OptimizerRecipe) -> "LowBitRecipe":
         """``recipe`` building the low-bit optimizer instead (the user's optimizer is checked
         now when it is an instance, else when it is first built)."""
         if recipe.impl is not None:
             raise ValueError(f"optimizer_impl={recipe.impl!r} has no effect with "
-                             f"optimizer_state={self.config.state!r}: torchao's low-bit Adam "
-                             "steps one parameter at a time; leave optimizer_impl unset")
-        _torchao(self.config.state)
+                             f"optimizer_state={self.config.state!r}: "
+                             f"{LIBRARY[self.config.state]}'s low-bit Adam steps one parameter "
+                             "at a time; leave optimizer_impl unset")
+        _bnb() if self.config.state == "8bit" else _torchao(self.config.state)
         out = LowBitRecipe(recipe.spec, self)
         if recipe.instance is not None:
             _check_class(recipe.instance, self.config.state)
@@ -250,7 +368,7 @@ class LowBitOptimizer:
         if is_low_bit(optimizer):
             return optimizer
         adamw = _check_class(optimizer, self.config.state)
-        cls = _classes()[self.config.state, adamw]
+        cls = _class_for(self.config.state, adamw)
         groups = []
         for g in optimizer.param_groups:
             kept = {k: v for k, v in g.items() if k not in _TORCH_ONLY}
@@ -275,15 +393,27 @@ def _check_class(optimizer, state: str) -> bool:
     if not isinstance(optimizer, torch.optim.Adam):    # torch's AdamW subclasses Adam
         have = "; ".join(f"{k} -> {', '.join(v)}" for k, v in LOW_BIT_CLASSES.items())
         raise ValueError(f"optimizer_state={state!r}: {cls.__name__} has no low-bit version; "
-                         f"torchao has them for Adam and AdamW only ({have}). Use "
+                         f"there are low-bit versions of Adam and AdamW only ({have}). Use "
                          "torch.optim.AdamW (or Adam), or leave optimizer_state unset")
     for g in optimizer.param_groups:
         bad = [k for k in ("amsgrad", "maximize", "differentiable") if g.get(k)]
         if bad:
-            raise ValueError(f"optimizer_state={state!r}: torchao's low-bit Adam has no "
-                             f"{bad[0]}=True; set {bad[0]}=False or leave optimizer_state unset")
-    return isinstance(optimizer, torch.optim.AdamW) or bool(
+            raise ValueError(f"optimizer_state={state!r}: {LIBRARY[state]}'s low-bit Adam has "
+                             f"no {bad[0]}=True; set {bad[0]}=False or leave optimizer_state "
+                             "unset")
+    adamw = isinstance(optimizer, torch.optim.AdamW) or bool(
         optimizer.defaults.get("decoupled_weight_decay"))
+    coupled = [g["weight_decay"] for g in optimizer.param_groups if g.get("weight_decay")]
+    if state == "8bit" and not adamw and coupled:
+        raise ValueError(f"optimizer_state='8bit': bitsandbytes' 8-bit Adam decays weights "
+                         f"decoupled (as AdamW), but this {cls.__name__} adds weight_decay="
+                         f"{coupled[0]:g} to the gradient; use torch.optim.AdamW, "
+                         "weight_decay=0, or optimizer_state='4bit' or 'bf16' (torchao)")
+    for g in optimizer.param_groups:
+        if state == "8bit" and isinstance(g["lr"], torch.Tensor):
+            raise ValueError("optimizer_state='8bit': bitsandbytes' kernels take lr as a "
+                             "float; build the optimizer with lr=<a float>")
+    return adamw
 
 
 class LowBitRecipe(OptimizerRecipe):
@@ -301,7 +431,7 @@ class LowBitRecipe(OptimizerRecipe):
     def optimizer_class(self, params):
         adamw = _check_class(self.instance if self.instance is not None
                              else self.factory(params), self.technique.config.state)
-        return _classes()[self.technique.config.state, adamw]
+        return _class_for(self.technique.config.state, adamw)
 
     def build(self, params, origin):
         if self.instance is None:
