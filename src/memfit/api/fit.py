@@ -46,9 +46,9 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     ``checkpoint``, ``offload``, ``offload_optimizer``, ``remat`` (DTR around each step: under
     ``budget`` if given, else on out-of-memory), ``zero_grad`` (the loop style: "before-forward",
     the default, "after-forward" or "keep-buffers"), ``optimizer_state`` (bitsandbytes' 8-bit,
-    torchao's 4-bit and bf16 Adam/AdamW: changes the numerics), ``offload_params`` (block weights on the host, with
-    ``offload_optimizer``; ``runner.close()`` takes its hooks off: until then the model's
-    offloaded weights are placeholders). Everything is checked before the model is touched.
+    torchao's 4-bit and bf16 Adam/AdamW: changes the numerics), ``offload_params`` (block
+    weights on the host, with ``offload_optimizer``; ``runner.close()`` takes its hooks off:
+    until then the model's offloaded weights are placeholders). Everything is checked before the model is touched.
     ``gpus``, ``sharding``, ``reshard_after_forward``, ``fsdp_offload``: inside each rank of
     a job (``init_process_group`` first), the plan applied with FSDP2 or DDP over the job's
     ranks; ``batch`` is this rank's (``memfit.api._fit_sharded``).
