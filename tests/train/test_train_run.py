@@ -84,3 +84,55 @@ def test_stays_under_a_cpu_budget_below_the_plain_peak(full_run, toxic_csv, toke
     changed = planned.knobs.micro_batch_size not in (None, 16) or \
         planned.knobs.offload_optimizer or any(m != "keep" for m in planned.blocks.values())
     assert changed, planned.explain()
+
+
+def _marker_csv(path, rows: int = 400, seed: int = 0) -> str:
+    """A CSV no test tuned for: 8 common words a row, label 1 exactly when one of them is
+    replaced by "zebra" (every row the same length, half of them labelled 1)."""
+    import csv
+    import random
+
+    rng = random.Random(seed)
+    words = ("river stone cloud paper lamp garden window music table forest bread candle "
+             "mirror bottle ladder pencil basket wheel").split()
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["comment_text", "toxic"])
+        for _ in range(rows):
+            row = [rng.choice(words) for _ in range(8)]
+            label = int(rng.random() < 0.5)
+            if label:
+                row[rng.randrange(8)] = "zebra"
+            out.writerow([" ".join(row), label])
+    return str(path)
+
+
+def test_random_weights_default_to_a_from_scratch_learning_rate(tmp_path):
+    """Issue 26 item 17: without --lr or --weights the tiny model starts from random weights;
+    in 3 epochs on a CSV it never saw it must learn the rule. The old default for every run
+    (2e-5, a fine-tuning rate) leaves it at AUC 0.69 here, 1e-3 reaches 1.0. The oracle is the
+    held-out AUC of the real run on 100 rows."""
+    import dataclasses
+
+    from memfit.train import TrainConfig
+    from memfit.train.data import load_table
+    from memfit.train.tokenizer import train_tokenizer
+
+    data = _marker_csv(tmp_path / "marker.csv")
+    tok = str(tmp_path / "tokenizer.json")
+    train_tokenizer(load_table(data, "comment_text", "toxic").texts, 1000).backend.save(tok)
+    values = dataclasses.asdict(config(data, tok, tmp_path / "run", max_steps=None,
+                                       eval_every=None, save_every=None, eval_fraction=0.25))
+    del values["lr"]                                   # the default, whatever it is
+    cfg = TrainConfig.from_dict(values)
+    said = []
+    train(cfg, say=said.append)
+    assert any(line.startswith("learning rate 0.001 (random weights") for line in said), said
+    assert max(r["lr"] for r in records(cfg.output, "train")) == pytest.approx(1e-3)
+    last = records(cfg.output, "eval")[-1]
+    assert last["eval_rows"] == 100 and last["eval_auc"] > 0.95, last
+    with open(os.path.join(cfg.output, "config.json")) as f:
+        assert json.load(f)["lr_resolved"] == 1e-3
+    assert dataclasses.replace(cfg, weights="some/folder").learning_rate[0] == 2e-5
+    assert dataclasses.replace(cfg, tiny=False).learning_rate[0] == 3e-4
+    assert dataclasses.replace(cfg, lr=5e-5).learning_rate == (5e-5, "--lr")

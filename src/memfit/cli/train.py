@@ -83,7 +83,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--max-steps", type=positive_int, metavar="N",
                    help="stop after N steps if the epochs have not ended (default: none)")
     g.add_argument("--lr", type=positive_float, metavar="LR", help="peak learning rate of "
-                   "AdamW (default: 2e-5)")
+                   "AdamW (default: from the weights: 2e-5 with --weights, pretrained; 1e-3 "
+                   "for --tiny and 3e-4 for a full-size model with random weights, trained "
+                   "from scratch; the run says which it took)")
     g.add_argument("--weight-decay", type=float, metavar="W", help="AdamW weight decay "
                    "(default: 0.01)")
     g.add_argument("--warmup", type=_fraction, metavar="F",
@@ -203,7 +205,8 @@ def run(args) -> int:
     out = {"folder": result.folder, "steps": result.steps, "interrupted": result.interrupted,
            "last_loss": result.last_loss, "eval": result.eval, "checkpoint": result.checkpoint,
            "measured_peak_bytes": result.peak_bytes,
-           "predicted_peak_bytes": result.predicted_peak_bytes}
+           "predicted_peak_bytes": result.predicted_peak_bytes,
+           "lr": cfg.learning_rate[0], "lr_source": cfg.learning_rate[1]}
     if args.report:
         out["report"] = _write_report(args.report, result.folder, cfg)
     if args.json:

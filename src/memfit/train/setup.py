@@ -174,7 +174,9 @@ def _runner(cfg: TrainConfig, model, ids, encoder, say):
     if spec.kind == "cuda" and cfg.device != "cuda":
         say(f"note: planning for the {spec.display_name} (--gpu) but training on the CPU (this "
             "torch sees no GPU): the measured memory is CPU live bytes, not that GPU's")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    lr, why = cfg.learning_rate          # config Note 1
+    say(f"learning rate {lr:g} ({why})")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
     example = example_batch(ids, cfg.batch_size, encoder.pad_id)
     budget = cfg.budget_bytes if cfg.budget_bytes is not None else spec.usable_bytes
     say(f"planning for the longest batch ({example['input_ids'].shape[0]} x "
@@ -189,7 +191,8 @@ def write_run_files(p: Prepared) -> None:
     """config.json (resolved) and plan.json in the run folder."""
     cfg = p.cfg
     resolved = json.loads(cfg.to_json())
-    resolved.update(resolved_max_len=p.max_len, num_labels=p.train.num_labels,
+    resolved.update(resolved_max_len=p.max_len, lr_resolved=cfg.learning_rate[0],
+                    num_labels=p.train.num_labels,
                     tokenizer_source=p.encoder.source,
                     tokenizer_vocab_size=p.encoder.vocab_size,
                     train_rows=len(p.train.labels), eval_rows=len(p.eval.labels),
