@@ -143,7 +143,8 @@ def test_the_plan_says_your_micro_batch_size_when_you_fixed_it():
                            choice, memory, 4, ctx, 1.0)
     assert "micro-batch 2 x 2 accumulated: your micro_batch_size=2" in fixed
     assert "blocks: 1 recompute of 2: as your checkpoint=0 and offload=none set" in fixed
-    assert "your --micro-batch-size 2" in to_flags(" ".join(fixed))
+    assert "your --micro-batch-size 2" in to_flags(" ".join(fixed), bare=False)
+    assert to_flags("held by the allocator", bare=False) == "held by the allocator"
     free = global_reasons(Knobs(), choice, memory, 4, ctx, 1.0)
     assert any("the largest micro-batch the fastest plan could afford" in r for r in free)
 

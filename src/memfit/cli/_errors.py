@@ -78,9 +78,11 @@ def _assignment(m: re.Match) -> str:
     return f"{_flag(name)} {value}"
 
 
-def to_flags(message: str, flags=None) -> str:
+def to_flags(message: str, flags=None, bare: bool = True) -> str:
     """``"micro_batch_size=4 is larger than ..."`` -> ``"--micro-batch-size 4 is larger ..."``.
-    ``flags``: the option strings of the command printing it (Note 3); None: every command's."""
+    ``flags``: the option strings of the command printing it (Note 3); None: every command's.
+    ``bare=False``: only ``name=value`` and the phrases (prose such as a plan's explanation,
+    where "allocator" is a word, not a keyword)."""
     def has(cli: str) -> bool:
         named = re.findall(r"--[\w-]+", cli)
         return flags is None or all(f in flags for f in named)
@@ -90,6 +92,8 @@ def to_flags(message: str, flags=None) -> str:
             message = message.replace(api, cli)
     message = _ASSIGN.sub(lambda m: _assignment(m) if has(_flag(m.group(1))) else m.group(0),
                           message)
+    if not bare:
+        return message
     return _KEYWORD.sub(lambda m: _FLAGS[m.group(1)] if has(_FLAGS[m.group(1)]) else m.group(0),
                         message)
 

@@ -344,7 +344,7 @@ def _print_human(console, spec, model, planned, described, args, target, seconds
                       "training process's own)")
     from memfit.cli._errors import to_flags
 
-    explanation = to_flags(p.explain())         # the API's keywords as this command's flags
+    explanation = to_flags(p.explain(), bare=False)     # the API's name=value as flags
     console.print(explanation, markup=False, highlight=False)
     if p.predicted_step_time_ratio is not None and "step time" not in explanation:
         console.print(f"[bold]predicted step time: {p.predicted_step_time_ratio:.2f}x[/bold] the "
