@@ -16,12 +16,23 @@ runs inside ``track`` (``estimate``'s model copy, ops outside its fake mode). Th
 bytes, run no kernel and are not the tracked program's: a real tracker lets them through
 uncounted (no bytes, no op, no FLOPs, no budget), and the trace's own tracker, nested inside,
 counts them (``_ledger`` Note 3).
+
+Note 4 (memfit's host memory born before a region). ``host_allocations`` marks storages born
+inside a tracked region. Host memory memfit made before it (an offloaded optimizer's twins,
+made when a plan is applied; its state and the offload pool's buffers, kept from an earlier
+step) would be first seen by a later tracker as an input, on the device: ``memfit.track()``
+around ``trainer.train()`` after ``fit`` counted the twins against the budget. So every owner
+of such memory registers itself (``register_host_owner``; it lives in a weak set, nothing is
+kept alive); a tracker notes the storages of the live owners' ``host_tensors()`` when it opens,
+and one of them first read in the region is counted as host memory (one that is never read is
+not counted at all, as any storage born before the region).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,10 +49,11 @@ if TYPE_CHECKING:
     from memfit.measure.track import Tracker
 
 __all__ = ["CountingMode", "host_allocations", "host_allocations_open", "allocates_and_writes",
-           "written_args"]
+           "written_args", "register_host_owner", "registered_host_tensors"]
 
 _aten = torch.ops.aten
 _host = threading.local()
+_host_owners: "weakref.WeakSet" = weakref.WeakSet()     # Note 4
 
 
 @contextlib.contextmanager
@@ -58,6 +70,21 @@ def host_allocations():
         yield
     finally:
         _host.depth = depth
+
+
+def register_host_owner(owner) -> None:
+    """``owner.host_tensors()`` are memfit's host memory for every tracker opened while
+    ``owner`` lives (Note 4)."""
+    _host_owners.add(owner)
+
+
+def registered_host_tensors(fake: bool) -> list[torch.Tensor]:
+    """The host tensors of every live registered owner (Note 4): the fake ones for a trace's
+    tracker, the real ones for a real run's."""
+    out = []
+    for owner in list(_host_owners):
+        out += [t for t in owner.host_tensors() if isinstance(t, FakeTensor) == fake]
+    return out
 
 
 def host_allocations_open() -> bool:
@@ -84,8 +111,8 @@ class CountingMode(TorchDispatchMode):
         for x in () if func in _LIFT else flat_in:
             if isinstance(x, torch.Tensor):
                 for st in ledger.storages(x):
-                    if ledger.sid(st) is None:
-                        ledger.add(st, L.INPUTS, entry=True)
+                    if ledger.sid(st) is None:                     # Note 4
+                        ledger.add(st, L.INPUTS, entry=True, host=st._cdata in t.host_before)
         t.ops += 1
         t.last_op = func
         if t.budget_bytes is None:

@@ -30,7 +30,7 @@ from memfit.errors import OutOfMemory
 from memfit.measure import _ledger as L
 from memfit.measure._storage_resize import resizes_counted
 from memfit.measure._counting import (CountingMode, allocates_and_writes, host_allocations,
-                                      written_args)
+                                      written_args, registered_host_tensors)
 from memfit.measure._ledger import Ledger
 from memfit.measure._modules import ModuleRecord, ModuleWatch
 from memfit.units import parse_bytes
@@ -80,6 +80,7 @@ class Tracker:
         self._windows: list[tuple[str, str, int, int]] = []   # name, phase, start, end event
         self._open: dict[tuple[str, str], list[int]] = {}
         self._host_tensors = list(host_tensors)   # counted as host memory, not device
+        self.host_before: set[int] = set()        # _counting Note 4
         self._window_event = 0                    # the peak is taken from this event on
         self._window_op = 0
         self._stack = contextlib.ExitStack()
@@ -92,6 +93,9 @@ class Tracker:
         host_of = getattr(self.optimizer, "host_tensors", None)   # e.g. an offloaded optimizer
         if callable(host_of):
             self._host_tensors += list(host_of())
+        # memfit's host memory born before the region, host at its first read (_counting Note 4)
+        self.host_before = {st._cdata for t in registered_host_tensors(self.fake)
+                            for st in self.ledger.storages(t)}
         for t in self._host_tensors:
             for st in self.ledger.storages(t):
                 if self.ledger.sid(st) is None:
@@ -126,6 +130,7 @@ class Tracker:
         self._finish_modules()
         self.model = self.optimizer = None        # Note 4: the figures stay, the objects go
         self._host_tensors = []
+        self.host_before = set()
         return False
 
     # -- results ----------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memfit.measure._counting import register_host_owner
+
 __all__ = ["OffloadStats", "default_copy"]
 
 
@@ -45,6 +47,11 @@ class _HostPool:
         self.stats = stats
         self._bufs: list[tuple[torch.Tensor, tuple]] = []   # (flat uint8 buffer, kind)
         self._free: set[int] = set()
+        register_host_owner(self)    # buffers kept between steps (measure._counting Note 4)
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The host buffers held now."""
+        return [buf for buf, _ in self._bufs]
 
     def take(self, t: torch.Tensor, pinned: bool) -> tuple[int, torch.Tensor]:
         """(slot, a flat uint8 host tensor of ``t``'s bytes; ``t`` is a flat uint8 storage view)."""

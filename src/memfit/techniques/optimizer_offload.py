@@ -22,9 +22,9 @@ act on the device gradients before ``step()`` copies them; a step the scaler ski
 
 Note 3 (accounting). Twins, host gradients, state and the inner step's temporaries are allocated
 inside ``host_allocations()``, so ``memfit.track``/``estimate`` count them as host memory. Those
-born before a tracked region (twins; state after the first step) must be named to the tracker:
-``Tracker(model, opt, host_tensors=opt.host_tensors())``, else their first read counts them on
-the device.
+born before a tracked region (twins; state after the first step) are known to every tracker:
+the optimizer registers itself as their owner (``measure._counting`` Note 4), else their first
+read would count them on the device.
 
 Note 4 (copies). On CUDA the twins and host gradients are pinned and copies are
 ``non_blocking``; the stream is synchronised before the inner step reads the host gradients.
@@ -44,6 +44,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.measure import host_allocations
+from memfit.measure._counting import register_host_owner
 from memfit.optimizers import rebuild_optimizer
 
 __all__ = ["OptimizerOffload", "OffloadedOptimizer"]
@@ -83,6 +84,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         twin_of = {id(p): h for p, h in zip(params, twins)}
         self.host_params = [twin_of[id(p)] for p in self.params]
         self.state = _StateView(self.params, self.host_params, self.inner)
+        register_host_owner(self)      # a tracker opened later counts them on the host (Note 3)
 
     # -- the step (Note 1) ------------------------------------------------------------------
     @torch.no_grad()
