@@ -21,7 +21,8 @@ Note 3 (values made in the step). A factory op whose values are fixed by its arg
 (``ones``, ``zeros``, ``full``, ``arange``, ``scalar_tensor`` and their ``_like`` / ``new_``
 forms) makes a known tensor, of any dtype, within the same size limit: Bart's decoder makes
 the all-ones mask it was not given (``torch.ones(batch, length)``) and transformers reads it
-(``trace.known_values``), as the real step does.
+(``trace.known_values``), as the real step does. Nothing with a symbolic size (a shared trace's
+batch, ``trace.symbolic``) is made known or mirrored: that would fix the size it stands for.
 
 Note 2 (what is resolved). When the fake mode refuses an op for want of values, ``resolve``
 runs it on the real values and returns fakes of the real outputs' sizes, strides and dtypes
@@ -103,7 +104,8 @@ class DataValues:
             self._forget(inputs)
             return
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if not all(known) or not outputs or _elements(inputs + outputs) > MAX_KNOWN_ELEMENTS:
+        if (not all(known) or not outputs or _any_symbolic((args, kwargs, outputs))
+                or _elements(inputs + outputs) > MAX_KNOWN_ELEMENTS):
             return
         real_out = self._run_real(func, args, kwargs)
         for fake, real in zip(outputs, [t for t in tree_flatten(real_out)[0] if isinstance(t, torch.Tensor)]):
@@ -113,7 +115,7 @@ class DataValues:
     def resolve(self, func, args, kwargs):
         """The outputs of a data-dependent ``func`` that the fake mode refused (Note 2), or ``None``."""
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if inputs and all(t in self._real for t in inputs):
+        if inputs and all(t in self._real for t in inputs) and not _any_symbolic((args, kwargs)):
             if _elements(inputs) > MAX_KNOWN_ELEMENTS:
                 return None
             real_out = self._run_real(func, args, kwargs)
@@ -129,7 +131,7 @@ class DataValues:
 
     def _made(self, func, args, kwargs, out) -> None:
         """Note 3: run a fixed-values factory for real; its input (a ``_like``'s) gives only a shape."""
-        if (not isinstance(out, torch.Tensor) or not all(isinstance(n, int) for n in out.shape)
+        if (not isinstance(out, torch.Tensor) or _any_symbolic((args, kwargs, out.shape))
                 or out.numel() > MAX_KNOWN_ELEMENTS):        # symbolic sizes: no guard is added
             return
         with unset_fake_temporarily():
@@ -191,6 +193,17 @@ _FIXED_VALUES = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _a
                  _aten.ones_like.default, _aten.zeros_like.default, _aten.full_like.default,
                  _aten.new_ones.default, _aten.new_zeros.default, _aten.new_full.default}
 """Factories whose values their arguments fix (Note 3); ``empty`` and random ones are not."""
+
+
+def _any_symbolic(tree) -> bool:
+    """Whether ``tree`` holds a symbolic number or a tensor of symbolic sizes or strides."""
+    for x in tree_flatten(tree)[0]:
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return True
+        if isinstance(x, torch.Tensor) and any(isinstance(n, torch.SymInt)
+                                               for n in (*x.shape, *x.stride())):
+            return True
+    return False
 
 
 def _is_data(t) -> bool:

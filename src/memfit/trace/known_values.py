@@ -45,8 +45,8 @@ _original = None                      # transformers' own is_fake_tensor while r
 def _readable(t) -> bool:
     """Whether a running trace holds ``t``'s real values and can mirror a read of all of them
     (a reduction or a slice reads ``numel`` elements and writes up to as many)."""
-    return (isinstance(t, FakeTensor) and 2 * t.numel() <= MAX_KNOWN_ELEMENTS
-            and any(data.real(t) is not None for data in list(_active)))
+    return (isinstance(t, FakeTensor) and any(data.real(t) is not None for data in list(_active))
+            and 2 * t.numel() <= MAX_KNOWN_ELEMENTS)       # known, so of plain sizes (no guard)
 
 
 def _is_fake_tensor(x) -> bool:
