@@ -48,7 +48,7 @@ def tiny_trainer(name: str = "gpt2", *, samples: int = 32, seq_len: int = 16, se
 
     ``args`` are TrainingArguments (defaults: batch 2, 3 steps, no logging, saving or reports).
     ``padded``: rows of several lengths (attention masks with zeros, as a padding collator
-    makes them; an all-ones mask is estimated as an upper bound, ``_hf_step`` Note 5)."""
+    makes them)."""
     spec = zoo.get(name)
     model = spec.build(tiny=True, seed=seed)
     text = spec.family != "vision"

@@ -97,5 +97,4 @@ class MemfitCallback(TrainerCallback):
         if off:
             warnings.warn(f"{line}: the measurement differs from memfit's prediction by more "
                           f"than {self.tolerance:.0%} ({', '.join(off)}). Re-estimate with the "
-                          "batch the run takes (estimate(trainer, batch=...)); an all-ones "
-                          "attention mask is estimated as an upper bound", stacklevel=2)
+                          "batch the run takes (estimate(trainer, batch=...))", stacklevel=2)
