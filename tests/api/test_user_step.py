@@ -5,10 +5,12 @@ The oracle: the real model, a real optimizer and the user's ``fn``, two real ste
 trace counts (api._user_step Note 2). Four loop styles on three architectures.
 """
 
+import copy
 import weakref
 
 import pytest
 import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import memfit
 from memfit.step import prepare_batch
@@ -267,3 +269,102 @@ def test_cuda_autocast_without_cuda_is_refused_for_a_gpu():
     with pytest.raises(ValueError, match=r"torch.autocast\('cuda'\).*precision='bf16'"):
         memfit.estimate(model, batch, optimizer="sgd", step=step_cuda_autocast,
                         device="a100-80gb")
+
+
+# -- a deep copy of the model inside the step (issue 26 item 4) --------------------------------
+# Oracle: LiveBytes (tests/techniques/test_remat_budget.py), a live-storage count that is not
+# memfit's ledger, over the second real call, seeded with all that is alive before it (the copy
+# included).
+
+_COPIES = weakref.WeakKeyDictionary()      # model -> the copy the step made of it
+
+
+def step_swa_ema(model, batch, optimizer):
+    """torch's own EMA: AveragedModel deep-copies the model at the first call."""
+    ema = _COPIES.get(model)
+    if ema is None:
+        ema = _COPIES[model] = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99))
+    loss = step_before(model, batch, optimizer)
+    ema.update_parameters(model)
+    return loss
+
+
+def step_deepcopy_teacher(model, batch, optimizer):
+    """A teacher deep-copied after the first backward (the gradients are alive then, and a
+    Parameter's deep copy leaves them behind), distilled from in the next steps."""
+    optimizer.zero_grad()
+    out = model(**batch)
+    loss = out.loss
+    teacher = _COPIES.get(model)
+    if teacher is not None:
+        with torch.no_grad():
+            target = teacher(**batch).logits
+        loss = loss + (out.logits - target).pow(2).mean()
+    loss.backward()
+    if teacher is None:
+        _COPIES[model] = copy.deepcopy(model)
+    optimizer.step()
+    return out.loss
+
+
+class ViewBuffers(torch.nn.Module):
+    """Two buffers on one storage and a strided parameter: ``Tensor.__deepcopy__`` copies the
+    storage once and remakes both views; ``Parameter.__deepcopy__`` clones in its format."""
+
+    def __init__(self):
+        super().__init__()
+        table = torch.randn(96, 16)
+        self.register_buffer("low", table[:32])
+        self.register_buffer("high", table[64:])
+        self.weight = torch.nn.Parameter(torch.randn(16, 16).t())
+
+    def forward(self, x):
+        return (x @ self.weight + self.low.mean(0) + self.high.mean(0)).pow(2).mean()
+
+
+def step_view_buffers(model, batch, optimizer):
+    optimizer.zero_grad()
+    loss = model(batch["x"])
+    loss.backward()
+    optimizer.step()
+    copied = _COPIES.setdefault(model, copy.deepcopy(model))
+    with torch.no_grad():
+        copied.weight.lerp_(model.weight, 0.5)
+    return loss
+
+
+def deep_copy_job(name):
+    if name == "view-buffers":
+        return ViewBuffers(), {"x": torch.randn(8, 16)}, step_view_buffers
+    model, batch = tiny("gpt2")
+    fn = step_swa_ema if name == "swa-averaged-model" else step_deepcopy_teacher
+    return model, prepare_batch(batch), fn
+
+
+@pytest.mark.parametrize("name", ["swa-averaged-model", "deepcopy-teacher", "view-buffers"])
+def test_a_deep_copy_of_the_model_in_the_step_is_counted_as_the_real_one(name):
+    import gc
+
+    from tests.techniques.test_remat_budget import LiveBytes, roots
+
+    model, batch, fn = deep_copy_job(name)
+    est = memfit.estimate(model, batch, optimizer="adamw", step=fn)
+    gc.collect()
+    assert len(_COPIES) == 0                        # the fake copy went with the trace
+    opt = torch.optim.AdamW(model.parameters())
+    fn(model, batch, opt)
+    made = _COPIES[model]
+    live = LiveBytes(roots(model, opt, batch) + list(made.parameters()) + list(made.buffers()))
+    with live:
+        fn(model, batch, opt)
+    assert est.peak_bytes == live.peak_bytes
+
+
+def test_a_read_inside_the_optimizer_is_not_blamed_on_the_step():
+    """torch's Adafactor reads its update's RMS (``.item()``), a value of the gradients the
+    trace cannot know: the error names torch's line, not the user's step (issue 26 item 7)."""
+    model, batch = tiny("gpt2")
+    with pytest.raises(memfit.TraceError, match=r"torch/optim/_adafactor\.py:\d+ in ") as e:
+        memfit.estimate(model, prepare_batch(batch), optimizer=torch.optim.Adafactor,
+                        step=step_before)
+    assert "step_before reads a value back" not in str(e.value)

@@ -28,7 +28,11 @@ Note 4 (what cannot be traced). ``fn`` runs on fake tensors: a real tensor it ca
 outside (the real model, an EMA copy made beforehand, a scheduler over the real optimizer)
 cannot meet them, and a value read back (``loss.item()``, ``float(loss)``, printing a tensor)
 does not exist. Both are refused with the fix: build such state from the arguments, return the
-loss instead of reading it.
+loss instead of reading it. A read that happens in code the step calls (an optimizer's step, a
+library's loss) is not the step's: the trace's own error names the line that reads
+(``trace.profile.read_site``), and the step is not blamed. Reads the trace can answer (step
+counts, random draws, scalar summaries of the weights, the batch's integers) never get here
+(``trace.data_dependent``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 from memfit.errors import TraceError
 from memfit.knobs import Knobs
 from memfit.step import UserStep
+from memfit.trace.profile import read_site
 
 __all__ = ["check_step_knobs", "as_user_step", "with_backward_phase", "explain_step_error",
            "step_notes", "check_cuda_autocast", "STEP_FIXED_NOTE"]
@@ -116,6 +121,8 @@ def explain_step_error(e: BaseException, step: UserStep) -> BaseException | None
             "EMAS.setdefault(model, copy) with EMAS a weakref.WeakKeyDictionary, and pass a "
             f"scheduler as scheduler=lambda opt: ... ({type(e).__name__}: {e})")
     if isinstance(e, TraceError) and e.op is not None and "_local_scalar_dense" in e.op:
+        if not _read_in_step(e, step):
+            return None            # the trace's message names the library line that reads
         return TraceError(
             f"step {step.name} reads a value back (loss.item(), float(loss), a tensor in an "
             "if or a print): a trace has shapes, not values. Return the loss from the step "
@@ -123,3 +130,11 @@ def explain_step_error(e: BaseException, step: UserStep) -> BaseException | None
             "GradScaler's own inf check is modelled, other reads are not. "
             f"Traced error: {e}", op=e.op, module=e.module)
     return None
+
+
+def _read_in_step(e: TraceError, step: UserStep) -> bool:
+    """Whether the value read back was read in the file of the user's step (Note 4), not in
+    library code it called; True when the site is unknown."""
+    site = read_site(e.__cause__ or e)
+    code = getattr(step.fn, "__code__", None)
+    return site is None or code is None or site.filename == code.co_filename

@@ -12,10 +12,12 @@ data-dependent ops read); floating tensors (pixels, audio features, weights) are
 ``propagate`` extends it op by op: an op all of whose tensor inputs are known, and whose inputs
 and outputs hold at most ``MAX_KNOWN_ELEMENTS`` elements, is also run on the real values, and
 its outputs become known (``labels >= 0`` from ``labels``, a micro-batch slice from the batch).
-An in-place op on a known tensor makes it unknown (the real values are never written), and so
-are the known tensors that share its storage (views of it, its base). This is the all-ones-mask
-rule of ``memfit.step.prepare_batch`` carried through the step: where the real step's control
-flow or sizes depend on the data, the trace reads the same data.
+An in-place op on a known tensor makes it unknown (the real values are never written; Note 4
+mirrors one whose inputs are all known), and so are the known tensors that share its storage
+(views of it, its base). This is the all-ones-mask rule of ``memfit.step.prepare_batch``
+carried through the step: where the real step's control flow or sizes depend on the data, the
+trace reads the same data.
+Floating weights are the exception of Note 5.
 
 Note 3 (values made in the step). A factory op whose values are fixed by its arguments alone
 (``ones``, ``zeros``, ``full``, ``arange``, ``scalar_tensor`` and their ``_like`` / ``new_``
@@ -29,7 +31,31 @@ runs it on the real values and returns fakes of the real outputs' sizes, strides
 (which are what the real kernel allocates, so the counter counts the real bytes), and links
 them. ``masked_select`` needs only its mask known, boolean indexing only its boolean indices
 (they are replaced by their ``nonzero`` columns, as the real ``index`` kernel does), ``.item()``
-returns the real number. Anything else unknown is left to fail as before.
+returns the real number. Anything else unknown is left to fail as before. ``_ctc_loss.Tensor``
+(and its backward) is what the real kernel of that overload does: its lengths read back and the
+``int[]`` overload called with them (``fake_kernels`` Note 1).
+
+Note 4 (draws, lifted values, in-place updates). Two more kinds of tensor have values the
+trace knows as well as the real step. A random draw (``rand``, ``randint``, ... and their
+``_like`` forms) is drawn from torch's real CPU generator, as the real op draws it, within Note
+3's size limit: LayerDrop's ``torch.rand([])`` takes the branch that draw gives (``trace.profile``
+Note 3 restores the generator after the trace). A real tensor lifted into the trace
+(``torch.tensor(...)``, ``torch.as_tensor``: ``lift_fresh``) is known by its values (an
+optimizer's learning rate, a SpecAugment mask drawn with numpy). And an in-place op whose
+inputs are all known, and which writes no view, is run on copies of the real values written,
+which are then linked (an optimizer's step count ``+= 1``, ASGD's ``mu.copy_(...)``): the real
+values the trace was given are never written.
+
+Note 5 (the weights as given). A real model's parameters and buffers keep their real values too
+(``link_weight``), for scalar reads only: an op with a weight among its known inputs is mirrored
+only when each output is a scalar (a norm, an RMS, a comparison of it), or when it is a view of
+the weight. Writing a weight leaves its given values in place. This resolves optimizers that
+branch on a parameter's scale (transformers' Adafactor: ``max(eps, RMS)`` with
+``scale_parameter``; torch's Adafactor: ``param.norm().item()``). A real step >= 2 reads the
+weights one update later and takes the same branch unless that update carries the scale across
+the threshold: Adafactor's relative step moves a parameter's RMS by at most 1% of itself (or of
+eps) per step, so only a parameter within 1% of eps could differ. A model on the meta device has
+no values, and such a read is refused as before.
 """
 
 from __future__ import annotations
@@ -54,6 +80,7 @@ class DataValues:
 
     def __init__(self):
         self._real = WeakIdKeyDictionary()
+        self._weights = WeakIdKeyDictionary()     # fake weight -> its real values as given (Note 5)
 
     @classmethod
     def from_batch(cls, copier, batch) -> DataValues:
@@ -81,42 +108,96 @@ class DataValues:
                              f"{tuple(real.shape)} {real.dtype} one: they must have one shape and dtype")
         self._real[fake] = real
 
+    def link_weight(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """Keep the real values of a parameter or buffer as given, for scalar reads (Note 5); a
+        meta or fake ``real`` has none."""
+        if isinstance(real, FakeTensor) or real.device.type == "meta" or fake in self._real:
+            return
+        if tuple(fake.shape) == tuple(real.shape) and fake.dtype == real.dtype:
+            self._weights[fake] = real
+
     def real(self, fake: torch.Tensor) -> torch.Tensor | None:
         """The real values of ``fake``, or ``None`` when they are not known."""
         return self._real.get(fake)
+
+    def _known(self, t) -> bool:
+        return t in self._real or t in self._weights
+
+    def _value(self, t) -> torch.Tensor:
+        real = self._real.get(t)
+        return real if real is not None else self._weights[t]
 
     def __len__(self) -> int:
         return len(self._real)
 
     def propagate(self, func, args, kwargs, out) -> None:
         """After ``func`` ran on fakes: mirror it on real values where every input is known (Note 1),
-        or where its values are fixed by its arguments (Note 3)."""
-        if func in _FIXED_VALUES:
+        or where its values are fixed by its arguments (Notes 3 and 4), or by the weights as
+        given (Note 5)."""
+        if func in _FIXED_VALUES or func.overloadpacket in _DRAWS:
             self._made(func, args, kwargs, out)
             return
-        if not self._real:
+        if func is _aten.lift_fresh.default:
+            if not isinstance(args[0], FakeTensor) and args[0].numel() <= MAX_KNOWN_ELEMENTS:
+                with unset_fake_temporarily():
+                    real = args[0].clone()
+                self.link(out, real)                                    # Note 4
+            return
+        if not self._real and not self._weights:
             return
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        known = [t in self._real for t in inputs]
+        known = [self._known(t) for t in inputs]
         if not any(known):
             return
         if func._schema.is_mutable:
-            self._forget(inputs)
+            self._written(func, args, kwargs, inputs, all(known))
             return
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if (not all(known) or not outputs or _any_symbolic((args, kwargs, outputs))
-                or _elements(inputs + outputs) > MAX_KNOWN_ELEMENTS):
+        if not all(known) or not outputs or _any_symbolic((args, kwargs, outputs)):
             return
-        real_out = self._run_real(func, args, kwargs)
-        for fake, real in zip(outputs, [t for t in tree_flatten(real_out)[0] if isinstance(t, torch.Tensor)]):
+        if any(t not in self._real for t in inputs):         # a weight among them (Note 5)
+            if func.overloadpacket in _UNINITIALIZED:
+                return
+            if func.is_view:
+                self._link_all(outputs, self._run_real(func, args, kwargs), self._weights)
+            elif all(t.numel() <= 1 for t in outputs) and not _symbolic(outputs):
+                self._link_all(outputs, self._run_real(func, args, kwargs), self._real)
+            return
+        if _elements(inputs + outputs) > MAX_KNOWN_ELEMENTS:
+            return
+        self._link_all(outputs, self._run_real(func, args, kwargs), self._real)
+
+    def _written(self, func, args, kwargs, inputs, all_known: bool) -> None:
+        """An in-place op on known tensors: mirrored on copies (Note 4), else forgotten (Note 1)."""
+        written = _written_args(func, args, kwargs) or inputs
+        storage = any(isinstance(x, torch.UntypedStorage) for x in tree_flatten((args, kwargs))[0])
+        if storage or not (all_known and all(t in self._real and t._base is None for t in written)
+                and _elements(inputs) <= MAX_KNOWN_ELEMENTS and not _symbolic(inputs)):
+            self._forget(written)
+            return
+        with unset_fake_temporarily():
+            copies = {id(t): self._real[t].clone() for t in written}
+            real_args, real_kwargs = tree_map(
+                lambda t: copies.get(id(t), self._value(t)) if isinstance(t, torch.Tensor) else t,
+                (args, kwargs))
+            func(*real_args, **real_kwargs)
+        self._forget(written)              # views of what was written keep the old values
+        for t in written:
+            self._real[t] = copies[id(t)]
+
+    def _link_all(self, fakes, real_out, into) -> None:
+        reals = [t for t in tree_flatten(real_out)[0] if isinstance(t, torch.Tensor)]
+        for fake, real in zip(fakes, reals):
             if tuple(fake.shape) == tuple(real.shape) and fake.dtype == real.dtype:
-                self._real[fake] = real
+                into[fake] = real
 
     def resolve(self, func, args, kwargs):
         """The outputs of a data-dependent ``func`` that the fake mode refused (Note 2), or ``None``."""
+        if func in _CTC_INT_LIST:
+            return self._ctc(func, args, kwargs)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if inputs and all(t in self._real for t in inputs) and not _any_symbolic((args, kwargs)):
-            if _elements(inputs) > MAX_KNOWN_ELEMENTS:
+        if inputs and all(self._known(t) for t in inputs) and not _any_symbolic((args, kwargs)):
+            if _elements(inputs) > MAX_KNOWN_ELEMENTS and not all(t.numel() <= 1 for t in inputs):
                 return None
             real_out = self._run_real(func, args, kwargs)
             if func is _aten._local_scalar_dense.default:
@@ -134,10 +215,12 @@ class DataValues:
         if (not isinstance(out, torch.Tensor) or _any_symbolic((args, kwargs, out.shape))
                 or out.numel() > MAX_KNOWN_ELEMENTS):        # symbolic sizes: no guard is added
             return
-        with unset_fake_temporarily():
-            real_args, real_kwargs = tree_map(lambda t: torch.empty_strided(
-                t.shape, t.stride(), dtype=t.dtype) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-            real = func(*real_args, **{**real_kwargs, "device": "cpu"})
+        with unset_fake_temporarily():     # real stand-ins (made under the fake mode: fakes)
+            real_args, real_kwargs = tree_map(
+                lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+                if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            real_kwargs = {**real_kwargs, "device": "cpu"} if "device" in real_kwargs else real_kwargs
+            real = func(*real_args, **real_kwargs)
         if tuple(real.shape) == tuple(out.shape) and real.dtype == out.dtype:
             self._real[out] = real
 
@@ -151,10 +234,23 @@ class DataValues:
             self._real.pop(t, None)
 
     def _run_real(self, func, args, kwargs):
-        real_args, real_kwargs = tree_map(lambda t: self._real[t] if isinstance(t, torch.Tensor)
+        real_args, real_kwargs = tree_map(lambda t: self._value(t) if isinstance(t, torch.Tensor)
                                           else t, (args, kwargs))
         with unset_fake_temporarily():
             return func(*real_args, **real_kwargs)
+
+    def _ctc(self, func, args, kwargs):
+        """``_ctc_loss.Tensor`` / ``_ctc_loss_backward.Tensor`` as their real kernels run them: the
+        lengths read back, the ``int[]`` overload called (Note 2; ``fake_kernels`` Note 1)."""
+        names = [a.name for a in func._schema.arguments]
+        bound = dict(zip(names, args)) | kwargs
+        for name in ("input_lengths", "target_lengths"):
+            real = self._real.get(bound[name])
+            if real is None:
+                return None
+            with unset_fake_temporarily():
+                bound[name] = real.to(torch.long).tolist()
+        return _CTC_INT_LIST[func](**bound)
 
     def _fake_like(self, real: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A fake (the fake mode is the current one) with ``real``'s size, strides and dtype."""
@@ -193,6 +289,31 @@ _FIXED_VALUES = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _a
                  _aten.ones_like.default, _aten.zeros_like.default, _aten.full_like.default,
                  _aten.new_ones.default, _aten.new_zeros.default, _aten.new_full.default}
 """Factories whose values their arguments fix (Note 3); ``empty`` and random ones are not."""
+
+_DRAWS = {getattr(_aten, name) for name in (
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like")}
+"""Random factories, drawn from torch's real generator (Note 4)."""
+
+_UNINITIALIZED = {getattr(_aten, name) for name in (
+    "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided")}
+"""Ops whose outputs hold no values yet: a weight among their inputs gives them none."""
+
+_CTC_INT_LIST = {_aten._ctc_loss.Tensor: _aten._ctc_loss.default,
+                 _aten._ctc_loss_backward.Tensor: _aten._ctc_loss_backward.default}
+
+
+def _written_args(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors ``func`` writes, from its schema's alias annotations."""
+    written = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            written += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return written
+
+
+def _symbolic(tensors) -> bool:
+    return any(isinstance(n, torch.SymInt) for t in tensors for n in t.shape)
 
 
 def _any_symbolic(tree) -> bool:

@@ -5,6 +5,19 @@ deepcopy memo by their fake counterparts, so the copy shares nothing with the us
 tied parameters stay tied (one object, one fake), hooks and config come along, and no real
 tensor data is duplicated. Real tensors become fakes with ``from_tensor`` (storage size and
 sharing kept); ``meta`` tensors become fakes on ``device`` with the same shape and strides.
+The real values of the model's parameters and buffers are kept for the scalar reads an
+optimizer makes of them (``data_dependent`` Note 5).
+
+Note 2 (a deep copy inside the step). A user's step may deep-copy the model it is handed
+(``torch.optim.swa_utils.AveragedModel``, an EMA or teacher made with ``copy.deepcopy``).
+torch's ``Tensor.__deepcopy__`` on a fake copies its ``__dict__``, and with it the fake's
+``fake_mode``: the copy belongs to a new mode and the next op that meets both stops ("Mixing
+fake modes"). While a trace runs, ``FakeDeepcopyMode`` (a ``TorchFunctionMode``) copies a fake
+of the trace as the real tensor would be copied, in the trace's mode: a parameter as
+``Parameter.__deepcopy__`` does (a ``clone`` in its memory format; no gradient, no attributes);
+any other tensor as ``Tensor.__deepcopy__`` does (its whole storage copied once per deep copy,
+views re-made on it, its gradient and attributes copied), so the counter counts the bytes the
+real copy allocates.
 """
 
 from __future__ import annotations
@@ -13,12 +26,14 @@ import copy
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+import memfit.trace.fake_kernels  # noqa: F401  (registers fake kernels for ops without one)
 from memfit.trace.data_dependent import DataValues
 
-__all__ = ["FakeCopier"]
+__all__ = ["FakeCopier", "FakeDeepcopyMode"]
 
 
 class FakeCopier:
@@ -62,4 +77,47 @@ class FakeCopier:
             for t in list(m._parameters.values()) + list(m._buffers.values()):
                 if t is not None:
                     memo[id(t)] = self.tensor(t)
+                    self.data.link_weight(memo[id(t)], t.detach())
         return copy.deepcopy(model, memo)
+
+
+class FakeDeepcopyMode(TorchFunctionMode):
+    """``copy.deepcopy`` of a fake of ``mode``, in ``mode``, as a real tensor is copied (Note 2)."""
+
+    def __init__(self, mode: FakeTensorMode):
+        super().__init__()
+        self.mode = mode
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (func is torch.Tensor.__deepcopy__ and isinstance(args[0], FakeTensor)
+                and args[0].fake_mode is self.mode and args[0].is_leaf):
+            return _deepcopy(args[0], args[1])
+        return func(*args, **(kwargs or {}))
+
+
+def _deepcopy(t: torch.Tensor, memo: dict) -> torch.Tensor:
+    """Note 2: ``Parameter.__deepcopy__`` or ``Tensor.__deepcopy__`` on a fake."""
+    if id(t) in memo:
+        return memo[id(t)]
+    with torch.no_grad():
+        if isinstance(t, nn.Parameter):
+            new = nn.Parameter(t.clone(memory_format=torch.preserve_format), t.requires_grad)
+            memo[id(t)] = new
+            return new
+        storages = memo.setdefault("__torch_storage__", {})
+        key = t.untyped_storage()._cdata
+        if key not in storages:
+            nbytes = t.untyped_storage().nbytes()
+            storages[key] = torch.empty((nbytes,), dtype=torch.uint8,
+                                        device=t.device).untyped_storage()
+        new = t.new_empty([])
+        new.set_(storages[key], t.storage_offset(), t.size(), t.stride())
+    if t.requires_grad:
+        new.requires_grad_()
+    if t.grad is not None:
+        new.grad = _deepcopy(t.grad, memo)
+    for name, value in t.__dict__.items():        # the user's attributes, not the fake's own
+        if name not in new.__dict__:
+            setattr(new, name, copy.deepcopy(value, memo))
+    memo[id(t)] = new
+    return new

@@ -11,26 +11,45 @@ match real kernels) next, and the counting mode on top, so the counter sees each
 the real run does, with the outputs the real kernel would give, and not the decompositions the
 fake mode may run underneath. ``FiniteGradsMode`` sits between the two: a GradScaler in a user's
 step reads its inf check back, which it answers "finite" (``trace.finite_grads``). transformers reads
-the batch's masks where the real step does (``trace.known_values``).
+the batch's masks where the real step does (``trace.known_values``). ``FakeDeepcopyMode`` copies
+a fake the step deep-copies (``trace.fake`` Note 2).
+
+Note 3 (what the trace leaves). A random draw whose value the step reads (LayerDrop) is drawn
+from torch's real generator (``data_dependent`` Note 4), and a step may draw from Python's or
+numpy's (SpecAugment masks). The trace puts all three generators back as it found them, so an
+estimate changes nothing a later real step draws. An op the trace cannot run, in the warm-up or
+the step, is a ``TraceError`` that names the op and, for a value read back, the line that read
+it (``read_site``): the step's own code, or the library code it called (an optimizer's step).
 """
 
 from __future__ import annotations
 
+import contextlib
+import random
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                           DynamicOutputShapeException,
+                                           UnsupportedOperatorException)
 
 from memfit.errors import TraceError
 from memfit.measure import ModuleRecord, Tracker
-from memfit.trace.fake import FakeCopier
+from memfit.trace.fake import FakeCopier, FakeDeepcopyMode
 from memfit.trace.fidelity import FidelityMode
 from memfit.trace.finite_grads import FiniteGradsMode
 from memfit.trace.known_values import known_values_readable
 
-__all__ = ["StepProfile", "profile_step", "warm_up_optimizer"]
+__all__ = ["StepProfile", "profile_step", "warm_up_optimizer", "read_site"]
+
+_UNTRACEABLE = (DataDependentOutputException, UnsupportedOperatorException,
+                DynamicOutputShapeException, NotImplementedError)
 
 
 @dataclass
@@ -77,9 +96,12 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
     allocator replay needs the first step's history); ``after_first(tracker)`` runs between.
     """
     with (copier.mode, FidelityMode(copier.data), FiniteGradsMode(copier.data),
-          known_values_readable(copier.data)):
+          known_values_readable(copier.data), FakeDeepcopyMode(copier.mode), _generators_kept()):
         if not two_steps:            # two steps need no warm-up: step 1 is it
-            (warm_up or (lambda: warm_up_optimizer(model, optimizer)))()
+            try:
+                (warm_up or (lambda: warm_up_optimizer(model, optimizer)))()
+            except _UNTRACEABLE as e:                     # Note 3
+                raise _trace_error(e, None) from e
         tracker = Tracker(model=model, optimizer=optimizer, device=copier.device, fake=True)
         phases: dict[str, int] = {}
         start = time.perf_counter()
@@ -92,9 +114,7 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
                     tracker.start_window()
                 first_op = tracker.ops
                 run_step(lambda name: phases.setdefault(name, tracker.ops - first_op))
-        except (torch._subclasses.fake_tensor.DataDependentOutputException,
-                torch._subclasses.fake_tensor.UnsupportedOperatorException,
-                torch._subclasses.fake_tensor.DynamicOutputShapeException, NotImplementedError) as e:
+        except _UNTRACEABLE as e:
             raise _trace_error(e, tracker) from e
         seconds = time.perf_counter() - start
     records = sorted((r for r in tracker.modules.values() if r.order >= 0), key=lambda r: r.order)
@@ -117,11 +137,66 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
     return profile, tracker
 
 
-def _trace_error(e: Exception, tracker: Tracker) -> TraceError:
-    op, module = tracker.failed_op, tracker.failed_module
+@contextlib.contextmanager
+def _generators_kept():
+    """Note 3: torch's CPU generator, Python's and numpy's, as they were before the trace."""
+    state = torch.random.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state[0])
+        random.setstate(state[1])
+        np.random.set_state(state[2])
+
+
+_MACHINERY = (Path(torch.__file__).parent, Path(__file__).parents[1])   # torch, memfit
+
+
+def read_site(e: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of ``e``'s traceback outside torch's dispatch machinery and memfit:
+    the code that asked for the op (Note 3); torch's own modules (``torch/optim``, ``torch/nn``)
+    count as code, its private ones (``torch/_*``, ``torch/utils/_*``) do not."""
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        path = Path(frame.filename)
+        if path.is_relative_to(_MACHINERY[1]):
+            continue
+        if path.is_relative_to(_MACHINERY[0]):
+            parts = path.relative_to(_MACHINERY[0]).parts
+            if parts[0].startswith("_") or (parts[0] == "utils" and parts[1].startswith("_")):
+                continue
+        return frame
+    return None
+
+
+def describe_site(frame: traceback.FrameSummary) -> str:
+    """``package/file.py:line in function: `source``` for a frame from ``read_site``."""
+    parts = Path(frame.filename).parts
+    installed = [i for i, part in enumerate(parts) if part in ("site-packages", "dist-packages")]
+    short = Path(*parts[installed[-1] + 1:]) if installed else Path(frame.filename)
+    line = f": `{frame.line.strip()}`" if frame.line else ""
+    return f"{short}:{frame.lineno} in {frame.name}{line}"
+
+
+def _trace_error(e: Exception, tracker: Tracker | None) -> TraceError:
+    op = tracker.failed_op if tracker is not None else None
+    op = op or (str(e.func) if hasattr(e, "func") else None)
+    module = tracker.failed_module if tracker is not None else None
     where = f" in module '{module}'" if module else ""
+    stage = "" if tracker is not None else " in the optimizer's warm-up step (no forward)"
+    site = read_site(e)
+    if op is not None and "_local_scalar_dense" in str(op):
+        at = f" at {describe_site(site)}" if site is not None else ""
+        return TraceError(
+            f"the fake trace cannot read a tensor's value{stage}{where}{at} (.item(), bool(), "
+            "float(), a tensor in an if): it knows the batch's integer and bool tensors, the "
+            "numbers the step makes (step counts, random draws), scalar summaries of a real "
+            "model's weights (not of a model on the meta device), and what is computed from "
+            "those alone; this value comes from elsewhere (activations, gradients, updated "
+            "state). Measure the real step with memfit.track instead (in Python, a loss_fn or "
+            f"step that avoids the read also works). ({type(e).__name__}: {e})",
+            op=op, module=module)
     return TraceError(
-        f"the fake trace cannot run {op or 'an op'}{where}: {type(e).__name__}: {e}. "
+        f"the fake trace cannot run {op or 'an op'}{stage}{where}: {type(e).__name__}: {e}. "
         "This op needs real data the trace does not have (data-dependent ops are resolved "
         "from the batch's integer and bool tensors, not from float ones or values computed "
         "from the weights) or has no fake implementation. Measure the real step with "
