@@ -122,3 +122,15 @@ def test_factory_values_are_known_and_forgotten_when_written_through_a_view():
         with pytest.raises(torch._subclasses.fake_tensor.DataDependentOutputException):
             bool(mask.all())
     assert torch.equal(made, torch.ones(2, 4, dtype=torch.long))
+
+
+def test_a_budget_at_the_real_need_is_planned_with_no_lever():
+    """The excess used to carry into plans: a budget at the real step's need was short of the
+    traced one."""
+    model, batch = opt()
+    peak = real_peak(model, batch, user_step)
+    model, batch = opt()
+    plan = memfit.plan(model, batch, budget=peak, optimizer=lambda p: torch.optim.AdamW(p),
+                       step=user_step, device="cpu")
+    assert plan.predicted_peak_bytes == peak
+    assert set(plan.blocks.values()) == {"keep"} and plan.knobs.offload_optimizer is not True
