@@ -6,7 +6,7 @@ from memfit.api._setup import resolve_device
 from memfit.api.estimate import Estimate
 from memfit.api.estimate import estimate as _estimate
 from memfit.integrations._hf_recompute import check
-from memfit.integrations._hf_step import (TrainerStep, check_supported, trainer_batch,
+from memfit.integrations._hf_step import (TrainerStep, check_supported, choose_batch,
                                           trainer_optimizer, trainer_scheduler)
 from memfit.techniques.optimizer_offload import OffloadedOptimizer
 
@@ -23,9 +23,10 @@ def estimate(trainer, device=None, *, batch=None, budget=None, **knobs) -> Estim
     kwargs, ``max_grad_norm``, the optimizer ``args.optim`` builds (or the one the trainer was
     given) and the ``lr_scheduler_type`` scheduler. Neither the trainer nor its model is
     changed. ``device``: a GPU name, "cpu" or a ``DeviceSpec`` (default: where the model is);
-    ``budget`` sets what ``fits`` checks. ``batch``: the traced batch instead of the first
-    samples of the train dataset (``{"micro_batches": [...], "look_ahead": ...}``, as
-    ``trainer_batch`` makes it). ``knobs``: what memfit adds through the model and the optimizer
+    ``budget`` sets what ``fits`` checks. ``batch``: the traced batch instead of the
+    longest step the train dataset can make (the first samples where all have one length;
+    ``_hf_step`` Note 3, said in ``Estimate.notes``) (``{"micro_batches": [...],
+    "look_ahead": ...}``, as ``trainer_batch`` makes it). ``knobs``: what memfit adds through the model and the optimizer
     (``checkpoint``, ``offload``, ``offload_optimizer``, ``optimizer_impl``); the rest is the
     TrainingArguments' (change them there). After ``fit`` the estimate is of the fitted trainer
     (its arguments, the block hooks on its model, its offloaded optimizer). For a GPU
@@ -35,7 +36,8 @@ def estimate(trainer, device=None, *, batch=None, budget=None, **knobs) -> Estim
     check_supported(trainer)
     check_gpu_checkpointing(trainer, device)
     check_offload_runs(trainer, device)
-    batch = trainer_batch(trainer) if batch is None else batch
+    chosen = choose_batch(trainer) if batch is None else None
+    batch = chosen.batch if chosen is not None else batch
     step = TrainerStep(trainer)
     optimizer = trainer_optimizer(trainer)
     if isinstance(optimizer, OffloadedOptimizer):      # fit's: the class it wraps, offloaded
@@ -45,8 +47,10 @@ def estimate(trainer, device=None, *, batch=None, budget=None, **knobs) -> Estim
         finally:
             trainer.optimizer = saved
         knobs.setdefault("offload_optimizer", True)
-    return _estimate(trainer.model, batch, optimizer=optimizer, device=device, budget=budget,
-                     step=step, scheduler=trainer_scheduler(trainer), **knobs)
+    est = _estimate(trainer.model, batch, optimizer=optimizer, device=device, budget=budget,
+                    step=step, scheduler=trainer_scheduler(trainer), **knobs)
+    est.notes.append(chosen.note if chosen is not None else "batch: the one given (batch=)")
+    return est
 
 
 def check_gpu_checkpointing(trainer, device) -> None:

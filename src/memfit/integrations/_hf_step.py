@@ -33,10 +33,17 @@ user's model and the trainer are not changed; the trainer's loop state the step 
 accumulation count, accelerate's sync flag, the mixed-mesh cache) is restored after the call.
 
 Note 3 (the batch). ``trainer_batch`` collates the trainer's train dataset with the trainer's
-own collator (unused columns removed as ``get_train_dataloader`` does), in dataset order:
+own collator (unused columns removed as ``get_train_dataloader`` does):
 ``gradient_accumulation_steps`` micro-batches of ``per_device_train_batch_size`` samples, and
-the look-ahead one when the dataset has it. With a padding collator the shapes are those of the
-first samples; pass ``batch=`` for other ones.
+the look-ahead one when the dataset has it. Where the samples differ in length (a padding
+collator pads each micro-batch to its longest sample, and the sampler shuffles), the traced
+step is the longest one the dataloader can produce: the ``(steps + 1) x b`` longest samples
+dealt one by one into the micro-batches, so the i-th longest micro-batch holds the i-th longest
+sample (no step can pad its i-th longest micro-batch longer), the longest one last (every
+gradient is alive through its backward) and the shortest as the look-ahead. Where every
+sample has the same length (or the dataset is iterable, so its lengths are unknown) the first
+samples are traced, in dataset order. ``BatchChoice.note`` says which (``estimate`` puts it in
+``Estimate.notes``); ``batch=`` traces another.
 """
 
 from __future__ import annotations
@@ -52,8 +59,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from memfit.integrations._hf_recompute import model_recompute
 
-__all__ = ["TrainerStep", "trainer_batch", "trainer_optimizer", "trainer_scheduler",
-           "check_supported", "MICRO", "AHEAD"]
+__all__ = ["TrainerStep", "BatchChoice", "trainer_batch", "choose_batch", "trainer_optimizer",
+           "trainer_scheduler", "check_supported", "MICRO", "AHEAD"]
 
 MICRO = "micro_batches"      # the traced batch: {MICRO: [micro-batch, ...], AHEAD: batch}
 AHEAD = "look_ahead"
@@ -85,8 +92,21 @@ def check_supported(trainer) -> None:
                          "or measure the real run with MemfitCallback")
 
 
+@dataclass(frozen=True)
+class BatchChoice:
+    """The traced batch and which one it is (Note 3)."""
+
+    batch: dict            # {MICRO: [...], AHEAD: batch or absent}
+    note: str
+
+
 def trainer_batch(trainer) -> dict:
     """The traced batch (Note 3): ``{MICRO: [...], AHEAD: batch or absent}``."""
+    return choose_batch(trainer).batch
+
+
+def choose_batch(trainer) -> BatchChoice:
+    """The traced batch and a line saying which (Note 3)."""
     if trainer.train_dataset is None:
         raise ValueError("the trainer has no train_dataset: pass train_dataset=... to Trainer "
                          "(or batch=... to estimate)")
@@ -101,12 +121,22 @@ def trainer_batch(trainer) -> dict:
     else:
         collator = trainer._get_collator_with_removed_columns(collator, description="training")
     need = trainer.args.gradient_accumulation_steps + 1
-    loader = DataLoader(dataset, batch_size=trainer._train_batch_size, collate_fn=collator,
+    b = trainer._train_batch_size
+    longest = _longest_groups(dataset, b, need)
+    if longest is not None:
+        groups, lengths = longest
+        batches = [collator([dataset[i] for i in g]) for g in groups]
+        out = {MICRO: batches[:need - 1][::-1], AHEAD: batches[-1]}    # longest last
+        return BatchChoice(out, (
+            "batch: the longest step the dataloader can produce (samples differ in length): "
+            f"micro-batches padded to their longest samples, {', '.join(map(str, lengths))} "
+            "long; shorter steps need less. Pass batch= to estimate another"))
+    loader = DataLoader(dataset, batch_size=b, collate_fn=collator,
                         shuffle=False, num_workers=0,
                         drop_last=trainer.args.dataloader_drop_last)
     batches = []
-    for b in loader:
-        batches.append(b)
+    for batch in loader:
+        batches.append(batch)
         if len(batches) == need:
             break
     if len(batches) < need - 1:
@@ -119,7 +149,33 @@ def trainer_batch(trainer) -> dict:
     out = {MICRO: batches[:need - 1]}
     if len(batches) == need:
         out[AHEAD] = batches[-1]
-    return out
+    why = "its lengths are unknown (an iterable dataset)" if isinstance(dataset, IterableDataset) \
+        else "every sample has the same length"
+    return BatchChoice(out, f"batch: the first {len(batches) * b} samples of the train dataset "
+                            f"({why})")
+
+
+def _longest_groups(dataset, b: int, need: int):
+    """Note 3: ``need`` groups of ``b`` sample indices, the i-th holding the i-th longest
+    sample, and each group's longest length; None where lengths are equal or unknown."""
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or \
+            len(dataset) < need * b:
+        return None
+    lengths = [_length(dataset[i]) for i in range(len(dataset))]
+    if None in lengths or len(set(lengths)) < 2:
+        return None
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))[:need * b]
+    groups = [order[k::need] for k in range(need)]
+    return groups, [lengths[g[0]] for g in groups][:need - 1][::-1]
+
+
+def _length(sample):
+    """A sample's sequence length: its longest list or 1-D+ tensor value (None: none)."""
+    if not isinstance(sample, dict):
+        return None
+    sizes = [len(v) if isinstance(v, (list, tuple)) else v.shape[0] for v in sample.values()
+             if isinstance(v, (list, tuple)) or isinstance(v, torch.Tensor) and v.dim() > 0]
+    return max(sizes) if sizes else None
 
 
 def trainer_optimizer(trainer, model: nn.Module | None = None) -> torch.optim.Optimizer:
