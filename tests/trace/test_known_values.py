@@ -121,6 +121,8 @@ def test_factory_values_are_known_and_forgotten_when_written_through_a_view():
         assert data.real(mask) is None
         with pytest.raises(torch._subclasses.fake_tensor.DataDependentOutputException):
             bool(mask.all())
+        weight = torch.nn.Parameter(torch.empty(4, 4))
+        assert data.real(torch.zeros_like(weight)) is None        # optimizer state: no real copy
     assert torch.equal(made, torch.ones(2, 4, dtype=torch.long))
 
 

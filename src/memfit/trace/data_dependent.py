@@ -24,7 +24,9 @@ Note 3 (values made in the step). A factory op whose values are fixed by its arg
 forms) makes a known tensor, of any dtype, within the same size limit: Bart's decoder makes
 the all-ones mask it was not given (``torch.ones(batch, length)``) and transformers reads it
 (``trace.known_values``), as the real step does. Nothing with a symbolic size (a shared trace's
-batch, ``trace.symbolic``) is made known or mirrored: that would fix the size it stands for.
+batch, ``trace.symbolic``) is made known or mirrored: that would fix the size it stands for. Nor
+is a copy of a weight's shape (``zeros_like(param)``: optimizer state, gradients): the trace
+would hold a real copy of each for nothing.
 
 Note 2 (what is resolved). When the fake mode refuses an op for want of values, ``resolve``
 runs it on the real values and returns fakes of the real outputs' sizes, strides and dtypes
@@ -213,7 +215,8 @@ class DataValues:
     def _made(self, func, args, kwargs, out) -> None:
         """Note 3: run a fixed-values factory for real; its input (a ``_like``'s) gives only a shape."""
         if (not isinstance(out, torch.Tensor) or _any_symbolic((args, kwargs, out.shape))
-                or out.numel() > MAX_KNOWN_ELEMENTS):        # symbolic sizes: no guard is added
+                or out.numel() > MAX_KNOWN_ELEMENTS        # symbolic sizes: no guard is added
+                or (func in _FIXED_VALUES and _weight_like(args))):
             return
         with unset_fake_temporarily():     # real stand-ins (made under the fake mode: fakes)
             real_args, real_kwargs = tree_map(
@@ -314,6 +317,13 @@ def _written_args(func, args, kwargs) -> list[torch.Tensor]:
 
 def _symbolic(tensors) -> bool:
     return any(isinstance(n, torch.SymInt) for t in tensors for n in t.shape)
+
+
+def _weight_like(args) -> bool:
+    """Whether a ``_like`` / ``new_`` factory copies the shape of a weight (optimizer state,
+    a gradient buffer: Note 3 leaves those unknown, or the trace would hold real copies)."""
+    return any(isinstance(t, torch.Tensor) and (t.requires_grad or isinstance(t, torch.nn.Parameter))
+               for t in tree_flatten(args)[0])
 
 
 def _any_symbolic(tree) -> bool:
