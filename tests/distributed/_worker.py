@@ -101,3 +101,58 @@ def run_rank(rank: int, world_size: int, port: int, jobs: list, out_dir: str) ->
             json.dump(out, f)
     finally:
         dist.destroy_process_group()
+
+
+def _live_bytes(tensors) -> int:
+    """The bytes of the distinct storages behind ``tensors`` (DTensors by their local shard),
+    by address: an oracle that shares nothing with ``track``."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = getattr(t, "_local_tensor", t)
+            st = t.untyped_storage()
+            if st.nbytes():
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def user_sharded_rank(rank: int, world_size: int, port: int, arch: str, out_dir: str) -> None:
+    """The user's own FSDP2 job, not memfit's Runner: ``fully_shard`` on each decoder layer and
+    the root, gloo's own reduce-scatter (its full-size copy, memfit.measure._collectives Note 1),
+    AdamW, the canonical step. Two steps, then step 3 under ``track(model, optimizer)`` and
+    step 4 under ``track()``; beside them, the bytes of the parameters' shards, of the
+    optimizer state and of the batch, counted apart (``_live_bytes``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils._pytree import tree_flatten
+
+    from tests.helpers import tiny
+    join(rank, world_size, port)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        model, batch = tiny(arch)
+        batch = prepare_batch(batch)   # the batch estimate_sharded traces (no all-ones mask)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+            opt.step()
+
+        step()
+        step()
+        with memfit.track(model, opt) as given:
+            step()
+        with memfit.track() as bare:
+            step()
+        state = [v for s in opt.state.values() for v in tree_flatten(s)[0]]
+        out = {"given": [given.peak_bytes, given.breakdown], "bare": [bare.peak_bytes, bare.breakdown],
+               "params": _live_bytes(model.parameters()), "buffers": _live_bytes(model.buffers()),
+               "state": _live_bytes(state), "batch": _live_bytes(batch.values())}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+    finally:
+        dist.destroy_process_group()

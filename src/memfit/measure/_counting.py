@@ -43,6 +43,7 @@ from torch.utils.flop_counter import flop_registry
 
 from memfit.errors import OutOfMemory
 from memfit.measure import _ledger as L
+from memfit.measure._collectives import births
 from memfit.measure._sizes import hint
 
 if TYPE_CHECKING:
@@ -117,18 +118,20 @@ class CountingMode(TorchDispatchMode):
         t.last_op = func
         if t.budget_bytes is None:
             try:
-                out = func(*args, **kwargs)
+                out, kept = births(func, args, kwargs)        # _collectives Note 2
             except Exception as e:
                 t.note_failure(e, func)
                 raise
-            self._count(func, args, kwargs, out)
+            self._count(func, args, kwargs, out, kept)
             return out
         with t.undo_on_oom(func, args):
-            out = func(*args, **kwargs)
-            self._count(func, args, kwargs, out)
+            out, kept = births(func, args, kwargs)
+            self._count(func, args, kwargs, out, kept)
         return out
 
-    def _count(self, func, args, kwargs, out):
+    def _count(self, func, args, kwargs, out, kept=()):
+        """``kept``: storages the op's kernel made and kept apart from its outputs (a
+        collective's buffers, ``_collectives`` Note 2): born here too."""
         t = self.t
         ledger = t.ledger
         new, resized = [], []
@@ -140,6 +143,10 @@ class CountingMode(TorchDispatchMode):
                             new.append(st)
                     elif func in _RESIZING:
                         resized.append(st)
+        for st in kept:
+            if st.device.type == ledger.device_type and ledger.sid(st) is None and \
+                    all(st._cdata != s._cdata for s in new):
+                new.append(st)
         on_host = host_allocations_open()             # host memory: not under the budget
         requested = 0 if on_host else sum(hint(st.nbytes()) for st in new)
         requested += sum(max(0, ledger.growth(st)) for st in resized)
