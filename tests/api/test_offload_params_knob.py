@@ -54,7 +54,7 @@ def test_fitted_runner_trains_bitwise_like_the_plain_one(knobs):
 
 
 def test_composes_with_low_bit_states():
-    pytest.importorskip("torchao.optim")
+    pytest.importorskip("bitsandbytes")      # optimizer_state="8bit"
     model, batch = tiny("gpt2")
     knobs = dict(offload_params="every:2", offload_optimizer=True, optimizer_state="8bit")
     est = memfit.estimate(model, batch, optimizer="adamw", **knobs)
