@@ -39,6 +39,27 @@ def test_callback_warns_past_five_percent():
     assert len(caught) == 1 and "+6.0%" in str(caught[0].message)
 
 
+def test_callback_warns_at_any_byte_over_an_exact_cpu_estimate():
+    """issue 26 item 14: a step 3.2% over the prediction said nothing (5% tolerance); on CPU
+    the estimate is exact, so a step above it means a budget set from it is overrun."""
+    import dataclasses
+    trainer = tiny_trainer("gpt2")
+    est = mf_hf.estimate(trainer)
+    low = dataclasses.replace(est, peak_bytes=int(est.peak_bytes / 1.032))
+    caught = run_with(trainer, mf_hf.MemfitCallback(predicted=low, steps=2))
+    assert len(caught) == 1 and "+3.2%" in str(caught[0].message)
+
+
+def test_callback_is_quiet_below_an_estimate_of_the_longest_step():
+    from tests.integrations.test_hf_dynamic_padding import trainer as padded_trainer
+    est = mf_hf.estimate(padded_trainer())
+    assert any(n.startswith("batch: the longest step") for n in est.notes)
+    cb = mf_hf.MemfitCallback(predicted=est, steps=3)
+    assert run_with(padded_trainer(), cb) == []
+    assert all(r.measured_peak_bytes <= est.peak_bytes for r in cb.records)
+    assert any(r.error < -0.05 for r in cb.records[1:])        # shorter steps, well below
+
+
 @pytest.mark.slow
 def test_callback_takes_the_changes_of_fit():
     trainer = tiny_trainer("gpt2", per_device_train_batch_size=4, samples=48, max_steps=3)
