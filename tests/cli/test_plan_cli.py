@@ -62,7 +62,8 @@ def test_plot_before_and_after(small, tmp_path, capsys):
 def test_below_the_floor_exits_2_with_the_floor_and_levers(small, capsys):
     assert main(["plan", *small, "--budget", "1MiB"]) == 2
     err = capsys.readouterr().err
-    assert "MiB" in err and "8-bit optimizer" in err and "shorter sequences" in err
+    assert "MiB" in err and "8-bit (bitsandbytes) optimizer state" in err \
+        and "shorter sequences" in err
 
 
 def test_bad_lever_value_is_refused(capsys):
