@@ -39,8 +39,8 @@ returns the real number. Anything else unknown is left to fail as before. ``_ctc
 
 Note 4 (draws, lifted values, in-place updates). Two more kinds of tensor have values the
 trace knows as well as the real step. A random draw (``rand``, ``randint``, ... and their
-``_like`` forms) is drawn from torch's real CPU generator, as the real op draws it, within Note
-3's size limit: LayerDrop's ``torch.rand([])`` takes the branch that draw gives (``trace.profile``
+``_like`` forms) that is data or a scalar is drawn from torch's real CPU generator, as the real
+op draws it, within Note 3's size limit (a float noise tensor stays fake): LayerDrop's ``torch.rand([])`` takes the branch that draw gives (``trace.profile``
 Note 3 restores the generator after the trace). A real tensor lifted into the trace
 (``torch.tensor(...)``, ``torch.as_tensor``: ``lift_fresh``) is known by its values (an
 optimizer's learning rate, a SpecAugment mask drawn with numpy). And an in-place op whose
@@ -136,8 +136,13 @@ class DataValues:
         """After ``func`` ran on fakes: mirror it on real values where every input is known (Note 1),
         or where its values are fixed by its arguments (Notes 3 and 4), or by the weights as
         given (Note 5)."""
-        if func in _FIXED_VALUES or func.overloadpacket in _DRAWS:
+        if func in _FIXED_VALUES:
             self._made(func, args, kwargs, out)
+            return
+        if func.overloadpacket in _DRAWS:                       # Note 4: data or a scalar
+            if isinstance(out, torch.Tensor) and (out.numel() <= 1 or not (
+                    out.is_floating_point() or out.is_complex())):
+                self._made(func, args, kwargs, out)
             return
         if func is _aten.lift_fresh.default:
             if not isinstance(args[0], FakeTensor) and args[0].numel() <= MAX_KNOWN_ELEMENTS:
