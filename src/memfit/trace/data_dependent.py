@@ -58,6 +58,13 @@ weights one update later and takes the same branch unless that update carries th
 the threshold: Adafactor's relative step moves a parameter's RMS by at most 1% of itself (or of
 eps) per step, so only a parameter within 1% of eps could differ. A model on the meta device has
 no values, and such a read is refused as before.
+
+Note 6 (the real values are the trace's own). Every op this module runs on real values (a
+mirror, a resolved op, a factory's or a draw's values) runs with every dispatch mode set aside
+(``real_values``), not just the fake one: a trace run inside a user's ``memfit.track`` must
+count nothing there (DESIGN, "what the checks have taught"), and these small real tensors are
+memfit's bookkeeping, not the user's step. Under ``unset_fake_temporarily`` alone the
+enclosing real tracker counted them (112 B of arange/ones per estimate of tiny GPT-2).
 """
 
 from __future__ import annotations
@@ -65,16 +72,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["DataValues", "MAX_KNOWN_ELEMENTS"]
+__all__ = ["DataValues", "MAX_KNOWN_ELEMENTS", "real_values"]
 
 MAX_KNOWN_ELEMENTS = 1 << 22
 """Ops on more elements (inputs plus outputs) than this are not mirrored on real values."""
 
 _aten = torch.ops.aten
+
+
+def real_values():
+    """A context in which ops run on real tensors seen by no dispatch mode: not the trace's
+    fake mode or counter, nor an enclosing real ``track`` (Note 6)."""
+    return _disable_current_modes()
 
 
 class DataValues:
@@ -146,7 +160,7 @@ class DataValues:
             return
         if func is _aten.lift_fresh.default:
             if not isinstance(args[0], FakeTensor) and args[0].numel() <= MAX_KNOWN_ELEMENTS:
-                with unset_fake_temporarily():
+                with real_values():
                     real = args[0].clone()
                 self.link(out, real)                                    # Note 4
             return
@@ -182,7 +196,7 @@ class DataValues:
                 and _elements(inputs) <= MAX_KNOWN_ELEMENTS and not _symbolic(inputs)):
             self._forget(written)
             return
-        with unset_fake_temporarily():
+        with real_values():
             copies = {id(t): self._real[t].clone() for t in written}
             real_args, real_kwargs = tree_map(
                 lambda t: copies.get(id(t), self._value(t)) if isinstance(t, torch.Tensor) else t,
@@ -223,7 +237,7 @@ class DataValues:
                 or out.numel() > MAX_KNOWN_ELEMENTS        # symbolic sizes: no guard is added
                 or (func in _FIXED_VALUES and _weight_like(args))):
             return
-        with unset_fake_temporarily():     # real stand-ins (made under the fake mode: fakes)
+        with real_values():     # real stand-ins (made under the fake mode: fakes)
             real_args, real_kwargs = tree_map(
                 lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
                 if isinstance(t, torch.Tensor) else t, (args, kwargs))
@@ -244,7 +258,7 @@ class DataValues:
     def _run_real(self, func, args, kwargs):
         real_args, real_kwargs = tree_map(lambda t: self._value(t) if isinstance(t, torch.Tensor)
                                           else t, (args, kwargs))
-        with unset_fake_temporarily():
+        with real_values():
             return func(*real_args, **real_kwargs)
 
     def _ctc(self, func, args, kwargs):
@@ -256,7 +270,7 @@ class DataValues:
             real = self._real.get(bound[name])
             if real is None:
                 return None
-            with unset_fake_temporarily():
+            with real_values():
                 bound[name] = real.to(torch.long).tolist()
         return _CTC_INT_LIST[func](**bound)
 
@@ -271,7 +285,7 @@ class DataValues:
         if real_mask is None:
             return None
         shape = torch.broadcast_shapes(x.shape, mask.shape)
-        with unset_fake_temporarily():
+        with real_values():
             count = int(real_mask.broadcast_to(shape).count_nonzero())
         return torch.empty((count,), dtype=x.dtype, device=x.device)
 
@@ -284,7 +298,7 @@ class DataValues:
             real = self._real.get(index)
             if real is None:
                 return None
-            with unset_fake_temporarily():
+            with real_values():
                 columns = real.nonzero().unbind(1)
             replaced.extend(self._fake_like(c.contiguous(), index.device) for c in columns)
         out = func(x, replaced)

@@ -16,10 +16,10 @@ marked the written ``found_inf`` unknown.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.trace.data_dependent import DataValues
+from memfit.trace.data_dependent import DataValues, real_values
 
 __all__ = ["FiniteGradsMode"]
 
@@ -39,7 +39,7 @@ class FiniteGradsMode(TorchDispatchMode):
         if func is _CHECK:
             found_inf = args[1] if len(args) > 1 else kwargs["found_inf"]
             if isinstance(found_inf, FakeTensor):
-                with unset_fake_temporarily():
+                with real_values():
                     zero = torch.zeros(found_inf.shape, dtype=found_inf.dtype)
                 self.data.link(found_inf, zero)
         return out
