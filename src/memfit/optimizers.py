@@ -143,10 +143,12 @@ class OptimizerRecipe:
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, new_of: dict[int, torch.Tensor],
-                      flags: dict | None = None):
+                      flags: dict | None = None, cls: type | None = None):
     """The same optimizer class and hyper-parameters, each param replaced by ``new_of[id(p)]``;
-    ``flags`` (e.g. ``IMPL_FLAGS["fused"]``) override those keys in every group."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
+    ``flags`` (e.g. ``IMPL_FLAGS["fused"]``) override those keys in every group. ``cls``: build
+    this subclass of the optimizer's class instead."""
+    cls = cls or type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
     flags = {k: v for k, v in (flags or {}).items() if k in accepted}
     groups = []
     for group in optimizer.param_groups:
@@ -156,7 +158,7 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, new_of: dict[int, torch.
     # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay);
     # every group already carries them all
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted} | flags
-    return type(optimizer)(groups, **defaults)
+    return cls(groups, **defaults)
 
 
 def _on_cuda(params) -> bool:

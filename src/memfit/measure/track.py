@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.errors import OutOfMemory
 from memfit.measure import _ledger as L
+from memfit.measure._bnb_kernels import cpu_kernels
 from memfit.measure._storage_resize import resizes_counted
 from memfit.measure._counting import (CountingMode, allocates_and_writes, host_allocations,
                                       written_args, registered_host_tensors)
@@ -111,6 +112,8 @@ class Tracker:
             s.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
             s.enter_context(CountingMode(self))
             s.enter_context(resizes_counted())          # _storage_resize Note 1
+            if not self.fake:       # a real run's bitsandbytes CPU kernels (_bnb_kernels Note 1)
+                s.enter_context(cpu_kernels())
         except BaseException:
             s.close()
             raise

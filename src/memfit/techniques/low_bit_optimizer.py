@@ -62,26 +62,40 @@ makes an fp32 gradient and the denominator (and, briefly, its ``sqrt``), updates
 place and requantizes (each ``quantize_blockwise`` a uint8 copy and the absmax): per 8-bit
 parameter of N values, 20 N bytes at its peak, freed before the next. Behind the op those
 temporaries are invisible to a dispatch mode (``memfit.track``, the fake trace) but not to the
-allocator, so on CPU tensors the op is redirected (a ``TorchFunctionMode`` around
-``update_step``) to that same registered CPU function, called as Python: the same ops, the
-same numbers (a test holds it bitwise to ``bnb.optim.AdamW8bit``), every temporary one the
-counter sees. Either way, it is bitsandbytes' own ``step`` that runs.
+allocator, so on CPU tensors the op is redirected (``measure._bnb_kernels.CpuKernels``
+around ``update_step``; ``track`` enters it over a real run too) to that same registered CPU
+function, called as Python: the same ops, the same numbers (a test holds it bitwise to
+``bnb.optim.AdamW8bit``), every temporary one the counter sees. Either way, it is bitsandbytes' own ``step`` that runs.
+
+Note 6 (a user's own bitsandbytes optimizer, the HF Trainer's ``adamw_bnb_8bit``). A trace
+rebuilds the optimizer over fake parameters; a bitsandbytes optimizer keeps what decides its
+state outside ``defaults``: ``args`` (``optim_bits``, ``min_8bit_size``, ``max_unorm``,
+``skip_zeros``; transformers builds ``bnb.optim.AdamW(optim_bits=8)``), ``is_paged``, and
+per-parameter overrides in its process-wide ``GlobalOptimManager`` keyed by the parameter's
+``id`` (transformers registers ``optim_bits=32`` for every ``nn.Embedding`` weight, applied by
+``check_overrides`` at the first step). Rebuilt from ``defaults`` alone it kept fp32 moments for
+every parameter. ``rebuild_bnb`` builds the same class with the ``_BnbStep`` mixin (Note 5: the
+CPU kernel's temporaries counted, ``use_cuda_kernel`` for a CUDA target), the same ``args`` and
+``is_paged``, and each parameter's overrides resolved now against the original's parameters
+(what its own ``get_config`` would read after ``check_overrides``), kept on the instance: the
+manager is not written, so no fake's ``id`` is left in it for a later tensor to inherit.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memfit.optimizers import OptimizerRecipe
+from memfit.measure._bnb_kernels import CpuKernels
+from memfit.optimizers import OptimizerRecipe, rebuild_optimizer
 
 __all__ = ["LowBitOptimizer", "LowBitRecipe", "STATES", "LOW_BIT_CLASSES", "NUMERICS_NOTE",
-           "state_bytes", "is_low_bit"]
+           "state_bytes", "is_low_bit", "is_bnb", "rebuild_bnb", "BnbRecipe"]
 
 STATES = ("bf16", "8bit", "4bit")
 # torch class -> the torchao classes built for it, per state (Note 1)
@@ -156,27 +170,6 @@ def _torchao_classes() -> dict[tuple[str, bool], type]:
     return out
 
 
-class _CpuKernels(TorchFunctionMode):
-    """bitsandbytes' optimizer ops on CPU tensors run its registered CPU kernels as Python,
-    so every temporary is an op a dispatch mode sees (Note 5)."""
-
-    def __init__(self, cpu_ops):
-        super().__init__()
-        ops = torch.ops.bitsandbytes
-        self.kernels = {}
-        for op, kernel in ((ops.optimizer_update_8bit_blockwise,
-                            cpu_ops._optimizer_update_8bit_blockwise_cpu),
-                           (ops.optimizer_update_32bit, cpu_ops._optimizer_update_32bit_cpu)):
-            self.kernels[op] = self.kernels[op.default] = kernel    # called as packet or overload
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kernel = self.kernels.get(func)
-        if kernel is not None and all(a.device.type == "cpu" for a in args
-                                      if isinstance(a, torch.Tensor)):
-            return kernel(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
 @functools.cache
 def _bnb_qmaps() -> tuple[list[float], list[float]]:
     """bitsandbytes' signed and unsigned dynamic maps, built outside every mode (Note 4: its
@@ -199,6 +192,13 @@ class _BnbStep:
         self.name2qmap["dynamic"] = torch.tensor(signed, dtype=torch.float32)
         self.name2qmap["udynamic"] = torch.tensor(unsigned, dtype=torch.float32)
 
+    overrides: dict = {}    # (group, index) -> a parameter's config overrides (Note 6)
+
+    def get_config(self, gindex, pindex, group):
+        config = super().get_config(gindex, pindex, group)
+        config.update(self.overrides.get((gindex, pindex), {}))
+        return config
+
     def use_cuda_kernel(self) -> None:
         """Step as on a GPU: the op itself, whose fused kernel (and fake) allocates nothing."""
         self.cuda_kernel = True
@@ -207,8 +207,60 @@ class _BnbStep:
     def update_step(self, group, p, gindex, pindex):
         if self.cuda_kernel:
             return super().update_step(group, p, gindex, pindex)
-        with _CpuKernels(_bnb()[1]):
+        with CpuKernels(_bnb()[1]):
             return super().update_step(group, p, gindex, pindex)
+
+
+def is_bnb(optimizer) -> bool:
+    """A bitsandbytes optimizer (``Optimizer8bit``; bitsandbytes is not imported for this)."""
+    mod = sys.modules.get("bitsandbytes.optim.optimizer")
+    return mod is not None and isinstance(optimizer, mod.Optimizer8bit)
+
+
+@functools.cache
+def _bnb_step_class(cls: type) -> type:
+    """``cls`` stepped as Note 5 says (itself when it already is)."""
+    return cls if issubclass(cls, _BnbStep) else type(f"Bnb{cls.__name__}", (_BnbStep, cls), {})
+
+
+def _bnb_overrides(optimizer) -> dict[tuple[int, int], dict]:
+    """Each parameter's config overrides as ``optimizer.get_config`` reads them once
+    ``check_overrides`` has run (Note 6), by (group, index)."""
+    mng, modules = optimizer.mng, {}
+    if not optimizer.initialized:       # its first step runs check_overrides
+        for module, attr, config in mng.module_weight_config_triple:
+            modules[id(getattr(module, attr))] = config
+    out = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) in modules:        # check_overrides sets both to it
+                config = dict(modules[id(p)])
+            else:
+                config = dict(mng.index2config.get((g, i), {}))
+                config.update(mng.pid2config.get(id(p), {}))
+            if config:
+                out[g, i] = config
+    return out
+
+
+def rebuild_bnb(optimizer, new_of: dict[int, torch.Tensor]):
+    """A bitsandbytes ``optimizer`` over ``new_of[id(p)]``: its class, hyper-parameters,
+    ``args``, paging and per-parameter overrides, stepped as Note 5 says (Note 6)."""
+    _bnb()
+    new = rebuild_optimizer(optimizer, new_of, cls=_bnb_step_class(type(optimizer)))
+    new.args, new.is_paged = optimizer.args, optimizer.is_paged
+    new.overrides = _bnb_overrides(optimizer)
+    return new
+
+
+class BnbRecipe(OptimizerRecipe):
+    """A user's bitsandbytes optimizer instance: the instance itself over its own parameters,
+    else ``rebuild_bnb`` (Note 6)."""
+
+    def build(self, params, origin):
+        if self.impl is not None or all(n is o for o, n in zip(origin, params)):
+            return super().build(params, origin)
+        return rebuild_bnb(self.instance, {id(o): n for o, n in zip(origin, params)})
 
 
 class _EagerStep:
