@@ -1,0 +1,137 @@
+"""A user's own bitsandbytes optimizer (``optimizer=bnb.optim.AdamW8bit(...)``), estimated and
+tracked (low_bit_optimizer Note 6, measure._bnb_kernels Note 1).
+
+Oracles, independent of memfit's figures: the state bytes by hand (8-bit: one uint8 code per
+value and an fp32 absmax per 256 values, per moment, and bitsandbytes' two 256-value fp32 maps
+once; below ``min_8bit_size`` or overridden to 32 bits: two fp32 moments), and the CPU
+allocator's own events (torch.profiler, tests/measure/test_track_oracle), which see inside
+bitsandbytes' CPU kernel as no dispatch mode can."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.step import canonical_step
+
+bnb = pytest.importorskip("bitsandbytes")
+
+LOSS = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])      # noqa: E731
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(100, 64)             # 6,400 values
+        self.fc1 = nn.Linear(64, 256)                # 16,384 values; bias 256
+        self.fc2 = nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(self.emb(x).mean(1))))
+
+
+def _batch():
+    torch.manual_seed(1)
+    return (torch.randint(0, 100, (8, 5)), torch.randn(8, 64))
+
+
+def _hand_state(params, min_8bit=4096, fp32=()):
+    """Note 3 of low_bit_optimizer, by hand."""
+    total, any8 = 0, False
+    for p in params:
+        n = p.numel()
+        if n < min_8bit or any(p is q for q in fp32):
+            total += 2 * 4 * n
+        else:
+            total += 2 * (n + 4 * math.ceil(n / 256))
+            any8 = True
+    return total + (2 * 256 * 4 if any8 else 0)
+
+
+OPTIMS = {
+    "AdamW8bit": lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3),
+    "PagedAdamW8bit": lambda ps: bnb.optim.PagedAdamW8bit(ps, lr=1e-3),
+    "Adam8bit": lambda ps: bnb.optim.Adam8bit(ps, lr=1e-3),
+    # what transformers' optim="adamw_bnb_8bit" builds: the bits in args, not in the class
+    "AdamW(optim_bits=8)": lambda ps: bnb.optim.AdamW(ps, lr=1e-3, optim_bits=8),
+    "AdamW8bit(min_8bit_size=10000)": lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3,
+                                                                    min_8bit_size=10000),
+}
+MIN = {"AdamW8bit(min_8bit_size=10000)": 10000}
+
+
+def _allocator_checked(model, opt, batch, tmp_path):
+    """Track a real step in the allocator oracle's window; returns the tracker after the
+    oracle's claims hold (every block track saw born was allocated; the allocator's peak is
+    track's plus only scalar-sized blocks op boundaries cannot see)."""
+    from tests.measure.test_track_oracle import allocator_window, check
+
+    step = lambda: canonical_step(model, opt, batch, LOSS)      # noqa: E731
+    step()
+
+    def tracked():
+        with memfit.track(model, opt) as t:
+            step()
+        return t
+
+    t, window, ops = allocator_window(step, tracked, tmp_path / "trace.json")
+    over, slack = check(t, window, ops)
+    assert over == slack <= 32
+    return t
+
+
+@pytest.mark.parametrize("name", OPTIMS)
+def test_estimate_of_a_users_bnb_optimizer_equals_the_allocator(name, tmp_path):
+    """The state is the optimizer's own (its optim_bits and min_8bit_size, in ``args``), and the
+    peak includes bitsandbytes' CPU kernel's temporaries: before, ``AdamW(optim_bits=8)`` was
+    estimated with fp32 state, a larger ``min_8bit_size`` was lost, and every estimate and
+    track missed the kernel's 20 bytes per value of the largest 8-bit weight."""
+    model, batch = Net(), _batch()
+    opt = OPTIMS[name](model.parameters())
+    est = memfit.estimate(model, batch, optimizer=opt, loss_fn=LOSS)
+    params = list(model.parameters())
+    assert est.breakdown["optimizer"] == _hand_state(params, MIN.get(name, 4096))
+    t = _allocator_checked(model, opt, batch, tmp_path)
+    assert est.peak_bytes == t.peak_bytes
+    assert t.breakdown["optimizer"] == est.breakdown["optimizer"]
+    if name not in MIN:
+        assert t.breakdown["temporaries"] >= 20 * 256 * 64      # the CPU kernel's fp32 copies
+
+
+def test_per_parameter_overrides_are_kept(tmp_path):
+    """transformers' way (Trainer.create_optimizer): the embedding's weight overridden to 32
+    bits in bitsandbytes' GlobalOptimManager, applied at the first step. Before, the rebuilt
+    optimizer over the trace's parameters lost it (8-bit state for the embedding)."""
+    model, batch = Net(), _batch()
+    opt = bnb.optim.AdamW(model.parameters(), lr=1e-3, optim_bits=8)
+    mng = bnb.optim.GlobalOptimManager.get_instance()
+    triples, by_index = list(mng.module_weight_config_triple), dict(mng.index2config)
+    mng.register_module_override(model.emb, "weight", {"optim_bits": 32})
+    try:
+        est = memfit.estimate(model, batch, optimizer=opt, loss_fn=LOSS)
+        params = list(model.parameters())
+        assert est.breakdown["optimizer"] == _hand_state(params, fp32=[model.emb.weight])
+        t = _allocator_checked(model, opt, batch, tmp_path)
+        assert opt.state[model.emb.weight]["state1"].dtype == torch.float32
+        assert est.peak_bytes == t.peak_bytes
+    finally:
+        mng.module_weight_config_triple[:] = triples
+        for p in model.parameters():
+            mng.pid2config.pop(id(p), None)
+        mng.index2config.clear()
+        mng.index2config.update(by_index)
+
+
+def test_gpu_target_steps_the_fused_kernel():
+    """For a GPU the rebuilt optimizer steps bitsandbytes' op, whose fused CUDA kernel (and
+    fake) allocates nothing (low_bit_optimizer Note 5): the same 8-bit state, none of the CPU
+    kernel's 20 bytes per value. Before, the trace stopped in bitsandbytes' ``fill_qmap``
+    (``create_dynamic_map`` reads values, which a fake has not)."""
+    model, batch = Net(), _batch()
+    opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    est = memfit.estimate(model, batch, optimizer=opt, loss_fn=LOSS, device="gtx-1080-ti")
+    assert est.breakdown["optimizer"] == _hand_state(list(model.parameters()))
+    assert est.breakdown["temporaries"] < 20 * 256 * 64
