@@ -19,6 +19,20 @@ def tiny_gpt2_config(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_bnb_overrides():
+    """bitsandbytes keeps per-parameter overrides in a process-wide manager, keyed by ``id`` and
+    by position, never cleared: a Trainer with ``optim="adamw_bnb_8bit"`` leaves its embedding's
+    ``optim_bits=32`` at (0, 0) for every later bitsandbytes optimizer in the process. Each test
+    starts from the empty manager a fresh process has (memfit's own optimizers hold their own
+    manager: low_bit_optimizer Note 6)."""
+    yield
+    import sys
+    mod = sys.modules.get("bitsandbytes.optim.optimizer")
+    if mod is not None and mod.GlobalOptimManager._instance is not None:
+        mod.GlobalOptimManager._instance.initialize()
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run slow tests")
 

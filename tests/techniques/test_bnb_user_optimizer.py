@@ -135,3 +135,22 @@ def test_gpu_target_steps_the_fused_kernel():
     est = memfit.estimate(model, batch, optimizer=opt, loss_fn=LOSS, device="gtx-1080-ti")
     assert est.breakdown["optimizer"] == _hand_state(list(model.parameters()))
     assert est.breakdown["temporaries"] < 20 * 256 * 64
+
+
+def test_the_8bit_lever_ignores_overrides_left_in_the_process_wide_manager():
+    """bitsandbytes' GlobalOptimManager keeps overrides by position ``(group, index)`` for the
+    life of the process (transformers' Trainer with ``adamw_bnb_8bit`` leaves its embedding's
+    ``optim_bits=32`` there). The ``optimizer_state="8bit"`` lever builds its own optimizer: its
+    state must be what ``state_bytes`` (the planner's weight) says, whatever an earlier
+    optimizer left. Before, the first weight took fp32 moments (the CI's order-dependent
+    failures of test_low_bit_optimizer)."""
+    from memfit.techniques.low_bit_optimizer import state_bytes
+
+    model, batch = Net(), _batch()
+    mng = bnb.optim.GlobalOptimManager.get_instance()
+    mng.index2config[(0, 0)] = {"optim_bits": 32}          # as check_overrides leaves it
+    mng.index2config[(0, 1)] = {"optim_bits": 32}
+    est = memfit.estimate(model, batch, optimizer="adamw", optimizer_state="8bit", loss_fn=LOSS)
+    assert est.breakdown["optimizer"] == state_bytes(list(model.parameters()), "8bit")
+    assert est.breakdown["optimizer"] == _hand_state(list(model.parameters()))
+    assert mng.index2config == {(0, 0): {"optim_bits": 32}, (0, 1): {"optim_bits": 32}}

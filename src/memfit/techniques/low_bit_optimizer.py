@@ -77,8 +77,12 @@ per-parameter overrides in its process-wide ``GlobalOptimManager`` keyed by the 
 every parameter. ``rebuild_bnb`` builds the same class with the ``_BnbStep`` mixin (Note 5: the
 CPU kernel's temporaries counted, ``use_cuda_kernel`` for a CUDA target), the same ``args`` and
 ``is_paged``, and each parameter's overrides resolved now against the original's parameters
-(what its own ``get_config`` would read after ``check_overrides``), kept on the instance: the
-manager is not written, so no fake's ``id`` is left in it for a later tensor to inherit.
+(what its own ``get_config`` would read after ``check_overrides``), kept on the instance.
+Every optimizer memfit builds (rebuilt or the ``optimizer_state="8bit"`` lever) holds an empty
+manager of its own instead of the process-wide one: that one keys overrides by ``id`` and by
+*position* ``(group, index)`` and is never cleared, so after a Trainer with ``adamw_bnb_8bit``
+any later optimizer's first parameter took fp32 moments (the lever's state then disagreed with
+``state_bytes``), and a fake's ``id`` written there could be inherited by a later tensor.
 """
 
 from __future__ import annotations
@@ -194,6 +198,10 @@ class _BnbStep:
 
     overrides: dict = {}    # (group, index) -> a parameter's config overrides (Note 6)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mng = _own_manager()       # Note 6: never the process-wide one
+
     def get_config(self, gindex, pindex, group):
         config = super().get_config(gindex, pindex, group)
         config.update(self.overrides.get((gindex, pindex), {}))
@@ -209,6 +217,13 @@ class _BnbStep:
             return super().update_step(group, p, gindex, pindex)
         with CpuKernels(_bnb()[1]):
             return super().update_step(group, p, gindex, pindex)
+
+
+def _own_manager():
+    """An empty ``GlobalOptimManager`` of this optimizer's own (Note 6)."""
+    mng = _bnb()[0].GlobalOptimManager.__new__(_bnb()[0].GlobalOptimManager)
+    mng.initialize()
+    return mng
 
 
 def is_bnb(optimizer) -> bool:
