@@ -33,6 +33,7 @@ def test_padded_batches_ask_the_real_mask_questions_in_the_trace_too():
     assert "aten._local_scalar_dense.default" in est.op_log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("precision,optimizer",
                          list(itertools.product(["fp32", "bf16"], ["sgd", "adamw"])))
@@ -42,6 +43,7 @@ def test_unpadded(arch, precision, optimizer):
     assert_same(est, track_real_step(model, batch, optimizer, precision))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", TEXT)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_padded(arch, precision):
@@ -51,6 +53,7 @@ def test_padded(arch, precision):
     assert_same(est, track_real_step(model, batch, "adamw", precision))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["bert-base", "gpt2", "resnet-50"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16-pure"])
 def test_fp16_and_pure_bf16(arch, precision):

@@ -21,6 +21,7 @@ def _model():
     return SPEC.build("causal-lm", tiny=True, seed=0)
 
 
+@pytest.mark.slow
 def test_fp16_checkpoint_fast_trace_matches_the_replayed_one():
     model = _model()
     batch = SPEC.make_batch(model, 4, seq_len=16, task="causal-lm")

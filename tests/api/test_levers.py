@@ -70,6 +70,7 @@ def test_largest_batch_size_in_one_micro_batch_with_fixed_knobs():
                         micro_batch_size=2)
 
 
+@pytest.mark.slow
 def test_budget_below_the_smallest_value():
     model = _model()
     knobs = least_memory_knobs("seq_len", 2, memfit.get_device("cpu"), {})
@@ -80,6 +81,7 @@ def test_budget_below_the_smallest_value():
     assert info.value.floor_bytes == floor and "seq_len=1" in str(info.value)
 
 
+@pytest.mark.slow
 def test_accumulated_probe_extrapolates_to_the_byte():
     """Note 3 of levers: 2 and 3 micro-batches predict 8 exactly (the full trace is the oracle)."""
     model = _model()
@@ -90,6 +92,7 @@ def test_accumulated_probe_extrapolates_to_the_byte():
     assert prober.count == 2
 
 
+@pytest.mark.slow
 def test_what_if_rows_are_monotone_and_the_plain_row_exact():
     rows = what_if(SPEC, batch_size=2, seq_len=32, device="cpu", tiny=True,
                    factors=(0.5, 1.0, 2.0), precision="fp32")
@@ -119,6 +122,7 @@ def _adamw(model):
     return OptimizerRecipe("adamw").build(params, params)
 
 
+@pytest.mark.slow
 def test_progressive_phases_fit_and_run_under_the_budget():
     model = _model(num_hidden_layers=3)
     batch = SPEC.make_batch(model, 8, seq_len=96)

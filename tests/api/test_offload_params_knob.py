@@ -18,6 +18,7 @@ def _quiet():
         yield
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,knobs", [
     ("gpt2", {}),
     ("bert-base", {}),

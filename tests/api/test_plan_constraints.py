@@ -53,6 +53,7 @@ def test_fixed_offload_leaves_recompute_free(build):
     assert p.floor_bytes <= least
 
 
+@pytest.mark.slow
 def test_fixed_checkpoint_leaves_offload_free():
     """checkpoint="none" fixes only the recompute side: blocks may still be offloaded."""
     model, batch = _opt(), _batch()

@@ -6,11 +6,14 @@ offloads the optimizer, exported to TrainingArguments, runs a different step. Th
 recomputed, optimizer on the device, clipping at the Trainer's 1.0).
 """
 
+import pytest
+
 import memfit
 from memfit.api._export import export_traced
 from tests.helpers import tiny
 
 
+@pytest.mark.slow
 def test_export_predicts_the_bytes_of_what_it_exports():
     model, batch = tiny("gpt2", batch_size=4, seq_len=32)
     del batch["attention_mask"]     # all ones: the plan would count it held (plan Note 4)

@@ -62,6 +62,7 @@ def test_floor_is_the_least_traced_configuration_everywhere():
     assert format_bytes(least) in str(info.value)
 
 
+@pytest.mark.slow
 def test_budget_too_small_names_freezing_and_lora_with_numbers():
     """Parameters + gradients + optimizer state alone over the budget: the error says what
     the weights alone need and that freezing / LoRA removes the rest (item 9)."""
@@ -145,6 +146,7 @@ def test_the_bound_with_levers_fixed_counts_weights_gradients_and_adam_state(mon
     assert info.value.floor_bytes == need + gpu.cuda_context_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixed", [{}, dict(offload_optimizer=False, offload_params="none")])
 def test_the_bound_is_never_above_the_traced_floor(fixed):
     """The bound is a lower bound of the same floor: the traced floor is at least it, and a
@@ -160,3 +162,16 @@ def test_the_bound_is_never_above_the_traced_floor(fixed):
         memfit.plan(model, batch, budget=bound, loss_fn=loss, **fixed)
     except memfit.BudgetTooSmall as e:
         assert not e.floor_is_bound and e.floor_bytes == floor
+
+
+def test_an_integer_budget_without_its_unit_is_refused_at_once_with_the_unit_named():
+    """Issue 26 item 16: ``budget=11`` is 11 bytes (an int counts bytes, and a tiny model's
+    budget computed from an estimate is an honest int under 1 MiB); meant as 11 GiB it is
+    refused before any trace, by the parameters-alone bound, with the unit to write."""
+    spec = memfit.zoo.get("gpt2")
+    model = spec.build(tiny=True)
+    batch = spec.make_batch(model, 2, seq_len=32)
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        memfit.plan(model, batch, budget=11)
+    assert info.value.floor_is_bound                # refused by the bound: nothing traced
+    assert "budget='11GiB'" in str(info.value) and "11 bytes" in str(info.value)

@@ -8,6 +8,8 @@ only where something is offloaded, and then it is the re-trace's host peak.
 
 import json
 
+import pytest
+
 import memfit
 from memfit.units import format_bytes
 from memfit.api.plan import plan_traced
@@ -35,6 +37,7 @@ def _bert_base(layers=2):
     return model, spec.make_batch(model, 8, seq_len=128)
 
 
+@pytest.mark.slow
 def test_auto_plain_step_is_the_users_fp32_step():
     model, batch = _bert_base()
     fp32 = memfit.estimate(model, batch, device="rtx-3090", precision="fp32")
@@ -49,6 +52,7 @@ def test_auto_plain_step_is_the_users_fp32_step():
     assert "slowdown" not in p.explain()
 
 
+@pytest.mark.slow
 def test_fp32_plain_fit_changes_nothing():
     model, batch = tiny("bert-base", batch_size=2, seq_len=16)
     p = memfit.plan(model, batch, device="rtx-3090")
@@ -61,6 +65,7 @@ def test_fp32_plain_fit_changes_nothing():
     assert any("auto keeps fp32" in r for r in q.reasons)
 
 
+@pytest.mark.slow
 def test_no_negative_bytes_and_host_ram_only_when_offloading():
     model, batch = tiny("bert-base", batch_size=2, seq_len=16)
     for dev in ("cpu", "rtx-3090"):

@@ -80,6 +80,7 @@ def track_two_steps(model, batch, fn, optimizer, scheduler=None):
     return t
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("style", list(STYLES))
 def test_user_step_estimate_equals_track(arch, style):
@@ -127,6 +128,7 @@ def step_two_losses(model, batch, optimizer):
     return loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_real_grad_scaler_in_the_step(arch):
     model, batch = tiny(arch)
@@ -145,6 +147,7 @@ def test_extra_forward_and_second_loss():
     assert est.timeline == t.timeline
 
 
+@pytest.mark.slow
 def test_user_step_on_a_gpu_target_is_the_canonical_one():
     """The same loop written by the user and memfit's own give the same CUDA-model figures
     (replay, reserved bytes and all), in both zero_grad styles."""
@@ -158,6 +161,7 @@ def test_user_step_on_a_gpu_target_is_the_canonical_one():
             (ours.peak_bytes, ours.reserved_bytes, ours.breakdown)
 
 
+@pytest.mark.slow
 def test_all_ones_mask_is_kept_for_the_step():
     """The step gets the batch as given (it may read the mask), and the figures are exact: the
     trace reads the mask where the real step does (api._user_step Note 3, trace.known_values)."""

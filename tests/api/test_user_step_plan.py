@@ -61,6 +61,7 @@ def assert_same_training(a, b):
                                                          torch.equal(p.grad, q.grad)), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", [step_before, step_after], ids=lambda f: f.__name__)
 def test_planned_user_step_fits_and_trains_the_same(fn):
     model, batch = tiny("gpt2")
@@ -80,6 +81,7 @@ def test_planned_user_step_fits_and_trains_the_same(fn):
     assert_same_training(model, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("knobs", [{"checkpoint": "all"}, {"checkpoint": "selective"},
                                    {"offload": "all"}, {"offload_optimizer": True}],
                          ids=lambda k: "-".join(f"{a}={v}" for a, v in k.items()))

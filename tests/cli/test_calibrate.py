@@ -44,6 +44,7 @@ def test_estimate_with_a_profile_uses_its_figures(capsys):
     assert out["cuda_version"] == "12.4" and out["device"] == "a10g"
 
 
+@pytest.mark.slow
 def test_cuda_version_flag_changes_the_context(capsys):
     new = _estimate_json(capsys, "--gpu", "a10g", "--cuda-version", "12")
     old = _estimate_json(capsys, "--gpu", "a10g", "--cuda-version", "11.6")

@@ -24,6 +24,7 @@ def test_json_has_the_promised_keys(capsys):
     assert len(out["blocks"]) == 12
 
 
+@pytest.mark.slow
 def test_default_is_the_story_xlmr_large_on_a_1080_ti(capsys):
     out = run_json(capsys)
     assert out["model"] == "xlm-roberta-large" and out["device"] == "gtx-1080-ti"
@@ -44,6 +45,7 @@ def test_human_output_says_by_how_much_it_misses(capsys):
     assert "DOES NOT FIT" in text and "short" in text
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(tmp_path, capsys):
     path = tmp_path / "t.png"
     out = run_json(capsys, "--model", "vit-base", "--batch-size", "2", "--plot", str(path))
@@ -90,6 +92,7 @@ def test_every_flag_has_help():
         check(p, name)
 
 
+@pytest.mark.slow
 def test_technique_flags_lower_the_peak(tmp_path, capsys):
     cfg = zoo.get("gpt2").config(tiny=True, n_layer=6)   # offload brings two blocks back at once
     cfg.architectures = ["GPT2LMHeadModel"]
@@ -103,6 +106,7 @@ def test_technique_flags_lower_the_peak(tmp_path, capsys):
         assert (out["host_peak_bytes"] > 0) == (flags[0].startswith("--offload")), flags
 
 
+@pytest.mark.slow
 def test_remat_flag_simulates_dtr_under_the_budget(capsys):
     small = ["--model", "gpt2", "--seq-len", "256", "--batch-size", "8", "--gpu", "cpu"]
     plain = run_json(capsys, *small)["peak_bytes"]

@@ -39,6 +39,7 @@ def test_estimate_equals_the_real_trainer_step(tiny_gpt2, run_file, capsys):
     assert out["peak_bytes"] == measured.peak_bytes and out["hf_args"] == str(run_file)
 
 
+@pytest.mark.slow
 def test_plan_exports_the_changed_arguments_beside_the_file(tiny_gpt2, run_file, capsys):
     assert main(["estimate", "--config", tiny_gpt2, *SHAPE, "--hf-args", str(run_file),
                  "--json"]) == 0

@@ -127,6 +127,7 @@ def test_help_is_fast_and_imports_no_torch():
     assert time.perf_counter() - start < 5     # under a second on an idle machine
 
 
+@pytest.mark.slow
 def test_import_memfit_is_lazy_but_complete():
     code = ("import sys, memfit\n"
             "assert 'torch' not in sys.modules\n"

@@ -41,6 +41,7 @@ def test_no_subcommand_runs_plan(small, capsys):
     assert "memfit plan for cpu" in text and "plain step" in text and "FITS" in text
 
 
+@pytest.mark.slow
 def test_a_budget_below_the_plain_step_changes_the_step(small, capsys):
     plain = run_json(capsys, *small)["plain_device_bytes"]
     out = run_json(capsys, *small, "--budget", str(int(plain * 0.6)), "--export", "deepspeed")
@@ -52,6 +53,7 @@ def test_a_budget_below_the_plain_step_changes_the_step(small, capsys):
     assert ds["train_batch_size"] == 4
 
 
+@pytest.mark.slow
 def test_plot_before_and_after(small, tmp_path, capsys):
     path = tmp_path / "plan.png"
     plain = run_json(capsys, *small)["plain_device_bytes"]
@@ -59,6 +61,7 @@ def test_plot_before_and_after(small, tmp_path, capsys):
     assert out["plot"] == str(path) and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_below_the_floor_exits_2_with_the_floor_and_levers(small, capsys):
     assert main(["plan", *small, "--budget", "1MiB"]) == 2
     err = capsys.readouterr().err

@@ -18,6 +18,7 @@ def tiny():
     return model, spec.make_batch(model, 2, seq_len=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("knobs,direct", [
     (dict(gpus=2, sharding="fsdp"), dict(world_size=2)),
     (dict(gpus=2, sharding="fsdp", reshard_after_forward=False, checkpoint="all"),

@@ -20,6 +20,7 @@ def _api(**knobs):
     return memfit.estimate(model, batch, optimizer="adamw", device="cpu", **knobs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,knobs", [
     (["--optimizer-state", "8bit"], dict(optimizer_state="8bit")),
     (["--offload-params", "all", "--offload-optimizer"],

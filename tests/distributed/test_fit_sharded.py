@@ -49,6 +49,7 @@ def assert_same(params: dict, expected: dict):
                                    msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_sharded_step_trains_like_one_process(sharding):
     params, ranks = run_job({"arch": "llama-1b", "batch": 4,

@@ -42,6 +42,7 @@ def estimates():
     return model, run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mp", [None, "bf16"])
 def test_each_all_gather_reads_device_copies_of_the_host_shards(estimates, mp):
     """On the CPU the all-gather reads the host shards in place; on a GPU it reads a device

@@ -59,6 +59,7 @@ def assert_trains_like_one_process(params: dict, knobs: dict, steps: int):
                                    msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ranks_agree_on_one_new_plan_and_train_like_one_process():
     """Light sibling of the next test, without rank 0's planning child: rank 1's stale plan
@@ -142,6 +143,7 @@ def _forward_job(world: int, oom_rank: int, sharding: str) -> list[dict]:
     return ranks
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_oom_in_forward_on_the_store_host_stops_every_rank():
     """Rank 0 (it hosts the job's store) runs out inside its forward while rank 1 waits in an

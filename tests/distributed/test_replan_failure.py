@@ -84,6 +84,7 @@ def _rank0_fails(failures: list[str]) -> list[dict]:
     return ranks
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rank0_unpicklable_loss_fn_gives_every_rank_the_same_error_at_once():
     """Rank 0's loss_fn does not pickle for its planning child: both ranks raise the same

@@ -88,6 +88,7 @@ def check(world_size: int, cases: list, case, every_rank: bool = False):
         assert got[0] <= first[0]                      # rank 0 holds the most
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", DEFAULT, ids=map(_name, DEFAULT))
 def test_two_ranks(case):
     check(2, DEFAULT, case)

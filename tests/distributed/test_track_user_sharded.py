@@ -13,6 +13,7 @@ import json
 import os
 import tempfile
 
+import pytest
 import torch.multiprocessing as mp
 
 from memfit.api._sharded import estimate_sharded
@@ -21,6 +22,7 @@ from tests.distributed.conftest import free_port
 from tests.helpers import tiny
 
 
+@pytest.mark.slow
 def test_track_counts_each_storage_of_a_user_sharded_job_once():
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(user_sharded_rank, args=(2, free_port(), "llama-1b", d), nprocs=2)

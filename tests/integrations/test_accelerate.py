@@ -71,6 +71,7 @@ def real_loop(accelerator, model, optimizer, batches, steps=3, max_grad_norm=Non
     return t, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_estimate_equals_track_of_the_real_loop(arch, setting):

@@ -45,6 +45,7 @@ def check_equal(name, config, optim):
     return trainer, real
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,config,optim", DEFAULT)
 def test_estimate_equals_real_train_step(name, config, optim):
     check_equal(name, config, optim)
@@ -152,6 +153,7 @@ def test_import_error_names_the_extra():
     assert "pip install memfit[hf]" in out.stdout
 
 
+@pytest.mark.slow
 def test_core_never_imports_integrations():
     code = ("import sys, memfit, memfit.api, memfit.cli, memfit.planner, memfit.runtime\n"
             "print('memfit.integrations' in sys.modules)")

@@ -56,6 +56,7 @@ def test_fit_recomputes_blocks_and_train_stays_in_budget_bitwise(name, fraction)
     assert run.losses == losses
 
 
+@pytest.mark.slow
 def test_fit_splits_the_batch_and_losses_match_within_tolerance():
     # llama has no dropout: another split draws no other masks, only sums in another order
     changes, run, losses = planned_run("llama-1b", 0.95, micro_batch_size=1,
@@ -84,6 +85,7 @@ def test_budget_too_small_names_the_floor():
     assert e.value.floor_bytes > 100_000
 
 
+@pytest.mark.slow
 def test_estimate_after_fit_and_remove_puts_everything_back():
     trainer = tiny_trainer("gpt2", **RUN)
     peak = mf_hf.estimate(trainer).peak_bytes
@@ -124,6 +126,7 @@ def uniform_candidates(models):
             yield Candidate(m, models.total // m, tuple(models.blocks), modes, False)
 
 
+@pytest.mark.slow
 def test_the_per_block_plan_beats_every_uniform_plan_and_train_stays_in_budget():
     # 90% of the plain step: the planner offloads some of the 6 blocks and keeps the rest; a
     # uniform plan predicted as fast or faster (all kept, at any micro-batch) must not fit,
@@ -147,6 +150,7 @@ def test_the_per_block_plan_beats_every_uniform_plan_and_train_stays_in_budget()
     assert run.losses == ref.losses and len(run.losses) == 3
 
 
+@pytest.mark.slow
 def test_fit_mixes_recompute_and_offload_at_a_tighter_budget():
     plain = mf_hf.estimate(layered_trainer()).device_bytes
     trainer = layered_trainer()

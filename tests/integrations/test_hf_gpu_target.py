@@ -14,6 +14,7 @@ from tests.integrations.hf_helpers import tiny_trainer  # noqa: E402
 GPU = "rtx-3090"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama-1b"])
 @pytest.mark.parametrize("precision", [{}, {"bf16": True}], ids=["fp32", "bf16"])
 def test_transformers_checkpointing_for_a_gpu_equals_memfits_checkpoint_of_the_blocks(

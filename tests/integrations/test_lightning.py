@@ -92,6 +92,7 @@ def fit(module, loader, callbacks, max_steps=3, **trainer_kwargs):
     return trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_estimate_equals_the_measured_steady_state_step(arch, accumulate):
@@ -124,6 +125,7 @@ def collate(rows):
     return {k: v.clone() for k, v in default_data_collator(rows).items()}
 
 
+@pytest.mark.slow
 def test_estimate_counts_the_look_ahead_of_an_unsized_loader():
     module, batch, loader = setup("gpt2")
     stream = DataLoader(Stream(loader.dataset), batch_size=3, collate_fn=collate)
@@ -190,6 +192,7 @@ def planned_run(arch, fraction, **fixed):
     return plan, run, losses, trainer
 
 
+@pytest.mark.slow
 def test_planned_fit_offloads_the_optimizer_in_budget_bitwise():
     plan, run, losses, trainer = planned_run("gpt2", 0.8)
     assert plan.changes.optimizer_offloaded
@@ -199,6 +202,7 @@ def test_planned_fit_offloads_the_optimizer_in_budget_bitwise():
     assert isinstance(trainer.optimizers[0], torch.optim.AdamW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", pytest.param("llama-1b", marks=pytest.mark.slow)])
 def test_planned_fit_recomputes_in_budget_bitwise(arch):
     plan, run, losses, _ = planned_run(arch, 0.9, offload_optimizer=False)

@@ -61,6 +61,7 @@ def test_remat_on_one_trace_follows_the_simulation():
     assert static_seconds(1.5, [roomy, tight]) == pytest.approx(1.5 * 2 * roomy.plain_s)
 
 
+@pytest.mark.slow
 def test_plan_with_remat_fixed_plans_dtr_and_the_run_stays_under_the_budget():
     model, batch = _gpt2()
     budget = int(memfit.estimate(model, batch).peak_bytes * 0.85)

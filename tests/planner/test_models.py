@@ -38,6 +38,7 @@ def _x(modes):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m,mode,oo", [
     (8, "keep", False), (4, "keep", False), (2, "keep", True), (8, "recompute", False),
     (8, "selective", False), (8, "offload", False), (4, "recompute", True),

@@ -74,6 +74,7 @@ def test_each_pass_of_a_block_is_recorded(gpt2, fn):
         assert r.fw_span == f2 and r.bw_span == b1                # unchanged meaning
 
 
+@pytest.mark.slow
 def test_memory_model_plans_every_pass(gpt2):
     model, batch = gpt2
     fn = step_two_micro
@@ -105,6 +106,7 @@ def test_memory_model_plans_every_pass(gpt2):
         assert time.mode_s(i, "recompute", B, 1, B) > one
 
 
+@pytest.mark.slow
 def test_planned_accumulating_step_fits_and_trains_the_same(gpt2):
     model, batch = gpt2
     model, ref = copy.deepcopy(model), copy.deepcopy(model)

@@ -57,6 +57,7 @@ def _run_under(model, batch, budget, runner):
 
 # gpt2 in the default tier; the other architectures (minutes each since every plan traces its
 # floor, plan Note 5) with --runslow
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n if n == "gpt2" else pytest.param(n, marks=pytest.mark.slow)
                                   for n in ARCHS])
 def test_plans_fit_their_budgets(name):
@@ -93,6 +94,7 @@ def test_plans_fit_their_budgets(name):
     assert ratios == sorted(ratios), f"a lower budget was predicted faster: {ratios}"
 
 
+@pytest.mark.slow
 def test_fixed_knobs_are_kept():
     model, batch = _model("gpt2")
     plain = track_real_step(*_model("gpt2")).peak_bytes

@@ -113,6 +113,7 @@ def test_gpu_curve_with_the_record_is_the_allocators(tiny):
                for t in texts)
 
 
+@pytest.mark.slow
 def test_plan_plot_on_a_gpu_target_draws_each_steps_allocator_curve(tiny):
     """memfit plan --plot on a GPU target: both panels are the caching-allocator curve of
     their step (re-traced once with the record, cli._report_args.plan_records), each topping

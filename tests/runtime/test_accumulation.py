@@ -162,6 +162,7 @@ def test_budget_with_only_micro_batching_left_picks_the_fewest_micro_batches():
     assert info.value.floor_bytes == min(peaks[1], peaks[8])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("arch,mbs", [("gpt2", 2), ("bert-base", 3), ("t5-base", 2)])
 def test_estimate_equals_track_for_micro_batched_steps(arch, mbs, precision):

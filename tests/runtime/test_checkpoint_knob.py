@@ -7,6 +7,7 @@ import memfit
 from tests.helpers import tiny, track_next_run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["all", "every:2", "selective"])
 @pytest.mark.parametrize("arch,precision", [("gpt2", "fp32"), ("llama-1b", "bf16"),
                                             ("t5-base", "fp32"), ("bert-base", "bf16")])

@@ -42,6 +42,7 @@ def assert_matches_reference(result):
     assert result["items"] == items
 
 
+@pytest.mark.slow
 def test_ddp_reduces_once_per_effective_batch_and_matches_one_process(tmp_path):
     r0, r1 = run_two_ranks("ddp", tmp_path)
     # 2 micro-batches per rank, one bucket: no_sync on the first, one all-reduce on the last

@@ -15,6 +15,7 @@ def six_layers(arch):
     return model, spec.make_batch(model, 3, seq_len=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("knobs", [dict(offload="all"), dict(offload="every:2"),
                                    dict(offload="all", checkpoint="all")])
 @pytest.mark.parametrize("arch", ["gpt2", "llama-1b"])

@@ -249,6 +249,7 @@ def test_oom_inside_the_optimizer_step_is_not_retried():
     assert "from inside the optimizer step" in "\n".join(err.value.__notes__)
 
 
+@pytest.mark.slow
 def test_guard_is_off_under_ddp_and_says_so(tmp_path):
     from tests.runtime import _oom_guard_worker
     from tests.runtime.test_distributed import free_port
@@ -266,6 +267,7 @@ def _hooks(model):
     return [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
 
 
+@pytest.mark.slow
 def test_a_failed_replan_leaves_the_runner_as_it_was():
     """Note 5, under a real ``track(budget)``: a batch 4x as long as the one planned for runs
     out of memory; re-planning for what is then left of the budget fails. The runner must keep

@@ -18,6 +18,7 @@ from tests.helpers import tiny, track_runner_step
 ARCHS = ["gpt2", "bert-base", "llama-1b"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("style", ["after-forward", "keep-buffers"])   # before: test_estimate_exact
 def test_estimate_equals_track_of_the_runner(arch, style):
@@ -29,6 +30,7 @@ def test_estimate_equals_track_of_the_runner(arch, style):
     assert est.timeline == t.timeline
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style,knobs", [("after-forward", {"micro_batch_size": 1}),
                                          ("keep-buffers", {"micro_batch_size": 1}),
                                          ("after-forward", {"precision": "fp16"}),

@@ -153,6 +153,7 @@ def test_8bit_step_equals_the_cpu_allocator_events_to_the_byte(tmp_path):
     assert t.breakdown["temporaries"] >= 20 * largest      # the CPU kernel's fp32 copies
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "bert-base"])
 @pytest.mark.parametrize("state", STATES)
 def test_estimate_equals_track_and_state_bytes(arch, state):

@@ -82,6 +82,7 @@ def _traced_and_tracked(arch, policy):
     return prof, t, model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "bert-base"])
 @pytest.mark.parametrize("policy", ["all", "every:2"])
 def test_trace_equals_track_and_weights_leave_the_device(arch, policy):

@@ -62,6 +62,7 @@ def train(net, batches, budget=None, remat=True, autocast=None, remat_budget=Non
 BF16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("autocast", [None, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arch", list(LAYERS))
 def test_bitwise_equal_to_the_plain_step_under_a_budget(arch, autocast):

@@ -153,6 +153,7 @@ def test_an_enclosing_track_budget_does_not_stand_in_for_remats_own_count():
     assert all(torch.equal(a, b) for a, b in zip(plain("gpt-neo")[1], got))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_state_the_first_step_creates_inside_the_session_is_within_the_budget(arch):
     peak = plain(arch, steps_before=0, steps=2)[0]

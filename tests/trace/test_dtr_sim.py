@@ -41,6 +41,7 @@ def _runtime(name, budget):
     return t, s.stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "bert-base"])
 @pytest.mark.parametrize("frac", [0.8, 0.6])
 def test_prediction_equals_the_runtime_where_evictions_do_not_chain(name, frac):

@@ -28,6 +28,7 @@ def bench_json(argv, monkeypatch, tmp_path) -> dict:
     return json.loads(out)
 
 
+@pytest.mark.slow
 def test_tiny_rows_from_one_shared_trace_equal_memfit_estimate_and_the_cache_repeats_them(
         monkeypatch, tmp_path):
     from memfit import zoo

@@ -45,6 +45,7 @@ def test_learns_the_rule_and_writes_the_run_folder(full_run):
     assert 0 < result.peak_bytes <= result.predicted_peak_bytes
 
 
+@pytest.mark.slow
 def test_ctrl_c_then_resume_equals_uninterrupted_bitwise(full_run, toxic_csv, tokenizer_file,
                                                           tmp_path):
     cfg_full, _ = full_run

@@ -56,6 +56,7 @@ def spec_of(name, tmp_path):
     return zoo.from_config_file(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_estimate_equals_track(name, tmp_path):
     spec = spec_of(name, tmp_path)

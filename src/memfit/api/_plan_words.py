@@ -31,7 +31,7 @@ from memfit.errors import BudgetTooSmall
 from memfit.optimizers import IMPL_FLAGS
 from memfit.planner._explain import ratio_words
 from memfit.techniques.low_bit_optimizer import LIBRARY, NUMERICS_NOTE
-from memfit.units import GiB, format_bytes
+from memfit.units import GiB, MiB, format_bytes
 
 __all__ = ["global_reasons", "host_bytes", "too_small", "excluded_levers", "counted_levers",
            "lever_reasons"]
@@ -198,6 +198,10 @@ def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
     needs = "needs at least" if bound else "needs"
     lines = [f"nothing memfit can do fits {format_bytes(budget_bytes)}: the least device memory "
              f"any plan {needs} {format_bytes(floor_bytes)} ({described})."]
+    if 0 < budget_bytes < MiB:          # a unit left out (the CLI refuses a bare number)
+        lines.append(f"The budget is {budget_bytes} bytes (an integer budget counts bytes): for "
+                     f"{budget_bytes} GiB write budget='{budget_bytes}GiB' (--budget "
+                     f"{budget_bytes}GiB).")
     if counted:
         lines.append(f"The floor counts {', '.join(counted)}.")
     lines.append("Beyond memfit's levers:")
