@@ -38,7 +38,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-__all__ = ["prepare_batch", "compute_loss", "canonical_step", "zero_grad", "UserStep"]
+__all__ = ["prepare_batch", "compute_loss", "canonical_step", "zero_grad", "UserStep",
+           "check_steppable"]
 
 _MASK_KEYS = ("attention_mask", "decoder_attention_mask")
 _SHOWN: dict = {}            # warnings passed on, shown once per place (Note 3)
@@ -111,6 +112,7 @@ def canonical_step(model: nn.Module, optimizer, batch, loss_fn: Callable | None 
     ``zero_grad_style`` moves or changes the zero_grad (Note 1; default "before-forward").
     """
     mark = on_phase or (lambda phase: None)
+    check_steppable(optimizer)
     zero_grad(optimizer, zero_grad_style, "start")
     mark("forward")
     with autocast if autocast is not None else contextlib.nullcontext():
@@ -122,6 +124,26 @@ def canonical_step(model: nn.Module, optimizer, batch, loss_fn: Callable | None 
     mark("optimizer")
     optimizer.step()
     return loss
+
+
+def check_steppable(optimizer) -> None:
+    """An optimizer memfit cannot step or trace: a ``ValueError`` naming the fix. SparseAdam
+    steps sparse gradients only, which a trace's warm-up (dense zeros, trace.profile) and every
+    lever of memfit's (accumulation buffers, offload copies) do not keep sparse; a ``step``
+    needing a closure (LBFGS) re-runs the step on the loss's value."""
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ValueError("SparseAdam (sparse gradients of nn.Embedding(sparse=True)) is not "
+                         "supported: memfit traces and steps dense gradients; use Adam or AdamW")
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{type(optimizer).__name__}.step needs a closure (optimizer.step(closure) re-runs "
+            "the forward and backward as often as it likes, reading the loss's value each "
+            "time), which memfit can neither run in its standard step nor trace: use a "
+            "first-order optimizer (AdamW, Adam, SGD, Adafactor)")
 
 
 class UserStep:

@@ -18,7 +18,7 @@ from memfit.runtime import Applied, Runner
 from memfit.runtime.batch_shape import BatchShapes
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
-from memfit.techniques.low_bit_optimizer import BnbRecipe, LowBitOptimizer, is_bnb
+from memfit.techniques.low_bit_optimizer import BnbRecipe, LowBitOptimizer, is_bnb, may_make_bnb
 from memfit.techniques.offload import Offload
 from memfit.techniques.optimizer_offload import OptimizerOffload
 from memfit.techniques.param_offload import ParamOffload
@@ -91,7 +91,7 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     if knobs.optimizer_state not in (None, "fp32"):
         low_bit = LowBitOptimizer(LowBitOptimizer.Config(knobs.optimizer_state))
         recipe = low_bit.recipe(recipe)     # refuses optimizer_impl and non-Adam classes
-    elif is_bnb(recipe.instance):          # its own args and overrides (low_bit Note 6)
+    elif is_bnb(recipe.instance) or may_make_bnb(recipe):   # its args, overrides (low_bit Note 6)
         recipe = BnbRecipe(recipe.spec, recipe.impl)
     tech = Precision(Precision.Config(knobs.precision or "fp32"), autocast_impl)
     blocks, notes, rebuilt, handles = dict(plan.blocks), list(notes), False, []

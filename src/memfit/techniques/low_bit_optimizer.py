@@ -99,7 +99,7 @@ from memfit.measure._bnb_kernels import CpuKernels
 from memfit.optimizers import OptimizerRecipe, rebuild_optimizer
 
 __all__ = ["LowBitOptimizer", "LowBitRecipe", "STATES", "LOW_BIT_CLASSES", "NUMERICS_NOTE",
-           "state_bytes", "is_low_bit", "is_bnb", "rebuild_bnb", "BnbRecipe"]
+           "state_bytes", "is_low_bit", "is_bnb", "rebuild_bnb", "BnbRecipe", "may_make_bnb"]
 
 STATES = ("bf16", "8bit", "4bit")
 # torch class -> the torchao classes built for it, per state (Note 1)
@@ -270,12 +270,40 @@ def rebuild_bnb(optimizer, new_of: dict[int, torch.Tensor]):
 
 class BnbRecipe(OptimizerRecipe):
     """A user's bitsandbytes optimizer instance: the instance itself over its own parameters,
-    else ``rebuild_bnb`` (Note 6)."""
+    else ``rebuild_bnb`` (Note 6). A user's factory (``lambda ps: bnb.optim.AdamW8bit(ps)``)
+    is called with every mode set aside (its constructor reads its maps' values, which a fake
+    cannot: Note 4) and what it made, if bitsandbytes', rebuilt the same way."""
+
+    def _made(self, params):
+        with _disable_current_modes():
+            return self.factory(params)
+
+    def optimizer_class(self, params):
+        return type(self._made(params)) if self.instance is None else type(self.instance)
 
     def build(self, params, origin):
+        if self.instance is None:
+            made = self._made(params)
+            if self.impl is None and is_bnb(made):
+                return rebuild_bnb(made, {id(p): p for p in params})
+            return super().build(params, origin)
         if self.impl is not None or all(n is o for o, n in zip(origin, params)):
             return super().build(params, origin)
         return rebuild_bnb(self.instance, {id(o): n for o, n in zip(origin, params)})
+
+
+def may_make_bnb(recipe: OptimizerRecipe) -> bool:
+    """A user's factory, where bitsandbytes is installed: it may build one of its optimizers
+    (``BnbRecipe`` finds out; bitsandbytes is not imported for this)."""
+    return recipe.instance is None and not isinstance(recipe.spec, str) and \
+        _bnb_installed()
+
+
+@functools.cache
+def _bnb_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
 
 
 class _EagerStep:

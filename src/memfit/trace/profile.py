@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
 
 from memfit.errors import TraceError
 from memfit.measure import ModuleRecord, Tracker
+from memfit.step import check_steppable
 from memfit.trace.fake import FakeCopier, FakeDeepcopyMode
 from memfit.trace.fidelity import FidelityMode
 from memfit.trace.finite_grads import FiniteGradsMode
@@ -75,6 +76,7 @@ class StepProfile:
 
 def warm_up_optimizer(model: nn.Module, optimizer) -> None:
     """Create optimizer state and leave gradients alive, as after a first step (Note 1)."""
+    check_steppable(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
