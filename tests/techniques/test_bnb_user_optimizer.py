@@ -154,3 +154,18 @@ def test_the_8bit_lever_ignores_overrides_left_in_the_process_wide_manager():
     assert est.breakdown["optimizer"] == state_bytes(list(model.parameters()), "8bit")
     assert est.breakdown["optimizer"] == _hand_state(list(model.parameters()))
     assert mng.index2config == {(0, 0): {"optim_bits": 32}, (0, 1): {"optim_bits": 32}}
+
+
+def test_an_offloaded_users_bnb_optimizer_keeps_its_args():
+    """``offload_optimizer=True`` rebuilds the user's optimizer over host twins; a bitsandbytes
+    one kept its class but lost ``args`` (``min_8bit_size=10000``: the 16,384-value weights
+    8-bit, the 6,400-value embedding fp32) and overrides. Oracle: the state the real step made."""
+    model, batch = Net(), _batch()
+    opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=10000)
+    runner = memfit.fit(model, opt, batch, budget="1GiB", loss_fn=LOSS, offload_optimizer=True)
+    runner.step(batch)
+    inner = runner.optimizer.inner
+    assert inner.args.min_8bit_size == 10000
+    dtypes = {tuple(p.shape): inner.state[p]["state1"].dtype
+              for g in inner.param_groups for p in g["params"]}
+    assert dtypes[(100, 64)] == torch.float32 and dtypes[(256, 64)] == torch.uint8

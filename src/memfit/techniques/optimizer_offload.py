@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from memfit.measure import host_allocations
 from memfit.measure._counting import register_host_owner
 from memfit.optimizers import rebuild_optimizer
+from memfit.techniques.low_bit_optimizer import is_bnb, rebuild_bnb
 
 __all__ = ["OptimizerOffload", "OffloadedOptimizer"]
 
@@ -280,7 +281,10 @@ class OptimizerOffload:
 
 def _rebuild(optimizer: torch.optim.Optimizer, params: list, twins: list) -> torch.optim.Optimizer:
     """``optimizer``'s class and groups over ``twins``, with a copy of its state (if any)."""
-    inner = rebuild_optimizer(optimizer, {id(p): h for p, h in zip(params, twins)})
+    new_of = {id(p): h for p, h in zip(params, twins)}
+    # a bitsandbytes optimizer keeps args and overrides outside defaults (low_bit Note 6)
+    inner = rebuild_bnb(optimizer, new_of) if is_bnb(optimizer) else \
+        rebuild_optimizer(optimizer, new_of)
     if optimizer.state:
         saved = optimizer.state_dict()
         # copies: torch's load_state_dict keeps tensors already on the right device as they are,
