@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=2, help="ranks (default: 2)")
     ap.add_argument("--archs", default="gpt2,llama-1b", help="tiny zoo models, comma-separated")
     args = ap.parse_args()
-    from memfit.planner._export_deepspeed import zero_per_rank_bytes
+    from memfit.api._sharded import zero_per_rank_bytes
     from tests.distributed.conftest import real_ranks
     from tests.helpers import tiny
 

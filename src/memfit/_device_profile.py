@@ -26,8 +26,9 @@ a ValueError naming the file, the field and what it should be.
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import replace
+
+from memfit._cuda_overhead import parse_cuda_version
 
 __all__ = ["load_profile", "FORMAT_VERSION", "check_profile"]
 
@@ -90,10 +91,9 @@ def check_profile(data, path: str = "<profile>") -> dict:
     return data
 
 
-def load_profile(path: str):
-    """The DeviceSpec a profile describes (Note 2)."""
-    from memfit import devices
-    from memfit._cuda_overhead import parse_cuda_version
+def load_profile(path: str, table_spec):
+    """The DeviceSpec a profile describes (Note 2); ``table_spec(gpu, total_bytes)`` is the
+    table's spec of the profile's GPU (``memfit.devices``, which calls this)."""
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -114,11 +114,7 @@ def load_profile(path: str):
     except ValueError as e:
         raise _fail(path, f"cuda: {e}") from None
     total = gpu["total_memory_bytes"]
-    known = devices._INDEX.get(devices._normalize(gpu["name"]))
-    if known is not None:
-        base = devices.GPUS[known]
-    else:
-        base = _unknown(gpu, total)
+    base = table_spec(gpu, total)
     card = gpu.get("nvml_total_bytes") or max(base.memory_bytes, total)
     source = f"measured by memfit calibrate on this {gpu['name']} ({path})"
     return replace(base, usable_bytes=total, memory_bytes=max(card, total), usable_measured=True,
@@ -129,22 +125,3 @@ def load_profile(path: str):
                    figure_notes=(f"CUDA {data['cuda']}, driver {data.get('driver') or 'unknown'}, "
                                  f"torch {data['torch']}: context and kernels {source}",),
                    profile_path=path, nvml_total_bytes=gpu.get("nvml_total_bytes") or 0)
-
-
-def _unknown(gpu: dict, total: int):
-    """A GPU the table does not list: devices' rough rates for its compute capability."""
-    from memfit import devices
-    from memfit.units import GiB
-
-    cc = tuple(gpu["compute_capability"])
-    warnings.warn(f"{gpu['name']} is not in memfit.devices.GPUS: the profile's memory figures are "
-                  "measured, FLOP/s and bandwidth are rough guesses", stacklevel=4)
-    fp32 = 50e12
-    fp16 = fp32 * 4 if cc >= (7, 0) else fp32 / 64
-    bf16 = fp16 if cc >= (8, 0) else 0.0
-    return devices.DeviceSpec(
-        name=devices._normalize(gpu["name"]) or "profiled-gpu", display_name=gpu["name"],
-        kind="cuda", memory_bytes=-(-total // GiB) * GiB, usable_bytes=total,
-        peak_fp32_flops=fp32, peak_fp16_flops=fp16, peak_bf16_flops=bf16,
-        memory_bandwidth_bytes_per_s=500e9, host_link_bytes_per_s=25e9, supports_bf16=bf16 > 0,
-        compute_capability=cc, architecture=devices._ARCH_BY_CC.get(cc, f"sm_{cc[0]}{cc[1]}"))

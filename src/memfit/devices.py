@@ -70,6 +70,7 @@ from memfit import _gpu_table
 from memfit._cuda_overhead import (ASSUMED_CUDA_VERSION, MAX_CUDA, MIN_CUDA, context_figure,
                                    cudnn_figure, lazy_loading, parse_cuda_version,
                                    step_kernels_figure)
+from memfit._device_profile import load_profile
 from memfit.units import GiB, MiB
 
 __all__ = ["DeviceSpec", "GPUS", "ALIASES", "cpu_spec", "get_device", "list_devices", "with_cuda"]
@@ -129,9 +130,7 @@ class DeviceSpec:
     def load(cls, path: str) -> "DeviceSpec":
         """The device a ``memfit calibrate`` profile (JSON) describes, with its measured figures;
         ValueError naming the file and the field for a bad one (``memfit._device_profile``)."""
-        from memfit._device_profile import load_profile
-
-        return load_profile(path)
+        return load_profile(path, _table_spec)
 
     def __post_init__(self) -> None:
         where = f"DeviceSpec {self.name!r}"
@@ -403,3 +402,23 @@ def _resolve(name_or_spec) -> DeviceSpec:
     raise ValueError(f"unknown device {name_or_spec!r}: {hint}List the known GPUs with "
                      "memfit.devices.list_devices(), or pass 'cpu', 'cuda', a device profile "
                      "(FILE.json from `memfit calibrate`) or a DeviceSpec")
+
+
+def _table_spec(gpu: dict, total: int) -> DeviceSpec:
+    """A profiled GPU's table entry, or for a GPU the table does not list, rough rates for its
+    compute capability (with a warning): the base a profile's measured figures replace."""
+    known = _INDEX.get(_normalize(gpu["name"]))
+    if known is not None:
+        return GPUS[known]
+    cc = tuple(gpu["compute_capability"])
+    warnings.warn(f"{gpu['name']} is not in memfit.devices.GPUS: the profile's memory figures are "
+                  "measured, FLOP/s and bandwidth are rough guesses", stacklevel=4)
+    fp32 = 50e12
+    fp16 = fp32 * 4 if cc >= (7, 0) else fp32 / 64
+    bf16 = fp16 if cc >= (8, 0) else 0.0
+    return DeviceSpec(
+        name=_normalize(gpu["name"]) or "profiled-gpu", display_name=gpu["name"],
+        kind="cuda", memory_bytes=-(-total // GiB) * GiB, usable_bytes=total,
+        peak_fp32_flops=fp32, peak_fp16_flops=fp16, peak_bf16_flops=bf16,
+        memory_bandwidth_bytes_per_s=500e9, host_link_bytes_per_s=25e9, supports_bf16=bf16 > 0,
+        compute_capability=cc, architecture=_ARCH_BY_CC.get(cc, f"sm_{cc[0]}{cc[1]}"))

@@ -31,7 +31,7 @@ def auto(gpt2):
     model, batch, state = gpt2
     budget = int(state * 0.9)
     return plan_sharded_traced(model, batch, budget, "adamw", "cpu", gpus="auto",
-                               offload_optimizer=False), budget
+                               offload_optimizer=False, plan_one=memfit.plan), budget
 
 
 @pytest.mark.slow          # 2 traces + 1-3 sharded re-traces; light siblings: test_refusals,

@@ -22,6 +22,7 @@ from torch import nn
 
 from memfit.api._sharded_models import Row, _Models, _search_row, _setup, _trace, fewest
 from memfit.knobs import Knobs
+from memfit.planner.search import Constraints
 from memfit.planner.sharding import interconnect, layout_tiers
 from memfit.techniques.accumulation import batch_size_of
 
@@ -56,7 +57,6 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
                  on_progress: Callable[[str], None] | None = None, **knobs) -> list[GpuRow]:
     """For every GPU of the table (or ``specs``), the fewest cards whose best layout the models
     predict to fit its usable memory, cheapest (GPU-seconds per step) first (Note 1)."""
-    from memfit.api.plan import _constraints
     from memfit.devices import list_devices
     say = on_progress or (lambda message: None)
     specs = list(specs) if specs is not None else list_devices()
@@ -75,7 +75,7 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
             traced[p] = _Models(_trace(model, prepared, optimizer, loss_fn, count_fn, k, p,
                                        say), p, batch_size_of(prepared))
         models = traced[p]
-        fixed_modes = _constraints(model, k, models.b).modes
+        fixed_modes = Constraints.of(model, k, models.b).modes
         say(f"searching {spec.name}")
 
         def fitting(n: int, cands, probe: bool = False) -> list[Row]:

@@ -56,6 +56,7 @@ from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
+from memfit.runtime.oom_guard import replan_shortfall
 from memfit.runtime.replan_broadcast import ReplanError, share_from_rank0
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
@@ -149,15 +150,9 @@ class _Replanner:
         self.runner = None         # set once built: its model, optimizer and loss
 
     def __call__(self, excess: int):
-        from memfit.api.fit import _REPLAN_MARGIN_BYTES
-        self.missing += max(excess, 0) + min(_REPLAN_MARGIN_BYTES, self.budget // 16)
+        # the same numbers on every rank: the same error on each
+        self.missing = replan_shortfall(self.missing, excess, self.budget, ", on the worst rank")
         left = self.budget - self.missing
-        if left <= 0:          # the same numbers on every rank: the same error on each
-            raise BudgetTooSmall(
-                f"re-planning after running out of memory would leave nothing of the "
-                f"{format_bytes(self.budget)} budget ({format_bytes(self.missing)} measured "
-                "missing so far, on the worst rank): raise the budget", floor_bytes=
-                self.budget + self.missing, budget_bytes=self.budget)
         plan = self.job.plan(left, self.fixed)       # a collective: every rank gets it
         pk, r = plan.knobs, self.runner
         model = r.model

@@ -65,6 +65,7 @@ from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.planner import Plan
 from memfit.planner.memory_model import optimizer_rise_bytes
+from memfit.planner.search import Constraints
 from memfit.planner.sharding import Candidate, interconnect, layout_tiers
 from memfit.techniques.accumulation import batch_size_of
 from memfit.units import format_bytes, parse_bytes
@@ -97,7 +98,8 @@ class ShardedPlanned:
 
 def plan_sharded(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
                  loss_fn: Callable | None = None, **kwargs) -> Plan:
-    """``memfit.plan`` with ``gpus=N`` or ``"auto"`` and/or ``sharding`` (module Notes)."""
+    """``memfit.plan`` with ``gpus=N`` or ``"auto"`` and/or ``sharding`` (module Notes);
+    ``plan_one``: the single-device planner (``memfit.api.plan.plan``, which calls this)."""
     return plan_sharded_traced(model, batch, budget, optimizer, device, loss_fn, **kwargs).plan
 
 
@@ -116,9 +118,12 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
                         loss_fn: Callable | None = None, *, count_fn: Callable | None = None,
                         on_progress: Callable[[str], None] | None = None, step=None,
                         scheduler=None, floor: bool = False, allocator=None,
-                        allow_numerics_change: bool | None = None, **knobs) -> ShardedPlanned:
+                        allow_numerics_change: bool | None = None,
+                        plan_one: Callable[..., Plan], **knobs) -> ShardedPlanned:
     """The fewest GPUs (``gpus="auto"``) or the given count, the fastest layout and per-rank
-    plan predicted to fit ``budget`` per GPU, verified by ``estimate_sharded`` (Notes)."""
+    plan predicted to fit ``budget`` per GPU, verified by ``estimate_sharded`` (Notes).
+    ``plan_one(model, batch, budget, optimizer, device, loss_fn, **knobs)``: the single-device
+    planner, for a layout of one GPU (``memfit.api.plan.plan``; passed in, as it calls this)."""
     say = on_progress or (lambda message: None)
     k, spec, p, batch = _setup(model, batch, optimizer, device, loss_fn, knobs, step, scheduler)
     budget_bytes = parse_bytes(budget) if budget is not None else spec.usable_bytes
@@ -127,8 +132,7 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
         raise ValueError(f"gpus={k.gpus}: the batch has {b} samples, split over the ranks "
                          f"(memfit.api._plan_sharded Note 1); use gpus <= {b} or a larger batch")
     models = _Models(_trace(model, batch, optimizer, loss_fn, count_fn, k, p, say), p, b)
-    from memfit.api.plan import _constraints          # the caller's fixed per-block modes
-    fixed_modes = _constraints(model, k, b).modes
+    fixed_modes = Constraints.of(model, k, b).modes        # the caller's fixed per-block modes
     before: list[Row] = []          # the rows of the tiers searched before (Note 4)
 
     def search_in(cands: list[Candidate]):
@@ -164,12 +168,11 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
             c = best.candidate
             if c.sharding == "none":              # one GPU: memfit.plan's question (Note 3)
                 say("one GPU may fit: planning it")
-                from memfit.api.plan import plan
                 single = {n: v for n, v in k.to_dict().items()
                           if v is not None and n not in _SHARD_KNOBS}
                 try:
-                    one = plan(model, batch, budget_bytes, optimizer, spec, loss_fn,
-                               count_fn=count_fn, **single)
+                    one = plan_one(model, batch, budget_bytes, optimizer, spec, loss_fn,
+                                   count_fn=count_fn, **single)
                 except BudgetTooSmall:
                     rows = [r for r in rows if r is not best]
                     continue

@@ -56,7 +56,7 @@ from torch import nn
 
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
 from memfit.api._validate import check_batch
-from memfit.api.estimate import Estimate
+from memfit.api._estimate_result import Estimate
 from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
@@ -68,7 +68,7 @@ from memfit.trace.fsdp_offload import OffloadPlacement
 from memfit.trace.sharded import fake_process_group, trace_ddp_hook
 from memfit.units import parse_bytes
 
-__all__ = ["estimate_sharded"]
+__all__ = ["estimate_sharded", "zero_per_rank_bytes"]
 
 _REFUSED = {"offload_optimizer": "offload_optimizer", "remat": "remat"}
 
@@ -170,3 +170,21 @@ def _describe(config: Sharding.Config, world_size: int, rank: int) -> str:
             f"reshard_after_forward={config.reshard_after_forward}, {mp}"
             + (", CPU offload" if config.offload else "") + f": figures of rank {rank}"
             + (" (the largest where dimensions split unevenly)" if rank == 0 else ""))
+
+
+def zero_per_rank_bytes(model, batch, world_size: int, optimizer="adamw", device="cpu",
+                        **knobs) -> dict[int, int]:
+    """memfit's predicted peak bytes of one rank under DeepSpeed's ZeRO stages 0-3; ``batch`` is
+    one rank's. Stages 0 and 3 are traced (DDP and FSDP2 over a fake group of ``world_size``
+    ranks); stages 1 and 2 take the DDP trace's peak less what ZeRO partitions there (1: the
+    optimizer state, 2: also the gradients, each to 1/N): a model, not a trace (DeepSpeed
+    itself is not traced)."""
+    ddp = estimate_sharded(model, batch, optimizer, device, world_size=world_size,
+                           sharding="ddp", **knobs)
+    fsdp = estimate_sharded(model, batch, optimizer, device, world_size=world_size, **knobs)
+    i = max(range(len(ddp.timeline)), key=ddp.timeline.__getitem__)
+    cats = ddp.timeline_by_category
+    keep = 1 - 1 / world_size
+    opt, grads = cats["optimizer"][i], cats["grads"][i]
+    return {0: ddp.peak_bytes, 1: int(ddp.peak_bytes - opt * keep),
+            2: int(ddp.peak_bytes - (opt + grads) * keep), 3: fsdp.peak_bytes}

@@ -11,12 +11,12 @@ from memfit.api._setup import build_runner, resolve_device, resolve_precision
 from memfit.api._user_step import STEP_FIXED_NOTE, as_user_step, check_step_knobs
 from memfit.api._validate import check_batch, check_order
 from memfit.api.plan import plan
-from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe, impl_of
 from memfit.planner import Plan
 from memfit.runtime import Runner
 from memfit.runtime.batch_shape import extend_batch
+from memfit.runtime.oom_guard import replan_shortfall
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import Accumulation, batch_size_of
 from memfit.units import format_bytes, parse_bytes
@@ -150,12 +150,7 @@ def _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn, fixed: 
     missing = [0]
 
     def replan(excess: int):
-        missing[0] += max(excess, 0) + min(_REPLAN_MARGIN_BYTES, budget // 16)
-        if missing[0] >= budget:
-            raise BudgetTooSmall(f"re-planning after running out of memory would leave nothing "
-                                 f"of the {format_bytes(budget)} budget ({format_bytes(missing[0])} "
-                                 "measured missing so far): raise the budget",
-                                 floor_bytes=budget + missing[0], budget_bytes=budget)
+        missing[0] = replan_shortfall(missing[0], excess, budget)
         k, plan = _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, fixed,
                               budget - missing[0], planning=planning)
         # the plan says what it was searched under; the runner holds the real budget
@@ -165,11 +160,6 @@ def _replanner(model, recipe, optimizer, batch, spec, loss_fn, count_fn, fixed: 
         return build_runner(model, recipe, k, plan=plan, loss_fn=loss_fn, count_fn=count_fn,
                             device_type=device_type, budget_bytes=budget, notes=[note])
     return replan
-
-
-# what each re-plan takes off the budget beyond the measured excess (a CUDA OOM reports none),
-# at most 1/16 of the budget
-_REPLAN_MARGIN_BYTES = 64 * 2 ** 20
 
 
 def _fit_budget(model, optimizer, batch, spec, loss_fn, count_fn, k: Knobs, budget: int,

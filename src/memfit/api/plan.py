@@ -87,6 +87,7 @@ from memfit.api._floor import first_samples, least_memory, longest_sequence, low
 from memfit.api._plan_allocator import AllocatorChoice
 from memfit.api._plan_levers import Levers, numerics_allowed, state_knobs
 from memfit.api._plan_remat import Planned, RematWeigh, check_remat, held_bytes, weigh
+from memfit.api._plan_sharded import is_sharded, plan_sharded
 from memfit.api._plan_words import (counted_levers, excluded_levers, global_reasons,
                                     host_bytes, too_small)
 from memfit.api._setup import resolve_device, resolve_precision
@@ -101,7 +102,6 @@ from memfit.planner.search import Choice, Constraints, search
 from memfit.planner.time_model import TimeModel
 from memfit.planner.variants import auto_precisions
 from memfit.step import prepare_batch
-from memfit.techniques._blocks import resolve_policy
 from memfit.techniques.accumulation import batch_size_of
 from memfit.units import format_bytes, parse_bytes
 
@@ -132,10 +132,10 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
     ``allocator``: a fixed ``AllocatorConfig`` (traced as set); unset, on a GPU the allocator
     setting that reserves least is chosen and counted (``Plan.allocator``, api._plan_allocator).
     """
-    from memfit.api._plan_sharded import is_sharded, plan_sharded
     check_order("plan", budget=budget)
     if is_sharded(kwargs):
-        return plan_sharded(model, batch, budget, optimizer, device, loss_fn, **kwargs)
+        return plan_sharded(model, batch, budget, optimizer, device, loss_fn, plan_one=plan,
+                            **kwargs)
     return plan_traced(model, batch, budget, optimizer, device, loss_fn, **kwargs).plan
 
 
@@ -148,7 +148,6 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     """``plan``, with the plain and the chosen traces (for plots and reports)."""
     say = on_progress or (lambda message: None)
     k = Knobs.from_kwargs(**knobs)
-    from memfit.api._plan_sharded import is_sharded
     if is_sharded(knobs):
         raise ValueError("gpus/sharding: use memfit.plan (plan_traced plans one device)")
     numerics = numerics_allowed(allow_numerics_change, k)
@@ -179,7 +178,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     if not floor and not k.remat:     # Note 5: no trace (asked for the floor: it is traced)
         _refuse_below_bound(model, spec, k, recipe, trainable, budget_bytes, numerics,
                             user_step is not None, {p, user, *others})
-    fixed = _constraints(model, k, b)
+    fixed = Constraints.of(model, k, b)
     common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
                   allocator=allocator, max_grad_norm=k.max_grad_norm, zero_grad=k.zero_grad,
                   step=user_step, scheduler=scheduler)
@@ -400,31 +399,6 @@ def _models(model, batch, est, common, spec, precision: str, b: int, impl, say, 
     elif state.get("offload_params") not in (None, "none"):
         memory = memory.limited(placements=(True,), excluded_modes=("offload",))
     return memory, TimeModel(est, spec, precision, b, memory, half)
-
-
-def _constraints(model: nn.Module, k: Knobs, b: int) -> Constraints:
-    """What the caller fixed, knob by knob (search Note 3)."""
-    modes = None
-    if k.checkpoint is not None or k.offload is not None:
-        per = resolve_policy(model, k.checkpoint or "none", "recompute", "Checkpoint")
-        off = resolve_policy(model, k.offload or "none", "offload", "Offload")
-        modes = {}
-        for name in set(per) | set(off):
-            rec = per.get(name, "keep") if k.checkpoint is not None else None
-            moved = off.get(name) == "offload" if k.offload is not None else None
-            if moved:                       # offloaded (recomputed too: the search mirrors it)
-                modes[name] = ("offload",)
-            elif rec not in (None, "keep"):
-                modes[name] = (rec,)
-            elif rec == "keep":             # not recomputed: kept, or offloaded if free
-                modes[name] = ("keep",) if moved is False else ("keep", "offload")
-            else:                           # recompute free, not offloaded
-                modes[name] = ("keep", "recompute", "selective")
-    m = k.micro_batch_size
-    oo = k.offload_optimizer
-    if oo is None and k.offload_params not in (None, "none"):
-        oo = True                          # parameter offload needs it (param_offload Note 1)
-    return Constraints(None if m is None else min(m, b), modes, oo)
 
 
 def _user_models(plain, spec, user: str, b: int):

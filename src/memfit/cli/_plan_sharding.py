@@ -107,10 +107,12 @@ def run_if_asked(args, base_knobs: dict) -> int | None:
             rows = compare_gpus(model, batch, args.optimizer, on_progress=say, **knobs)
         else:
             from memfit.api._plan_sharded import plan_sharded_traced
+            from memfit.api.plan import plan
             from memfit.cli._common import resolve_target
             target = resolve_target(args)
             planned = plan_sharded_traced(model, batch, target.budget_bytes, args.optimizer,
-                                          target.device, on_progress=say, **knobs)
+                                          target.device, on_progress=say, plan_one=plan,
+                                          **knobs)
     seconds = time.perf_counter() - start
     head = f"{spec.name}, batch {args.batch_size}" + \
         (f" x {args.seq_len}" if args.seq_len else "") + f", {args.optimizer}"

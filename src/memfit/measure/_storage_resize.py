@@ -19,18 +19,19 @@ import contextlib
 
 import torch
 
+from memfit.measure import _ledger as L
+
 __all__ = ["resizes_counted"]
 
 _ORIGINAL = torch.UntypedStorage.resize_
 _OWN = "resize_" in vars(torch.UntypedStorage)     # else inherited from the C base class
 _depth = 0
+_trackers: list = []         # the running trackers (track's own list, given on entry)
 
 
 def _resize(storage, nbytes):
     out = _ORIGINAL(storage, nbytes)
-    from memfit.measure import _ledger as L
-    from memfit.measure.track import _running
-    for tracker in _running:
+    for tracker in _trackers:
         led = tracker.ledger
         kind = storage.device.type
         if (kind == "meta") != led.fake or kind not in (led.device_type, "meta"):
@@ -43,9 +44,11 @@ def _resize(storage, nbytes):
 
 
 @contextlib.contextmanager
-def resizes_counted():
-    """While entered (re-entrant), ``UntypedStorage.resize_`` reports to the running trackers."""
-    global _depth
+def resizes_counted(running: list):
+    """While entered (re-entrant), ``UntypedStorage.resize_`` reports to the trackers in
+    ``running`` (track's list of those inside their ``with`` block)."""
+    global _depth, _trackers
+    _trackers = running
     if _depth == 0:
         torch.UntypedStorage.resize_ = _resize
     _depth += 1

@@ -111,7 +111,7 @@ class Tracker:
             s.callback(self._remove_hooks, self._add_hooks())
             s.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
             s.enter_context(CountingMode(self))
-            s.enter_context(resizes_counted())          # _storage_resize Note 1
+            s.enter_context(resizes_counted(_running))          # _storage_resize Note 1
             if not self.fake:       # a real run's bitsandbytes CPU kernels (_bnb_kernels Note 1)
                 s.enter_context(cpu_kernels())
         except BaseException:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["StorageLog", "Lifetimes", "storage_log"]
+__all__ = ["StorageLog", "Lifetimes", "storage_log", "step_lifetimes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,3 +116,14 @@ def storage_log(tracker) -> StorageLog:
     return StorageLog(as_array(nbytes), as_array(cat), as_array(birth), as_array(death),
                       as_array(tracker.op_events), end, tracker.resolved.window_start, window_op)
 
+
+def step_lifetimes(estimate) -> tuple[StorageLog, Lifetimes]:
+    """The estimate's storage log and its counted step's lifetimes; a clear error without.
+    A finished ``memfit.track`` region (a ``Tracker``) is read from its own ledger."""
+    log = storage_log(estimate) if hasattr(estimate, "ledger") else \
+        getattr(estimate, "lifetimes", None)
+    if not isinstance(log, StorageLog):
+        raise ValueError("this estimate carries no storage lifetimes (estimates of one rank of "
+                         "a sharded job, and those made before memplan existed, do not): run "
+                         "memfit.estimate(model, batch, ...) without gpus/sharding")
+    return log, log.window()

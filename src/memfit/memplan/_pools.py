@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memfit.measure._ledger import CATEGORIES
-from memfit.memplan._lifetimes import StorageLog
+from memfit.memplan._lifetimes import StorageLog, step_lifetimes
 from memfit.trace.allocator import AllocatorConfig, CachingAllocator
 
 __all__ = ["LIFETIME_CLASSES", "SCHEMES", "AllocatorOption", "AllocatorOptions",
@@ -186,8 +186,6 @@ def workspaces(estimate) -> list[int]:
 def default_reserved(estimate) -> int:
     """The caching allocator's modelled reserved peak for the estimate's step, default pool
     and settings (a CPU estimate replayed as a GPU would serve it)."""
-    from memfit.memplan.static_plan import step_lifetimes
-
     log, _ = step_lifetimes(estimate)
     return replay_reserved(log, ["default"] * len(log.nbytes), AllocatorConfig(),
                            workspaces(estimate))[0]
@@ -208,8 +206,6 @@ def _classes(log: StorageLog) -> dict[str, dict[str, int]]:
 def allocator_options(estimate, schemes: tuple[str, ...] = SCHEMES) -> AllocatorOptions:
     """Model every pool scheme (Note 2) with and without expandable segments on the
     estimate's step; ``.best`` is the applicable one that reserves least."""
-    from memfit.memplan.static_plan import step_lifetimes
-
     unknown = [s for s in schemes if s not in SCHEMES]
     if unknown or "default" not in schemes:
         raise ValueError(f"schemes must include 'default' and be among {', '.join(SCHEMES)}; "

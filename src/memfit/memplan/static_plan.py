@@ -30,7 +30,8 @@ import numpy as np
 from memfit.measure._ledger import CATEGORIES
 from memfit.memplan._exact import ExactResult, exact_offsets
 from memfit.memplan._greedy import arena_of, greedy_by_lifetime, greedy_by_size, pinned_mask
-from memfit.memplan._lifetimes import Lifetimes, StorageLog
+from memfit.memplan._lifetimes import step_lifetimes
+from memfit.memplan._pools import allocator_options, default_reserved, workspaces
 from memfit.trace._allocator_blocks import K_MIN_BLOCK_SIZE
 
 __all__ = ["Assignment", "StaticPlan", "static_plan", "plan_lifetimes", "step_lifetimes"]
@@ -94,20 +95,6 @@ class StaticPlan:
         return out
 
 
-def step_lifetimes(estimate) -> tuple[StorageLog, Lifetimes]:
-    """The estimate's storage log and its counted step's lifetimes; a clear error without.
-    A finished ``memfit.track`` region (a ``Tracker``) is read from its own ledger."""
-    from memfit.memplan._lifetimes import storage_log
-
-    log = storage_log(estimate) if hasattr(estimate, "ledger") else \
-        getattr(estimate, "lifetimes", None)
-    if not isinstance(log, StorageLog):
-        raise ValueError("this estimate carries no storage lifetimes (estimates of one rank of "
-                         "a sharded job, and those made before memplan existed, do not): run "
-                         "memfit.estimate(model, batch, ...) without gpus/sharding")
-    return log, log.window()
-
-
 def plan_lifetimes(sizes: np.ndarray, first: np.ndarray, last: np.ndarray, num_ops: int, *,
                    exact_max_storages: int = 40, time_limit_s: float = 10.0):
     """Offsets for storages ``sizes`` live at ``first..last``: (offsets, method, by-size arena,
@@ -164,7 +151,6 @@ def static_plan(estimate, *, align_bytes: int | None = None, exact_max_storages:
         raise ValueError(f"align_bytes must be an int >= 1, got {align_bytes!r}")
     if not isinstance(exact_max_storages, int) or exact_max_storages < 0:
         raise ValueError(f"exact_max_storages must be an int >= 0, got {exact_max_storages!r}")
-    from memfit.memplan._pools import allocator_options, default_reserved, workspaces
 
     ws = workspaces(estimate)
     n_ops = life.num_ops

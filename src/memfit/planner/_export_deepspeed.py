@@ -15,25 +15,22 @@ already copied to the host. A torch optimizer needs ``zero_force_ds_cpu_optimize
 Note 3 (bytes per rank). A plan made for several GPUs (``gpus=N``) maps to ZeRO-3 under FSDP2
 (parameters, gradients and optimizer state partitioned, parameters gathered per layer: FSDP2's
 ``fully_shard``) and to stage 0 under DDP; its predicted device bytes are estimate_sharded's
-re-trace of that layout, carried as ``per_rank_bytes[stage]``. ``zero_per_rank_bytes`` predicts
-stages 0-3 for one model and rank batch: stages 0 and 3 are traced (DDP and FSDP2 over a fake
-group of N ranks, ``memfit.estimate_sharded``); stages 1 and 2 take the DDP trace's peak less
-what ZeRO partitions there (1: the optimizer state, 2: also the gradients, each to 1/N); that
-is a model, not a trace (DeepSpeed itself is not traced). Figures are memfit's own training
-step (autocast over fp32 weights), not DeepSpeed's bf16-weights engine.
+re-trace of that layout, carried as ``per_rank_bytes[stage]`` (``api._sharded.zero_per_rank_bytes``
+predicts stages 0-3 for one model and rank batch). Figures are memfit's own training step
+(autocast over fp32 weights), not DeepSpeed's bf16-weights engine.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memfit.planner.exports import (Export, _activations, _batching, _check_world, _clip,
+from memfit.planner._export_parts import (Export, _activations, _batching, _check_world, _clip,
                                     _common_notes, _exported, _names, _precision)
 
 if TYPE_CHECKING:
     from memfit.planner.plan import Plan
 
-__all__ = ["to_deepspeed_config", "zero_per_rank_bytes"]
+__all__ = ["to_deepspeed_config"]
 
 
 def to_deepspeed_config(plan: "Plan", batch_size: int, world_size: int = 1) -> Export:
@@ -107,19 +104,3 @@ def to_deepspeed_config(plan: "Plan", batch_size: int, world_size: int = 1) -> E
         plan, b, acts, precision=cast, clip=config.get("gradient_clipping", 1.0) or None,
         offload_optimizer=oo, optimizer_impl=plan.knobs.optimizer_impl),
         per_rank_bytes=per_rank)
-
-
-def zero_per_rank_bytes(model, batch, world_size: int, optimizer="adamw", device="cpu",
-                        **knobs) -> dict[int, int]:
-    """memfit's predicted peak bytes of one rank under ZeRO stages 0-3 (Note 3); ``batch`` is
-    one rank's."""
-    from memfit.api._sharded import estimate_sharded
-    ddp = estimate_sharded(model, batch, optimizer, device, world_size=world_size,
-                           sharding="ddp", **knobs)
-    fsdp = estimate_sharded(model, batch, optimizer, device, world_size=world_size, **knobs)
-    i = max(range(len(ddp.timeline)), key=ddp.timeline.__getitem__)
-    cats = ddp.timeline_by_category
-    keep = 1 - 1 / world_size
-    opt, grads = cats["optimizer"][i], cats["grads"][i]
-    return {0: ddp.peak_bytes, 1: int(ddp.peak_bytes - opt * keep),
-            2: int(ddp.peak_bytes - (opt + grads) * keep), 3: fsdp.peak_bytes}

@@ -28,11 +28,8 @@ and fills ``predicted_device_bytes``, with a note when that exceeds the plan's b
 What does not: selective recompute (exported as full recompute), offload without recompute
 (exported as recompute+offload), a last micro-batch smaller than the others, DTR (``remat``).
 
-Note 1 (micro-batches). memfit cuts a batch into chunks of ``micro_batch_size`` and a smaller
-last chunk (``Accumulation.split``); the targets run ``steps`` equal micro-batches. With
-``steps = ceil(batch / micro)`` the micro-batch, hence the memory, is the plan's, but the
-effective batch becomes ``micro * steps``; the note names the largest divisor of the batch not
-above the plan's micro-batch, which keeps the batch and needs no more memory per micro-batch.
+Note 1 (micro-batches). How a target covers the batch in whole micro-batches: ``_export_parts``
+Note 1, with the reading of the plan every target shares.
 
 Note 2 (DeepSpeed precision). DeepSpeed's ``fp16``/``bf16`` sections are not autocast: they cast
 the model and keep fp32 master weights in the optimizer. ``bf16`` is therefore memfit's
@@ -62,12 +59,12 @@ device keeps ``offload`` and says that it needs a GPU.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from memfit.knobs import Knobs
+from memfit.planner._export_deepspeed import to_deepspeed_config
+from memfit.planner._export_parts import (Export, _activations, _batching, _check_world, _clip,
+                                         _common_notes, _exported, _names, _precision,
+                                         _Activations)
 
 if TYPE_CHECKING:
     from memfit.planner.plan import Plan
@@ -76,33 +73,6 @@ __all__ = ["Export", "TARGETS", "export", "to_accelerate_config", "to_deepspeed_
            "to_training_arguments"]
 
 TARGETS = ("transformers", "accelerate", "deepspeed")
-_RECOMPUTED = ("recompute", "selective", "recompute+offload", "selective+offload")
-
-
-@dataclass(frozen=True)
-class Export:
-    """A plan in a target's terms: ``config`` (JSON-able, the target's key names) and ``notes``
-    (what does not map, and what the config does instead)."""
-
-    config: dict
-    notes: tuple[str, ...] = ()
-    knobs: "Knobs | None" = None          # memfit's knobs for what the export runs
-    predicted_device_bytes: int | None = None   # those knobs re-traced (export_traced)
-    # DeepSpeed: ZeRO stage -> memfit's predicted bytes per rank (_export_deepspeed Note 3)
-    per_rank_bytes: dict | None = None
-
-    def to_json(self) -> str:
-        """The config alone (JSON has no comments: read ``notes`` beside it)."""
-        return json.dumps(self.config, indent=2)
-
-    def to_yaml(self) -> str:
-        """The config as YAML, the notes as comments above it (Accelerate's format)."""
-        import yaml   # PyYAML: a dependency of transformers, needed only here
-
-        head = "".join(f"# {n}\n" for n in self.notes)
-        return head + yaml.safe_dump(self.config, sort_keys=False)
-
-
 def export(plan: "Plan", target: str, batch_size: int, world_size: int = 1) -> Export:
     """``to_training_arguments`` ("transformers"), ``to_accelerate_config`` ("accelerate") or
     ``to_deepspeed_config`` ("deepspeed"); TrainingArguments are per device (no world_size)."""
@@ -114,136 +84,6 @@ def export(plan: "Plan", target: str, batch_size: int, world_size: int = 1) -> E
         return to_deepspeed_config(plan, batch_size, world_size)
     raise ValueError(f"export target {target!r} is not one of {', '.join(TARGETS)}")
 
-
-# -- what every target needs ---------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Batching:
-    micro: int      # samples per micro-batch (per device)
-    steps: int      # micro-batches per optimizer step
-
-
-def _batching(plan: "Plan", batch_size: int, target: str, notes: list[str]) -> _Batching:
-    """Note 1."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int (samples per optimizer step on one "
-                         f"device), got {batch_size!r}")
-    micro = min(plan.knobs.micro_batch_size or batch_size, batch_size)
-    steps = math.ceil(batch_size / micro)
-    if micro * steps != batch_size:
-        last = batch_size - micro * (steps - 1)
-        divisor = max(d for d in range(1, micro + 1) if batch_size % d == 0)
-        notes.append(
-            f"micro-batches: memfit splits {batch_size} into {steps - 1} x {micro} + {last}; "
-            f"{target} runs {steps} x {micro}, an effective batch of {micro * steps} per device, "
-            f"not {batch_size}. For {batch_size} exactly use micro_batch_size={divisor} "
-            f"({batch_size // divisor} steps): no more memory per micro-batch")
-    return _Batching(micro, steps)
-
-
-def _check_world(world_size: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int (data-parallel processes), "
-                         f"got {world_size!r}")
-
-
-def _precision(plan: "Plan") -> str:
-    p = plan.knobs.precision or "fp32"      # the API's default: the user's fp32
-    if p == "auto":
-        raise ValueError("the plan's precision is 'auto', a choice memfit has not made yet: "
-                         "export the plan memfit.plan (or runner.plan) returned, or fix precision")
-    return p
-
-
-def _clip(plan: "Plan", key: str, target: str, default: float, notes: list[str]) -> dict:
-    """The user's clipping as ``{key: value}``; none set: the target's default, said so."""
-    if plan.knobs.max_grad_norm is not None:
-        return {key: float(plan.knobs.max_grad_norm)}
-    notes.append(f"{key}: the plan does not clip (max_grad_norm unset), and the export leaves "
-                 f"{target}'s default in place: it clips the gradient norm at {default:g}. Set "
-                 f"{key}=0.0 to run without clipping, as the plan does")
-    return {}
-
-
-def _exported(plan: "Plan", b: "_Batching", acts: "_Activations", *, precision: str,
-              clip: float | None, offload_optimizer: bool, optimizer_impl: str | None) -> Knobs:
-    """memfit's knobs for what an export runs (module docstring, "What it needs")."""
-    blocks = list(plan.blocks)
-    if acts.blocks is None:
-        ckpt = "none" if acts.every is None else "all" if acts.every == 1 else f"every:{acts.every}"
-    elif not acts.recompute:
-        ckpt = "none"
-    else:
-        ckpt = tuple(blocks[i] for i in acts.recompute)
-        ckpt = "all" if len(ckpt) == len(blocks) else ckpt
-    # no export maps memfit's block-weight offload (_common_notes): the weights on the device
-    return plan.knobs.replace(precision=precision, micro_batch_size=b.micro, checkpoint=ckpt,
-                              offload=ckpt if acts.offload else "none",
-                              offload_optimizer=offload_optimizer, max_grad_norm=clip,
-                              optimizer_impl=optimizer_impl, remat=None, offload_params=None)
-
-
-def _common_notes(plan: "Plan", notes: list[str]) -> None:
-    if plan.knobs.remat:
-        notes.append("remat (DTR) has no counterpart: the export leaves it out")
-    if plan.knobs.offload_params not in (None, "none"):
-        notes.append("offload_params (block weights on the host) has no counterpart here: the "
-                     "export keeps the weights on the device (DeepSpeed ZeRO-3's offload_param "
-                     "is the nearest)")
-
-
-@dataclass(frozen=True)
-class _Activations:
-    blocks: int | None          # how many blocks the plan lists; None: none listed (policy only)
-    recompute: tuple[int, ...]  # positions of the blocks to recompute, in execution order
-    names: tuple[str, ...]      # their names
-    every: int | None           # with no blocks listed: every:K policy's K, 1 for all, None: none
-    offload: bool               # recomputed blocks keep their inputs on the host
-
-
-def _activations(plan: "Plan", notes: list[str]) -> _Activations:
-    """What to recompute, with selective made full and offload-only made recompute+offload."""
-    modes = dict(plan.blocks)
-    if not modes:
-        return _from_policy(plan, notes)
-    selective = [b for b, m in modes.items() if m.startswith("selective")]
-    offload_only = [b for b, m in modes.items() if m == "offload"]
-    if selective:
-        notes.append(f"selective recompute ({_names(selective)}) has no counterpart: those blocks "
-                     "are recomputed in full (less memory, more recompute time)")
-    if offload_only:
-        notes.append(f"offload without recompute ({_names(offload_only)}) has no counterpart: "
-                     "those blocks are recomputed with their inputs on the host (no more device "
-                     "memory than the plan, more recompute time)")
-    chosen = [i for i, m in enumerate(modes.values()) if m in _RECOMPUTED or m == "offload"]
-    names = tuple(list(modes)[i] for i in chosen)
-    kept_here = [b for b in names if not modes[b].endswith("offload")]
-    offload = len(kept_here) < len(names)
-    if offload and kept_here:
-        notes.append(f"offload applies to every recomputed block, also {_names(kept_here)}, "
-                     "which the plan keeps on the device (less memory, slower)")
-    return _Activations(len(modes), tuple(chosen), names, None, offload)
-
-
-def _from_policy(plan: "Plan", notes: list[str]) -> _Activations:
-    ckpt, off = plan.knobs.checkpoint, plan.knobs.offload
-    policy = ckpt if ckpt not in (None, "none") else off if off not in (None, "none") else None
-    if policy is None:
-        return _Activations(None, (), (), None, False)
-    every = int(policy[6:]) if isinstance(policy, str) and policy.startswith("every:") else 1
-    if policy == "selective":
-        notes.append("selective recompute has no counterpart: blocks are recomputed in full")
-    notes.append(f"the plan lists no blocks (it was never applied to a model): exported from its "
-                 f"policy {policy!r}" + (", every layer" if isinstance(policy, tuple) else ""))
-    return _Activations(None, (), (), every, off not in (None, "none"))
-
-
-def _names(names) -> str:
-    names = list(names)
-    return ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:3])}, ... ({len(names)})"
-
-
-# -- transformers TrainingArguments ------------------------------------------------------------------
 
 def to_training_arguments(plan: "Plan", batch_size: int) -> Export:
     """Keywords for ``transformers.TrainingArguments`` (for this installed transformers)."""
@@ -409,10 +249,3 @@ def to_accelerate_config(plan: "Plan", batch_size: int, world_size: int = 1) -> 
         plan, b, acts, precision=mixed, clip=plan.knobs.max_grad_norm,
         offload_optimizer=bool(plan.knobs.offload_optimizer),
         optimizer_impl=plan.knobs.optimizer_impl))
-
-
-
-def to_deepspeed_config(plan: "Plan", batch_size: int, world_size: int = 1) -> Export:
-    """A DeepSpeed config with the ZeRO stage the plan maps to (``planner._export_deepspeed``)."""
-    from memfit.planner._export_deepspeed import to_deepspeed_config as make
-    return make(plan, batch_size, world_size)

@@ -65,6 +65,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from memfit.planner.memory_model import MODES, MemoryModel
 from memfit.planner.time_model import TimeModel
+from memfit.techniques._blocks import resolve_policy
 
 __all__ = ["Choice", "Constraints", "search", "floor", "floor_candidates", "variant_key"]
 
@@ -113,6 +114,32 @@ class Constraints:
     micro_batch_size: int | None = None
     modes: dict[str, tuple[str, ...]] | None = None   # block name -> modes it may take (Note 3)
     offload_optimizer: bool | None = None
+
+    @classmethod
+    def of(cls, model, k, b: int) -> "Constraints":
+        """What the caller fixed in ``k`` (a ``Knobs``), knob by knob, for a batch of ``b``
+        (Note 3)."""
+        modes = None
+        if k.checkpoint is not None or k.offload is not None:
+            per = resolve_policy(model, k.checkpoint or "none", "recompute", "Checkpoint")
+            off = resolve_policy(model, k.offload or "none", "offload", "Offload")
+            modes = {}
+            for name in set(per) | set(off):
+                rec = per.get(name, "keep") if k.checkpoint is not None else None
+                moved = off.get(name) == "offload" if k.offload is not None else None
+                if moved:                   # offloaded (recomputed too: the search mirrors it)
+                    modes[name] = ("offload",)
+                elif rec not in (None, "keep"):
+                    modes[name] = (rec,)
+                elif rec == "keep":         # not recomputed: kept, or offloaded if free
+                    modes[name] = ("keep",) if moved is False else ("keep", "offload")
+                else:                       # recompute free, not offloaded
+                    modes[name] = ("keep", "recompute", "selective")
+        m = k.micro_batch_size
+        oo = k.offload_optimizer
+        if oo is None and k.offload_params not in (None, "none"):
+            oo = True                      # parameter offload needs it (param_offload Note 1)
+        return cls(None if m is None else min(m, b), modes, oo)
 
     def allowed(self, name: str) -> tuple[str, ...]:
         return MODES if self.modes is None else self.modes.get(name, MODES)

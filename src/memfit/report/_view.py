@@ -7,7 +7,7 @@ allocator's blocks, whose maximum is ``est.peak_bytes``. Without it, on a GPU ta
 is the live tensor bytes, and ``exact`` is False: the report says so beside the curve.
 
 Note 2 (downsampling). A step has up to ~10^5 ops and a plot ~10^3 columns. The ops are cut
-into ``MAX_POINTS`` runs and each run is drawn at its highest op (``plots.envelope``), with that
+into ``MAX_POINTS`` runs and each run is drawn at its highest op (``envelope``), with that
 op's split by category, so the drawn maximum is the true one and the peak op is a drawn point.
 
 Note 3 (held beside the step). A plan counts bytes of the caller's batch that the runner keeps
@@ -23,11 +23,23 @@ from dataclasses import dataclass
 from memfit.measure import CATEGORIES
 from memfit.report._ops import OpInfo, annotate
 from memfit.report._replay import replay
-from memfit.report.plots import envelope
 
-__all__ = ["StepView", "step_view", "downsample", "MAX_POINTS"]
+__all__ = ["StepView", "step_view", "downsample", "envelope", "MAX_POINTS"]
 
 MAX_POINTS = 2000
+
+
+def envelope(timeline: list[int], buckets: int) -> list[int]:
+    """Index of the highest op of each of ``buckets`` runs of ops, so a one-op peak survives
+    downsampling (Note 2); every op if there are few."""
+    n = len(timeline)
+    if n <= buckets:
+        return list(range(n))
+    out = []
+    for j in range(buckets):
+        lo, hi = j * n // buckets, (j + 1) * n // buckets
+        out.append(max(range(lo, hi), key=timeline.__getitem__))
+    return out
 
 
 @dataclass
@@ -80,7 +92,7 @@ def step_view(est, tracker=None, *, label: str = "", allocator=None,
 
 
 def downsample(values: list[int], max_points: int = MAX_POINTS) -> list[int]:
-    """Op indices to draw (Note 2): each run's highest op (``plots.envelope``), the last op."""
+    """Op indices to draw (Note 2): each run's highest op (``envelope``), the last op."""
     picks = envelope(values, max_points)
     if picks and picks[-1] != len(values) - 1:
         picks.append(len(values) - 1)

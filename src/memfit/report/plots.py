@@ -26,10 +26,11 @@ so it covers no data.
 from __future__ import annotations
 
 from memfit.measure import CATEGORIES
+from memfit.report._view import envelope, step_view
 from memfit.units import GiB, MiB, format_bytes
 
 __all__ = ["plot_timeline", "plot_before_after", "timeline_figure", "before_after_figure",
-           "micro_batch_starts", "envelope"]
+           "micro_batch_starts"]
 
 _COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "other": "#8c8c8c",
            "inputs": "#937860", "activations": "#c44e52", "temporaries": "#da8bc3"}
@@ -37,18 +38,6 @@ _CONTEXT_COLOR = "#d9d9d9"
 _BUCKETS = 1200
 DEVICE_CURVE_LABEL = "device bytes"      # the line whose maximum is the verdict (CPU target)
 RESERVED_LEVEL_LABEL = "reserved + context at the peak"   # the verdict's level (GPU target)
-
-
-def envelope(timeline: list[int], buckets: int = _BUCKETS) -> list[int]:
-    """Index of the highest op of each run of ops (Note 2); every op if there are few."""
-    n = len(timeline)
-    if n <= buckets:
-        return list(range(n))
-    out = []
-    for j in range(buckets):
-        lo, hi = j * n // buckets, (j + 1) * n // buckets
-        out.append(max(range(lo, hi), key=timeline.__getitem__))
-    return out
 
 
 def micro_batch_starts(est) -> list[int]:
@@ -79,8 +68,6 @@ def _curve(est, record) -> tuple[list[int], dict[str, list[int]], bool]:
     """The allocated bytes per op and by category, and whether they are the verdict's own
     (Note 4): with the trace's record, the allocator replay op by op (``report._view``)."""
     if record is not None:
-        from memfit.report._view import step_view
-
         view = step_view(est, record)
         return view.allocated, view.by_category, True
     return est.timeline, est.timeline_by_category, est.basis != "cuda-model"
@@ -92,7 +79,7 @@ def _draw(ax, est, limit_bytes, limit_label, title, unit, record=None) -> float:
     name, size = unit
     timeline, by_category, exact = _curve(est, record)
     context = est.context_bytes if est.basis == "cuda-model" else 0
-    picks = envelope(timeline)
+    picks = envelope(timeline, _BUCKETS)
     n = len(timeline)
     xs = picks + [n]                       # steps: run j spans [xs[j], xs[j + 1])
     base = [context / size] * len(xs)

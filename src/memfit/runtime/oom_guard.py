@@ -90,7 +90,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from memfit.errors import OutOfMemory
+from memfit.errors import BudgetTooSmall, OutOfMemory
 from memfit.measure.track import active_tracker
 from memfit.runtime import oom_ranks
 from memfit.units import format_bytes
@@ -99,6 +99,7 @@ if TYPE_CHECKING:
     from memfit.runtime.runner import Runner
 
 __all__ = ["OomGuard", "Snapshot", "check_optimizer_step", "committing", "excess_bytes",
+           "replan_shortfall", "REPLAN_MARGIN_BYTES",
            "MAX_RETRIES"]
 
 MAX_RETRIES = 3          # re-plans of one effective batch before the guard gives up
@@ -141,6 +142,24 @@ def excess_bytes(e: torch.OutOfMemoryError) -> int:
     if isinstance(e, OutOfMemory):
         return max(0, e.live_bytes + e.requested_bytes - e.budget_bytes)
     return 0
+
+
+# what each re-plan takes off the budget beyond the measured excess (a CUDA OOM reports none,
+# Note 2), at most 1/16 of the budget
+REPLAN_MARGIN_BYTES = 64 * 2 ** 20
+
+
+def replan_shortfall(missing: int, excess: int, budget: int, where: str = "") -> int:
+    """The bytes a re-planner takes off ``budget`` after an out-of-memory error ``excess``
+    bytes over it, ``missing`` taken before (Note 2); ``BudgetTooSmall`` when nothing is left.
+    ``where``: words after "measured missing so far" (e.g. ", on the worst rank")."""
+    missing += max(excess, 0) + min(REPLAN_MARGIN_BYTES, budget // 16)
+    if missing >= budget:
+        raise BudgetTooSmall(f"re-planning after running out of memory would leave nothing of "
+                             f"the {format_bytes(budget)} budget ({format_bytes(missing)} "
+                             f"measured missing so far{where}): raise the budget",
+                             floor_bytes=budget + missing, budget_bytes=budget)
+    return missing
 
 
 def live_device_bytes(device_type: str) -> int | None:
