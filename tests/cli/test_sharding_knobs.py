@@ -72,3 +72,25 @@ def test_cli_flags(tiny, tiny_gpt2, capsys):
     assert "--expandable-segments with sharding" in capsys.readouterr().err
     assert main([*args[:-4], "--gpus", "2"]) == 2
     assert "--sharding fsdp" in capsys.readouterr().err
+
+
+def test_one_rank_on_a_gpu_counts_the_card_as_one_device_does(tiny):
+    """Issue 27: ``estimate(gpus=N)`` for a GPU gave device_bytes == peak_bytes (no workspaces,
+    no context) while ``plan(gpus=N)`` added them. By hand from the GTX 1080 Ti's figures: the
+    reservation is the allocated peak plus the cuBLAS and autograd workspaces, outside it the
+    CUDA context with its kernels (no convolution ran); and the plan predicts those same bytes."""
+    model, batch = tiny
+    gpu = memfit.devices.get_device("gtx-1080-ti")
+    one = memfit.estimate(model, batch, "adamw", device=gpu, gpus=2, sharding="fsdp",
+                          precision="fp32")
+    workspaces = gpu.cublas_workspace_bytes + gpu.autograd_workspace_bytes
+    assert one.reserved_bytes == one.peak_bytes + workspaces
+    assert one.context_bytes == gpu.cuda_context_bytes
+    assert one.device_bytes == one.peak_bytes + workspaces + gpu.cuda_context_bytes
+    assert sum(one.card.lines.values()) == one.card.device_bytes == one.device_bytes
+    p = memfit.plan(model, {k: v.repeat(2, 1) for k, v in batch.items()}, "10GiB", "adamw",
+                    gpu, gpus=2, sharding="fsdp", precision="fp32", checkpoint="none",
+                    micro_batch_size=2, reshard_after_forward=True, offload_optimizer=False)
+    assert p.predicted_device_bytes == memfit.estimate(
+        model, batch, "adamw", device=gpu, gpus=2, sharding="fsdp", precision="fp32",
+        checkpoint="none", reshard_after_forward=True).device_bytes

@@ -181,7 +181,7 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
                 f"{describe(best.choice, best.rank_batch)}")
             verified = _verify(model, batch, optimizer, spec, loss_fn, count_fn, k, best,
                                models.memory(c, *_card_bytes(spec))[0].blocks)
-            device_bytes = verified.peak_bytes + sum(_card_bytes(spec))
+            device_bytes = verified.device_bytes          # _sharded Note 7
             if device_bytes <= budget_bytes:
                 return _planned(k, best, verified, device_bytes, models, spec, budget_bytes,
                                 before + rows, margins.get(c, 0)), rows

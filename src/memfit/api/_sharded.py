@@ -13,9 +13,9 @@ reduce-scatter input and output buffers, resharding after forward or not, DDP's 
 Note 2 (targets). For a CPU target (``device="cpu"``) the figures are exact: the tests run
 the same step in real 2- and 4-process gloo jobs and compare each rank's ``track``
 (``tests/distributed``). For a GPU target the same CPU trace is returned as allocated bytes
-(``basis="cpu-trace"``, reserved taken equal): memfit's CUDA models (autocast kernels, the
-caching allocator's replay) are not applied under sharding yet, nor the collectives' stream
-ordering (on a GPU FSDP2 frees a buffer when the collective stream is done with it, not
+(``basis="cpu-trace"``, reserved = allocated + workspaces, Note 7): memfit's CUDA models
+(autocast kernels, the caching allocator's replay) are not applied under sharding yet, nor
+the collectives' stream ordering (on a GPU FSDP2 frees a buffer when the collective stream is done with it, not
 when Python drops it); a note says so. ``fsdp_offload`` is exact for a CPU target, where
 host and device are one memory and FSDP2's offload moves nothing; for a GPU target the trace
 is told what the GPU keeps on the host (the sharded parameters, gradients and optimizer state,
@@ -35,16 +35,21 @@ whatever the order (flat buffers, no padding on the CPU), so the trace's warm-up
 under ``no_sync`` (the reducer records no order and never rebuilds) and the counted step is
 like a real run's third: the real runs of the tests measure step 3, after the rebuild.
 
-Note 6 (a short warm-up). The warm-up runs the effective batch's first micro-batch only: what
-the counted step starts from (the optimizer state, FSDP2's lazy init, sharded gradients of
-their full size) is the same after one micro-batch as after all of them, and a 7B rank's
-micro-batch costs the trace about 12 s.
-
 Note 5 (which mode shards). ``fully_shard`` runs outside the fake mode: it makes every new
 tensor from the (fake) parameters themselves, which keeps them fake, while
 ``reshard_after_forward=<int>`` builds its smaller mesh from the real rank tensor of the
 ``DeviceMesh``, which the fake mode refuses. DDP runs inside it: its C++ reducer allocates
 the buckets with ``at::empty``, which must make fakes.
+
+Note 6 (a short warm-up). The warm-up runs the effective batch's first micro-batch only: what
+the counted step starts from (the optimizer state, FSDP2's lazy init, sharded gradients of
+their full size) is the same after one micro-batch as after all of them, and a 7B rank's
+micro-batch costs the trace about 12 s.
+
+Note 7 (the card). For a GPU target ``device_bytes`` counts what one device's estimate counts
+around the allocator: the cuBLAS (and cuBLASLt) and autograd workspaces inside the reservation,
+the CUDA context, the kernels a step loads and cuDNN's when a convolution ran outside it
+(``trace.card``), so ``estimate(gpus=N)`` and ``plan(gpus=N)`` print the same device bytes.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.techniques.sharding import Sharding
 from memfit.trace import FakeCopier, profile_step
+from memfit.trace.card import card_breakdown
 from memfit.trace.fsdp_offload import OffloadPlacement
 from memfit.trace.sharded import fake_process_group, trace_ddp_hook
 from memfit.units import parse_bytes
@@ -147,12 +153,20 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
         prof, _ = profile_step(run, copier=copier, model=runner.model,
                                optimizer=runner.optimizer, warm_up=warm_up)
     notes = [_describe(config, world_size, rank)]
-    if spec.kind == "cuda":
-        notes.append("GPU target: the CPU trace's allocated bytes; CUDA's autocast kernels, the "
-                     "caching allocator and the collectives' stream-ordered frees are not "
-                     "modelled under sharding yet (memfit.api._sharded Note 2)")
+    reserved, context, card = prof.peak_bytes, 0, None
+    if spec.kind == "cuda":         # the card around the allocator, as for one device (Note 7)
+        workspaces = spec.cublas_workspace_bytes + spec.autograd_workspace_bytes
+        reserved = prof.peak_bytes + workspaces
+        card = card_breakdown(spec, reserved, prof.op_log, workspaces)
+        context = card.outside_allocator_bytes
+        notes.append("GPU target: the CPU trace's allocated bytes, plus the cuBLAS and autograd "
+                     "workspaces, the CUDA context and the kernels a step loads; CUDA's "
+                     "autocast kernels, the caching allocator's rounding and the collectives' "
+                     "stream-ordered frees are not modelled under sharding yet "
+                     "(memfit.api._sharded Note 2)")
+        notes += list(card.notes)
     return Estimate(
-        peak_bytes=prof.peak_bytes, reserved_bytes=prof.peak_bytes, context_bytes=0,
+        peak_bytes=prof.peak_bytes, reserved_bytes=reserved, context_bytes=context, card=card,
         host_peak_bytes=prof.host_peak_bytes, breakdown=prof.breakdown, timeline=prof.timeline,
         op_log=prof.op_log, timeline_by_category=prof.timeline_by_category, phases=prof.phases,
         modules=prof.modules, blocks=prof.blocks, fw_flops=prof.fw_flops,
