@@ -198,3 +198,23 @@ def test_cli_prints_the_setting(gpt2_config, capsys):
     assert "allocator setting: default + expandable_segments" in text
     assert "FITS on a budget" in text.split("with the plan")[1].split("allocator setting")[0]
     assert "the plain step fits under the allocator setting below" in text
+
+
+def test_the_planned_trace_every_front_draws_is_the_plans_bytes(mlp_case):
+    """Issue 27: the console printed the plan's device bytes (the allocator setting's saving
+    taken off), the report and the plot the chosen trace's under the default allocator. The
+    trace a plan carries (``Planned.chosen``) is the one under the chosen setting: its device
+    bytes and card are the plan's, which the trace's own replay under expandable segments gives."""
+    from memfit.api.plan import plan_traced
+    from memfit.report.plots import RESERVED_LEVEL_LABEL, before_after_figure
+
+    model, batch, run, plain, expandable = mlp_case
+    planned = plan_traced(model, batch, plain.device_bytes - 1, **run)
+    p, chosen = planned.plan, planned.chosen
+    assert p.allocator is not None and p.allocator["saved_bytes"] > 0
+    assert chosen.device_bytes == p.predicted_device_bytes == expandable.device_bytes
+    assert chosen.reserved_bytes == p.predicted_reserved_bytes
+    assert chosen.card.device_bytes == chosen.device_bytes
+    fig = before_after_figure(planned.plain, chosen, limit_bytes=p.budget_bytes)
+    level = [ln for ln in fig.axes[1].get_lines() if ln.get_label().startswith(RESERVED_LEVEL_LABEL)]
+    assert level and f"{memfit.format_bytes(p.predicted_device_bytes)};" in level[0].get_label()

@@ -28,6 +28,12 @@ it is a CUDA caching-allocator setting) and the Runner's notes say so.
 
 Note 4 (a caller's allocator). ``plan(..., allocator=AllocatorConfig(...))`` fixes the
 allocator: the traces model that configuration and nothing is chosen (``allocator`` stays None).
+
+Note 5 (one figure). The chosen trace a plan carries (``Planned.chosen``: what the report, the
+plot and ``--json`` draw) is the one under the chosen setting (``under_setting``): its
+reserved bytes and card are the default's less ``saved_bytes``, as the plan's predicted bytes
+are, so every front prints the same device bytes (they printed the default's, 392 MiB above
+the console's on the default job).
 """
 
 from __future__ import annotations
@@ -91,6 +97,16 @@ class AllocatorChoice:
         """The trace fits the budget under the default, or else under the best setting."""
         bytes_ = est.device_bytes + held
         return bytes_ <= budget or (self.free and bytes_ - self.saved(est) <= budget)
+
+    def under_setting(self, est):
+        """``est`` as the chosen setting reserves it: the saved bytes off its reservation and
+        its card's allocator line (Note 5), so a front printing it prints the plan's bytes."""
+        saved = self.saved(est)
+        if saved <= 0:
+            return est
+        card = None if est.card is None else \
+            dataclasses.replace(est.card, allocator_bytes=est.card.allocator_bytes - saved)
+        return dataclasses.replace(est, reserved_bytes=est.reserved_bytes - saved, card=card)
 
     def apply(self, plan, est):
         """``plan`` with the setting chosen on ``est`` (its verified trace) and its bytes."""

@@ -256,7 +256,8 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
             why = ["the plain step fits: nothing to change"] if q == user else []
             if q == user and p != user:
                 why.append(f"auto keeps {user}: the {p} step is predicted no faster here")
-            return Planned(_make_plan(ctx, choice, est, pair, why), plain, est)
+            return Planned(_make_plan(ctx, choice, est, pair, why), plain,
+                           ctx.alloc.under_setting(est))
 
     add_precisions()
     levers.add_low_bit()
@@ -282,7 +283,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                 f"the first {attempt} choice(s) re-traced over the budget; the search ran again "
                 f"{format_bytes(margins[choice.key] - held[q])} tighter"]
             return weigh(remat, Planned(_make_plan(ctx, choice, est, models[choice.key],
-                                                    reasons), plain, est))
+                                                    reasons), plain, ctx.alloc.under_setting(est)))
         short = est.device_bytes + held[q] - budget_bytes + _SLACK_BYTES
         failed[choice.key] = failed.get(choice.key, 0) + 1
         # a variant that missed twice is dropped, so the next attempts weigh the others
@@ -300,7 +301,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         return weigh(remat, Planned(_make_plan(ctx, floor_choice, floor_est,
                                                 models[floor_choice.key],
                                                 ["only the least-memory configuration fits"]),
-                                     plain, floor_est))
+                                     plain, ctx.alloc.under_setting(floor_est)))
     values = knob_values(floor_choice, models[floor_choice.key][0].blocks, k)
 
     def fits(part, replay=False) -> bool:   # the floor's configuration, shorter (_floor Note 4)
