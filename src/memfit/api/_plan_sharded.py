@@ -37,6 +37,9 @@ it), searched only where no layout without it fits unless ``fsdp_offload=True`` 
 plan's reasons). Not weighed: memfit's own optimizer-state offload, and ``reshard_after_forward`` as a
 group size (it may be fixed, not searched).
 
+Note 5 (every card). ``api._compare_gpus`` searches the same models for each GPU of the table,
+without the re-trace.
+
 Note 6 (FSDP2's mixed precision). Where the precision searched is bf16, every FSDP2 layout is
 weighed twice: with bf16 autocast (precision "bf16") and with FSDP2's own
 ``MixedPrecisionPolicy(bf16, reduce fp32)`` (``mp_policy="bf16"``, precision "fp32": no
@@ -45,9 +48,6 @@ autocast), whose unsharded parameters are half and whose all-gathers move half t
 the forward to the backward (``planner.sharding`` Note 4); under the policy it does not, so on
 large models the policy fits where autocast does not (Llama-2-7B, batch 8 x 2048, on 24 GB
 cards). ``mp_policy="bf16"`` given by the caller weighs it alone (FSDP2 only).
-
-Note 5 (every card). ``api._compare_gpus`` searches the same models for each GPU of the table,
-without the re-trace.
 """
 
 from __future__ import annotations

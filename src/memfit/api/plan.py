@@ -41,6 +41,12 @@ well under a second, with the same words (``BudgetTooSmall.floor_is_bound``). No
 ``floor=True`` (the caller asks for the traced floor, even where nothing fits) nor with
 ``remat=True`` (DTR's floor is its simulation's, Note 9).
 
+Note 6 (the optimizer implementation). With ``optimizer_impl`` unset and the optimizer given
+by name or factory, the planner may switch the implementation on a GPU target (optimizers
+Note 1): each other one the class supports and that may need less than CUDA's default
+foreach (fused, for-loop) is traced once, and the search weighs it like any other knob, before the optimizer
+state leaves the device. An optimizer instance keeps its own unless ``optimizer_impl`` is set.
+
 Note 7 (the user's step). With ``step=fn`` every trace above runs the user's step
 (``api._user_step`` Notes 1-4), the half-batch one on the first half of the batch. The step
 fixes its precision, micro-batch size, clipping and zero_grad, so the search keeps the whole
@@ -65,12 +71,6 @@ largest) and DTR taken where it is predicted faster (remat_choice Note 2). Where
 has the same shapes (or none are given) DTR is not weighed: on one batch the static search
 already spans what DTR does (whole-block recomputes, remat_choice Note 1), so a DTR advantage
 there would be the two models' disagreement, not a gain. ``remat=False`` never weighs it.
-
-Note 6 (the optimizer implementation). With ``optimizer_impl`` unset and the optimizer given
-by name or factory, the planner may switch the implementation on a GPU target (optimizers
-Note 1): each other one the class supports and that may need less than CUDA's default
-foreach (fused, for-loop) is traced once, and the search weighs it like any other knob, before the optimizer
-state leaves the device. An optimizer instance keeps its own unless ``optimizer_impl`` is set.
 """
 
 from __future__ import annotations

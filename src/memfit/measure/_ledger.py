@@ -8,16 +8,16 @@ lives (autograd's saved variables included), so the callback fires exactly when 
 released. Fake and meta storages behave the same way, which is what lets ``estimate`` and
 ``track`` share this one counter.
 
-Note 3 (real or fake). A ledger counts one kind of storage: a real run's (``fake=False``), or
-a trace's (``fake=True``: fake tensors, whose storages are ``meta`` ones). A trace run inside
-a real ``track`` (``estimate`` inside ``track(budget=...)``) holds no bytes, so the real
-ledger must not count it, and the trace's own ledger, nested inside, counts it alone.
-
 Note 2 (why an event log). Categories are only known late (a temporary becomes ``p.grad``; a
 state tensor is recognised after ``optimizer.step``), and tensors alive before the region may
 be discovered only when an op first reads them. So the ledger records events (+bytes at
 birth, -bytes at death) and resolves the timeline, the peak and the breakdown at the peak
 afterwards, with every storage's final category and entry storages counted from the start.
+
+Note 3 (real or fake). A ledger counts one kind of storage: a real run's (``fake=False``), or
+a trace's (``fake=True``: fake tensors, whose storages are ``meta`` ones). A trace run inside
+a real ``track`` (``estimate`` inside ``track(budget=...)``) holds no bytes, so the real
+ledger must not count it, and the trace's own ledger, nested inside, counts it alone.
 
 Note 4 (placement that the trace's device cannot show). A trace runs on the CPU, where host
 and device are one memory; what a GPU would hold elsewhere is told to the ledger. A storage

@@ -26,6 +26,13 @@ Note 4 (variants). ``models`` is keyed by ``(precision, optimizer_impl)``: one m
 model per precision and optimizer implementation (``None``: the optimizer as given). The
 implementation changes only the optimizer step (memory_model Note 7, time_model Note 6).
 
+Note 5 (the floor). ``floor_candidates`` gives the least-memory configuration the models find
+at each micro-batch size that can be least (Note 2: 1 and the whole batch), and beside each
+the same with one mode in every block it changes (all recomputed, or all offloaded; the
+blocks it keeps stay kept: e.g. the last block, whose backward follows its forward at once,
+so changing it saves nothing at the peak). The models can misjudge which is least, so the
+caller re-traces them all and takes the least traced.
+
 Note 6 (levers beyond the per-block modes). A key may be longer: ``(precision, impl,
 optimizer_state, offload_params)`` (``variant_key``), one model per low-bit optimizer state
 (memory_model Note 9) and per parameter offload (memory_model Note 10). A model says where its
@@ -47,13 +54,6 @@ speed or load; at the cap HiGHS's best incumbent is taken: it satisfies every co
 fits), and on the 8 slowest instances of ``compare_gpus`` for Llama-2-7B its time equalled the
 proven optimum in all 8 (at 200 nodes it was within 0.03%). Only where no incumbent exists at
 the cap does the solve run to the end.
-
-Note 5 (the floor). ``floor_candidates`` gives the least-memory configuration the models find
-at each micro-batch size that can be least (Note 2: 1 and the whole batch), and beside each
-the same with one mode in every block it changes (all recomputed, or all offloaded; the
-blocks it keeps stay kept: e.g. the last block, whose backward follows its forward at once,
-so changing it saves nothing at the peak). The models can misjudge which is least, so the
-caller re-traces them all and takes the least traced.
 """
 
 from __future__ import annotations

@@ -20,6 +20,24 @@ The additions are constants over a phase, on the safe side of FSDP2's real lifet
 buffers live only while it runs); the chosen candidate is re-traced with ``estimate_sharded``
 (``api._plan_sharded``), and that trace is the answer.
 
+Note 2 (the collectives' time). Over a ring of N ranks an all-gather or reduce-scatter of S
+bytes moves ``S (N-1)/N`` bytes through each rank's link, an all-reduce twice that. The link is
+the GPU's interconnect (``memfit._gpu_table.INTERCONNECT``: NVLink where the card has it, else
+PCIe peer-to-peer at the host-link rate, or through host memory at half of it for GeForce
+cards without peer-to-peer), at ``LINK_EFFICIENCY`` of its rate (NCCL's bus bandwidth on 8
+NVLink GPUs reaches ~75-80% of the link's one-direction rate). FSDP2 all-gathers every
+parameter in each micro-batch's forward, again in its backward when it resharded after
+forward, and reduce-scatters the gradients in each micro-batch's backward
+(``techniques.accumulation`` Note 3: no-sync would keep every gradient unsharded); DDP
+all-reduces the gradients once per effective batch, in buckets.
+
+Note 3 (overlap). FSDP2 prefetches one block ahead and runs its collectives on their own
+stream, so a phase costs the longer of its compute and its collectives, plus what cannot hide:
+the first all-gather of each forward and backward pass (nothing runs before it) and the last
+reduce-scatter (nothing runs after it). DDP's all-reduce overlaps the last micro-batch's
+backward, and its last bucket (``DDP_BUCKET_BYTES``) is paid in full. The optimizer steps on
+1/N of the state under FSDP2 (its time divided by N), on all of it under DDP.
+
 Note 4 (autocast under FSDP2). With bf16 autocast each block's unsharded fp32 parameters are
 cast in its forward, and autocast's cast cache keeps the bf16 copies until the forward's
 autocast region ends, so at the loss one bf16 copy of every block is alive on each rank
@@ -55,24 +73,6 @@ target (on the CPU host and device are one memory and offload moves nothing), an
 caller asks for it, only where no layout without it fits (``layout_tiers``): it needs the
 sharded state in host RAM (Llama-2-7B on 2 ranks: 63 GiB per rank), which memfit cannot see
 for the machine a plan is for, and its host optimizer step is slower.
-
-Note 2 (the collectives' time). Over a ring of N ranks an all-gather or reduce-scatter of S
-bytes moves ``S (N-1)/N`` bytes through each rank's link, an all-reduce twice that. The link is
-the GPU's interconnect (``memfit._gpu_table.INTERCONNECT``: NVLink where the card has it, else
-PCIe peer-to-peer at the host-link rate, or through host memory at half of it for GeForce
-cards without peer-to-peer), at ``LINK_EFFICIENCY`` of its rate (NCCL's bus bandwidth on 8
-NVLink GPUs reaches ~75-80% of the link's one-direction rate). FSDP2 all-gathers every
-parameter in each micro-batch's forward, again in its backward when it resharded after
-forward, and reduce-scatters the gradients in each micro-batch's backward
-(``techniques.accumulation`` Note 3: no-sync would keep every gradient unsharded); DDP
-all-reduces the gradients once per effective batch, in buckets.
-
-Note 3 (overlap). FSDP2 prefetches one block ahead and runs its collectives on their own
-stream, so a phase costs the longer of its compute and its collectives, plus what cannot hide:
-the first all-gather of each forward and backward pass (nothing runs before it) and the last
-reduce-scatter (nothing runs after it). DDP's all-reduce overlaps the last micro-batch's
-backward, and its last bucket (``DDP_BUCKET_BYTES``) is paid in full. The optimizer steps on
-1/N of the state under FSDP2 (its time divided by N), on all of it under DDP.
 """
 
 from __future__ import annotations

@@ -12,15 +12,15 @@ columns; a downsampled line drops a peak that lasts one op. The ops are cut into
 ``_BUCKETS`` runs and each run is drawn, as a step, at its highest op (with that op's split by
 category), so the drawn maximum is the true maximum, and the peak op is marked.
 
+Note 3 (markers and legend). Phases (forward / backward / optimizer) and the start of each
+micro-batch are vertical lines with labels; the legend sits outside the axes, right of them,
+so it covers no data.
+
 Note 4 (allocated, not only live). On a GPU target the verdict's allocated peak is the caching
 allocator's (512-byte rounding, unsplit blocks, cuBLAS workspaces), above the live tensor bytes.
 Given the trace's record (``report._capture``), the stack is the allocator replay op by op
 (``report._replay`` Note 1), whose maximum is ``est.peak_bytes``; without it, the live bytes,
 labelled so.
-
-Note 3 (markers and legend). Phases (forward / backward / optimizer) and the start of each
-micro-batch are vertical lines with labels; the legend sits outside the axes, right of them,
-so it covers no data.
 """
 
 from __future__ import annotations

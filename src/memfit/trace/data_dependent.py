@@ -19,15 +19,6 @@ carried through the step: where the real step's control flow or sizes depend on 
 trace reads the same data.
 Floating weights are the exception of Note 5.
 
-Note 3 (values made in the step). A factory op whose values are fixed by its arguments alone
-(``ones``, ``zeros``, ``full``, ``arange``, ``scalar_tensor`` and their ``_like`` / ``new_``
-forms) makes a known tensor, of any dtype, within the same size limit: Bart's decoder makes
-the all-ones mask it was not given (``torch.ones(batch, length)``) and transformers reads it
-(``trace.known_values``), as the real step does. Nothing with a symbolic size (a shared trace's
-batch, ``trace.symbolic``) is made known or mirrored: that would fix the size it stands for. Nor
-is a copy of a weight's shape (``zeros_like(param)``: optimizer state, gradients): the trace
-would hold a real copy of each for nothing.
-
 Note 2 (what is resolved). When the fake mode refuses an op for want of values, ``resolve``
 runs it on the real values and returns fakes of the real outputs' sizes, strides and dtypes
 (which are what the real kernel allocates, so the counter counts the real bytes), and links
@@ -36,6 +27,15 @@ them. ``masked_select`` needs only its mask known, boolean indexing only its boo
 returns the real number. Anything else unknown is left to fail as before. ``_ctc_loss.Tensor``
 (and its backward) is what the real kernel of that overload does: its lengths read back and the
 ``int[]`` overload called with them (``fake_kernels`` Note 1).
+
+Note 3 (values made in the step). A factory op whose values are fixed by its arguments alone
+(``ones``, ``zeros``, ``full``, ``arange``, ``scalar_tensor`` and their ``_like`` / ``new_``
+forms) makes a known tensor, of any dtype, within the same size limit: Bart's decoder makes
+the all-ones mask it was not given (``torch.ones(batch, length)``) and transformers reads it
+(``trace.known_values``), as the real step does. Nothing with a symbolic size (a shared trace's
+batch, ``trace.symbolic``) is made known or mirrored: that would fix the size it stands for. Nor
+is a copy of a weight's shape (``zeros_like(param)``: optimizer state, gradients): the trace
+would hold a real copy of each for nothing.
 
 Note 4 (draws, lifted values, in-place updates). Two more kinds of tensor have values the
 trace knows as well as the real step. A random draw (``rand``, ``randint``, ... and their

@@ -18,6 +18,13 @@ that already has a default group (inside ``torchrun``) cannot hold a second one:
 subprocess); c10d has one default group per process and swapping it in and out would leave
 the user's group's collectives half-registered.
 
+Note 2 (what the counter must see under FSDP2). DTensor's ``__tensor_flatten__`` lists its
+``device_mesh`` beside ``_local_tensor`` (the ledger's ``storages_of`` takes only inner
+tensors), and FSDP2 frees and re-allocates the unsharded parameters with
+``UntypedStorage.resize_``, which no dispatch mode sees (``memfit.measure._storage_resize``
+Note 1). Both are ``memfit.measure``'s, so a real run under ``track`` and a trace count the
+same bytes with nothing more to enter.
+
 Note 3 (DDP under the fake group). DDP's C++ reducer runs on fakes: it allocates its gradient
 buckets (fakes, counted) and copies each gradient into its bucket. Two things need a hand: its
 start-up check reads parameter values (``init_sync=False`` skips it and the broadcast, which
@@ -26,13 +33,6 @@ hold the reduced bucket, which ``FakeWork``'s holds None. ``trace_ddp_hook`` reg
 hook DDP's default amounts to -- divide the bucket by the world size in place, all-reduce it
 in place, a future done with the bucket itself -- so the step allocates what the default does
 (nothing beyond the bucket) and the reducer copies the bucket back into the gradients.
-
-Note 2 (what the counter must see under FSDP2). DTensor's ``__tensor_flatten__`` lists its
-``device_mesh`` beside ``_local_tensor`` (the ledger's ``storages_of`` takes only inner
-tensors), and FSDP2 frees and re-allocates the unsharded parameters with
-``UntypedStorage.resize_``, which no dispatch mode sees (``memfit.measure._storage_resize``
-Note 1). Both are ``memfit.measure``'s, so a real run under ``track`` and a trace count the
-same bytes with nothing more to enter.
 """
 
 from __future__ import annotations
