@@ -15,8 +15,8 @@ the same step in real 2- and 4-process gloo jobs and compare each rank's ``track
 (``tests/distributed``). For a GPU target the same CPU trace is returned as allocated bytes
 (``basis="cpu-trace"``, reserved = allocated + workspaces, Note 7): memfit's CUDA models
 (autocast kernels, the caching allocator's replay) are not applied under sharding yet, nor
-the collectives' stream ordering (on a GPU FSDP2 frees a buffer when the collective stream is done with it, not
-when Python drops it); a note says so. ``fsdp_offload`` is exact for a CPU target, where
+the collectives' stream ordering (on a GPU FSDP2 frees a buffer when the collective stream is
+done with it, not when Python drops it); a note says so. ``fsdp_offload`` is exact for a CPU target, where
 host and device are one memory and FSDP2's offload moves nothing; for a GPU target the trace
 is told what the GPU keeps on the host (the sharded parameters, gradients and optimizer state,
 ``host_peak_bytes``) and the device copies of the shards it makes before each all-gather
@@ -69,7 +69,7 @@ from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.techniques.sharding import Sharding
 from memfit.trace import FakeCopier, profile_step
-from memfit.trace.card import card_breakdown
+from memfit.trace.card import card_breakdown, step_workspace_bytes
 from memfit.trace.fsdp_offload import OffloadPlacement
 from memfit.trace.sharded import fake_process_group, trace_ddp_hook
 from memfit.units import parse_bytes
@@ -155,7 +155,7 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
     notes = [_describe(config, world_size, rank)]
     reserved, context, card = prof.peak_bytes, 0, None
     if spec.kind == "cuda":         # the card around the allocator, as for one device (Note 7)
-        workspaces = spec.cublas_workspace_bytes + spec.autograd_workspace_bytes
+        workspaces = step_workspace_bytes(spec)
         reserved = prof.peak_bytes + workspaces
         card = card_breakdown(spec, reserved, prof.op_log, workspaces)
         context = card.outside_allocator_bytes

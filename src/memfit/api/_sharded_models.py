@@ -20,6 +20,7 @@ from memfit.planner.sharding import Candidate, ShardedTime, shard_estimate, stat
 from memfit.planner.time_model import TimeModel
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
+from memfit.trace.card import step_workspace_bytes
 
 __all__ = ["Row", "fewest"]
 
@@ -77,7 +78,7 @@ def _card_bytes(spec) -> tuple[int, int]:
     """(bytes inside the allocator a step always adds, bytes outside it) for ``spec``."""
     if spec.kind != "cuda":
         return 0, 0
-    return spec.cublas_workspace_bytes + spec.autograd_workspace_bytes, spec.cuda_context_bytes
+    return step_workspace_bytes(spec), spec.cuda_context_bytes
 
 
 class _Models:

@@ -221,7 +221,8 @@ class _BnbStep:
 
 def _own_manager():
     """An empty ``GlobalOptimManager`` of this optimizer's own (Note 6)."""
-    mng = _bnb()[0].GlobalOptimManager.__new__(_bnb()[0].GlobalOptimManager)
+    manager = _bnb()[0].GlobalOptimManager
+    mng = manager.__new__(manager)          # its __init__ refuses: a singleton by design
     mng.initialize()
     return mng
 

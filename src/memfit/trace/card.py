@@ -83,6 +83,13 @@ class CardBreakdown:
                 "notes": list(self.notes)}
 
 
+def step_workspace_bytes(spec) -> int:
+    """The workspaces a step's first matmuls and backward allocate inside the caching allocator
+    on ``spec`` (cuBLAS with cuBLASLt's, autograd's); 0 off CUDA."""
+    return spec.cublas_workspace_bytes + spec.autograd_workspace_bytes \
+        if spec.kind == "cuda" else 0
+
+
 def ran_convolution(op_log) -> bool:
     """Whether a convolution ran in the traced step (Note 3)."""
     return any(op.startswith(("aten.convolution", "aten.cudnn_convolution")) for op in op_log)
