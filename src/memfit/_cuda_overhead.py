@@ -9,8 +9,8 @@ context is a few hundred MiB and grows as a step first runs its kernels (cuBLAS/
 PyTorch's elementwise, reduction and optimizer kernels). None of it shows in
 ``torch.cuda.memory_reserved``; all of it shows in ``nvidia-smi``. The cuBLAS/cuBLASLt
 *workspaces* are not here: PyTorch allocates them through the caching allocator (one per
-handle and stream; a training step runs on one stream), so they are inside reserved bytes
-(devices Note 4).
+handle and stream; a training step runs on one stream, and autograd's backward thread has a
+handle of its own), so they are inside reserved bytes (``DeviceSpec.cublas_workspace_bytes``).
 
 Note 2 (the figures). Each figure is one public measurement, named with its URL in ``source``.
 ``context_figure`` picks the one measured on the same architecture and CUDA major version under

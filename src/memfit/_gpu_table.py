@@ -1,11 +1,12 @@
 """The GPU table's rows: what each card's datasheet says, with the source in a comment.
 
-Plain data (no imports from memfit), built into ``DeviceSpec``s by ``memfit.devices``, whose notes
-say what each column means: ``mem`` in GiB as sold (devices Note 1), ``usable`` the MiB torch
+Plain data (no imports from memfit), built into ``DeviceSpec``s by ``memfit.devices``. The
+columns: ``mem`` the memory as sold, NVIDIA's "GB" read as GiB; ``usable`` the MiB torch
 reports as ``total_memory`` where a public log gives it, else None (then ``smi``, the nvidia-smi
-total in MiB where known, else ``mem``, less devices' ``_DRIVER_RESERVE_FRACTION``), ``fp32`` /
-``fp16`` / ``bf16`` in FLOP/s (dense, devices Note 2), ``bw`` in B/s, ``link`` one of "pcie3",
-"pcie4", "pcie4x8", "pcie5", "c2c" (devices Note 3), ``cc`` the compute capability.
+total in MiB where known, else ``mem``, less devices' ``_DRIVER_RESERVE_FRACTION``); ``fp32`` /
+``fp16`` / ``bf16`` in FLOP/s, dense (a datasheet's 2:4 sparse rate halved), fp32 accumulate;
+``bw`` in B/s; ``link`` the host link, one of "pcie3", "pcie4", "pcie4x8", "pcie5", "c2c"; ``cc``
+the compute capability.
 Oldest first within each group; the first group is the original table.
 """
 
@@ -61,7 +62,7 @@ ROWS = (
     # CUDA total 81,082-81,090 MiB.
     dict(name="h100-80gb", display="NVIDIA H100 80GB HBM3", mem=80, usable=81_089,
          fp32=67e12, fp16=1979e12 / 2, bf16=1979e12 / 2, bw=3.35e12, link="pcie5", cc=(9, 0)),
-    # NVIDIA H200 datasheet, SXM: 141 GB HBM3e (read as GiB, devices Note 1), 4.8 TB/s, 67 TFLOPS
+    # NVIDIA H200 datasheet, SXM: 141 GB HBM3e (read as GiB), 4.8 TB/s, 67 TFLOPS
     # fp32, 1979 TFLOPS fp16/bf16 with sparsity. CUDA total 143,156 MiB (139.8 GiB).
     dict(name="h200", display="NVIDIA H200", mem=141, usable=143_156,
          fp32=67e12, fp16=1979e12 / 2, bf16=1979e12 / 2, bw=4.8e12, link="pcie5", cc=(9, 0)),
@@ -180,10 +181,10 @@ ALIASES = {
     "l40s-48gb": "l40s", "gh200-96gb": "gh200", "b200-180gb": "b200",
 }
 
-# GPU-to-GPU links for collectives (planner.sharding Note 2): card -> (link, one-direction B/s
+# GPU-to-GPU links for the sharding planner's collectives: card -> (link, one-direction B/s
 # per GPU, the raw rate; the planner applies its own efficiency). Cards not listed talk over
-# PCIe peer-to-peer at their host-link rate (devices Note 3). NVLink totals are NVIDIA's
-# datasheet figures (both directions summed), halved:
+# PCIe peer-to-peer at their host-link rate (a realistic pinned copy rate, not the raw one).
+# NVLink totals are NVIDIA's datasheet figures (both directions summed), halved:
 INTERCONNECT = {
     # Tesla V100 datasheet: SXM2 NVLink 300 GB/s
     "v100-16gb": ("NVLink 2 (SXM2)", 150e9), "v100-32gb": ("NVLink 2 (SXM2)", 150e9),

@@ -8,7 +8,8 @@ those temporaries are invisible to a dispatch mode (``track``'s counter, the fak
 not to the allocator. ``CpuKernels`` (a ``TorchFunctionMode``) calls that same registered
 function as Python instead of the op, on CPU tensors only: the same ops and numbers, every
 temporary one a counter sees. ``track`` enters it over a real run (a user's own bitsandbytes
-optimizer), the low-bit technique around its own step (``low_bit_optimizer`` Note 5).
+optimizer), the low-bit technique around its own step (its CPU step runs bitsandbytes'
+registered kernel; on CUDA the op allocates nothing).
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """Buffers a collective's kernel makes and keeps: counted where they are born.
 
-Note 1 (what the counting mode cannot see). A ``TorchDispatchMode`` sees an op, not the aten
-calls inside its kernel (``_counting`` Note 1): those are below the mode, which is off while
-its handler runs. A kernel's scratch that dies inside it is rightly not counted, but a c10d
-collective's may outlive the op: gloo's ``_reduce_scatter_base_`` clones its whole input
-(the unsharded gradients of an FSDP2 group) and keeps the clone in its ``Work`` until
-``wait()`` splits it into the output. The counting mode first saw that clone when ``wait``
-read it, and took it for a storage alive since the region began: ``track`` around a step of
-a model sharded with ``fully_shard`` on gloo counted every group's clone from the region's
-start, together the size of the unsharded gradients (on 2 ranks as large as AdamW's state:
-+2,958,816 B per rank on a 6-layer decoder, as "inputs").
+Note 1 (what the counting mode cannot see). A ``TorchDispatchMode`` sees an op, not the aten calls
+inside its kernel: those are below the mode, which is off while its handler runs. A kernel's scratch
+that dies inside it is rightly not counted, but a c10d collective's may outlive the op: gloo's
+``_reduce_scatter_base_`` clones its whole input (the unsharded gradients of an FSDP2 group) and
+keeps the clone in its ``Work`` until ``wait()`` splits it into the output. The counting mode first
+saw that clone when ``wait`` read it, and took it for a storage alive since the region began:
+``track`` around a step of a model sharded with ``fully_shard`` on gloo counted every group's clone
+from the region's start, together the size of the unsharded gradients (on 2 ranks as large as
+AdamW's state: +2,958,816 B per rank on a 6-layer decoder, as "inputs").
 
 Note 2 (how they are seen). ``births`` runs a c10d op's backend kernel (``redispatch`` to its
 CPU or CUDA key, below the Python key) under ``_Births``, a mode that only notes the storages

@@ -1,9 +1,10 @@
 """The counting dispatch mode behind ``memfit.track``, and memfit's host-memory marker.
 
-Note 1 (op boundaries). A ``TorchDispatchMode`` sees every aten op after autograd and
-composite decomposition. After each op the storages it returned are counted; storages die
-through the ledger's weak references (see ``_ledger`` Note 1). Bytes a kernel allocates and
-frees inside itself are not visible at op boundaries and are not counted, on any device.
+Note 1 (op boundaries). A ``TorchDispatchMode`` sees every aten op after autograd and composite
+decomposition. After each op the storages it returned are counted; storages die through the ledger's
+weak references to their ``UntypedStorage`` objects (PyTorch keeps that object for as long as the
+C++ storage lives). Bytes a kernel allocates and frees inside itself are not visible at op
+boundaries and are not counted, on any device.
 
 Note 2 (budgets). With a budget, an op whose new storages would take the live bytes past it
 has no effect: its outputs are dropped before anyone sees them, a random op's generator state
@@ -15,7 +16,7 @@ Note 3 (a trace inside a real run). Ops on fake tensors reach a real run's mode 
 runs inside ``track`` (``estimate``'s model copy, ops outside its fake mode). They hold no
 bytes, run no kernel and are not the tracked program's: a real tracker lets them through
 uncounted (no bytes, no op, no FLOPs, no budget), and the trace's own tracker, nested inside,
-counts them (``_ledger`` Note 3).
+counts them (a ledger counts real storages or fake ones, never both).
 
 Note 4 (memfit's host memory born before a region). ``host_allocations`` marks storages born
 inside a tracked region. Host memory memfit made before it (an offloaded optimizer's twins,
@@ -118,7 +119,7 @@ class CountingMode(TorchDispatchMode):
         t.last_op = func
         if t.budget_bytes is None:
             try:
-                out, kept = births(func, args, kwargs)        # _collectives Note 2
+                out, kept = births(func, args, kwargs)   # with the buffers its kernel keeps
             except Exception as e:
                 t.note_failure(e, func)
                 raise
@@ -131,7 +132,7 @@ class CountingMode(TorchDispatchMode):
 
     def _count(self, func, args, kwargs, out, kept=()):
         """``kept``: storages the op's kernel made and kept apart from its outputs (a
-        collective's buffers, ``_collectives`` Note 2): born here too."""
+        collective's buffers, which ``_collectives.births`` notes): born here too."""
         t = self.t
         ledger = t.ledger
         new, resized = [], []

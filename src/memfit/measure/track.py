@@ -1,20 +1,23 @@
 """``memfit.track``: exact accounting of a real (or fake) run, op by op.
 
-How ops are counted and budgets enforced: ``_counting`` Notes 1 and 2.
+Ops are counted at op boundaries by ``_counting.CountingMode`` (a dispatch mode: bytes a
+kernel frees inside itself are not seen); with a budget, an op that would pass it has no effect
+and ``memfit.OutOfMemory`` is raised (docs/measurement.md).
 
-Note 3 (categories). params and buffers of ``model``; grads (``p.grad``, seen by
+Note 1 (categories). params and buffers of ``model``; grads (``p.grad``, seen by
 post-accumulate hooks and at exit); optimizer (state tensors and master weights of
 ``optimizer``); inputs (storages alive before the region that are not model or optimizer
 state, found when an op first reads them); activations (saved for backward); temporaries
 (everything else born in the region). Buffers count as "other".
 
-Note 4 (nested trackers, and what a tracker keeps). A tracker counts a real run, or
+Note 2 (nested trackers, and what a tracker keeps). A tracker counts a real run, or
 (``fake=True``, ``trace.profile``) a trace on fake tensors; a trace run inside a real region
-(``estimate`` inside ``track``) is counted by its own tracker only (``_counting`` Note 3).
+(``estimate`` inside ``track``) is counted by its own tracker only: the real one lets its fake
+ops through uncounted.
 ``active_tracker`` is the innermost region, so a traced step reads its own live bytes. After
 its block a tracker keeps its figures and nothing it was given: the model, the optimizer and
-the host tensors are dropped at exit, and its hooks are removed (``_modules`` Note 1), so a
-kept ``Tracker`` keeps no tensor alive.
+the host tensors are dropped at exit, and its hooks are removed (``_modules.ModuleWatch``
+removes each autograd hook it registers), so a kept ``Tracker`` keeps no tensor alive.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class Tracker:
         self.optimizer = optimizer
         self.budget_bytes = None if budget is None else parse_bytes(budget)
         self.device_type = _device_type(model, device)
-        self.fake = fake      # a trace: count fake tensors (only them), Note 4
+        self.fake = fake      # a trace: count fake tensors (only them), Note 2
         self.ledger = Ledger(self.device_type, fake=fake)
         self.watch = ModuleWatch(model, self._module_enter, self._module_exit)
         self.ops = 0
@@ -81,7 +84,7 @@ class Tracker:
         self._windows: list[tuple[str, str, int, int]] = []   # name, phase, start, end event
         self._open: dict[tuple[str, str], list[int]] = {}
         self._host_tensors = list(host_tensors)   # counted as host memory, not device
-        self.host_before: set[int] = set()        # _counting Note 4
+        self.host_before: set[int] = set()        # memfit's host memory from before the region
         self._window_event = 0                    # the peak is taken from this event on
         self._window_op = 0
         self._stack = contextlib.ExitStack()
@@ -94,7 +97,8 @@ class Tracker:
         host_of = getattr(self.optimizer, "host_tensors", None)   # e.g. an offloaded optimizer
         if callable(host_of):
             self._host_tensors += list(host_of())
-        # memfit's host memory born before the region, host at its first read (_counting Note 4)
+        # memfit's host memory born before the region, host at its first read (its owners
+        # register themselves, ``register_host_owner``)
         self.host_before = {st._cdata for t in registered_host_tensors(self.fake)
                             for st in self.ledger.storages(t)}
         for t in self._host_tensors:
@@ -111,8 +115,8 @@ class Tracker:
             s.callback(self._remove_hooks, self._add_hooks())
             s.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
             s.enter_context(CountingMode(self))
-            s.enter_context(resizes_counted(_running))          # _storage_resize Note 1
-            if not self.fake:       # a real run's bitsandbytes CPU kernels (_bnb_kernels Note 1)
+            s.enter_context(resizes_counted(_running))   # storage.resize_ is no aten op
+            if not self.fake:       # a real run's bitsandbytes CPU kernels, run as Python
                 s.enter_context(cpu_kernels())
         except BaseException:
             s.close()
@@ -131,7 +135,7 @@ class Tracker:
             self.cuda_max_allocated_bytes = torch.cuda.max_memory_allocated()
             self.cuda_max_reserved_bytes = torch.cuda.max_memory_reserved()
         self._finish_modules()
-        self.model = self.optimizer = None        # Note 4: the figures stay, the objects go
+        self.model = self.optimizer = None        # Note 2: the figures stay, the objects go
         self._host_tensors = []
         self.host_before = set()
         return False
@@ -309,13 +313,14 @@ class Tracker:
                     rec.bw_span = span
                 if span:
                     rec.bw_spans.append(span)
-        for rec in self.watch.records.values():            # _modules Note 3
+        for rec in self.watch.records.values():   # one span per call of a module run twice
             rec.fw_spans.sort()
             rec.bw_spans.sort()
 
     @contextlib.contextmanager
     def undo_on_oom(self, func, args):
-        """Run one op so that, if it raises ``OutOfMemory``, it leaves no trace (Note 2)."""
+        """Run one op so that, if it raises ``OutOfMemory``, it leaves no trace: its outputs
+        dropped, a random op's generator and the inputs it wrote restored."""
         rng = torch.get_rng_state() if torch.Tag.nondeterministic_seeded in func.tags else None
         written = written_args(func, args) if allocates_and_writes(func) else []
         backup = [w.detach().clone() for w in written]

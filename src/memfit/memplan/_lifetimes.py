@@ -90,7 +90,7 @@ def storage_log(tracker) -> StorageLog:
     end = ledger.num_events
     nbytes, cat, birth, death = [], [], [], []
     current: dict[int, int] = {}               # storage id -> its live version
-    categories = ledger.categories()             # final category per storage id (_ledger Note 2)
+    categories = ledger.categories()             # final category per storage id (known late)
 
     def born(sid: int, size: int, ev: int) -> None:
         current[sid] = len(nbytes)

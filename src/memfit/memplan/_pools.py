@@ -1,6 +1,6 @@
 """Lifetime classes, and what separate allocator pools and expandable segments would reserve.
 
-Note 1 (classes). By category (``measure`` Note 3): "run" (parameters, optimizer state,
+Note 1 (classes). By ``track``'s category: "run" (parameters, optimizer state,
 buffers: alive the whole run), "step" (gradients and the batch: a step), "saved" (activations
 saved for backward: forward to backward), "short" (temporaries: a few ops).
 
@@ -176,7 +176,8 @@ def _totals(pools: dict[str, CachingAllocator]) -> tuple[int, int]:
 
 
 def workspaces(estimate) -> list[int]:
-    """The cuBLAS workspaces a GPU estimate counts in the allocator (``trace.cuda`` Note 1)."""
+    """The cuBLAS workspaces a GPU estimate counts in the allocator (its CUDA model allocates
+    them at the first matmul of each thread, and keeps them)."""
     if getattr(estimate, "basis", "cpu-trace") != "cuda-model":
         return []
     return [b for b in (estimate.device.cublas_workspace_bytes,

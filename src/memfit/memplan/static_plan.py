@@ -6,19 +6,19 @@ the lower bound is the estimate's allocated peak and the arena is comparable wit
 bytes. A CPU estimate plans the storages' own bytes (``align_bytes=1``), so the lower bound is
 the peak ``track`` measures.
 
-Note 2 (what is planned). The counted step's window (``_lifetimes`` Note 2), as a line: a
-storage alive at the window's start is placed from point -1, one alive at its end to the last
-point. A replay of many steps would also need the storages alive at the end (the new
-gradients) to sit where the next step's entry storages are; that cyclic constraint is not
-imposed here (the gradients are the only such storages of the canonical step).
+Note 2 (what is planned). The counted step's window (its op points, ``_lifetimes``), as a line: a
+storage alive at the window's start is placed from point -1, one alive at its end to the last point.
+A replay of many steps would also need the storages alive at the end (the new gradients) to sit
+where the next step's entry storages are; that cyclic constraint is not imposed here (the gradients
+are the only such storages of the canonical step).
 
-Note 3 (figures). ``lower_bound_bytes`` is the peak of live bytes at op points; no layout beats
-it. ``arena_bytes`` is the best of the greedy planners (``_greedy`` Notes 3, 4) and, for a step
-of at most ``exact_max_storages`` storages to plan where the greedy layouts miss the lower
-bound, HiGHS's exact layout (``_exact``). ``reserved_bytes`` is what the caching allocator would
-reserve at its peak for the same storages (the estimate's own figure on a GPU, the model's
-replay for a CPU one, ``_pools``). The arena is what a static plan would need; ``reserved -
-arena`` is the fragmentation it removes.
+Note 3 (figures). ``lower_bound_bytes`` is the peak of live bytes at op points; no layout beats it.
+``arena_bytes`` is the best of the greedy planners (``_greedy``: by size, TFLite's; by lifetime,
+tinygrad's) and, for a step of at most ``exact_max_storages`` storages to plan where the greedy
+layouts miss the lower bound, HiGHS's exact layout (``_exact``). ``reserved_bytes`` is what the
+caching allocator would reserve at its peak for the same storages (the estimate's own figure on a
+GPU, the model's replay for a CPU one, ``_pools``). The arena is what a static plan would need;
+``reserved - arena`` is the fragmentation it removes.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def plan_lifetimes(sizes: np.ndarray, first: np.ndarray, last: np.ndarray, num_o
                    exact_max_storages: int = 40, time_limit_s: float = 10.0):
     """Offsets for storages ``sizes`` live at ``first..last``: (offsets, method, by-size arena,
     by-lifetime arena, exact result or None, lower bound). Storages alive throughout are
-    stacked at the bottom (``_greedy`` Note 2)."""
+    stacked at the bottom: the optimum is their sum plus the rest's, exactly."""
     lower = int(_live(sizes, first, last, num_ops).max()) if len(sizes) else 0
     pin = pinned_mask(first, last, num_ops)
     pin_idx, rest = np.flatnonzero(pin), np.flatnonzero(~pin)
