@@ -1,4 +1,4 @@
-"""The caching allocator model's sizes and block bookkeeping (``allocator`` Notes 1, 2, 5).
+"""The caching allocator model's sizes and block bookkeeping (``allocator.CachingAllocator``).
 
 Sizes are PyTorch's constants (c10/cuda/CUDACachingAllocator.cpp); blocks are the C++
 ``Block``s of a segment, doubly linked by address, kept free in sorted sets per pool.
@@ -17,12 +17,13 @@ K_SMALL_BUFFER = 2 * MiB  # kSmallBuffer: small-pool segment and expandable page
 K_LARGE_BUFFER = 20 * MiB  # kLargeBuffer: segment for 1-10 MiB requests, large expandable page
 K_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
 K_ROUND_LARGE = 2 * MiB  # kRoundLarge
-_ADDRESS_SPACE_BYTES = 1 << 40  # virtual range of one expandable segment (Note 6)
+_ADDRESS_SPACE_BYTES = 1 << 40  # virtual range of one expandable segment (not 1.125 x memory)
 _UNLIMITED = 1 << 62
 
 
 def round_size(nbytes: int) -> int:
-    """Bytes a request of ``nbytes`` occupies in a block (allocator Note 1); 0 stays 0 (Note 6)."""
+    """Bytes a request of ``nbytes`` occupies in a block: rounded up to ``kMinBlockSize`` (512 B);
+    0 stays 0 (a 0-byte request takes no memory)."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     return -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
@@ -44,7 +45,8 @@ def _round_up(n: int, unit: int) -> int:
 
 @dataclass(eq=False)
 class _Segment:
-    """An expandable segment: a virtual range mapped in pages (allocator Note 5)."""
+    """An expandable segment: a virtual range mapped in pages on demand (2 MiB pages in the
+    small pool, 20 MiB in the large one)."""
 
     base: int
     page_bytes: int

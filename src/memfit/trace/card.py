@@ -5,9 +5,8 @@ figure, ``Estimate.device_bytes``) is the caching allocator's reserved bytes plu
 outside it: the CUDA context with the kernels the step loaded, cuDNN's kernels when a convolution
 ran, NCCL's buffers under ``torch.distributed``. The reserved bytes are split into the cuBLAS /
 cuBLASLt workspaces (allocated through the allocator at the first matmuls, one per handle and
-stream, and handles are per thread: the calling thread's and autograd's device thread's,
-devices Note 4) and the rest. ``lines`` adds up to
-``device_bytes`` exactly, by construction (a test holds it).
+stream, and handles are per thread: the calling thread's and autograd's device thread's) and the
+rest. ``lines`` adds up to ``device_bytes`` exactly, by construction (a test holds it).
 
 Note 2 (the card). The card's total as NVML reports it (``nvml_total_bytes`` where a public
 nvidia-smi total is known, else ``memory_bytes``; ECC check bits are already outside NVML's
@@ -22,7 +21,8 @@ Note 3 (convolutions). The trace knows whether a convolution ran (an ``aten.conv
 ``aten.convolution_backward`` in its op log): only then is cuDNN's figure added.
 
 Note 4 (NCCL). memfit estimates one process (no sharding knob yet): the NCCL line is 0, kept so
-that its place is visible (``memfit._cuda_overhead`` Note 5 has the measured figures).
+that its place is visible (``memfit._cuda_overhead`` holds the measured figures of each NCCL
+communicator's buffers).
 """
 
 from __future__ import annotations

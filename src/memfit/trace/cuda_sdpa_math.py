@@ -1,4 +1,4 @@
-"""True values of the fused attention kernels on real CPU tensors (``cuda_sdpa`` Note 5).
+"""True values of the fused attention kernels on real CPU tensors (for ``cuda_sdpa``'s ops).
 
 Under a fake trace only the sizes of ``memfit::sdpa_fwd`` / ``sdpa_bwd``'s outputs matter; on
 real CPU tensors the same buffers are filled with what the kernels compute, in fp32 (softmax

@@ -26,7 +26,7 @@ them. ``masked_select`` needs only its mask known, boolean indexing only its boo
 (they are replaced by their ``nonzero`` columns, as the real ``index`` kernel does), ``.item()``
 returns the real number. Anything else unknown is left to fail as before. ``_ctc_loss.Tensor``
 (and its backward) is what the real kernel of that overload does: its lengths read back and the
-``int[]`` overload called with them (``fake_kernels`` Note 1).
+``int[]`` overload called with them (its fake kernel is in ``fake_kernels``).
 
 Note 3 (values made in the step). A factory op whose values are fixed by its arguments alone
 (``ones``, ``zeros``, ``full``, ``arange``, ``scalar_tensor`` and their ``_like`` / ``new_``
@@ -37,16 +37,16 @@ batch, ``trace.symbolic``) is made known or mirrored: that would fix the size it
 is a copy of a weight's shape (``zeros_like(param)``: optimizer state, gradients): the trace
 would hold a real copy of each for nothing.
 
-Note 4 (draws, lifted values, in-place updates). Two more kinds of tensor have values the
-trace knows as well as the real step. A random draw (``rand``, ``randint``, ... and their
-``_like`` forms) that is data or a scalar is drawn from torch's real CPU generator, as the real
-op draws it, within Note 3's size limit (a float noise tensor stays fake): LayerDrop's ``torch.rand([])`` takes the branch that draw gives (``trace.profile``
-Note 3 restores the generator after the trace). A real tensor lifted into the trace
-(``torch.tensor(...)``, ``torch.as_tensor``: ``lift_fresh``) is known by its values (an
-optimizer's learning rate, a SpecAugment mask drawn with numpy). And an in-place op whose
-inputs are all known, and which writes no view, is run on copies of the real values written,
-which are then linked (an optimizer's step count ``+= 1``, ASGD's ``mu.copy_(...)``): the real
-values the trace was given are never written.
+Note 4 (draws, lifted values, in-place updates). Two more kinds of tensor have values the trace
+knows as well as the real step. A random draw (``rand``, ``randint``, ... and their ``_like`` forms)
+that is data or a scalar is drawn from torch's real CPU generator, as the real op draws it, within
+Note 3's size limit (a float noise tensor stays fake): LayerDrop's ``torch.rand([])`` takes the
+branch that draw gives (the trace restores the generator after it, ``trace.profile``). A real tensor
+lifted into the trace (``torch.tensor(...)``, ``torch.as_tensor``: ``lift_fresh``) is known by its
+values (an optimizer's learning rate, a SpecAugment mask drawn with numpy). And an in-place op whose
+inputs are all known, and which writes no view, is run on copies of the real values written, which
+are then linked (an optimizer's step count ``+= 1``, ASGD's ``mu.copy_(...)``): the real values the
+trace was given are never written.
 
 Note 5 (the weights as given). A real model's parameters and buffers keep their real values too
 (``link_weight``), for scalar reads only: an op with a weight among its known inputs is mirrored
@@ -263,7 +263,8 @@ class DataValues:
 
     def _ctc(self, func, args, kwargs):
         """``_ctc_loss.Tensor`` / ``_ctc_loss_backward.Tensor`` as their real kernels run them: the
-        lengths read back, the ``int[]`` overload called (Note 2; ``fake_kernels`` Note 1)."""
+        lengths read back, the ``int[]`` overload called, whose fake kernel ``fake_kernels``
+        registers (Note 2)."""
         names = [a.name for a in func._schema.arguments]
         bound = dict(zip(names, args)) | kwargs
         for name in ("input_lengths", "target_lengths"):

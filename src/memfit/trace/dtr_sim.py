@@ -9,13 +9,13 @@ heuristic: forward FLOPs / (evictable bytes x staleness in ops since the forward
 candidate is a block whose forward has ended and whose backward has not begun; the first op of
 its backward brings its bytes back and costs its forward FLOPs again (the recompute).
 
-Note 2 (what it leaves out). A block's evictable bytes are what it saved minus its inputs,
-which the runtime keeps to recompute from (a checkpoint's view). The runtime also drops an input
-whose producer is evicted too (remat Note 3) and so reaches lower at tight budgets, at the price
-of chained recomputes; the simulation models neither that chain nor the transient bytes of a
-recompute, nor saves outside blocks (never evicted). Where evictions do not chain (moderate
-budgets) it predicts the runtime's evictions and recompute FLOPs exactly (a test holds it to
-that); at the tightest budgets it is an estimate, each way.
+Note 2 (what it leaves out). A block's evictable bytes are what it saved minus its inputs, which the
+runtime keeps to recompute from (a checkpoint's view). The runtime also drops an input whose
+producer is evicted too (recomputing it then reruns the producer) and so reaches lower at tight
+budgets, at the price of chained recomputes; the simulation models neither that chain nor the
+transient bytes of a recompute, nor saves outside blocks (never evicted). Where evictions do not
+chain (moderate budgets) it predicts the runtime's evictions and recompute FLOPs exactly (a test
+holds it to that); at the tightest budgets it is an estimate, each way.
 
 Note 3 (the floor). Eviction only removes bytes until the block's backward, so a budget is
 reachable exactly when, at every op, the plain live bytes minus every candidate's evictable

@@ -6,7 +6,7 @@ tied parameters stay tied (one object, one fake), hooks and config come along, a
 tensor data is duplicated. Real tensors become fakes with ``from_tensor`` (storage size and
 sharing kept); ``meta`` tensors become fakes on ``device`` with the same shape and strides.
 The real values of the model's parameters and buffers are kept for the scalar reads an
-optimizer makes of them (``data_dependent`` Note 5).
+optimizer makes of them (``DataValues.link_weight``: scalar reads only, never written).
 
 Note 2 (a deep copy inside the step). A user's step may deep-copy the model it is handed
 (``torch.optim.swa_utils.AveragedModel``, an EMA or teacher made with ``copy.deepcopy``).
@@ -44,7 +44,7 @@ class FakeCopier:
         self.mode = FakeTensorMode(allow_non_fake_inputs=False)
         self._memo: dict[int, torch.Tensor] = {}
         # the real values of the integer/bool tensors faked (ids, labels, masks), for the
-        # data-dependent ops of a trace (memfit.trace.data_dependent Note 1)
+        # data-dependent ops of a trace, which ``DataValues`` resolves from them
         self.data = DataValues()
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:

@@ -6,19 +6,19 @@ allocates (size, strides, dtype), read from its source, so the counter counts th
 Scratch that a kernel frees before it returns is not an output and is not counted: the trace
 counts live bytes at op boundaries, like ``memfit.track``.
 
-Note 1 (CTC loss). ``F.ctc_loss`` reaches ``aten._ctc_loss`` (Wav2Vec2, HuBERT, ...'s CTC heads).
-On plain tensors ``ctc_loss`` reads the lengths back and calls the ``int[]`` overload; on a
-tensor subclass (a fake, or any tensor under a dispatch mode) it calls ``_ctc_loss.Tensor``,
-whose kernel does the same read (``ctc_loss_tensor`` in aten/src/ATen/native/LossCTC.cpp). The
-``int[]`` overloads are given fake kernels here; the ``.Tensor`` ones are resolved from the
-lengths' real values by ``data_dependent.DataValues`` (its Note 2), and refused as data-dependent
-where those values are unknown. ``ctc_loss_allocate_outputs`` (CPU) and ``ctc_loss_gpu_template``
-(aten/src/ATen/native/cuda/LossCTC.cu) both return ``neg_log_likelihood`` (batch,) and
-``log_alpha`` (batch, T, 2 * max(target_lengths) + 1), contiguous, in the dtype of ``log_probs``;
-both backwards return ``grad = full_like(log_probs, -inf, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``, a
-contiguous (T, batch, classes) tensor whatever the strides of ``log_probs`` (``log_beta``, the
-size of ``log_alpha``, is scratch freed inside the op). An unbatched (T, classes) input was
-unsqueezed to a batch of one before the op.
+Note 1 (CTC loss). ``F.ctc_loss`` reaches ``aten._ctc_loss`` (Wav2Vec2, HuBERT, ...'s CTC heads). On
+plain tensors ``ctc_loss`` reads the lengths back and calls the ``int[]`` overload; on a tensor
+subclass (a fake, or any tensor under a dispatch mode) it calls ``_ctc_loss.Tensor``, whose kernel
+does the same read (``ctc_loss_tensor`` in aten/src/ATen/native/LossCTC.cpp). The ``int[]``
+overloads are given fake kernels here; the ``.Tensor`` ones are resolved from the lengths' real
+values by ``data_dependent.DataValues`` (it runs them on the real lengths), and refused as
+data-dependent where those values are unknown. ``ctc_loss_allocate_outputs`` (CPU) and
+``ctc_loss_gpu_template`` (aten/src/ATen/native/cuda/LossCTC.cu) both return ``neg_log_likelihood``
+(batch,) and ``log_alpha`` (batch, T, 2 * max(target_lengths) + 1), contiguous, in the dtype of
+``log_probs``; both backwards return ``grad = full_like(log_probs, -inf,
+LEGACY_CONTIGUOUS_MEMORY_FORMAT)``, a contiguous (T, batch, classes) tensor whatever the strides of
+``log_probs`` (``log_beta``, the size of ``log_alpha``, is scratch freed inside the op). An
+unbatched (T, classes) input was unsqueezed to a batch of one before the op.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ the gradients are then copied out of to the host (``foreach_reduce``).
 Note 2 (why the CPU trace needs telling). On a CPU target those moves are no-ops
 (``tensor.to("cpu")`` of a CPU tensor is itself, never dispatched), so the trace sees the host
 shards read in place and the reduce-scatter output become the gradient; for the CPU that is
-exact. For a GPU target ``OffloadPlacement`` tells the ledger what a GPU does (``_ledger``
-Note 4), with nothing taken from FSDP2's internals but its public behaviour:
+exact. For a GPU target ``OffloadPlacement`` tells the ledger what a GPU does (its
+``set_host`` / ``move_to_host`` / ``transient`` events), with nothing taken from FSDP2's
+internals but its public behaviour:
   - at the counted step's start, the parameters, their gradients (the previous step's) and the
     optimizer state are host memory (``host_tensors``, read by the tracker at its start);
   - each parameter's post-accumulate-grad hook (FSDP2 calls them right after it sets the

@@ -10,17 +10,17 @@ because a compiler's fake has no values to read. Under memfit's trace every such
 traced branch: the 4-D mask was built (a B x 1 x L x L tensor, and SDPA ran with it) where the
 real step builds none. Bart's decoder, and OPT under a user's step, counted those bytes too many.
 
-Note 2 (the answer). A fake whose real values the trace holds (``DataValues``, data_dependent
-Note 1: the batch's ids, labels and masks, and what is computed from them alone) is not a value
-the trace lacks: the real step reads it, and the trace can read it the same way, since the
-reads (``mask.all()``, ``mask.sum() == n``, then ``bool``) are mirrored on the real values and
-``.item()`` is resolved from them (data_dependent Note 2). So while a trace runs,
-``known_values_readable(data)`` makes transformers' ``is_fake_tensor`` answer "no" for such a
-fake, and what it answered before for anything else: the guard then takes the real step's
-branch, with the real step's ops. transformers has no hook for this question, so the one
-predicate behind every ``is_tracing(tensor)`` is replaced for the trace's duration and restored
-after it (nested traces share one replacement, counted); the user's real step never runs under
-it. A fake too large for its reads to be mirrored (``MAX_KNOWN_ELEMENTS``) stays "tracing".
+Note 2 (the answer). A fake whose real values the trace holds (``DataValues``: the batch's ids,
+labels and masks, and what is computed from them alone) is not a value the trace lacks: the real
+step reads it, and the trace can read it the same way, since the reads (``mask.all()``,
+``mask.sum() == n``, then ``bool``) are mirrored on the real values and ``.item()`` is resolved from
+them (``DataValues.resolve``). So while a trace runs, ``known_values_readable(data)`` makes
+transformers' ``is_fake_tensor`` answer "no" for such a fake, and what it answered before for
+anything else: the guard then takes the real step's branch, with the real step's ops. transformers
+has no hook for this question, so the one predicate behind every ``is_tracing(tensor)`` is replaced
+for the trace's duration and restored after it (nested traces share one replacement, counted); the
+user's real step never runs under it. A fake too large for its reads to be mirrored
+(``MAX_KNOWN_ELEMENTS``) stays "tracing".
 """
 
 from __future__ import annotations

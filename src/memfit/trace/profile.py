@@ -6,16 +6,16 @@ step's first act, ``zero_grad(set_to_none=True)``, frees them). Before the count
 therefore give every trainable parameter a gradient and run one untracked ``optimizer.step``,
 which creates the state exactly as the real first step does.
 
-Note 2 (mode order). The fake mode is entered first, ``FidelityMode`` (fake outputs made to
-match real kernels) next, and the counting mode on top, so the counter sees each op once, as
-the real run does, with the outputs the real kernel would give, and not the decompositions the
-fake mode may run underneath. ``FiniteGradsMode`` sits between the two: a GradScaler in a user's
-step reads its inf check back, which it answers "finite" (``trace.finite_grads``). transformers reads
-the batch's masks where the real step does (``trace.known_values``). ``FakeDeepcopyMode`` copies
-a fake the step deep-copies (``trace.fake`` Note 2).
+Note 2 (mode order). The fake mode is entered first, ``FidelityMode`` (fake outputs made to match
+real kernels) next, and the counting mode on top, so the counter sees each op once, as the real run
+does, with the outputs the real kernel would give, and not the decompositions the fake mode may run
+underneath. ``FiniteGradsMode`` sits between the two: a GradScaler in a user's step reads its inf
+check back, which it answers "finite" (``trace.finite_grads``). transformers reads the batch's masks
+where the real step does (``trace.known_values``). ``FakeDeepcopyMode`` copies a fake the step
+deep-copies into the trace's own fake mode (``trace.fake``).
 
 Note 3 (what the trace leaves). A random draw whose value the step reads (LayerDrop) is drawn
-from torch's real generator (``data_dependent`` Note 4), and a step may draw from Python's or
+from torch's real generator (``trace.data_dependent``), and a step may draw from Python's or
 numpy's (SpecAugment masks). The trace puts all three generators back as it found them, so an
 estimate changes nothing a later real step draws. An op the trace cannot run, in the warm-up or
 the step, is a ``TraceError`` that names the op and, for a value read back, the line that read

@@ -19,11 +19,11 @@ subprocess); c10d has one default group per process and swapping it in and out w
 the user's group's collectives half-registered.
 
 Note 2 (what the counter must see under FSDP2). DTensor's ``__tensor_flatten__`` lists its
-``device_mesh`` beside ``_local_tensor`` (the ledger's ``storages_of`` takes only inner
-tensors), and FSDP2 frees and re-allocates the unsharded parameters with
-``UntypedStorage.resize_``, which no dispatch mode sees (``memfit.measure._storage_resize``
-Note 1). Both are ``memfit.measure``'s, so a real run under ``track`` and a trace count the
-same bytes with nothing more to enter.
+``device_mesh`` beside ``_local_tensor`` (the ledger's ``storages_of`` takes only inner tensors),
+and FSDP2 frees and re-allocates the unsharded parameters with ``UntypedStorage.resize_``, which no
+dispatch mode sees (a wrapper of the method counts it while a tracker runs,
+``memfit.measure._storage_resize``). Both are ``memfit.measure``'s, so a real run under ``track``
+and a trace count the same bytes with nothing more to enter.
 
 Note 3 (DDP under the fake group). DDP's C++ reducer runs on fakes: it allocates its gradient
 buckets (fakes, counted) and copies each gradient into its bucket. Two things need a hand: its

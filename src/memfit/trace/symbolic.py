@@ -7,7 +7,7 @@ length's), so the ops of the trace compute symbolic sizes, and every decision ta
 is recorded as a guard (``holds`` checks a shape against them). Parameters, buffers and every
 other tensor keep their sizes. The batch's values are not offered to ``DataValues``: a
 data-dependent op would answer with the traced batch's data, which another shape does not
-have, so such an op fails the trace instead (``api._shared_shapes`` Note 2).
+have, so such an op fails the trace instead, and the shape is traced on its own.
 """
 
 from __future__ import annotations
