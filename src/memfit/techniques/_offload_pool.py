@@ -1,6 +1,7 @@
 """What ``offload`` keeps apart from its hooks: counters, the host pool, storage helpers.
 
-The notes cited here are ``memfit.techniques.offload``'s.
+How activation offload works: ``memfit.techniques.offload`` and
+docs/techniques/activation-offload.md; this file holds its bookkeeping.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ class OffloadStats:
 
     offloaded_bytes: int = 0        # bytes copied device -> host (a deduplicated save once)
     copies: int = 0                 # device -> host copies
-    dedup_hits: int = 0             # saves served by an existing host copy (Note 3)
+    dedup_hits: int = 0             # saves served by an existing host copy (one per storage)
     device_copies: int = 0          # host -> device copies
-    prefetched: int = 0             # of those, started ahead of need (Note 5)
-    host_pool_bytes: int = 0        # host buffer bytes the pool holds now (Note 4)
+    prefetched: int = 0             # of those, started ahead of need (the next block back)
+    host_pool_bytes: int = 0        # host buffer bytes the pool holds now
     host_pool_peak_bytes: int = 0   # the most it has held
 
 
@@ -41,13 +42,14 @@ def default_copy(src: torch.Tensor, out: torch.Tensor) -> None:
 
 
 class _HostPool:
-    """Reusable host buffers, best fit by bytes (Note 4)."""
+    """Reusable host buffers, best fit by bytes (else a new one of exactly the size), all freed
+    when the last save using them is gone, so that each step's host bytes are born in it."""
 
     def __init__(self, stats: OffloadStats):
         self.stats = stats
         self._bufs: list[tuple[torch.Tensor, tuple]] = []   # (flat uint8 buffer, kind)
         self._free: set[int] = set()
-        register_host_owner(self)    # buffers kept between steps (measure._counting Note 4)
+        register_host_owner(self)    # buffers kept between steps: host memory to every tracker
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The host buffers held now."""
@@ -90,5 +92,6 @@ def _same_view(a, t: torch.Tensor) -> bool:
 
 
 def _is_wrapper(t: torch.Tensor) -> bool:
-    """A wrapper subclass (e.g. DTensor) whose bytes live in inner tensors: kept (Note 2)."""
+    """A wrapper subclass (e.g. DTensor) whose bytes live in inner tensors: kept on the device,
+    not offloaded."""
     return hasattr(type(t), "__tensor_flatten__") and not isinstance(t, FakeTensor)

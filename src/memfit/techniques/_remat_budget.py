@@ -1,5 +1,7 @@
-"""How remat holds its budget: every storage alive on the device counted (remat Note 8), and
-the CUDA allocator capped at the budget (remat Note 6)."""
+"""How remat holds its budget: every storage alive on the device counted from the session's
+start (every tensor the garbage collector tracks, each leaf's ``.grad``; memfit's host tensors as
+host memory), and on CUDA the allocator capped at the budget
+(``set_per_process_memory_fraction``: it knows every byte)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ __all__ = ["count_live_storages", "cuda_fraction"]
 
 
 def count_live_storages(tracker: Tracker) -> int:
-    """Count in ``tracker`` every storage alive now on its device (Note 8); return the device
+    """Count in ``tracker`` every storage alive now on its device; return the device
     bytes this added."""
     ledger = tracker.ledger
     before = ledger.current_bytes
@@ -47,7 +49,7 @@ def count_live_storages(tracker: Tracker) -> int:
 
 @contextlib.contextmanager
 def cuda_fraction(budget: int):
-    """The CUDA allocator refuses past ``budget`` bytes (Note 6)."""
+    """The CUDA allocator refuses past ``budget`` bytes."""
     dev = torch.cuda.current_device()
     total = torch.cuda.get_device_properties(dev).total_memory
     before = torch.cuda.get_per_process_memory_fraction(dev)

@@ -1,8 +1,11 @@
 """The DTR heuristic of ``memfit.techniques.remat``: which unit to evict, and the error when none.
 
-The Notes are in ``memfit.techniques.remat`` (2: what can be freed; 3: the evicted
-neighbourhood; 6: when to evict). ``Eviction`` is the part of ``RematSession`` that chooses:
-it reads the session's ``units``, ``active``, ``clock``, ``config`` and ``stats``.
+The candidate of least h = cost / (bytes freed x staleness) is evicted: cost in forward FLOPs of
+the unit and of the evicted classes it joins (units linked by a dropped input form a union-find
+class, as in the DTR paper), bytes only those the unit alone holds, staleness in aten ops since
+its last use; at most ``sample_size`` seeded candidates are scored (docs/techniques/dtr.md).
+``Eviction`` is the part of ``RematSession`` that chooses: it reads the session's ``units``,
+``active``, ``clock``, ``config`` and ``stats``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ log = logging.getLogger("memfit.remat")
 
 
 class RematBudgetTooSmall(BudgetTooSmall, OutOfMemory):
-    """Nothing more can be evicted and the op still does not fit (Note 6). ``floor_bytes``: the
+    """Nothing more can be evicted and the op still does not fit the budget. ``floor_bytes``: the
     least budget this op needed with everything evictable gone (live + requested)."""
 
     def __init__(self, message: str, *, floor_bytes: int, budget_bytes: int, live_bytes: int,
@@ -44,28 +47,28 @@ class RematStats:
 
     units: int = 0                    # block calls recorded
     evictions: int = 0                # units evicted
-    evicted_bytes: int = 0            # bytes those evictions freed (Note 2's count)
+    evicted_bytes: int = 0            # bytes those evictions freed (storages freed only)
     recomputes: int = 0               # units recomputed (a chain counts each member)
     recompute_seconds: float = 0.0
     recompute_flops: int = 0          # FLOPs the recomputes ran (torch's FLOP formulas)
     retries: int = 0                  # ops run again after an eviction
     ahead: int = 0                    # ops before which remat evicted, their outputs' bytes
-                                      # known in advance from the meta kernel (Note 6)
+                                      # known in advance from the meta kernel (CPU)
     max_retried_bytes: int = 0        # the largest allocation refused (and retried): on CPU the
-                                      # op ran before track refused it (track Note 2)
+                                      # op ran before track refused and undid it
     too_small: int = 0                # candidates skipped: would free < min_evict_bytes
-    held_elsewhere_bytes: int = 0     # max seen: saved by a block but held elsewhere (Note 2)
+    held_elsewhere_bytes: int = 0     # max seen: saved by a block but held elsewhere too
     outside_blocks_bytes: int = 0     # saved by autograd outside every block, over the session
-                                      # (each storage once): never evictable (Note 1)
-    refused: dict[str, str] = field(default_factory=dict)   # block -> why never evicted (Note 5)
+                                      # (each storage once): never evictable (units are blocks)
+    refused: dict[str, str] = field(default_factory=dict)   # block -> why never evicted
 
 
 class Eviction:
-    """Candidate choice by cost / (bytes x staleness), union-find classes (remat Notes 2, 3)."""
+    """Candidate choice by cost / (bytes x staleness), union-find classes (module docstring)."""
 
     def _init_eviction(self, seed: int) -> None:
         self._rng = random.Random(seed)
-        self._parent: dict[int, int] = {}      # union-find over unit ids (Note 3)
+        self._parent: dict[int, int] = {}      # union-find over unit ids (never split)
         self._class_cost: dict[int, int] = {}  # root -> forward FLOPs of its evicted members
 
     def make_room(self, e: torch.OutOfMemoryError) -> int:
@@ -90,7 +93,7 @@ class Eviction:
         return freed
 
     def _choose(self) -> tuple[Unit, bool, int] | None:
-        """The candidate of least cost / (bytes x staleness) (Notes 2, 3): a unit's saved
+        """The candidate of least cost / (bytes x staleness): a unit's saved
         tensors, or (``inputs``) the inputs of an evicted unit whose producer is evicted."""
         cands = [u for u in self.units if not u.busy and u is not self.active and u.flat and
                  (not u.evicted or u.droppable_inputs())]
@@ -119,7 +122,7 @@ class Eviction:
 
     def _cost(self, unit: Unit, inputs: bool) -> int:
         """What evicting would make a recompute of ``unit`` cost: its forward, plus the evicted
-        classes it is or would be joined to (Note 3)."""
+        classes it is or would be joined to."""
         roots = {self._find(id(unit))}
         if inputs:
             roots |= {self._find(id(p)) for p, _ in unit.droppable_inputs().values()}
@@ -185,7 +188,8 @@ class Eviction:
 
 def new_bytes(func, args, kwargs) -> int | None:
     """Bytes of the new storages ``func`` would return, from its meta kernel run on meta
-    stand-ins of its inputs (Note 6); None when that cannot tell (no meta kernel, a
+    stand-ins of its inputs (so remat evicts before an op a CPU counter would refuse only after
+    it ran); None when that cannot tell (no meta kernel, a
     data-dependent shape, a tensor subclass)."""
     returns = func._schema.returns
     if all(r.alias_info is not None for r in returns):     # views, in-place, nothing

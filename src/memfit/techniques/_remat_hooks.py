@@ -1,10 +1,12 @@
-"""The two pieces of a remat session that run inside the user's step (``remat`` Notes 1, 6, 7).
+"""The two pieces of a remat session that run inside the user's step: hooks, and a dispatch mode.
 
 ``PressureMode`` runs each op and, on an out-of-memory error, asks the session to evict and runs
 the op again (or evicts ahead, before an op that a CPU counter would refuse after the fact).
 ``BlockHooks`` turns each call of one block into a ``Unit``: the forward pre-hook opens it
-(the block's cache arguments dropped, Note 4, and its saved tensors packed by the unit), the
-forward hook closes it with its outputs and FLOPs.
+(the block's cache arguments dropped: a key/value cache would be written twice, by the forward
+and by a recompute; its saved tensors packed by the unit), the forward hook closes it with its
+outputs and FLOPs. They are the block's own module hooks, nothing assigned on the user's
+modules.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ _QUERIES = {torch.ops.prim.device.default, torch.ops.aten.sym_size.int,
 
 
 class PressureMode(TorchDispatchMode):
-    """Runs each op; on an out-of-memory error, evicts and runs it again (Note 6)."""
+    """Runs each op; on an out-of-memory error (which left the op without effect), evicts and
+    runs it again."""
 
     def __init__(self, session: "RematSession"):
         super().__init__()
@@ -64,7 +67,8 @@ class PressureMode(TorchDispatchMode):
 
 
 class BlockHooks:
-    """Forward pre/post hooks that make each call of one block a ``Unit`` (Notes 1, 7)."""
+    """Forward pre/post hooks that make each call of one block a ``Unit``: a pre-hook
+    (``with_kwargs``) that opens it, a hook (``always_call``, ``prepend``) that closes it."""
 
     def __init__(self, session: "RematSession", name: str, block: nn.Module):
         self.session, self.name = session, name
@@ -72,7 +76,7 @@ class BlockHooks:
         positional = [n for n, p in params.items() if p.kind in
                       (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         keep_cache = getattr(block, "_can_checkpoint_with_cache", False)
-        self._cache_args = () if keep_cache else tuple(   # (name, position or None), Note 4
+        self._cache_args = () if keep_cache else tuple(   # (name, position or None): passed None
             (n, positional.index(n) if n in positional else None) for n in CACHE_ARGS
             if n in params or any(p.kind is p.VAR_KEYWORD for p in params.values()))
         self._calls: list = []     # per call in progress: (unit, hooks, FLOPs at start) or None

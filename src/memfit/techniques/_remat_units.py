@@ -1,6 +1,7 @@
 """DTR's unit of eviction: one call of one block, its saved tensors, and how to recompute them.
 
-The Notes are in ``memfit.techniques.remat``; this file holds the mechanics they describe.
+``memfit.techniques.remat`` explains the mechanism (what a unit is, what eviction can free, when
+it evicts), and docs/techniques/dtr.md sums it up; this file holds the mechanics.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ _storage_use_count = torch._C._storage_Use_Count
 
 
 class Saved:
-    """What autograd holds for one saved tensor of a unit (remat Note 2).
+    """What autograd holds for one saved tensor of a unit; eviction sets ``tensor`` to None.
 
     ``tensor`` is the (outer-packed) tensor, or ``None`` while evicted; ``version`` its version
-    counter when saved (written in place since: the unit may not be evicted, Note 5)."""
+    counter when saved (written in place since: the unit cannot be recomputed to the same values
+    and is never evicted)."""
 
     __slots__ = ("tensor", "unit", "index", "version", "__weakref__")
 
@@ -32,7 +34,8 @@ class Saved:
 
 
 class FromUnit:
-    """An input slot whose tensor was dropped: output ``path`` of unit ``unit`` (Note 3)."""
+    """An input slot whose tensor was dropped because its producer ``unit`` is evicted too: that
+    unit's output ``path``, recomputed from it."""
 
     __slots__ = ("unit", "path")
 
@@ -42,7 +45,8 @@ class FromUnit:
 
 
 def autocast_state() -> list[tuple[str, bool, torch.dtype, bool]]:
-    """The autocast settings in force now, per device type that has autocast (Note 4)."""
+    """The autocast settings in force now, per device type that has autocast (a recompute
+    replays them)."""
     out = []
     for dev in ("cpu", "cuda"):
         if dev == "cuda" and not torch.cuda.is_available():
@@ -70,7 +74,7 @@ class replay_autocast:  # noqa: N801 - a context manager used like a function
 
 
 class Unit:
-    """One forward call of one block, recomputable from its inputs (remat Notes 1-5)."""
+    """One forward call of one block, recomputable from its inputs: DTR's unit of eviction."""
 
     _replay_rng = True   # tests switch it off to show that RNG replay is what they test
 
@@ -93,7 +97,7 @@ class Unit:
         self.last = session.clock              # op count at the last use (staleness)
         self.evicted = False
         self.busy = False                      # being run or recomputed: not a candidate
-        self.refused: str | None = None        # why this unit may never be evicted (Note 5)
+        self.refused: str | None = None        # why it may never be evicted (an in-place write)
         self.recomputes = 0
 
     # -- forward ----------------------------------------------------------------------------
@@ -136,7 +140,8 @@ class Unit:
 
     # -- eviction ---------------------------------------------------------------------------
     def check_recomputable(self) -> str | None:
-        """Why the unit cannot be recomputed exactly now, or None (Note 5)."""
+        """Why the unit cannot be recomputed exactly now (an input or a saved tensor written in
+        place), or None."""
         if self.refused:
             return self.refused
         for i, x in enumerate(self.flat):
@@ -153,13 +158,14 @@ class Unit:
 
     def droppable_inputs(self) -> dict[int, tuple["Unit", int]]:
         """Input slots whose producer is itself evicted, so recomputing it is already owed
-        (Note 3): dropping them adds to the evicted neighbourhood, not to the work."""
+        anyway: dropping them adds to the evicted neighbourhood, not to the work."""
         return {i: p for i, p in self.producers.items()
                 if isinstance(self.flat[i], torch.Tensor) and p[0].flat and p[0].evicted}
 
     def freeable(self, inputs: bool = False) -> tuple[int, int]:
-        """(bytes evicting would free now, bytes held elsewhere) (Note 2): of the saved tensors,
-        or (``inputs``) of the droppable inputs."""
+        """(bytes evicting would free now, bytes held elsewhere): of the saved tensors, or
+        (``inputs``) of the droppable inputs. A storage frees only when the unit holds every use
+        of it (``_storage_Use_Count``); parameters, outputs held by the next block stay."""
         if inputs:
             tensors = [self.flat[i] for i in self.droppable_inputs()]
         else:
@@ -187,7 +193,7 @@ class Unit:
         self.evicted = True
 
     def drop_inputs(self) -> list["Unit"]:
-        """Drop the droppable inputs (Note 3); return their producers."""
+        """Drop the droppable inputs (their producers are evicted); return the producers."""
         dropped = self.droppable_inputs()
         for i, (unit, k) in dropped.items():
             self.flat[i] = FromUnit(unit, k)
@@ -195,7 +201,7 @@ class Unit:
 
     # -- recompute --------------------------------------------------------------------------
     def inputs(self) -> tuple[tuple, dict]:
-        """The forward's inputs, recomputing dropped ones from their producers (Note 3)."""
+        """The forward's inputs, recomputing dropped ones from their producers."""
         for i, x in enumerate(self.flat):
             if isinstance(x, FromUnit):
                 outs = self.session.rematerialize(x.unit, need_outputs=True)
@@ -207,7 +213,8 @@ class Unit:
         return args, kwargs
 
     def recompute(self) -> list:
-        """Run the forward again exactly as the first time (Note 4); refill evicted handles;
+        """Run the forward again exactly as the first time (the recorded RNG states and autocast
+        settings, detached inputs with the same ``requires_grad``); refill evicted handles;
         return the outputs (detached)."""
         args, kwargs = self.inputs()
         captured = []

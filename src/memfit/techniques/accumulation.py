@@ -17,7 +17,8 @@ either way. Under FSDP2 every micro-batch reduce-scatters its gradients and each
 shard to its sharded gradient: FSDP2's no-sync (``set_requires_gradient_sync(False)``) would
 keep every block's gradients unsharded until the last micro-batch, the whole model's gradients
 on each rank (Llama-2-7B: 25 GiB in fp32), which is what sharding is there to avoid. The
-price is one reduce-scatter per micro-batch (``planner.sharding`` Note 2).
+price is one reduce-scatter per micro-batch, which the sharding planner times
+(docs/techniques/sharding.md).
 """
 
 from __future__ import annotations

@@ -31,11 +31,11 @@ with fewer than K blocks recomputes nothing (a warning says so).
 
 Note 3 (selective). The forward keeps the outputs of the ops in ``SAVED_OPS`` and the recompute
 reruns every other op (pointwise ops, norms, softmax, dropout, casts, views), through the two
-dispatch modes of ``_selective`` (its Note 1: why not torch's ``create_selective_checkpoint_
-contexts``, which refuses an output mutated in place, as timm's squeeze-excitation does, and a
-second backward, as a gradient penalty does; a kept output that is mutated is recomputed instead,
-and a second backward recomputes what the first one took). Kept: the matmuls ``mm``, ``addmm``,
-``bmm``, ``baddbmm``, ``addbmm``, ``_scaled_mm``, ``_grouped_mm``, ``_scaled_grouped_mm``;
+dispatch modes of ``_selective`` (not torch's ``create_selective_checkpoint_contexts``, which
+refuses an output mutated in place, as timm's squeeze-excitation does, and a second backward, as a
+gradient penalty does; a kept output that is mutated is recomputed instead, and a second backward
+recomputes what the first one took). Kept: the matmuls ``mm``, ``addmm``, ``bmm``, ``baddbmm``,
+``addbmm``, ``_scaled_mm``, ``_grouped_mm``, ``_scaled_grouped_mm``;
 ``convolution``/``_convolution``; the fused attentions ``_scaled_dot_product_{flash,
 flash_attention_for_cpu, efficient, cudnn, fused_attention_overrideable}_attention`` and
 ``_flash_attention_forward``/``_efficient_attention_forward``. The forward mode sees aten ops below

@@ -6,15 +6,15 @@ Autograd applies only the innermost pair of default hooks, so offload's pair *co
 pair it finds (``_top_saved_tensors_default_hooks``), whose pack sees each tensor first: if it
 returns the tensor itself (an observer: ``memfit.track``), offload proceeds and hands the outer
 unpack what it brings back; otherwise (a checkpoint around the block's ``__call__``, e.g. on an
-outer module, or ``save_on_cpu``) offload steps aside. Inside backward (a recompute calling a
-block) nothing is pushed. Offload's pre-hook is prepended and its post-hook appended, so they
-run outside every hook the block already has, and outside memfit's ``Checkpoint`` on the *same*
-block whichever is applied first (checkpoint appends its pre-hook and prepends its post-hook,
-its Note 1); transformers' own checkpoint runs around ``__call__``, outside them. A checkpoint
-inside: its hooks are innermost and keep nothing, while what it saves for the recompute (the
-block's positional tensor inputs, saved before its hooks are entered) goes through offload's
-pack and comes back when the recompute starts. So recompute + offload keeps only a block's
-inputs, on the host; keyword tensors stay in its closure.
+outer module, or ``save_on_cpu``) offload steps aside. Inside backward (a recompute calling a block)
+nothing is pushed. Offload's pre-hook is prepended and its post-hook appended, so they run outside
+every hook the block already has, and outside memfit's ``Checkpoint`` on the *same* block whichever
+is applied first (checkpoint appends its pre-hook and prepends its post-hook); transformers' own
+checkpoint runs around ``__call__``, outside them. A checkpoint inside: its hooks are innermost and
+keep nothing, while what it saves for the recompute (the block's positional tensor inputs, saved
+before its hooks are entered) goes through offload's pack and comes back when the recompute starts.
+So recompute + offload keeps only a block's inputs, on the host; keyword tensors stay in its
+closure.
 
 Note 2 (what is offloaded). Plain strided (or fake) saved tensors of at least ``min_bytes``,
 except parameters and views of the model's parameters and buffers (they stay on the device

@@ -23,8 +23,8 @@ act on the device gradients before ``step()`` copies them; a step the scaler ski
 Note 3 (accounting). Twins, host gradients, state and the inner step's temporaries are allocated
 inside ``host_allocations()``, so ``memfit.track``/``estimate`` count them as host memory. Those
 born before a tracked region (twins; state after the first step) are known to every tracker:
-the optimizer registers itself as their owner (``measure._counting`` Note 4), else their first
-read would count them on the device.
+the optimizer registers itself as their owner (``measure._counting.register_host_owner``), else
+their first read would count them on the device.
 
 Note 4 (copies). On CUDA the twins and host gradients are pinned and copies are
 ``non_blocking``; the stream is synchronised before the inner step reads the host gradients.
@@ -282,7 +282,7 @@ class OptimizerOffload:
 def _rebuild(optimizer: torch.optim.Optimizer, params: list, twins: list) -> torch.optim.Optimizer:
     """``optimizer``'s class and groups over ``twins``, with a copy of its state (if any)."""
     new_of = {id(p): h for p, h in zip(params, twins)}
-    # a bitsandbytes optimizer keeps args and overrides outside defaults (low_bit Note 6)
+    # a bitsandbytes optimizer keeps args and per-parameter overrides outside its defaults
     inner = rebuild_bnb(optimizer, new_of) if is_bnb(optimizer) else \
         rebuild_optimizer(optimizer, new_of)
     if optimizer.state:

@@ -35,13 +35,13 @@ staleness in aten ops since the unit was last used: both are deterministic, so o
 gives the same evictions on every run. At most ``sample_size`` candidates (a seeded sample) are
 scored per eviction, and a unit that would free under ``min_evict_bytes`` is skipped.
 
-Note 4 (exactness). Recompute replays the block's forward with the CPU and device RNG states and
-the autocast settings (enabled, dtype, cache) recorded when the forward ran, under grad mode,
-from detached inputs with the same ``requires_grad``; the i-th tensor saved by the rerun
-replaces the i-th evicted handle (a different count is an error naming the block). Dropout
-draws the same masks, bf16 autocast casts the same weights: gradients are bitwise those of the
-plain step. A key/value cache would be written twice (forward and recompute), so, as for
-checkpoint (its Note 5), a block gets ``None`` for the arguments in ``CACHE_ARGS`` under remat.
+Note 4 (exactness). Recompute replays the block's forward with the CPU and device RNG states and the
+autocast settings (enabled, dtype, cache) recorded when the forward ran, under grad mode, from
+detached inputs with the same ``requires_grad``; the i-th tensor saved by the rerun replaces the
+i-th evicted handle (a different count is an error naming the block). Dropout draws the same masks,
+bf16 autocast casts the same weights: gradients are bitwise those of the plain step. A key/value
+cache would be written twice (forward and recompute), so, as under ``memfit.techniques.checkpoint``,
+a block gets ``None`` for the arguments in ``CACHE_ARGS`` under remat.
 
 Note 5 (in-place writes and views). A unit whose forward wrote one of its inputs in place, whose
 inputs were written after its forward, or one of whose saved tensors was written after it was
