@@ -1,6 +1,6 @@
 """``Applied``: what building a Runner did to the user's model and optimizer.
 
-A ``Plan`` is what the search chose and predicted, and stays as it was (plan Note 1); the
+A ``Plan`` is what the search chose and predicted, and stays as it was (a frozen record); the
 Runner keeps it as ``runner.plan`` and records here what applying it changed: the mode each
 block actually got (checkpoint and offload hooks as applied, e.g. ``"recompute+offload"``),
 whether the optimizer was rebuilt, the budget the Runner enforces and notes in words.

@@ -8,13 +8,13 @@ CUDA started); a contrary ``expandable_segments`` there is refused. On a machine
 does nothing and returns False. ``allocator_expandable()`` reads the setting the variable gives
 (``PYTORCH_ALLOC_CONF``, the newer name, first), which is what a started allocator runs with.
 
-Note 2 (pools around phases). ``torch.cuda.use_mem_pool`` routes the current thread's
-allocations to a ``MemPool`` (``memplan._pools`` Note 2): ``PhasePools.on_phase`` is the
+Note 2 (pools around phases). ``torch.cuda.use_mem_pool`` routes the current thread's allocations to
+a ``MemPool`` (a block returns to its own pool when freed): ``PhasePools.on_phase`` is the
 ``on_phase`` callback of ``Runner.run`` / ``memfit.step.canonical_step``, leaving the previous
-phase's pool and entering the next one's ("forward" -> pool F under "phase-pools",
-"optimizer" -> pool O under both schemes); ``close`` leaves the last. The backward runs on
-autograd's thread and stays in the default pool whatever is entered. Without CUDA every call is
-a no-op (``active`` is False).
+phase's pool and entering the next one's ("forward" -> pool F under "phase-pools", "optimizer" ->
+pool O under both schemes); ``close`` leaves the last. The backward runs on autograd's thread and
+stays in the default pool whatever is entered. Without CUDA every call is a no-op (``active`` is
+False).
 
 Note 3 (from a plan). ``Plan.allocator`` (chosen by ``api._plan_allocator``) reaches a Runner
 through ``api._setup.build_runner``: its ``PhasePools`` become the Runner's ``on_phase`` and a

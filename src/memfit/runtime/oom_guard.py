@@ -1,14 +1,14 @@
 """The OOM guard: an effective batch that runs out of memory is re-planned and run again.
 
-Note 1 (what is restored). ``Runner.step`` takes a ``Snapshot`` before the effective batch: the
-CPU generator state, every CUDA generator's state (when CUDA is initialised) and the
-GradScaler's ``state_dict``. After an out-of-memory error it puts them back and sets every
-gradient to None, as the batch's own ``zero_grad(set_to_none=True)`` would. Parameters and
-optimizer state need no copy: nothing writes them before the optimizer step (Note 3), and
-``memfit.OutOfMemory`` undoes the op that raised it (``measure._counting`` Note 2). The
-scaler's per-optimizer stage is cleared too (an OOM between ``unscale_`` and ``update`` would
-leave it "unscaled" and the rerun's ``unscale_`` would refuse). The RNG restore is what makes
-the rerun draw the dropout masks an uninterrupted run of the new plan draws.
+Note 1 (what is restored). ``Runner.step`` takes a ``Snapshot`` before the effective batch: the CPU
+generator state, every CUDA generator's state (when CUDA is initialised) and the GradScaler's
+``state_dict``. After an out-of-memory error it puts them back and sets every gradient to None, as
+the batch's own ``zero_grad(set_to_none=True)`` would. Parameters and optimizer state need no copy:
+nothing writes them before the optimizer step (Note 3), and ``memfit.OutOfMemory`` undoes the op
+that raised it (its outputs dropped, the inputs it wrote restored). The scaler's per-optimizer stage
+is cleared too (an OOM between ``unscale_`` and ``update`` would leave it "unscaled" and the rerun's
+``unscale_`` would refuse). The RNG restore is what makes the rerun draw the dropout masks an
+uninterrupted run of the new plan draws.
 
 Note 2 (re-planning). Outside the ``except`` block, so that the failed attempt's graph and
 activations are already freed (the traceback held them), the guard empties the CUDA cache,
@@ -30,31 +30,31 @@ compares the live device bytes plus ``plan.predicted_optimizer_step_bytes`` with
 parameters are untouched. An OOM raised *inside* the step (``committing``) may leave them
 half-updated, so it is marked and the guard re-raises it without a retry. Live bytes are
 ``torch.cuda.memory_allocated()`` on CUDA; on the CPU those of the innermost running
-``memfit.track`` (device bytes, memfit's host pool excluded); with neither the check is
-skipped. It reads host-side counters only, so ``Runner.run`` stays free of host syncs
-(runner Note 2); a traced plan has no budget and skips it.
+``memfit.track`` (device bytes, memfit's host pool excluded); with neither the check is skipped. It
+reads host-side counters only, so ``Runner.run`` stays free of host syncs (it returns tensors and
+never reads a device value); a traced plan has no budget and skips it.
 
-Note 4 (distributed). Under DDP/FSDP with more than one rank the ranks must agree on one new
-plan: only a ``replan`` marked ``collective`` (``memfit.fit(..., gpus=, sharding=)``'s, which
-plans on rank 0 for all, ``api._fit_sharded`` Note 3) re-plans, at the optimizer-step check
-(Note 6). Any other ``replan`` (one process's planner, e.g. ``memfit.fit`` on a model the
-user wrapped in DDP) is not used: ``runner.applied.notes`` says so when the runner is built,
-and an out-of-memory error stops every rank with a note (Note 7). The Runner arms the guard
-under several ranks even without a ``replan``, for Note 7.
+Note 4 (distributed). Under DDP/FSDP with more than one rank the ranks must agree on one new plan:
+only a ``replan`` marked ``collective`` (``memfit.fit(..., gpus=, sharding=)``'s, which plans on
+rank 0, in a child process, and broadcasts the plan to all) re-plans, at the optimizer-step check
+(Note 6). Any other ``replan`` (one process's planner, e.g. ``memfit.fit`` on a model the user
+wrapped in DDP) is not used: ``runner.applied.notes`` says so when the runner is built, and an
+out-of-memory error stops every rank with a note (Note 7). The Runner arms the guard under several
+ranks even without a ``replan``, for Note 7.
 
-Note 5 (a re-plan that fails). When ``replan`` raises (``BudgetTooSmall``: nothing fits what
-is left of the budget; or any other error while planning or building), the runner is left as
-it was before the batch: its techniques are put back on the modules (each handle's
-``reapply()``, same blocks, same modes), and its plan, applied record, optimizer, scaler and
-scheduler were never replaced; parameters, optimizer state, RNG and loss scale are restored
-by Note 1 and gradients are None, as the batch's own ``zero_grad(set_to_none=True)`` left
-them (keeping the old ones would hold a gradient-sized copy through every batch). Then one
-error stops training: the batch's out-of-memory error, rebuilt with its numbers (the original
-held the failed attempt's frames), with a note that says re-planning failed and why, raised
-``from`` the re-plan's error. Nothing is lost: the next ``step`` runs the old plan.
+Note 5 (a re-plan that fails). When ``replan`` raises (``BudgetTooSmall``: nothing fits what is left
+of the budget; or any other error while planning or building), the runner is left as it was before
+the batch: its techniques are put back on the modules (each handle's ``reapply()``, same blocks,
+same modes), and its plan, applied record, optimizer, scaler and scheduler were never replaced;
+parameters, optimizer state, RNG and loss scale are restored by Note 1 and gradients are None, as
+the batch's own ``zero_grad(set_to_none=True)`` left them (keeping the old ones would hold a
+gradient-sized copy through every batch). Then one error stops training: the batch's out-of-memory
+error, rebuilt with its numbers (the original held the failed attempt's frames), with a note that
+says re-planning failed and why, raised ``from`` the re-plan's error. Nothing is lost: the next
+``step`` runs the old plan.
 
 Note 6 (ranks agree before the optimizer step). Under more than one rank the check of Note 3
-is collective (``oom_ranks`` Note 1): one ``all_reduce`` gathers each rank's excess, live bytes,
+is collective (``oom_ranks.agree``): one ``all_reduce`` gathers each rank's excess, live bytes,
 step bytes and budget, and if any rank would cross its budget every rank raises the same
 ``memfit.OutOfMemory`` (the worst rank's numbers, a note naming it), marked agreed, with the
 parameters unchanged on every rank. The optimizer step of FSDP2 and DDP runs no collective,
@@ -68,16 +68,16 @@ raises the agreed error as is; the group stays usable. Every rank must run the c
 none (its ``all_reduce`` pairs with the others'): it runs where the plan has step bytes and
 the runner a budget, the same on every rank under ``memfit.fit``.
 
-Note 7 (an out-of-memory error inside the step on one rank). Raised in a forward or backward
-(or inside the optimizer step, Note 3) it is this rank's alone, while the others wait in a
-collective: there is no agreement possible mid-step. The guard restores (Note 1), then
-``oom_ranks.stop_here`` publishes the error on the job's store and shuts this rank's
-connections to the others, and the error is re-raised with a note; on every other rank the
-pending collective then fails, and ``oom_ranks.stop_peer`` (on any ``RuntimeError`` out of the
-step) finds the published error and raises it, rebuilt, with a note naming the rank that ran
-out and by how much, instead of gloo's "Connection closed by peer" (``oom_ranks`` Notes 2-4:
-bounded waits, what the group is after, NCCL). Any other ``RuntimeError`` is raised as is,
-after at most ``oom_ranks.KEY_WAIT_S`` looking for a published error.
+Note 7 (an out-of-memory error inside the step on one rank). Raised in a forward or backward (or
+inside the optimizer step, Note 3) it is this rank's alone, while the others wait in a collective:
+there is no agreement possible mid-step. The guard restores (Note 1), then ``oom_ranks.stop_here``
+publishes the error on the job's store and shuts this rank's connections to the others, and the
+error is re-raised with a note; on every other rank the pending collective then fails, and
+``oom_ranks.stop_peer`` (on any ``RuntimeError`` out of the step) finds the published error and
+raises it, rebuilt, with a note naming the rank that ran out and by how much, instead of gloo's
+"Connection closed by peer" (``oom_ranks``: every wait bounded, the group's connections shut after a
+stop, NCCL untested). Any other ``RuntimeError`` is raised as is, after at most
+``oom_ranks.KEY_WAIT_S`` looking for a published error.
 
 """
 

@@ -5,7 +5,8 @@ Note 1 (the agreement). ``agree`` is one ``all_reduce`` over a vector of four sl
 each rank filling its own (a gather): its excess over the budget at the optimizer step, its
 live bytes, the step's predicted bytes and its budget. Every rank then knows the worst rank and
 its numbers, so every rank raises the same ``memfit.OutOfMemory`` (op ``optimizer.step``),
-marked ``agreed``: the OOM guard may re-plan on every rank with the same excess (its Note 6).
+marked ``agreed``: the OOM guard may re-plan on every rank with the same excess, rank 0
+planning for all.
 
 Note 2 (stopping every rank). An out-of-memory error inside the forward or backward of one
 rank leaves the others inside a collective (an FSDP2 all-gather or reduce-scatter, a DDP
@@ -280,4 +281,4 @@ def describe_worst(rank: int, worst: int) -> str:
     return (f"memfit: rank {rank} would cross the budget by {format_bytes(worst)} in the "
             "optimizer step, so no rank steps: every rank raises this error here, before any "
             "parameter changes, and the ranks re-plan together where the guard can "
-            "(memfit.runtime.oom_guard Note 6)")
+            "(memfit.runtime.oom_guard)")

@@ -1,28 +1,28 @@
 """Rank 0's plan shared with every rank of a job, and one clear error on every rank when that
-fails (``memfit.api._fit_sharded`` Notes 1, 3 and 4).
+fails (``memfit.fit(..., gpus=, sharding=)`` plans on rank 0 for every rank, at the start and on an
+out-of-memory re-plan).
 
 Note 1 (a broadcast that fails). Rank 0 plans while the other ranks wait for it in
-``broadcast_object_list``; a ``barrier`` after it makes sure every rank got the plan (with
-more than two ranks a broadcast can reach some ranks and fail on another). Under gloo (torch
-2.13) a peer that dies closes its sockets with it (the kernel does), so every collective that
-waits on it fails within milliseconds ("Connection closed by peer [ip]:port", a
-``RuntimeError``): measured with a rank killed before the broadcast, the root's send and a
-receiver's wait for a killed root both failed in under 0.05 s. What is left to do is to say so
-and to keep the others from waiting: a rank whose broadcast or barrier fails names the rank it
-was waiting on (with two ranks, the other; with more, the rank one of whose published
-connection endpoints, ``oom_ranks`` Note 2, is the ``[ip]:port`` in gloo's text: gloo names
-the peer's listening address, so this finds the rank that accepted that connection, and says
-"unknown" otherwise or where the store is gone with a dead rank 0), publishes its failure on the job's store (``memfit/replan-failed/<n>/<rank>``),
-shuts down its own connections to the job (``oom_ranks`` Note 2: a rank still waiting on this
-one fails at once instead of at the group's timeout, 30 minutes by default) and raises
-``ReplanError``; a rank whose failure came from such a shutdown adds what the first rank
-published. Every wait here is gloo's own (a dead peer: milliseconds) or the store's (one read
-per rank); nothing waits for the group's timeout except a peer that is alive but stuck, which
-no socket reveals (then the group's ``timeout`` applies: pass a short one to
-``init_process_group``). A failure of rank 0's planning itself is not a broadcast failure:
-rank 0 broadcasts it as its result (``_fit_sharded`` Note 4), so no rank waits. Under NCCL
-(untested here, as ``oom_ranks`` Note 4) the broadcast does not run over these sockets: a dead
-peer is seen by NCCL's watchdog after the group's ``timeout``, or torchrun ends the job.
+``broadcast_object_list``; a ``barrier`` after it makes sure every rank got the plan (with more than
+two ranks a broadcast can reach some ranks and fail on another). Under gloo (torch 2.13) a peer that
+dies closes its sockets with it (the kernel does), so every collective that waits on it fails within
+milliseconds ("Connection closed by peer [ip]:port", a ``RuntimeError``): measured with a rank
+killed before the broadcast, the root's send and a receiver's wait for a killed root both failed in
+under 0.05 s. What is left to do is to say so and to keep the others from waiting: a rank whose
+broadcast or barrier fails names the rank it was waiting on (with two ranks, the other; with more,
+the rank one of whose published connection endpoints (``oom_ranks`` publishes them on the store) is
+the ``[ip]:port`` in gloo's text: gloo names the peer's listening address, so this finds the rank
+that accepted that connection, and says "unknown" otherwise or where the store is gone with a dead
+rank 0), publishes its failure on the job's store (``memfit/replan-failed/<n>/<rank>``), shuts down
+its own connections to the job (as the OOM guard's stop does: a rank still waiting on this one fails
+at once instead of at the group's timeout, 30 minutes by default) and raises ``ReplanError``; a rank
+whose failure came from such a shutdown adds what the first rank published. Every wait here is
+gloo's own (a dead peer: milliseconds) or the store's (one read per rank); nothing waits for the
+group's timeout except a peer that is alive but stuck, which no socket reveals (then the group's
+``timeout`` applies: pass a short one to ``init_process_group``). A failure of rank 0's planning
+itself is not a broadcast failure: rank 0 broadcasts it as its result, so no rank waits. Under NCCL
+(untested here, as the guard's stop of every rank) the broadcast does not run over these sockets: a
+dead peer is seen by NCCL's watchdog after the group's ``timeout``, or torchrun ends the job.
 """
 
 from __future__ import annotations

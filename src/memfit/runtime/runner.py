@@ -1,13 +1,13 @@
 """``Runner``: one effective batch per ``step``, with the techniques of a plan applied.
 
-Note 1 (order within an effective batch). zero_grad(set_to_none) -> for each micro-batch:
-forward under autocast, loss weighted by its share of the effective batch's count
-(accumulation Note 1), backward (scaled under fp16), gradients reduced only on the last
-micro-batch -> once: unscale, clip, optimizer step (skipped by the scaler on inf/NaN), scale
-update, LR scheduler. With one micro-batch and no loss scaling this is exactly
+Note 1 (order within an effective batch). zero_grad(set_to_none) -> for each micro-batch: forward
+under autocast, loss weighted by its share of the effective batch's count (a mean over the effective
+batch, as one large batch's), backward (scaled under fp16), gradients reduced only on the last
+micro-batch -> once: unscale, clip, optimizer step (skipped by the scaler on inf/NaN), scale update,
+LR scheduler. With one micro-batch and no loss scaling this is exactly
 ``memfit.step.canonical_step``, op for op. The knob ``zero_grad`` moves the zero_grad after the
-first micro-batch's forward ("after-forward") or zeroes the buffers in place ("keep-buffers"),
-``memfit.step`` Note 1.
+first micro-batch's forward ("after-forward") or zeroes the buffers in place ("keep-buffers"), as
+``memfit.step.canonical_step`` does.
 
 Note 2 (no host syncs inside). ``run`` returns tensors and never reads a value back, so the
 same code runs on fake tensors when ``estimate`` traces it; ``step`` does the bookkeeping
@@ -15,11 +15,11 @@ same code runs on fake tensors when ``estimate`` traces it; ``step`` does the bo
 
 Note 3 (out of memory). The optimizer step is checked against the budget before it runs
 (``applied.budget_bytes``), and with ``replan`` an effective batch that runs out of memory is
-restored, re-planned and run again: ``oom_guard`` Notes 1-5.
+restored (RNG, loss scale; gradients set to None), re-planned and run again (``oom_guard``).
 
-Note 4 (plan and applied). ``runner.plan`` is the plan as searched and is never changed
-(plan Note 1); ``runner.applied`` (``Applied``) is what building the Runner did: each block's
-mode as installed, whether the optimizer was rebuilt, the budget held, notes.
+Note 4 (plan and applied). ``runner.plan`` is the plan as searched and is never changed (a ``Plan``
+is frozen); ``runner.applied`` (``Applied``) is what building the Runner did: each block's mode as
+installed, whether the optimizer was rebuilt, the budget held, notes.
 
 Note 5 (the user's step). With ``user_step`` (``memfit.step.UserStep``) ``run`` calls the
 user's ``fn(model, batch, optimizer)`` instead of Note 1's loop, on the batch as given: its
@@ -89,7 +89,7 @@ class Runner:
         self.scheduler = scheduler
         self.device_type = device_type
         self.last_step: StepInfo | None = None
-        self.batch_shapes = batch_shapes    # the planned batch's shapes (batch_shape Note 2)
+        self.batch_shapes = batch_shapes    # the planned batch's shapes: a larger batch warns
         self.user_step = user_step          # the user's own step, run instead of Note 1's
         self.on_phase = on_phase    # run's default on_phase (the plan's allocator pools)
         self.handles = list(handles)      # applied techniques; ``close`` removes them
@@ -97,7 +97,7 @@ class Runner:
         self.contexts = list(contexts)
         # replan(excess_bytes) -> a new Runner over the same model, adopted after an OOM
         self.guard = None
-        if replan is not None or _world(model) > 1:   # several ranks: oom_guard Note 7
+        if replan is not None or _world(model) > 1:   # several ranks: one OOM stops them all
             self.guard = OomGuard(replan, distributed=_world(model) > 1)
             if self.guard.off_reason is not None:
                 self.applied = self.applied.with_note(self.guard.off_reason)
@@ -117,7 +117,7 @@ class Runner:
     def step(self, batch) -> float:
         """Train on one effective batch; return its loss (count-weighted, global). With
         ``replan``, an out-of-memory error re-plans and reruns the batch (Note 3). A batch
-        larger than the planned one warns, once per shape (batch_shape Note 2)."""
+        larger than the planned one warns, once per shape."""
         if self.batch_shapes is not None:
             self.batch_shapes.check(batch)
         if self.guard is not None:
@@ -212,7 +212,8 @@ class Runner:
         return loss_sum, total, grad_norm, len(micro)
 
     def _weights(self, micro: list, world: int):
-        """Each micro-batch's loss weight ``count_i * world / total`` (accumulation Note 1)."""
+        """Each micro-batch's loss weight ``count_i * world / total``: the sum of the weighted
+        means is the mean over the effective batch (over every rank's, under DDP/FSDP)."""
         if len(micro) == 1 and world == 1:
             return None, None
         counts = [torch.as_tensor(self.accumulation.count(self.model, mb)) for mb in micro]
