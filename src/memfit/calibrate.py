@@ -33,6 +33,11 @@ from collections.abc import Callable
 
 import torch
 
+from memfit import __version__, zoo
+from memfit._device_profile import check_profile
+from memfit.api import estimate, fit
+from memfit.devices import get_device
+from memfit.trace.allocator import AllocatorConfig, CachingAllocator
 from memfit.units import MiB
 
 __all__ = ["require_gpu", "measure_context", "measure_libraries", "measure_allocator",
@@ -118,8 +123,6 @@ def measure_libraries() -> dict:
 
 def measure_allocator() -> dict:
     """Reserved bytes for requests of several sizes, beside memfit's allocator model."""
-    from memfit.trace.allocator import AllocatorConfig, CachingAllocator
-
     sizes = (1, 600 * 1024, 5 * MiB, 11 * MiB + 1)
     rows = []
     model = CachingAllocator(AllocatorConfig())
@@ -158,19 +161,15 @@ def measure_step(step: Callable[..., object], *args) -> dict:
 
 def _zoo_step(model_name: str, batch_size: int, seq_len: int) -> dict:
     """A real step of a small zoo model beside memfit's estimate for this GPU (table figures)."""
-    import memfit
-    from memfit import zoo
-
     spec = zoo.get(model_name)
     precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     meta = spec.build(tiny=True, device="meta")
     batch_cpu = spec.make_batch(meta, batch_size, seq_len=seq_len)
-    est = memfit.estimate(meta, batch_cpu, "adamw", device=memfit.get_device("cuda"),
-                          precision=precision)
+    est = estimate(meta, batch_cpu, "adamw", device=get_device("cuda"), precision=precision)
     model = spec.build(tiny=True, device="cuda")
     batch = {k: v.cuda() for k, v in batch_cpu.items()}
-    runner = memfit.fit(model, torch.optim.AdamW(model.parameters(), lr=1e-5), batch,
-                        precision=precision)
+    runner = fit(model, torch.optim.AdamW(model.parameters(), lr=1e-5), batch,
+                 precision=precision)
     before = _outside()
     out = measure_step(runner.step, batch)
     out["step_kernels_bytes"] = max(out["measured_context_bytes"] - before, 0)
@@ -187,9 +186,6 @@ def calibrate(*, model: str = "gpt2", batch_size: int = 8, seq_len: int = 128,
               allow_initialized: bool = False) -> dict:
     """Every measurement, as a profile (``memfit._device_profile`` Note 1)."""
     require_gpu()
-    from memfit import __version__
-    from memfit._device_profile import check_profile
-
     start = time.perf_counter()
     ctx = measure_context(allow_initialized=allow_initialized)
     libs = measure_libraries()

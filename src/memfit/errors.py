@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from memfit.units import format_bytes
+
 __all__ = ["OutOfMemory", "BudgetTooSmall", "TraceError", "MemfitError", "ReplanError"]
 
 
@@ -21,8 +23,6 @@ class OutOfMemory(torch.OutOfMemoryError):
 
     def __init__(self, *, requested_bytes: int, live_bytes: int, budget_bytes: int, op: str,
                  module: str | None = None):
-        from memfit.units import format_bytes
-
         self.requested_bytes = requested_bytes
         self.live_bytes = live_bytes
         self.budget_bytes = budget_bytes

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from memfit.api._sharded_models import Row, _Models, _search_row, _setup, _trace, fewest
+from memfit.devices import list_devices
 from memfit.knobs import Knobs
 from memfit.planner.search import Constraints
 from memfit.planner.sharding import interconnect, layout_tiers
@@ -57,7 +58,6 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
                  on_progress: Callable[[str], None] | None = None, **knobs) -> list[GpuRow]:
     """For every GPU of the table (or ``specs``), the fewest cards whose best layout the models
     predict to fit its usable memory, cheapest (GPU-seconds per step) first (Note 1)."""
-    from memfit.devices import list_devices
     say = on_progress or (lambda message: None)
     specs = list(specs) if specs is not None else list_devices()
     asked = Knobs.from_kwargs(**knobs)

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from memfit.memplan import allocator_options
+from memfit.runtime.mem_pools import PhasePools, allocator_expandable, use_expandable_segments
 from memfit.units import format_bytes
 
 __all__ = ["AllocatorChoice", "apply_allocator", "setting_name"]
@@ -70,7 +72,6 @@ class AllocatorChoice:
         self.free = spec.kind == "cuda" and allocator is None        # Note 4
         self.expandable = None                                         # None: either (Note 3)
         if self.free and _on_cuda(model):
-            from memfit.runtime.mem_pools import allocator_expandable
             self.expandable = allocator_expandable()
         self._options: dict[int, tuple] = {}
 
@@ -80,7 +81,6 @@ class AllocatorChoice:
         if key not in self._options:
             result = None
             if self.free and getattr(est, "lifetimes", None) is not None:
-                from memfit.memplan import allocator_options
                 opts = allocator_options(est, ("default", "optimizer-pool", "phase-pools"))
                 allowed = [o for o in opts.options if o.applicable and
                            (self.expandable is None or o.expandable_segments == self.expandable)]
@@ -158,8 +158,6 @@ def apply_allocator(plan, device_type: str):
     if device_type != "cuda":
         return None, (f"allocator {name}: not applied, the model runs on {device_type} (a "
                       "CUDA caching-allocator setting; nothing changes)")
-    from memfit.runtime.mem_pools import PhasePools, allocator_expandable, \
-        use_expandable_segments
     notes = []
     if setting["expandable_segments"]:
         try:

@@ -8,7 +8,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from memfit.optimizers import OPTIMIZERS
 from memfit.techniques.accumulation import unwrap
+from memfit.units import parse_bytes
 from memfit.zoo._batches import table_limit
 from memfit.zoo._model_arg import check_model
 
@@ -71,8 +73,6 @@ def describe_batch_mismatch(model: nn.Module, batch, error: Exception) -> ValueE
 
 
 def _looks_like_budget(value) -> bool:
-    from memfit.units import parse_bytes
-
     if not isinstance(value, str):
         return False
     try:
@@ -83,8 +83,6 @@ def _looks_like_budget(value) -> bool:
 
 
 def _looks_like_optimizer(value) -> bool:
-    from memfit.optimizers import OPTIMIZERS
-
     return isinstance(value, torch.optim.Optimizer) or callable(value) and \
         not isinstance(value, nn.Module) or isinstance(value, str) and value in OPTIMIZERS
 

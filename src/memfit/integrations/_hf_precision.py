@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import copy
 
+from memfit.api._setup import resolve_precision
+
 __all__ = ["set_precision", "rebuild", "at_precision", "precisions_for", "user_precision",
            "unwrap_autocast"]
 
@@ -76,7 +78,6 @@ def at_precision(trainer, precision: str):
 
 def precisions_for(precision: str | None, args, spec) -> list[str]:
     """The precisions fit weighs (Note 2), the user's own first where it is one of them."""
-    from memfit.api._setup import resolve_precision
     user = user_precision(args)
     if precision is None:
         return [user]

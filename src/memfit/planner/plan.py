@@ -20,6 +20,7 @@ from types import MappingProxyType
 
 from memfit.knobs import Knobs
 from memfit.planner._explain import explain
+from memfit.planner.exports import export as _export
 
 __all__ = ["Plan", "SCHEMA_VERSION"]
 
@@ -112,5 +113,4 @@ class Plan:
         return explain(self)
 
     def export(self, target: str, batch_size: int, world_size: int = 1):
-        from memfit.planner.exports import export   # -> Export(config, notes); see exports.py
-        return export(self, target, batch_size, world_size)
+        return _export(self, target, batch_size, world_size)   # -> Export(config, notes)

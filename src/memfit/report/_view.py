@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from memfit.measure import CATEGORIES
 from memfit.report._ops import OpInfo, annotate
 from memfit.report._replay import replay
+from memfit.units import format_bytes
 
 __all__ = ["StepView", "step_view", "downsample", "envelope", "MAX_POINTS"]
 
@@ -68,8 +69,8 @@ class StepView:
         mb = f", micro-batch {info.micro_batch[i]}" if info.micro_batch[i] else ""
         parts = [f"op {i}: {info.op[i]}", f"module {info.module[i] or '(root)'}",
                  f"phase {info.phase[i]}{mb}",
-                 f"allocated {_fmt(self.allocated[i])} ({self.allocated[i]} B)"]
-        parts += [f"  {c}: {_fmt(self.by_category[c][i])}" for c in CATEGORIES
+                 f"allocated {format_bytes(self.allocated[i])} ({self.allocated[i]} B)"]
+        parts += [f"  {c}: {format_bytes(self.by_category[c][i])}" for c in CATEGORIES
                   if self.by_category[c][i]]
         return "<br>".join(parts)
 
@@ -97,8 +98,3 @@ def downsample(values: list[int], max_points: int = MAX_POINTS) -> list[int]:
     if picks and picks[-1] != len(values) - 1:
         picks.append(len(values) - 1)
     return picks
-
-
-def _fmt(n: int) -> str:
-    from memfit.units import format_bytes
-    return format_bytes(n)

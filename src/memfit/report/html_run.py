@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from html import escape
 
+from memfit.report._html_tables import _b
 from memfit.report.html import page, stamp
 from memfit.units import GiB, MiB, format_bytes
 
@@ -58,8 +59,6 @@ def _figure(records: list[dict], budget: int | None, predicted: int | None):
 def run_report_html(records: list[dict], plan, *, title: str) -> str:
     """The page of a run: ``records`` its metrics lines, ``plan`` its ``Plan``."""
     import plotly.io as pio
-
-    from memfit.report._html_tables import _b
 
     steps = [r for r in records if r.get("kind") == "train"]
     measured = [r["peak_bytes"] for r in steps if r.get("peak_bytes") is not None]

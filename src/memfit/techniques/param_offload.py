@@ -69,6 +69,8 @@ from torch import nn
 from memfit.measure import find_blocks
 from memfit.techniques._blocks import check_names, resolve_policy
 from memfit.techniques._offload_pool import _same_view
+from memfit.techniques.offload import _Swapper
+from memfit.techniques.optimizer_offload import OffloadedOptimizer, OptimizerOffload
 
 __all__ = ["ParamOffload", "ParamOffloadHandle", "ParamOffloadStats"]
 
@@ -297,7 +299,6 @@ class ParamOffload:
         offloaded) with ``OptimizerOffload(offload)`` and hook the chosen blocks of ``model``:
         returns ``(offloaded optimizer, ParamOffloadHandle)``. Everything is checked before
         the model is touched."""
-        from memfit.techniques.optimizer_offload import OffloadedOptimizer, OptimizerOffload
         if isinstance(optimizer, OffloadedOptimizer) or not isinstance(
                 optimizer, torch.optim.Optimizer):
             raise ValueError("ParamOffload.apply takes the optimizer before optimizer offload "
@@ -315,7 +316,6 @@ class ParamOffload:
         if nested:
             raise ValueError(f"blocks {nested[0]} are nested: offload the outer one's "
                              "parameters only")
-        from memfit.techniques.offload import _Swapper
         hooks_of = {n: model.get_submodule(n)._forward_pre_hooks.values() for n in chosen}
         both = [n for n in chosen if any(isinstance(getattr(h, "__self__", None), _Swapper)
                                          for h in hooks_of[n])]

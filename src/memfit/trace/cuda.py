@@ -23,6 +23,7 @@ import torch
 
 from memfit.devices import DeviceSpec
 from memfit.measure import CATEGORIES
+from memfit.optimizers import impl_of
 from memfit.trace.allocator import AllocatorConfig, CachingAllocator
 from memfit.trace.cuda_autocast import CudaAutocastMode
 from memfit.trace.cuda_sdpa import CudaSdpaMode
@@ -96,8 +97,6 @@ class CudaModel:
         ``use_foreach``): "foreach", "fused", "for-loop", or where it steps."""
         if hasattr(optimizer, "host_tensors"):
             return "stepped on the host (for-loop)"
-        from memfit.optimizers import impl_of    # memfit.optimizers imports no trace module
-
         return impl_of(optimizer, cuda=True) or type(optimizer).__name__
 
     @staticmethod
