@@ -13,7 +13,7 @@ __all__ = ["explain", "ratio_words"]
 
 
 def ratio_words(r: float) -> str:
-    """A step-time ratio in words, against the user's own step (api._plan_words Note 1):
+    """A step-time ratio in words, against the user's own step (the plain step at their precision):
     below 1 a speed-up (a plan that changes the precision or the optimizer implementation can
     be faster than the step it replaces; its reasons say which)."""
     kind = "a speed-up" if r < 0.995 else "a slowdown" if r > 1.005 else "the same time"

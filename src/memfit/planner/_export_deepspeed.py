@@ -53,7 +53,7 @@ def to_deepspeed_config(plan: "Plan", batch_size: int, world_size: int = 1) -> E
         config["bf16"] = {"enabled": True}
     if precision in ("fp16", "bf16"):
         notes.append(f"{precision}: DeepSpeed casts the model to {precision} and keeps fp32 master "
-                     "weights (exports Note 2); memfit planned autocast over fp32 weights, so "
+                     "weights; memfit planned autocast over fp32 weights, so "
                      "numerics and memory differ (newer DeepSpeed has a torch_autocast section)")
     zero: dict = {"stage": 0}
     per_rank = None
@@ -72,7 +72,7 @@ def to_deepspeed_config(plan: "Plan", batch_size: int, world_size: int = 1) -> E
     elif plan.knobs.offload_optimizer:
         zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
         config["zero_force_ds_cpu_optimizer"] = False
-        notes.append("offload_optimizer: ZeRO-2 with CPU optimizer offload (exports Note 5); "
+        notes.append("offload_optimizer: ZeRO-2 with CPU optimizer offload; "
                      "zero_force_ds_cpu_optimizer=false keeps your torch optimizer (stepped on the "
                      "host, as memfit's); ZeRO takes only optimizers it has tested (Adam, AdamW, "
                      "...) unless zero_allow_untested_optimizer is set, and steps flat partitions")
@@ -90,7 +90,7 @@ def to_deepspeed_config(plan: "Plan", batch_size: int, world_size: int = 1) -> E
             "profile": False}
         which = _names(acts.names) if acts.names else "the plan's blocks"
         notes.append(f"activation_checkpointing recomputes only where the model calls "
-                     f"deepspeed.checkpointing.checkpoint: wrap {which} with it (exports Note 4); "
+                     f"deepspeed.checkpointing.checkpoint: wrap {which} with it; "
                      "under the HF Trainer use to_training_arguments's checkpointing instead")
     _common_notes(plan, notes)
     oo = bool(plan.knobs.offload_optimizer)

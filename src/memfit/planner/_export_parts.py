@@ -33,7 +33,7 @@ class Export:
     notes: tuple[str, ...] = ()
     knobs: "Knobs | None" = None          # memfit's knobs for what the export runs
     predicted_device_bytes: int | None = None   # those knobs re-traced (export_traced)
-    # DeepSpeed: ZeRO stage -> memfit's predicted bytes per rank (_export_deepspeed Note 3)
+    # DeepSpeed: ZeRO stage -> memfit's predicted bytes per rank (its re-trace of the layout)
     per_rank_bytes: dict | None = None
 
     def to_json(self) -> str:

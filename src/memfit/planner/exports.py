@@ -28,8 +28,11 @@ and fills ``predicted_device_bytes``, with a note when that exceeds the plan's b
 What does not: selective recompute (exported as full recompute), offload without recompute
 (exported as recompute+offload), a last micro-batch smaller than the others, DTR (``remat``).
 
-Note 1 (micro-batches). How a target covers the batch in whole micro-batches: ``_export_parts``
-Note 1, with the reading of the plan every target shares.
+Note 1 (micro-batches). A target runs ``steps`` equal micro-batches, where memfit cuts a batch
+into chunks of ``micro_batch_size`` and a smaller last one: ``steps = ceil(batch / micro)`` keeps
+the plan's micro-batch (hence its memory) but makes the effective batch ``micro * steps``, so the
+note names the largest divisor of the batch not above the plan's micro-batch
+(``_export_parts``, which holds the reading of the plan every target shares).
 
 Note 2 (DeepSpeed precision). DeepSpeed's ``fp16``/``bf16`` sections are not autocast: they cast
 the model and keep fp32 master weights in the optimizer. ``bf16`` is therefore memfit's

@@ -4,7 +4,8 @@ Note 1 (one trace). The model is read off one plain trace of the step (one preci
 effective batch as one micro-batch, nothing recomputed or offloaded): its live-bytes timeline by
 category, each block's saved and input bytes, the op spans of each block's forward and backward,
 and the bytes each op allocated. Every other configuration is predicted from it; the planner then
-re-traces the configuration it picks (planner Note 2), so an error here costs speed, not safety.
+re-traces the configuration it picks (a miss lowers the cap and searches again,
+docs/planner.md), so an error here costs speed, not safety.
 
 Note 2 (the micro-batch). Bytes split three ways: a part that does not depend on the batch
 (training state, and what is computed from state alone: 16-bit weight copies saved by autocast
@@ -37,11 +38,11 @@ Note 6 (allocated vs device bytes). The rows are allocated bytes; on CUDA the tr
 reserved to allocated bytes at the peak, and the CUDA context, turn them into device bytes.
 
 Note 7 (the optimizer implementation). foreach, fused and for-loop steps differ only in the
-temporaries of the optimizer step (optimizers Note 1). ``with_optimizer_step(est)`` takes them
-from a plain trace with the other implementation: the step's peak above the level it starts
-from, which depends on no batch size (state and gradients only); the forward and backward
-points stay this model's. With the optimizer state on the host the step runs there, so that
-point does not change.
+temporaries of the optimizer step (foreach's span all parameters at once).
+``with_optimizer_step(est)`` takes them from a plain trace with the other implementation: the step's
+peak above the level it starts from, which depends on no batch size (state and gradients only); the
+forward and backward points stay this model's. With the optimizer state on the host the step runs
+there, so that point does not change.
 
 Note 8 (passes). A user's step may run a block several times (micro-batches accumulated inside
 the step). Each forward call that saved bytes is paired with the backward that follows it (the
@@ -53,16 +54,17 @@ or a backward without a forward, can only be kept.
 
 Note 9 (low-bit optimizer state). A low-bit Adam (``optimizer_state``) changes only the
 optimizer's bytes: its state, alive at every point, and its step's temporaries (on CPU
-parameter-sized fp32 copies; none in bitsandbytes' fused CUDA kernel: low_bit_optimizer Note 5). ``with_optimizer_state(est)`` reads both off a plain trace with that state:
+parameter-sized fp32 copies; none in bitsandbytes' fused CUDA kernel, which updates in place).
+``with_optimizer_state(est)`` reads both off a plain trace with that state:
 the optimizer category's difference at each point before the step (the forward and backward
 run the same ops) shifts every point, and the step's rise replaces this model's (as Note 7).
 
-Note 10 (parameter offload, placements). A model read off a trace with ``offload_params``
-(block weights on the host, fetched per block) is a model like any other, with two limits the
-search respects (search Note 6): the optimizer state must be on the host (``placements``:
-parameter offload needs optimizer offload), and no block may offload its activations too
-(``excluded_modes``; the technique refuses it). bf16-pure has one placement too (on the device:
-its fp32 master weights would be kept twice).
+Note 10 (parameter offload, placements). A model read off a trace with ``offload_params`` (block
+weights on the host, fetched per block) is a model like any other, with two limits the search
+respects (it asks ``placements`` and ``excluded_modes``): the optimizer state must be on the host
+(``placements``: parameter offload needs optimizer offload), and no block may offload its
+activations too (``excluded_modes``; the technique refuses it). bf16-pure has one placement too (on
+the device: its fp32 master weights would be kept twice).
 """
 
 from __future__ import annotations

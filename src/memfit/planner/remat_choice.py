@@ -1,15 +1,15 @@
 """DTR (``remat``) as a planner choice: its predicted bytes and time over a workload, against
 the static plan's.
 
-Note 1 (DTR on one batch). The plain step's trace is replayed under the budget by
-``trace.dtr_sim`` (its Notes 1-3): the peak it keeps, the blocks it evicts. Each evicted block
-is recomputed once, at the start of its backward. The simulation leaves out a recompute's
-transient bytes (dtr_sim Note 2), so to be priced like the static plans DTR's time on a batch
-is that of the cheapest set of whole-block recomputes the memory model finds under the same
-cap (search ``_best_for`` with keep / recompute only, the whole batch, the optimizer as given:
-what DTR does with the blocks, chosen well), its peak the larger of the two predictions; the
-runtime's bookkeeping (two hooks per block call, one pack per saved tensor) is left out:
-``benchmarks/dtr.py`` measures it within noise of the plain step on CPU. A batch neither
+Note 1 (DTR on one batch). The plain step's trace is replayed under the budget by ``trace.dtr_sim``
+(a replay of the live-bytes timeline with the blocks' evictable bytes): the peak it keeps, the
+blocks it evicts. Each evicted block is recomputed once, at the start of its backward. The
+simulation leaves out a recompute's transient bytes and chained recomputes, so to be priced like the
+static plans DTR's time on a batch is that of the cheapest set of whole-block recomputes the memory
+model finds under the same cap (search ``_best_for`` with keep / recompute only, the whole batch,
+the optimizer as given: what DTR does with the blocks, chosen well), its peak the larger of the two
+predictions; the runtime's bookkeeping (two hooks per block call, one pack per saved tensor) is left
+out: ``benchmarks/dtr.py`` measures it within noise of the plain step on CPU. A batch neither
 prediction fits under the cap makes DTR infeasible for the workload.
 
 Note 2 (a workload). A static plan is made once, for the largest batch the job sees, and pays
@@ -48,7 +48,7 @@ class RematBatch:
     plain_s: float              # the plain step's predicted seconds
     remat_s: float              # with DTR under the budget
     peak_bytes: int             # DTR's predicted live-bytes peak
-    floor_bytes: int            # the least budget DTR can keep (dtr_sim Note 3)
+    floor_bytes: int            # the least budget DTR can keep (all evictable bytes gone)
     evictions: int
     recompute_flops: int
     fits: bool                  # peak_bytes <= the cap

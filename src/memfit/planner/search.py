@@ -1,21 +1,23 @@
 """The planner's search: the fastest predicted configuration whose predicted bytes fit.
 
-Note 1 (what is searched). Precision (the candidates the caller passes) x micro-batch size
-(1..b) x optimizer-state offload x one mode per block (``memory_model.MODES``). For each outer
-choice the per-block modes are a small MILP, solved exactly with scipy's HiGHS: binary x[i, mode],
-one mode per block, minimise the time the modes add (time_model Note 4) subject to every
-candidate peak point (memory_model Note 4) <= the cap. Keeping every block, when it fits, is
-optimal (no mode is faster than keep), so the MILP runs only where that does not fit.
-Bytes enter the MILP in MiB and times in milliseconds, to keep HiGHS well scaled.
+Note 1 (what is searched). Precision (the candidates the caller passes) x micro-batch size (1..b) x
+optimizer-state offload x one mode per block (``memory_model.MODES``). For each outer choice the
+per-block modes are a small MILP, solved exactly with scipy's HiGHS: binary x[i, mode], one mode per
+block, minimise the time the modes add (a recompute reruns the block's forward ops, an offload pays
+what the neighbouring compute cannot hide) subject to every candidate peak point (each block's
+forward and backward peaks, the stretches between blocks, the optimizer step: each linear in x) <=
+the cap. Keeping every block, when it fits, is optimal (no mode is faster than keep), so the MILP
+runs only where that does not fit. Bytes enter the MILP in MiB and times in milliseconds, to keep
+HiGHS well scaled.
 
 Ties (the same predicted time, e.g. micro-batches 4 and 6 of 8 both run two) go to the
 smallest micro-batch: the least memory, and chunks as even as they can be.
 
-Note 2 (pruning). Among micro-batches that accumulate (``m < b``) memory grows with ``m``, so
-once even the least-memory modes do not fit at some ``m < b``, no larger ``m < b`` does; the
-search then tries ``m = b`` alone. That one can need *less* than ``m = 1``: without accumulation
-no gradient is alive during the forward (memory_model Note 5). The floor is therefore the lesser
-of ``m = 1`` and ``m = b``.
+Note 2 (pruning). Among micro-batches that accumulate (``m < b``) memory grows with ``m``, so once
+even the least-memory modes do not fit at some ``m < b``, no larger ``m < b`` does; the search then
+tries ``m = b`` alone. That one can need *less* than ``m = 1``: without accumulation no gradient is
+alive during the forward (every micro-batch after the first runs with all gradients alive). The
+floor is therefore the lesser of ``m = 1`` and ``m = b``.
 
 Note 3 (what the caller fixed). Each knob constrains only its own side: a fixed ``checkpoint``
 fixes which blocks are recomputed (and how), so the others may still keep or offload; a fixed
@@ -24,18 +26,20 @@ block that is a set of allowed modes (``Constraints.modes``); a block not named 
 
 Note 4 (variants). ``models`` is keyed by ``(precision, optimizer_impl)``: one memory and time
 model per precision and optimizer implementation (``None``: the optimizer as given). The
-implementation changes only the optimizer step (memory_model Note 7, time_model Note 6).
+implementation changes only the optimizer step's temporaries and time, which each model takes
+from a plain trace with that implementation.
 
-Note 5 (the floor). ``floor_candidates`` gives the least-memory configuration the models find
-at each micro-batch size that can be least (Note 2: 1 and the whole batch), and beside each
-the same with one mode in every block it changes (all recomputed, or all offloaded; the
-blocks it keeps stay kept: e.g. the last block, whose backward follows its forward at once,
-so changing it saves nothing at the peak). The models can misjudge which is least, so the
-caller re-traces them all and takes the least traced.
+Note 5 (the floor). ``floor_candidates`` gives the least-memory configuration the models find at
+each micro-batch size that can be least (Note 2: 1 and the whole batch), and beside each the same
+with one mode in every block it changes (all recomputed, or all offloaded; the blocks it keeps stay
+kept: e.g. the last block, whose backward follows its forward at once, so changing it saves nothing
+at the peak). The models can misjudge which is least, so the caller re-traces them all and takes the
+least traced.
 
 Note 6 (levers beyond the per-block modes). A key may be longer: ``(precision, impl,
 optimizer_state, offload_params)`` (``variant_key``), one model per low-bit optimizer state
-(memory_model Note 9) and per parameter offload (memory_model Note 10). A model says where its
+(it changes only the optimizer's bytes) and per parameter offload (read off a trace with the
+block weights on the host). A model says where its
 optimizer state may live (``MemoryModel.placements``: bf16-pure and parameter offload each allow
 one) and which block modes it refuses (``excluded_modes``: parameter offload refuses activation
 offload on the same blocks); the search and the floor respect both.
@@ -82,7 +86,7 @@ class Choice:
     modes: tuple[str, ...]           # per block, in execution order
     offload_optimizer: bool
     allocated_bytes: int             # predicted allocated peak
-    device_bytes: int                # predicted device bytes (memory_model Note 6)
+    device_bytes: int                # predicted device bytes (allocated x traced reserve ratio)
     step_s: float                    # predicted step time
     optimizer_impl: str | None = None  # the optimizer implementation (None: as given)
     optimizer_state: str | None = None   # a low-bit state memfit chose (None: as given)
@@ -138,7 +142,7 @@ class Constraints:
         m = k.micro_batch_size
         oo = k.offload_optimizer
         if oo is None and k.offload_params not in (None, "none"):
-            oo = True                      # parameter offload needs it (param_offload Note 1)
+            oo = True       # parameter offload needs it: the host copy is the optimizer's twin
         return cls(None if m is None else min(m, b), modes, oo)
 
     def allowed(self, name: str) -> tuple[str, ...]:

@@ -1,11 +1,11 @@
 """The sharding planner: how many GPUs, FSDP2 or DDP, resharding, on top of the per-block search.
 
 Note 1 (one rank from one device's trace). A candidate is ``(gpus N, sharding, reshard)``. Its
-per-rank step is predicted from the single-device traces the planner already reads
-(``memory_model`` Notes 1-2): the step's categories are rescaled point by point
-(``shard_estimate``) and a ``MemoryModel`` is built on the result, so the per-block modes,
-micro-batch and precision are searched by the same MILP (``search``) for each candidate, at
-the rank's batch. What changes per rank:
+per-rank step is predicted from the single-device traces the planner already reads (the whole
+batch and half of it, so every point is a line in the micro-batch): the step's categories are
+rescaled point by point (``shard_estimate``) and a ``MemoryModel`` is built on the result, so the
+per-block modes, micro-batch and precision are searched by the same MILP (``search``) for each
+candidate, at the rank's batch. What changes per rank:
   - FSDP2: parameters, gradients and optimizer state are 1/N (sharded); during forward and
     backward the root's unsharded parameters (FSDP2 keeps the root unsharded after forward)
     and two blocks' (the one running and the one prefetched) are added; with
@@ -15,7 +15,7 @@ the rank's batch. What changes per rank:
     last) and two blocks' worth (a block's unsharded gradients and the reduce-scatter input
     copied from them) are added.
   - DDP: every rank holds everything, plus the reducer's gradient buckets: the gradients'
-    bytes (flat buffers; ``api._sharded`` Note 4), alive throughout.
+    bytes (flat buffers, rebuilt once at step 2), alive throughout.
 The additions are constants over a phase, on the safe side of FSDP2's real lifetimes (a block's
 buffers live only while it runs); the chosen candidate is re-traced with ``estimate_sharded``
 (``api._plan_sharded``), and that trace is the answer.
@@ -28,7 +28,7 @@ cards without peer-to-peer), at ``LINK_EFFICIENCY`` of its rate (NCCL's bus band
 NVLink GPUs reaches ~75-80% of the link's one-direction rate). FSDP2 all-gathers every
 parameter in each micro-batch's forward, again in its backward when it resharded after
 forward, and reduce-scatters the gradients in each micro-batch's backward
-(``techniques.accumulation`` Note 3: no-sync would keep every gradient unsharded); DDP
+(never under no-sync, which would keep every gradient unsharded until the last one); DDP
 all-reduces the gradients once per effective batch, in buckets.
 
 Note 3 (overlap). FSDP2 prefetches one block ahead and runs its collectives on their own
@@ -64,8 +64,8 @@ Note 6 (FSDP2's CPU offload). ``CPUOffloadPolicy`` keeps the sharded parameters,
 and optimizer state in host memory (the optimizer steps on the host): none of the three is
 left on the device, which holds the unsharded buffers as without offload, plus, during each
 all-gather's copy-in, the device copy of the group's shards (the root's and the largest
-block's, 1/N of each, added over the forward and backward on the safe side;
-``trace.fsdp_offload`` Note 1). Each shard crosses the host link once per all-gather (added to
+block's, 1/N of each, added over the forward and backward on the safe side, as
+``trace.fsdp_offload`` traces them). Each shard crosses the host link once per all-gather (added to
 the collective's time: the copy runs on the all-gather's stream, ahead of it) and each
 gradient shard once after its reduce-scatter; the optimizer step is the host's
 (``time_model``'s optimizer-offload step), over 1/N of the state. Weighed only for a GPU
@@ -135,7 +135,8 @@ def candidates(gpus, sharding: str | None, reshard, max_gpus: int,
 
 
 def _mp_policies(k: Knobs, p: str) -> tuple:
-    """FSDP2's mixed-precision policies weighed (``api._plan_sharded`` Note 6)."""
+    """FSDP2's mixed-precision policies weighed: the caller's, or none and bf16 where the
+    precision is bf16 (Note 5)."""
     if k.mp_policy:
         return (k.mp_policy,)
     return (None, "bf16") if p == "bf16" else (None,)

@@ -11,23 +11,24 @@ Note 2 (precision). fp16/bf16 matmuls accumulate in fp32; a card whose 16-bit ra
 fp32 rate (no tensor cores, e.g. Pascal) runs them at its fp32 rate (cuBLAS computes in fp32), so
 ``F`` is the larger of the two. Halved activation bytes come from the trace itself.
 
-Note 3 (the micro-batch). Each op's time splits like its bytes (memory_model Note 2): launch and
+Note 3 (the micro-batch). Each op's time splits as the memory model splits its bytes: launch and
 state bytes (weights read, gradients written) once per micro-batch, FLOPs and activation bytes
 per sample. ``n`` micro-batches of an effective batch ``b`` cost ``n * state + b * per-sample``:
 the per-micro-batch overhead is the launches and weight traffic repeated ``n`` times.
 
-Note 4 (modes). ``recompute`` reruns the ops of the block's forward; ``selective`` only those
-that are not matmul-like. ``offload`` moves the bytes it saves over the host link both ways; the
-copy out overlaps the next block's forward and the prefetch the previous block's backward, so
-only the part of each transfer longer than the block's own compute is paid, plus the device-side
-read of the copy (on a CPU target, with no copy streams, the whole transfer). With the optimizer state on the host, the optimizer step becomes gradients
-down and parameters up over the link plus the host's pass over the state at its memory
-bandwidth, all paid (the step waits for it), and never less than the step on the device (a
-host cannot out-run the device it serves; on a CPU target they are the same memory).
+Note 4 (modes). ``recompute`` reruns the ops of the block's forward; ``selective`` only those that
+are not matmul-like. ``offload`` moves the bytes it saves over the host link both ways; the copy out
+overlaps the next block's forward and the prefetch the previous block's backward, so only the part
+of each transfer longer than the block's own compute is paid, plus the device-side read of the copy
+(on a CPU target, with no copy streams, the whole transfer). With the optimizer state on the host,
+the optimizer step becomes gradients down and parameters up over the link plus the host's pass over
+the state at its memory bandwidth, all paid (the step waits for it), and never less than the step on
+the device (a host cannot out-run the device it serves; on a CPU target they are the same memory).
 
-Note 5 (the baseline). The step-time ratio is against the user's own step: the plain step at
-the user's precision (fp32 under "auto"), traced once and timed by a model of its own
-(``api.plan`` Note 3). Where a plan changes the precision, a ratio below 1 is a speed-up.
+Note 5 (the baseline). The step-time ratio is against the user's own step: the plain step at the
+user's precision (fp32 under "auto"), traced once and timed by a model of its own (the plan traces
+it beside its candidate precisions). Where a plan changes the precision, a ratio below 1 is a
+speed-up.
 
 Note 6 (the optimizer implementation). ``with_optimizer_step(est)`` times the optimizer step
 from the ops of ``est``, a plain trace with another implementation (foreach: a few kernels
@@ -37,7 +38,7 @@ count); the forward and backward are this model's.
 Note 7 (parameter offload). A model read off a trace with ``offload_params`` already counts the
 fetches' device-side copies (ops of the trace); what it adds is the host link: every offloaded
 weight crosses it before the block's forward and again before its backward, once per
-micro-batch, and the copies are synchronous (param_offload Note 5): nothing hides them.
+micro-batch, and the copies are synchronous (no side stream yet): nothing hides them.
 ``with_fetches(bytes)`` adds ``bytes / link`` per micro-batch.
 
 Note 8 (low-bit optimizer state). Its step (dequantize, Adam, quantize: the library's ops) is
@@ -99,7 +100,8 @@ class TimeModel:
         self._opt_touched = float(touched[self.opt_start:].sum())
         self.optimizer_s = float(self._fixed[self.opt_start:].sum() + self._per[self.opt_start:].sum()
                                  * self.b0)
-        # per block, its passes: (unit, forward ops, backward ops) (memory_model Note 8)
+        # per block, its passes: (unit, forward ops, backward ops), a forward paired with the
+        # backward that follows it (a user's step may run a block several times)
         self._passes = [[(u, _span(fw), _span(bw)) for u, fw, bw in memory.passes(i)]
                         for i in range(len(memory.blocks))]
 

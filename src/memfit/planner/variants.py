@@ -1,19 +1,22 @@
 """The planner's levers beyond per-block modes: one memory and time model per low-bit optimizer
-state and per parameter offload, from a trace of each (search Note 6).
+state and per parameter offload, from a trace of each (the search takes each as a longer model
+key, ``search.variant_key``).
 
 Note 1 (what is traced). The caller (``api.plan``) passes ``trace(precision, samples, **knobs)``
 (an ``estimate`` without the allocator replay; ``samples`` ``None`` for the whole batch, else
 the first ``samples`` of it) so that this layer imports nothing above it.
 - A low-bit state ``s`` costs one trace of the whole batch (the first precision's plain step
-  with ``optimizer_state=s``), shared by every precision: memory_model Note 9 and time_model
-  Note 8 read the state's bytes and its step off it (the state does not depend on the
-  autocast precision; another precision's forward has other ops, so its points shift by the
-  state's bytes alone); the forward and backward points stay the fp32-state model's.
+  with ``optimizer_state=s``), shared by every precision: the memory and time models read the
+  state's bytes and its step off it (``with_optimizer_state``, ``with_optimizer_step``; the
+  state does not depend on the autocast precision; another precision's forward has other ops,
+  so its points shift by the state's bytes alone); the forward and backward points stay the
+  fp32-state model's.
 - Parameter offload ("all" blocks, with the optimizer state on the host: it needs it) costs two
-  traces (the whole batch and half of it, memory_model Note 2), at the precision "auto"
-  prefers (the one traced first): fetched weights change every point of the step. Its model allows the optimizer state on the host only and no activation
-  offload (memory_model Note 10), and its time model pays the host link for every offloaded
-  weight twice per micro-batch (time_model Note 7).
+  traces (the whole batch and half of it: every point a line in the micro-batch), at the
+  precision "auto" prefers (the one traced first): fetched weights change every point of the
+  step. Its model allows the optimizer state on the host only and no activation offload
+  (``placements``, ``excluded_modes``), and its time model pays the host link for every
+  offloaded weight twice per micro-batch (``with_fetches``: the copies are synchronous).
 
 Note 2 (when). Low-bit states change the numerics: they are weighed only when the caller
 allows it (``allow_numerics_change``, implied by ``precision="auto"``), only for Adam/AdamW
@@ -22,14 +25,14 @@ that the optimizer refuses is skipped. Parameter offload is a
 last resort (synchronous copies of every weight, twice per micro-batch): it is weighed when
 nothing else fits, and by the floor.
 
-Note 3 (precisions under "auto"). On a GPU: the 16-bit autocast the card has (bf16 where it
-supports it: fp32's range, no loss scaling; else fp16 with a GradScaler), bf16-pure where bf16
-is supported (bf16 weights, activations and gradients, fp32 master weights for the optimizer:
-no casts, the least activation bytes, the most change to the numerics), and fp32 itself, the
-user's numerics: it wins where the card's 16-bit matmuls are no faster than its fp32 ones
-(time_model Note 2: Pascal; it is then listed second, after the 16-bit the card has), so that
-16-bit buys only memory and its casts cost time, and where a small step is bound by launches,
-not matmuls. On a CPU: fp32.
+Note 3 (precisions under "auto"). On a GPU: the 16-bit autocast the card has (bf16 where it supports
+it: fp32's range, no loss scaling; else fp16 with a GradScaler), bf16-pure where bf16 is supported
+(bf16 weights, activations and gradients, fp32 master weights for the optimizer: no casts, the least
+activation bytes, the most change to the numerics), and fp32 itself, the user's numerics: it wins
+where the card's 16-bit matmuls are no faster than its fp32 ones (no tensor cores, as on Pascal,
+whose 16-bit matmuls run at the fp32 rate; it is then listed second, after the 16-bit the card has),
+so that 16-bit buys only memory and its casts cost time, and where a small step is bound by
+launches, not matmuls. On a CPU: fp32.
 """
 
 from __future__ import annotations
