@@ -1,11 +1,11 @@
 """``compare_gpus``: for every GPU of the table, the fewest cards that fit and their step time.
 
-Note 1 (modelled). Every card of the table at its usable memory, the fewest GPUs (1..b) whose
-best layout the models of ``api._plan_sharded`` predict to fit, and its step time; modelled
-from one trace per precision (state fixed, activations proportional to the batch:
-memory_model Note 2), not re-traced per card (33 verifications would take many minutes), and
-said so. The fewest are found by bisection (``api._plan_sharded.fewest``). Sorted by
-GPU-seconds per step (cards x step time): what a rental costs in card-hours, before prices.
+Note 1 (modelled). Every card of the table at its usable memory, the fewest GPUs (1..b) whose best
+layout the models of ``api._plan_sharded`` predict to fit, and its step time; modelled from one
+trace per precision (state fixed, activations proportional to the batch: every point of the step a
+line in the micro-batch), not re-traced per card (33 verifications would take many minutes), and
+said so. The fewest are found by bisection (``api._plan_sharded.fewest``). Sorted by GPU-seconds per
+step (cards x step time): what a rental costs in card-hours, before prices.
 
 Note 2 (cards without bf16). Where the precision asked is bf16 (or FSDP2's bf16
 ``mp_policy``) a card without bf16 cannot run it: its row says "no bf16" rather than stopping

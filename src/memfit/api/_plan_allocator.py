@@ -2,13 +2,14 @@
 
 Note 1 (what is chosen). On a CUDA target, ``memplan.allocator_options`` replays the verified
 trace's storages under each setting PyTorch can apply (pools: "default", "optimizer-pool",
-"phase-pools", each with and without ``expandable_segments``; ``memplan._pools`` Note 2) and
-the one reserving least is the plan's ``allocator`` when it reserves less than the default:
-``{"scheme", "expandable_segments", "saved_bytes"}``. ``saved_bytes`` is modelled (the
-default's replay minus the setting's) and is already taken off the plan's predicted reserved
-and device bytes. On the step where only expandable segments differ, memplan's replay and
-the trace's own (``estimate(..., allocator=AllocatorConfig(expandable_segments=True))``) give
-the same bytes (tests/memplan/test_plan_allocator.py holds them to it).
+"phase-pools", each with and without ``expandable_segments``; a pool is chosen by the phase an
+allocation happens in, and the backward stays in the default one) and the one reserving least is the
+plan's ``allocator`` when it reserves less than the default:
+``{"scheme", "expandable_segments", "saved_bytes"}``. ``saved_bytes`` is modelled (the default's
+replay minus the setting's) and is already taken off the plan's predicted reserved and device bytes.
+On the step where only expandable segments differ, memplan's replay and the trace's own
+(``estimate(..., allocator=AllocatorConfig(expandable_segments=True))``) give the same bytes
+(tests/memplan/test_plan_allocator.py holds them to it).
 
 Note 2 (the budget). The saved bytes count: a trace that misses the budget under the default
 allocator but fits under the best setting is accepted (the plain-step check and the search's
@@ -17,7 +18,7 @@ are replayed only where they matter: for the accepted trace, and for a trace tha
 the default's figure.
 
 Note 3 (what can still be applied). ``expandable_segments`` is read once, when CUDA's
-allocator starts (``runtime.mem_pools`` Note 1). A model whose tensors are already on a GPU has
+allocator starts (from ``PYTORCH_CUDA_ALLOC_CONF``). A model whose tensors are already on a GPU has
 started it, so planning it (what ``memfit.fit`` does) weighs only the setting the allocator
 runs with (``PYTORCH_CUDA_ALLOC_CONF``'s); pools can be entered at any time, so they are still
 weighed. The plan's reasons say what a free choice would have saved and how to get it (export

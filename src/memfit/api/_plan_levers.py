@@ -1,5 +1,6 @@
-"""The planner's levers beyond the per-block modes (``api.plan`` Note 8): low-bit optimizer
-states where the numerics may change, and parameter offload, each modelled on demand, once.
+"""The planner's levers beyond the per-block modes, weighed once the plain step does not fit:
+low-bit optimizer states where the numerics may change, and parameter offload, each modelled on
+demand, once.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def state_knobs(k: Knobs) -> dict:
 
 
 class Levers:
-    """Adds the planner's lever models on demand (planner.variants Note 2), once each."""
+    """Adds the planner's lever models on demand, once each: low-bit states only where the
+    numerics may change (Adam/AdamW, the library installed), parameter offload as a last resort."""
 
     def __init__(self, model, batch, models, traces, common, spec, b, k: Knobs,
                  numerics: bool, user_step: bool, say):

@@ -1,10 +1,10 @@
 """What ``memfit.plan`` says about a plan: the reasons for its global choices, the host memory
 its offload needs, and ``BudgetTooSmall`` with the levers beyond memfit's knobs.
 
-Note 1 (the ratio's words). The step-time ratio is against the user's own step (plan Note 3).
-A plan that keeps the user's precision and optimizer mostly adds work (a slowdown); one that
-changes the precision (or the optimizer implementation) says so, and a ratio below 1 is then
-a speed-up.
+Note 1 (the ratio's words). The step-time ratio is against the user's own step (the plain step at
+their precision, traced beside the candidates). A plan that keeps the user's precision and optimizer
+mostly adds work (a slowdown); one that changes the precision (or the optimizer implementation) says
+so, and a ratio below 1 is then a speed-up.
 
 Note 2 (host memory). A plan that offloads activations or the optimizer state needs host RAM
 for them: the re-trace's host peak (memfit's host pool and the host optimizer's state). A plan
@@ -91,7 +91,7 @@ def _policy_words(value) -> str:
     return value if isinstance(value, str) else ",".join(value)
 
 
-_PRECISION_WORDS = {   # why auto chose it, and which numerics change (planner.variants Note 3)
+_PRECISION_WORDS = {   # why auto chose it, and which numerics change (docs/planner.md)
     "bf16": "auto takes bf16 autocast, which the {gpu} supports: matmuls and activations in "
             "bf16 (fp32's range: no loss scaling), weights, gradients and optimizer state stay "
             "fp32; the numerics change by bf16's rounding of the autocast ops",
@@ -161,11 +161,12 @@ def _optimizer_reasons(k, choice, memory, ctx) -> list[str]:
 def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
               excluded: list[str] = (), seq: tuple[int | None, int] | None = None,
               gpus: int = 1, counted: list[str] = (), bound: bool = False) -> BudgetTooSmall:
-    """The floor (re-traced over every lever memfit has, plan Note 5) and what is beyond it
+    """The floor (re-traced over every lever memfit has) and what is beyond it
     (Note 3): ``excluded``, memfit's levers the caller's settings left out; ``seq``, (the
     longest sequence the floor's configuration fits, or None if none does; the batch's).
-    ``bound``: ``floor_bytes`` is the floor's lower bound from the parameters alone (_floor
-    Note 5), found before any trace: the floor is at least that. One line per lever (Note 4)."""
+    ``bound``: ``floor_bytes`` is the floor's lower bound from the parameters alone (what every
+    configuration holds), found before any trace: the floor is at least that. One line per lever
+    (Note 4)."""
     params, grads = memory.params_bytes, memory.grads_bytes
     state = memory.optimizer_state_bytes
     levers = []

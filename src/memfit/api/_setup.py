@@ -18,7 +18,8 @@ from memfit.runtime import Applied, Runner
 from memfit.runtime.batch_shape import BatchShapes
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
-from memfit.techniques.low_bit_optimizer import BnbRecipe, LowBitOptimizer, is_bnb, may_make_bnb
+from memfit.techniques._bnb_optimizer import BnbRecipe, is_bnb, may_make_bnb
+from memfit.techniques.low_bit_optimizer import LowBitOptimizer
 from memfit.techniques.offload import Offload
 from memfit.techniques.optimizer_offload import OptimizerOffload
 from memfit.techniques.param_offload import ParamOffload
@@ -69,14 +70,15 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
                  planned_batch=None, user_step=None) -> Runner:
     """Apply the knobs to ``model`` (in place) and wrap it in a Runner.
 
-    ``plan`` is not changed (plan Note 1): what applying it did is ``runner.applied``, with
+    ``plan`` is not changed (a ``Plan`` is frozen): what applying it did is ``runner.applied``, with
     ``notes`` first and the budget the Runner holds (``budget_bytes``, default the plan's).
     ``autocast_impl`` (dtype -> context) and ``recompute_context`` (dtype or None -> context
     entered around each checkpoint recompute) let a trace model another device's autocast and
     kernels; real runs leave them None (torch.autocast is replayed by checkpoint itself).
     ``replan(excess_bytes) -> Runner`` arms the Runner's OOM guard (runtime.oom_guard).
     ``planned_batch``: the batch the plan was made for; a larger one warns (batch_shape).
-    ``user_step`` (``memfit.step.UserStep``): run it instead of memfit's loop (runner Note 5)."""
+    ``user_step`` (``memfit.step.UserStep``): run it instead of memfit's loop, on the batch as
+    given; the plan reaches it through the block hooks and the optimizer."""
     if knobs.offload_optimizer and knobs.precision == "bf16-pure":
         raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
                          "master weights would be kept twice; use bf16 autocast instead")
@@ -84,21 +86,21 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     if offload_params and not knobs.offload_optimizer:
         raise ValueError(f"offload_params={knobs.offload_params!r} needs offload_optimizer=True: "
                          "an offloaded weight's host copy is the optimizer's fp32 host twin, "
-                         "stepped on the host (memfit.techniques.param_offload Note 1)")
-    # refused before the model is touched (api._plan_allocator Note 3)
+                         "stepped on the host (docs/techniques/parameter-offload.md)")
+    # refused before the model is touched (expandable_segments is read when CUDA starts)
     pools, allocator_note = apply_allocator(plan, device_type)
     low_bit = None
     if knobs.optimizer_state not in (None, "fp32"):
         low_bit = LowBitOptimizer(LowBitOptimizer.Config(knobs.optimizer_state))
         recipe = low_bit.recipe(recipe)     # refuses optimizer_impl and non-Adam classes
-    elif is_bnb(recipe.instance) or may_make_bnb(recipe):   # its args, overrides (low_bit Note 6)
+    elif is_bnb(recipe.instance) or may_make_bnb(recipe):   # its args, overrides kept
         recipe = BnbRecipe(recipe.spec, recipe.impl)
     tech = Precision(Precision.Config(knobs.precision or "fp32"), autocast_impl)
     blocks, notes, rebuilt, handles = dict(plan.blocks), list(notes), False, []
     try:
         if knobs.checkpoint not in (None, "none"):
             # a real torch.autocast is replayed by checkpoint itself; a modelled one must be
-            # re-entered around the recompute (checkpoint Note 4)
+            # re-entered around the recompute, which runs in backward, outside the mode
             factory = None
             if recompute_context is not None:
                 factory = lambda: recompute_context(tech.autocast_dtype)  # noqa: E731
@@ -108,7 +110,7 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
             blocks.update(handle.modes)
         if knobs.offload not in (None, "none"):
             # offload's hooks sit outside a checkpoint's: on a block that is also recomputed,
-            # what leaves the device is the checkpoint's inputs (offload Note 1)
+            # what leaves the device is the checkpoint's inputs
             handle = Offload(Offload.Config(knobs.offload)).apply(model)
             handles.append(handle)
             _merge_offload(blocks, handle.modes)
@@ -129,7 +131,7 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
             rebuilt = True
             notes.append(low_bit.note())
         if knobs.offload_optimizer:
-            if offload_params:       # it offloads the optimizer itself (param_offload Note 1)
+            if offload_params:       # it offloads the optimizer itself: its twins are the weights
                 optimizer, handle = ParamOffload(ParamOffload.Config(knobs.offload_params)) \
                     .apply(model, optimizer)
                 handles.append(handle)

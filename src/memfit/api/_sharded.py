@@ -1,14 +1,14 @@
 """``estimate_sharded``: one rank's memory in an N-rank FSDP2 or DDP job, from one process.
 
-Note 1 (what is traced). The model is faked (``FakeCopier``), sharded by PyTorch's own
-engine (``techniques.sharding``: ``fully_shard`` per block and at the root, or DDP) over a
-fake process group of ``world_size`` ranks (``trace.sharded`` Note 1), and memfit's Runner
-(the one ``memfit.fit`` trains with) runs two steps on it: the first, uncounted, is the
-warm-up (optimizer state, FSDP2's lazy init, the previous step's sharded gradients alive at
-the next step's start); the second is counted. So the figures are those of a steady-state
-step on one rank: sharded parameters, gradients and optimizer state, the all-gather buffers
-and the unsharded parameters of the block in flight and of the one prefetched, the
-reduce-scatter input and output buffers, resharding after forward or not, DDP's buckets.
+Note 1 (what is traced). The model is faked (``FakeCopier``), sharded by PyTorch's own engine
+(``techniques.sharding``: ``fully_shard`` per block and at the root, or DDP) over a fake process
+group of ``world_size`` ranks (c10d's "fake" backend: collectives return at once, moving nothing),
+and memfit's Runner (the one ``memfit.fit`` trains with) runs two steps on it: the first, uncounted,
+is the warm-up (optimizer state, FSDP2's lazy init, the previous step's sharded gradients alive at
+the next step's start); the second is counted. So the figures are those of a steady-state step on
+one rank: sharded parameters, gradients and optimizer state, the all-gather buffers and the
+unsharded parameters of the block in flight and of the one prefetched, the reduce-scatter input and
+output buffers, resharding after forward or not, DDP's buckets.
 
 Note 2 (targets). For a CPU target (``device="cpu"``) the figures are exact: the tests run
 the same step in real 2- and 4-process gloo jobs and compare each rank's ``track``
@@ -88,14 +88,14 @@ def estimate_sharded(model: nn.Module, batch, optimizer="adamw", device=None,
     """Predict one rank's memory for a steady-state step of ``model`` trained on ``batch``
     (one rank's batch) by ``world_size`` ranks with FSDP2 (``sharding="fsdp"``) or DDP.
 
-    ``reshard_after_forward``, ``mp_policy`` (None or "bf16": ``MixedPrecisionPolicy(bf16,
-    reduce fp32)``), ``fsdp_offload`` (``CPUOffloadPolicy``) are FSDP2's; ``bucket_cap_mb``
-    DDP's. ``rank``: the rank traced; 0 (the default) holds the most where a dimension does not
-    split evenly over the ranks (``trace.sharded`` Note 1). ``optimizer``, ``device``,
-    ``loss_fn``, ``budget``, ``count_fn`` and the knobs as in ``memfit.estimate`` (Note 3).
-    Traced on fake tensors under a fake process group (Notes 1, 2): ``model`` may be on
-    ``meta`` and is not touched; no process group may be initialized in this process
-    (``trace.sharded`` Note 1).
+    ``reshard_after_forward``, ``mp_policy`` (None or "bf16":
+    ``MixedPrecisionPolicy(bf16, reduce fp32)``), ``fsdp_offload`` (``CPUOffloadPolicy``) are
+    FSDP2's; ``bucket_cap_mb`` DDP's. ``rank``: the rank traced; 0 (the default) holds the most
+    where a dimension does not split evenly over the ranks (FSDP2 chunks dim 0: the last ranks get
+    less). ``optimizer``, ``device``, ``loss_fn``, ``budget``, ``count_fn`` and the knobs as in
+    ``memfit.estimate`` (Note 3). Traced on fake tensors under a fake process group (Notes 1, 2):
+    ``model`` may be on ``meta`` and is not touched; no process group may be initialized in this
+    process (c10d holds one default group per process).
     """
     config = Sharding.Config(kind=sharding, reshard_after_forward=reshard_after_forward,
                              mp_policy=mp_policy, offload=fsdp_offload,

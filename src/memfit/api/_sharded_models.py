@@ -1,7 +1,7 @@
 """The per-layout models of a sharded plan, shared by ``memfit.plan(gpus=...)``
 (``api._plan_sharded``) and ``api._compare_gpus``: the knobs checked, the one single-device
 trace, its memory and time models per layout, the search of one layout, and the fewest GPUs
-that fit (``api._plan_sharded`` Notes 1-4, 6).
+that fit. How a sharded plan is made: docs/techniques/sharding.md.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def _setup(model, batch, optimizer, device, loss_fn, knobs: dict, step, schedule
         raise ValueError("precision='bf16' (autocast) and mp_policy='bf16' both cast the "
                          "compute: pick one (mp_policy='bf16' is FSDP2's; leave precision "
                          "unset or 'fp32' with it)")
-    p = resolve_precision("bf16" if k.mp_policy else k.precision, spec)   # plan Note 6
+    # "auto": the 16-bit autocast the card has
+    p = resolve_precision("bf16" if k.mp_policy else k.precision, spec)
     if p == "fp16" and k.precision == "auto":
         p = "fp32"
     if p not in ("fp32", "bf16"):
@@ -67,7 +68,8 @@ def _setup(model, batch, optimizer, device, loss_fn, knobs: dict, step, schedule
 
 
 def _trace(model, batch, optimizer, loss_fn, count_fn, k: Knobs, p: str, say):
-    """The single-device trace of ``api._plan_sharded`` Note 2, on the CPU (as estimate_sharded's)."""
+    """The one plain single-device trace a sharded plan's models are read from, on the CPU (as
+    estimate_sharded's)."""
     say(f"tracing the plain step on one device ({p}, batch {batch_size_of(batch)})")
     return estimate(model, batch, optimizer=optimizer, device="cpu", loss_fn=loss_fn,
                     count_fn=count_fn, precision=p, max_grad_norm=k.max_grad_norm,
@@ -114,7 +116,8 @@ class _Models:
 def _search_row(models: _Models, cand: Candidate, spec, budget: int, k: Knobs, fixed_modes,
                 margin: int = 0, probe: bool = False) -> Row:
     """The fastest configuration of ``cand`` predicted to fit; ``probe``: any one that fits,
-    tried at the micro-batch sizes that need least (1 and the rank's batch: search Note 2)."""
+    tried at the micro-batch sizes that can need least (1 and the rank's batch, which holds no
+    gradient during the forward)."""
     b = models.b
     rb = -(-b // cand.gpus)
     memory, time = models.pair(cand, spec)
@@ -140,7 +143,7 @@ def _search_row(models: _Models, cand: Candidate, spec, budget: int, k: Knobs, f
 
 def fewest(counts: list[int], fits) -> int | None:
     """The least of ``counts`` (ascending) where ``fits(n)``, by bisection: a rank's bytes never
-    grow with the count (``api._plan_sharded`` Note 3), so neither does what fits. None: not even the last."""
+    grow with the count, so neither does what fits. None: not even the last."""
     lo, hi = 0, len(counts) - 1
     if not counts or not fits(counts[hi]):
         return None

@@ -1,25 +1,24 @@
 """``estimate_shapes``: one GPU step's memory in several batch shapes, from one trace.
 
-Note 1 (why). A trace costs the same whatever the batch's size: it is Python's dispatch of each
-op through the tracing modes, not arithmetic. A table whose rows differ only in batch size and
-length (``memfit bench seed``) can therefore trace once with those dimensions symbolic
-(``trace.symbolic``) and replay the counted ledger in each shape: every storage's size is an
-expression of the symbols (``measure._ledger`` Note 5), and the caching allocator model replays
-the same births and deaths with that shape's sizes. A shared trace costs about twice a plain
-one (sympy), so it pays from the second shape on.
+Note 1 (why). A trace costs the same whatever the batch's size: it is Python's dispatch of each op
+through the tracing modes, not arithmetic. A table whose rows differ only in batch size and length
+(``memfit bench seed``) can therefore trace once with those dimensions symbolic (``trace.symbolic``)
+and replay the counted ledger in each shape: every storage's size is an expression of the symbols
+(the ledger keeps each event's ``SymInt`` expression), and the caching allocator model replays the
+same births and deaths with that shape's sizes. A shared trace costs about twice a plain one
+(sympy), so it pays from the second shape on.
 
-Note 2 (when it holds). A shape is replayed only where the trace in that shape would run the
-same ops: every decision the trace took on a symbolic size (a Python comparison of a
-``SymInt``, in PyTorch's decompositions, the model's code or memfit's kernel models) is one of
-the shape environment's guards, and the shape must satisfy every one of them; and its batch
-must be the traced one in that shape (every dimension that changes is a symbol: a decoder's
-labels whose length follows the input's would keep the traced length otherwise), each of its
-tensors owning a contiguous storage of its own (a slice of a longer buffer counts the whole
-buffer; two views of one storage count it once). A shape that does not, or whose sizes are not
-all >= 2, is traced on its own, as is every shape when the shared trace fails (e.g. a
-data-dependent op: the shared trace knows no batch values, Note 2 of ``trace.data_dependent``),
-for a CPU target, and for one rank of a sharded job. So each figure is what ``estimate`` gives
-for that shape.
+Note 2 (when it holds). A shape is replayed only where the trace in that shape would run the same
+ops: every decision the trace took on a symbolic size (a Python comparison of a ``SymInt``, in
+PyTorch's decompositions, the model's code or memfit's kernel models) is one of the shape
+environment's guards, and the shape must satisfy every one of them; and its batch must be the traced
+one in that shape (every dimension that changes is a symbol: a decoder's labels whose length follows
+the input's would keep the traced length otherwise), each of its tensors owning a contiguous storage
+of its own (a slice of a longer buffer counts the whole buffer; two views of one storage count it
+once). A shape that does not, or whose sizes are not all >= 2, is traced on its own, as is every
+shape when the shared trace fails (e.g. a data-dependent op: the shared trace knows no batch values,
+so it cannot resolve one), for a CPU target, and for one rank of a sharded job. So each figure is
+what ``estimate`` gives for that shape.
 
 Note 3 (what it gives). Per shape: the allocated and reserved peaks of step 2 and the device
 bytes with the card's lines outside the allocator, i.e. the figures a table shows. The timeline,

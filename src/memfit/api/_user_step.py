@@ -1,14 +1,13 @@
 """The user's own step (``step=fn``) in estimate, plan and fit: what it fixes, how it is traced.
 
-Note 1 (what the step fixes). ``fn(model, batch, optimizer)`` is the user's training step as
-written (``memfit.step`` Note 2): its precision (autocast, a GradScaler), its micro-batches,
-its clipping and where it calls ``zero_grad`` are its own, so the knobs that would change them
-(``precision`` other than "fp32", which means "nothing added", ``micro_batch_size`` other than
-the whole batch, ``max_grad_norm``, ``zero_grad``, ``remat``) are refused with the fix, and a
-``loss_fn`` has nothing to do. What memfit can still apply reaches the step through the model
+Note 1 (what the step fixes). ``fn(model, batch, optimizer)`` is the user's training step as written
+(``memfit.step.UserStep`` calls it, rewriting nothing): its precision (autocast, a GradScaler), its
+micro-batches, its clipping and where it calls ``zero_grad`` are its own, so the knobs that would
+change them (``precision`` other than "fp32", which means "nothing added", ``micro_batch_size``
+other than the whole batch, ``max_grad_norm``, ``zero_grad``, ``remat``) are refused with the fix,
+and a ``loss_fn`` has nothing to do. What memfit can still apply reaches the step through the model
 and the optimizer it is handed: per-block ``checkpoint`` / ``offload`` (block hooks),
-``offload_optimizer`` and ``optimizer_impl`` (the optimizer is rebuilt, and ``fn`` gets that
-one).
+``offload_optimizer`` and ``optimizer_impl`` (the optimizer is rebuilt, and ``fn`` gets that one).
 
 Note 2 (steady state). The step is traced twice on the same fakes and the second call is
 counted (``trace.profile.profile_step(two_steps=True)``): the first call creates the optimizer
@@ -96,7 +95,8 @@ def with_backward_phase(phases: dict[str, int], modules) -> dict[str, int]:
 
 def check_cuda_autocast(step: UserStep, device_name: str) -> None:
     """Refuse a GPU estimate of a step whose ``torch.autocast("cuda")`` this machine turned off
-    (``memfit.step`` Note 3): its trace counted an fp32 step, not the one the GPU runs."""
+    (a CPU-only build warns and runs the region uncast): its trace counted an fp32 step, not the
+    one the GPU runs."""
     if step.cuda_autocast_off:
         raise ValueError(
             f"step {step.name} enters torch.autocast('cuda'), which this PyTorch turns off "

@@ -16,7 +16,7 @@ def remat(budget=None, *, model: nn.Module | None = None, optimizer=None,
 
     Under memory pressure the tensors autograd saved inside the model's blocks are evicted (the
     DTR heuristic: cost / (bytes x staleness), evicted neighbours' cost included) and recomputed
-    exactly when backward needs them (``memfit.techniques.remat`` Notes). ``budget`` (bytes or
+    exactly when backward needs them (docs/techniques/dtr.md). ``budget`` (bytes or
     "11GiB"): live device bytes stay at or under it. Without one, eviction happens only when an
     allocation fails: on CUDA the allocator's out-of-memory error, on CPU an enclosing
     ``memfit.track(budget=...)``'s (enter remat inside track). A CPU budget counts every tensor
