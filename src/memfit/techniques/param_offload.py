@@ -2,20 +2,19 @@
 before the block runs (forward, and again for its backward), with the next block prefetched
 (ZeRO-3 offload / FSDP2's ``CPUOffloadPolicy``, for one device).
 
-Note 1 (the host copy is the optimizer's twin). Parameter offload composes with optimizer
-offload and needs it: ``OffloadedOptimizer`` already keeps an fp32 host twin of every
-parameter and steps the twins (its Note 1), so the twin *is* the host copy of the weight and
+Note 1 (the host copy is the optimizer's twin). Parameter offload composes with optimizer offload
+and needs it: ``OffloadedOptimizer`` already keeps an fp32 host twin of every parameter and steps
+the twins (on the host, copying the results back), so the twin *is* the host copy of the weight and
 nothing is duplicated. The device parameter of an offloaded block is *released* between uses
 (``p.data`` set to a one-element placeholder expanded to the parameter's shape: its storage is
 freed, while the ``nn.Parameter`` object, its shape (what ``zeros_like``, gradient checks and
-clipping read), its ``.grad`` and every reference to it stay) and *fetched* (a new device
-tensor copied from the twin, in the parameter's dtype, set as ``p.data``) when needed. The
-optimizer's copy of an updated twin back to the device is replaced, for offloaded parameters,
-by a release (``copy_to_device``, passed to ``OptimizerOffload``): the next fetch brings the
-new value. A weight used while released would read the placeholder's zero: every path that
-runs a block's forward must fetch first (Notes 2 and 3).
-Values are the plain offloaded step's to the bit: both copy the same twin into the device
-parameter, and the math never changes.
+clipping read), its ``.grad`` and every reference to it stay) and *fetched* (a new device tensor
+copied from the twin, in the parameter's dtype, set as ``p.data``) when needed. The optimizer's copy
+of an updated twin back to the device is replaced, for offloaded parameters, by a release
+(``copy_to_device``, passed to ``OptimizerOffload``): the next fetch brings the new value. A weight
+used while released would read the placeholder's zero: every path that runs a block's forward must
+fetch first (Notes 2 and 3). Values are the plain offloaded step's to the bit: both copy the same
+twin into the device parameter, and the math never changes.
 
 Note 2 (forward). A forward pre-hook on each chosen block fetches its parameters (unless a
 prefetch already did) and prefetches the next offloaded block (blocks in execution order,
@@ -54,7 +53,8 @@ sees) and die at release; twins are host memory (``OffloadedOptimizer.host_tenso
 the estimate counts exactly what the device holds at each op, and CPU runs (where both are one
 memory) are split as on a GPU. Copies are synchronous on the compute stream (``non_blocking``
 from pinned twins on CUDA, ordered by the stream): a prefetch is issued early but overlaps
-compute only once copies move to a side stream (``Offload`` Note 6): not done yet.
+compute only once copies move to a side stream (as activation offload's do on CUDA): not done
+yet.
 """
 
 from __future__ import annotations
