@@ -184,7 +184,7 @@ def _zoo_step(model_name: str, batch_size: int, seq_len: int) -> dict:
 
 def calibrate(*, model: str = "gpt2", batch_size: int = 8, seq_len: int = 128,
               allow_initialized: bool = False) -> dict:
-    """Every measurement, as a profile (``memfit._device_profile`` Note 1)."""
+    """Every measurement, as a profile (the format ``memfit._device_profile`` checks)."""
     require_gpu()
     start = time.perf_counter()
     ctx = measure_context(allow_initialized=allow_initialized)

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:         # --help, --version, or argparse refusing a value (2)
         sys.stderr.write(said.getvalue())
         code = e.code if isinstance(e.code, int) else 2
-        if code and "--json" in argv:       # refused under --json: JSON too (_errors Note 4)
+        if code and "--json" in argv:       # refused under --json: JSON too, on stdout
             import json
 
             last = (said.getvalue().strip().splitlines() or ["invalid arguments"])[-1]
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:      # bad input or a job that cannot fit: what, and the fix
             if not is_user_error(e):
                 raise               # a bug in memfit: its traceback is the report
-            if getattr(args, "json", False):     # one JSON object on stdout (_errors Note 4)
+            if getattr(args, "json", False):     # one JSON object on stdout, whatever happened
                 import json
 
                 json.dump(error_json(e, flags), sys.stdout, indent=2)
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _option_strings(parser: argparse.ArgumentParser, command: str | None) -> set[str] | None:
-    """Every flag of subcommand ``command`` (what its errors may name, _errors Note 3)."""
+    """Every flag of subcommand ``command`` (an error is rewritten to name flags only where the
+    command has every one it names)."""
     for action in parser._subparsers._group_actions if parser._subparsers else ():
         sub = action.choices.get(command) if hasattr(action, "choices") else None
         if sub is not None:

@@ -48,7 +48,8 @@ def join_dash_values(argv: list[str]) -> list[str]:
 
 def budget_bytes(text: str) -> int:
     """--budget: a byte size of at least 1 byte; a bare number under 1 MiB is refused
-    (units Note 1), so ``11`` asks for a unit and ``11B`` is 11 bytes."""
+    (as ``memfit.parse_bytes`` refuses one: no step fits in 11 bytes), so ``11`` asks for a unit
+    and ``11B`` is 11 bytes."""
     try:
         value = parse_bytes(text)
     except ValueError as e:

@@ -65,7 +65,7 @@ def _flag(name: str) -> str:
     return _FLAGS.get(name) or _PLAIN_WORDS[name]
 
 
-_SWITCHES = {"offload_optimizer", "fsdp_offload", "reshard_after_forward"}   # on|off (_args Note 2)
+_SWITCHES = {"offload_optimizer", "fsdp_offload", "reshard_after_forward"}   # flags of on|off
 
 
 def _assignment(m: re.Match) -> str:

@@ -1,8 +1,9 @@
 """``memfit bench seed``: the seed's memory table of XLM-R base and large, for any GPU.
 
-Rows are ``memfit estimate`` runs (memfit.train.seed_table Note 1), so each number equals that
-command's, traced once per group of rows that differ only in batch size and length (Note 2
-there); memfit's own plan for each model closes the table. Predicted only: there is no
+Rows are ``memfit estimate`` runs (``memfit.train.seed_table`` calls ``memfit.estimate`` with
+exactly that command's arguments), so each number equals that command's, traced once per group
+of rows that differ only in batch size and length (one trace with symbolic sizes, replayed per
+shape); memfit's own plan for each model closes the table. Predicted only: there is no
 measured column unless a GPU runs it (none here).
 """
 

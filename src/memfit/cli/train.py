@@ -2,7 +2,7 @@
 
 Flags left unset take ``memfit.train.TrainConfig``'s defaults, or, with ``--resume``, the
 values the run was started with (its ``config.json``); a flag given with ``--resume`` replaces
-the saved value (a different model is refused: setup Note 2).
+the saved value (a different model is refused: its checkpoint would not load).
 """
 
 from __future__ import annotations
