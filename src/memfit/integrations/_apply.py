@@ -1,13 +1,14 @@
 """A ``memfit.Plan`` applied to a model and optimizer that a framework's own loop runs.
 
-Note 1 (what is applied, and how). A plan made for a user step (``memfit.plan(step=fn)``, plan
-Note 7) reaches the loop through the model and the optimizer only: the plan's knobs are applied
-by the same ``api._setup.build_runner`` that ``estimate`` traced (checkpoint hooks, offload
-hooks on the blocks, ``techniques.optimizer_offload`` around the user's optimizer), on the real
-model, and the Runner it builds is not used to train: the framework's loop is. A rebuilt
-optimizer (offloaded state) is handed to ``swap(new) -> undo``, which puts it where the loop
-finds it (inside accelerate's wrapper; in Lightning's strategy). Nothing on the model is
-replaced; ``Changes.remove`` takes the hooks off and puts the optimizer back.
+Note 1 (what is applied, and how). A plan made for a user step (``memfit.plan(step=fn)``: only
+per-block modes and the optimizer's placement are planned for one) reaches the loop through the
+model and the optimizer only: the plan's knobs are applied by the same ``api._setup.build_runner``
+that ``estimate`` traced (checkpoint hooks, offload hooks on the blocks,
+``techniques.optimizer_offload`` around the user's optimizer), on the real model, and the Runner it
+builds is not used to train: the framework's loop is. A rebuilt optimizer (offloaded state) is
+handed to ``swap(new) -> undo``, which puts it where the loop finds it (inside accelerate's wrapper;
+in Lightning's strategy). Nothing on the model is replaced; ``Changes.remove`` takes the hooks off
+and puts the optimizer back.
 
 Note 2 (values). Recompute and offload replay the same ops on the same values (RNG state
 included), and the offloaded optimizer steps fp32 copies with the same class: losses and weights

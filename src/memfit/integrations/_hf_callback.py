@@ -8,15 +8,15 @@ context included). On CPU: a ``memfit.track`` opened at ``on_train_begin``, so e
 loop makes is counted from its birth, and read over each step; it is closed after the last
 measured step, and the rest of the run is not slowed down.
 
-Note 2 (what is compared). The prediction is for the steady state (optimizer state existing):
-step 1, which creates that state, is logged but not compared. From step 2 on, the measured
-allocated peak is compared with the predicted one, and on CUDA the reserved bytes with the
-predicted reserved bytes; a difference above ``tolerance`` (5%) of the prediction warns.
-Two exceptions, one each way. A CPU ``Estimate`` is exact (the trace counts what the run
-does), so a step above it by any byte warns: a budget set from it would be overrun (a step
-3.2% over said nothing). An estimate of the longest step the dataloader can produce
-(``_hf_step`` Note 3, said in its notes) is a bound: steps below it by more than the tolerance
-are shorter batches, not a miss, and stay quiet.
+Note 2 (what is compared). The prediction is for the steady state (optimizer state existing): step
+1, which creates that state, is logged but not compared. From step 2 on, the measured allocated peak
+is compared with the predicted one, and on CUDA the reserved bytes with the predicted reserved
+bytes; a difference above ``tolerance`` (5%) of the prediction warns. Two exceptions, one each way.
+A CPU ``Estimate`` is exact (the trace counts what the run does), so a step above it by any byte
+warns: a budget set from it would be overrun (a step 3.2% over said nothing). An estimate of the
+longest step the dataloader can produce (the default for samples of different lengths, said in its
+notes) is a bound: steps below it by more than the tolerance are shorter batches, not a miss, and
+stay quiet.
 """
 
 from __future__ import annotations

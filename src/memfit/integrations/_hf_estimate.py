@@ -16,22 +16,22 @@ __all__ = ["estimate"]
 def estimate(trainer, device=None, *, batch=None, budget=None, **knobs) -> Estimate:
     """Predict the memory of one steady-state optimizer step of ``trainer.train()``.
 
-    Everything the Trainer decides is taken from it (``_hf_step`` Note 1): its own
-    ``training_step`` and ``compute_loss`` over ``gradient_accumulation_steps`` micro-batches
-    of ``per_device_train_batch_size`` samples from its data collator, the loss scaling,
-    ``bf16``/``fp16`` autocast as accelerate applies it, ``gradient_checkpointing`` with its
-    kwargs, ``max_grad_norm``, the optimizer ``args.optim`` builds (or the one the trainer was
-    given) and the ``lr_scheduler_type`` scheduler. Neither the trainer nor its model is
-    changed. ``device``: a GPU name, "cpu" or a ``DeviceSpec`` (default: where the model is);
-    ``budget`` sets what ``fits`` checks. ``batch``: the traced batch instead of the
-    longest step the train dataset can make (the first samples where all have one length;
-    ``_hf_step`` Note 3, said in ``Estimate.notes``) (``{"micro_batches": [...],
-    "look_ahead": ...}``, as ``trainer_batch`` makes it). ``knobs``: what memfit adds through the model and the optimizer
+    Everything the Trainer decides is taken from it (``_hf_step.TrainerStep`` runs its step): its
+    own ``training_step`` and ``compute_loss`` over ``gradient_accumulation_steps`` micro-batches of
+    ``per_device_train_batch_size`` samples from its data collator, the loss scaling,
+    ``bf16``/``fp16`` autocast as accelerate applies it, ``gradient_checkpointing`` with its kwargs,
+    ``max_grad_norm``, the optimizer ``args.optim`` builds (or the one the trainer was given) and
+    the ``lr_scheduler_type`` scheduler. Neither the trainer nor its model is changed. ``device``: a
+    GPU name, "cpu" or a ``DeviceSpec`` (default: where the model is); ``budget`` sets what ``fits``
+    checks. ``batch``: the traced batch instead of the longest step the train dataset can make (its
+    longest samples dealt into the micro-batches, the longest last; the first samples where all have
+    one length; said in ``Estimate.notes``) (``{"micro_batches": [...], "look_ahead": ...}``, as
+    ``trainer_batch`` makes it). ``knobs``: what memfit adds through the model and the optimizer
     (``checkpoint``, ``offload``, ``offload_optimizer``, ``optimizer_impl``); the rest is the
-    TrainingArguments' (change them there). After ``fit`` the estimate is of the fitted trainer
-    (its arguments, the block hooks on its model, its offloaded optimizer). For a GPU
-    ``device`` the step is traced as it runs here (accelerate's autocast of this machine) and
-    put through memfit's CUDA models (transformers' checkpointing included: ``_hf_recompute``).
+    TrainingArguments' (change them there). After ``fit`` the estimate is of the fitted trainer (its
+    arguments, the block hooks on its model, its offloaded optimizer). For a GPU ``device`` the step
+    is traced as it runs here (accelerate's autocast of this machine) and put through memfit's CUDA
+    models (transformers' checkpointing included: ``_hf_recompute``).
     """
     check_supported(trainer)
     check_gpu_checkpointing(trainer, device)

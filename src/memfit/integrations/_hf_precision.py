@@ -1,4 +1,5 @@
-"""The Trainer at another precision: ``fit(trainer, budget, precision=...)`` (``_hf_fit`` Note 2).
+"""The Trainer at another precision: ``fit(trainer, budget, precision=...)`` (by default fit keeps
+the arguments' own).
 
 Note 1 (why the accelerator is rebuilt). ``TrainingArguments`` turn ``bf16``/``fp16`` into
 ``mixed_precision`` when they are made, and the Trainer's accelerator reads it once, when the
@@ -15,10 +16,11 @@ at the new precision wraps the model's ``forward`` in autocast in place (acceler
 ``prepare_model``); undoing the change unwraps it (``unwrap_autocast``: accelerate's
 ``extract_model_from_parallel(keep_fp32_wrapper=False)``, then the class's own ``forward``).
 
-Note 2 (which precision). None: the arguments' own (the default: fit never changes numerics
-unless asked). "auto": the 16-bit one the target device has (bf16, else fp16 on a GPU; none on
-a CPU: ``api._setup.resolve_precision``), weighed beside the user's own like ``memfit.plan``'s
-"auto" (``api.plan`` Note 3). "bf16" / "fp16": that one (bf16 checked against the device).
+Note 2 (which precision). None: the arguments' own (the default: fit never changes numerics unless
+asked). "auto": the 16-bit one the target device has (bf16, else fp16 on a GPU; none on a CPU:
+``api._setup.resolve_precision``), weighed beside the user's own like ``memfit.plan``'s "auto" (the
+plain step at the user's precision is traced beside it). "bf16" / "fp16": that one (bf16 checked
+against the device).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """transformers' own activation checkpointing, traced for a GPU target.
 
 Note 1 (the problem). For a GPU target the step is traced under memfit's CUDA kernel models,
-torch-function modes entered around the whole step (``trace.cuda`` Note 1: ``CudaSdpaMode``
-runs SDPA as the GPU's kernel would, with that kernel's saved tensors). A checkpoint's recompute
-runs in backward, where those modes are no longer active: the recomputed SDPA would take the
-CPU's path, save other tensors than the forward did, and ``torch.utils.checkpoint`` stops with a
+torch-function modes entered around the whole step (``trace.cuda``: ``CudaSdpaMode`` runs SDPA as
+the GPU's kernel would, with that kernel's saved tensors). A checkpoint's recompute runs in
+backward, where those modes are no longer active: the recomputed SDPA would take the CPU's path,
+save other tensors than the forward did, and ``torch.utils.checkpoint`` stops with a
 ``CheckpointError`` (metadata mismatch). memfit's own checkpoint re-enters the models around its
-recompute (``techniques.checkpoint`` Note 4, ``CudaModel.recompute``).
+recompute (its ``recompute_context``: ``CudaModel.recompute``).
 
 Note 2 (the fix: checkpoint's ``context_fn``). transformers checkpoints each
 ``GradientCheckpointingLayer`` through the layer's ``_gradient_checkpointing_func`` (a partial of

@@ -228,7 +228,7 @@ class TrainerStep:
             self._prepare(model)
             carry.prepared = True
             carry.tr_loss = torch.tensor(0.0)
-        for x in tree_leaves(batch):     # alive all step (Note 4)
+        for x in tree_leaves(batch):     # alive all step (Note 1)
             if isinstance(x, torch.Tensor):
                 x.detach()
         micro = batch[MICRO]

@@ -2,13 +2,13 @@
 ``on_fit_start`` and compares the prediction with the first steps of the real run.
 
 Note 1 (when). At ``on_fit_start`` the strategy has set up the module and its optimizer
-(``trainer.optimizers``) and no batch has run. The step is traced as ``_lightning_step`` Note 1
-describes it, with the Trainer's own settings (``LoopSettings.of``), on ``batch`` or, by default,
-the first batch of the train dataloader (moved to the device by the strategy); a dataloader
-without a length is read one batch ahead by Lightning, so its look-ahead is counted
-(``_lightning_step`` Note 2). Reading that batch draws the DataLoader's base seed from the global
-RNG: the RNG state is put back afterwards, so the run draws what it would have without memfit
-(same dropout masks, same shuffling).
+(``trainer.optimizers``) and no batch has run. The step is traced as Lightning's automatic
+optimization runs it (``_lightning_step``), with the Trainer's own settings (``LoopSettings.of``),
+on ``batch`` or, by default, the first batch of the train dataloader (moved to the device by the
+strategy); a dataloader without a length is read one batch ahead by Lightning, so its look-ahead is
+counted too. Reading that batch draws the DataLoader's base seed from the global RNG: the RNG state
+is put back afterwards, so the run draws what it would have without memfit (same dropout masks, same
+shuffling).
 
 Note 2 (applying). With a ``budget`` the step is planned (``memfit.plan(step=fn)``: per-block
 keep / recompute / selective / offload and the optimizer state's placement) and applied with

@@ -14,9 +14,10 @@ for batch in dataloader:                                       # the loop as it 
 changes.remove()                                               # hooks off, optimizer back
 ```
 
-``estimate`` traces the loop body exactly as Accelerate runs it (``_accelerate_step`` Notes
-1-4) through ``memfit.estimate(step=fn)``; ``fit`` plans it with ``memfit.plan(step=fn)`` and
-applies the plan to the prepared model and optimizer (``_apply``).
+``estimate`` traces the loop body exactly as Accelerate runs it (``_accelerate_step``: the loop, its
+mixed precision, the accelerator's loop state, the batch) through ``memfit.estimate(step=fn)``;
+``fit`` plans it with ``memfit.plan(step=fn)`` and applies the plan to the prepared model and
+optimizer (``_apply``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def estimate(accelerator, model, optimizer, batch, step: Callable | None = None,
     neither is touched. ``batch``: the DataLoader the loop iterates (its first batch used for
     each micro-batch; a prepared one's look-ahead batch counted), one batch as it yields it (a
     Mapping called as ``model(**batch)``, used for each of the ``gradient_accumulation_steps``
-    micro-batches) or a list of that many (``_accelerate_step`` Note 4). ``step``: the loop
+    micro-batches) or a list of that many (one per micro-batch). ``step``: the loop
     body ``fn(model, batch, optimizer)`` as written inside ``with
     accelerator.accumulate(model):`` (default: forward, ``accelerator.backward``,
     ``accelerator.clip_grad_norm_`` when ``max_grad_norm`` is given, ``optimizer.step()``,

@@ -8,9 +8,10 @@ trainer = lightning.Trainer(max_steps=1000, accumulate_grad_batches=2,
 trainer.fit(module, dataloader)        # planned at on_fit_start; predicted vs measured logged
 ```
 
-``estimate`` traces Lightning's automatic optimization as ``fit`` runs it (``_lightning_step``
-Notes 1-3) through ``memfit.estimate(step=fn)``; ``MemfitPlan`` plans it with
-``memfit.plan(step=fn)`` at ``on_fit_start`` and applies the plan (``_lightning_callback``).
+``estimate`` traces Lightning's automatic optimization as ``fit`` runs it (``_lightning_step``: the
+step, the data fetcher's look-ahead, no trainer on the copy) through ``memfit.estimate(step=fn)``;
+``MemfitPlan`` plans it with ``memfit.plan(step=fn)`` at ``on_fit_start`` and applies the plan
+(``_lightning_callback``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def estimate(module, batch, *, trainer=None, accumulate_grad_batches: int = 1,
     receives it). The Trainer arguments that shape the step are given as keywords
     (``accumulate_grad_batches``, ``gradient_clip_val``, ``gradient_clip_algorithm``,
     ``precision``: "32-true" or "bf16-mixed"), or read from ``trainer``. ``look_ahead``: count
-    the batch Lightning's fetcher reads ahead from a dataloader without a length (Note 2).
+    the batch Lightning's fetcher reads ahead from a dataloader without a length (an
+    ``IterableDataset``; from a sized one it reads none).
     ``optimizer``: default, the trainer's (during fit) or a fresh one from the module's
     ``configure_optimizers``. ``knobs``: what memfit adds through the module and the optimizer
     (``checkpoint``, ``offload``, ``offload_optimizer``, ``optimizer_impl``). The module is

@@ -8,10 +8,11 @@ trainer.train()
 ```
 
 ``estimate`` traces the Trainer's own ``training_step`` on fakes as ``train()`` runs it
-(``_hf_step`` Notes 1-3; for a GPU target transformers' checkpointing too, ``_hf_recompute``);
-``fit`` plans per block with memfit's planner over that step and applies the plan (``_hf_plan``,
-``_hf_fit``; ``precision="auto"`` lets it change the numerics, ``_hf_precision``);
-``MemfitCallback`` compares the prediction with the real run (``_hf_callback``).
+(``_hf_step``: the step, what ``train()`` does to the model first, the batch; for a GPU target
+transformers' checkpointing too, ``_hf_recompute``); ``fit`` plans per block with memfit's planner
+over that step and applies the plan (``_hf_plan``, ``_hf_fit``; ``precision="auto"`` lets it change
+the numerics, ``_hf_precision``); ``MemfitCallback`` compares the prediction with the real run
+(``_hf_callback``).
 """
 
 from __future__ import annotations
