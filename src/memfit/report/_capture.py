@@ -1,14 +1,14 @@
 """Keep the storage-level record of a trace: ``traced(model)`` around ``memfit.estimate``.
 
-Note 1 (how the record is reached). ``estimate`` returns the step's timeline, not the births
-and deaths of each storage, which a memory snapshot needs (``report.snapshot``). The trace's
-``Tracker`` has them, and it keeps nothing alive after its block (``measure.track`` Note 4),
-so it can be kept. ``estimate`` deep-copies the model to trace it, forward hooks included
+Note 1 (how the record is reached). ``estimate`` returns the step's timeline, not the births and
+deaths of each storage, which a memory snapshot needs (``report.snapshot``). The trace's ``Tracker``
+has them, and it keeps nothing alive after its block (the model, optimizer and hooks are dropped at
+exit), so it can be kept. ``estimate`` deep-copies the model to trace it, forward hooks included
 (``trace.fake``): a forward pre-hook on the user's model therefore runs in the traced copy too,
-inside the trace's tracker, where ``memfit.measure.track.active_tracker()`` returns it. The
-hook only reads; it is removed when the block ends, and the copy carrying it is gone once
-``estimate`` returns. The last fake tracker seen is the counted trace (the two-step CUDA trace
-uses one tracker for both steps).
+inside the trace's tracker, where ``memfit.measure.track.active_tracker()`` returns it. The hook
+only reads; it is removed when the block ends, and the copy carrying it is gone once ``estimate``
+returns. The last fake tracker seen is the counted trace (the two-step CUDA trace uses one tracker
+for both steps).
 """
 
 from __future__ import annotations

@@ -3,11 +3,10 @@ allocator's events and segments a memory snapshot is made of (``report.snapshot`
 
 Note 1 (the curve is the verdict's quantity). On a CPU target the allocated bytes are the live
 tensor bytes, ``est.timeline``. On a GPU target the verdict's allocated peak comes from the
-caching-allocator replay (``trace.cuda`` Note 1: 512-byte rounding, unsplit blocks, the cuBLAS
+caching-allocator replay (``CudaModel.replay_peaks``: 512-byte rounding, unsplit blocks, the cuBLAS
 workspaces), which the live-bytes timeline does not show. The same replay is run here, op by op,
-with the same ledger events in the same order as ``CudaModel.replay``, so the curve's maximum
-is ``est.peak_bytes`` and the reserved curve's maximum ``est.reserved_bytes`` (tests hold them
-to it).
+with the same ledger events in the same order as ``CudaModel.replay``, so the curve's maximum is
+``est.peak_bytes`` and the reserved curve's maximum ``est.reserved_bytes`` (tests hold them to it).
 
 Note 2 (addresses). A snapshot names blocks by address. On a GPU target they are the replay's
 blocks (one read of each new block's address and size, ``CachingAllocator``'s C++-named
@@ -120,7 +119,7 @@ def replay(est, tracker, *, allocator: AllocatorConfig | None = None,
     n = len(est.timeline)
     ops = tracker.op_events[len(tracker.op_events) - n:]
     last = n - 1 if stop_after_op is None else stop_after_op
-    cats = ledger.categories()                     # storage id -> final category (ledger Note 2)
+    cats = ledger.categories()                     # storage id -> final category (known late)
     live: dict = {}                              # key -> (handle, addr, block bytes, req, cat, fr)
     segments: dict[int, int] = {}                # address -> bytes
     by_cat = [0] * len(CATEGORIES)
@@ -162,7 +161,7 @@ def replay(est, tracker, *, allocator: AllocatorConfig | None = None,
 
     workspaces_done = not cuda
     for ev, sid, delta, is_resize in ledger.device_events():
-        if not workspaces_done and ev >= 0:      # trace.cuda Note 1: the first matmuls
+        if not workspaces_done and ev >= 0:      # the cuBLAS workspaces: the first matmuls'
             for i, size in enumerate((est.device.cublas_workspace_bytes,
                                       est.device.autograd_workspace_bytes)):
                 alloc((WORKSPACE, i), size, _OTHER, -1)

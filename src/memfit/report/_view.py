@@ -1,19 +1,19 @@
 """One traced step as the report draws it: the verdict's curve per op, by category, with what
 each op was, and a downsampling that keeps the exact peak.
 
-Note 1 (which curve). With the trace's record (``report._capture``) the curve is the allocated
-bytes the verdict's peak is taken from (``report._replay`` Note 1): on a GPU target the
-allocator's blocks, whose maximum is ``est.peak_bytes``. Without it, on a GPU target, the curve
-is the live tensor bytes, and ``exact`` is False: the report says so beside the curve.
+Note 1 (which curve). With the trace's record (``report._capture``) the curve is the allocated bytes
+the verdict's peak is taken from (``report._replay``'s op-by-op replay): on a GPU target the
+allocator's blocks, whose maximum is ``est.peak_bytes``. Without it, on a GPU target, the curve is
+the live tensor bytes, and ``exact`` is False: the report says so beside the curve.
 
 Note 2 (downsampling). A step has up to ~10^5 ops and a plot ~10^3 columns. The ops are cut
 into ``MAX_POINTS`` runs and each run is drawn at its highest op (``envelope``), with that
 op's split by category, so the drawn maximum is the true one and the peak op is a drawn point.
 
-Note 3 (held beside the step). A plan counts bytes of the caller's batch that the runner keeps
-alive but the traced step does not use (``api.plan`` Note 4, ``predicted_peak_bytes`` = the
-trace's peak + them). They are alive all along: drawn as inputs at every op, so the curve's
-maximum is the plan's predicted peak.
+Note 3 (held beside the step). A plan counts bytes of the caller's batch that the runner keeps alive
+but the traced step does not use (e.g. an all-ones attention mask, dropped from the traced batch but
+still held by the caller; ``predicted_peak_bytes`` = the trace's peak + them). They are alive all
+along: drawn as inputs at every op, so the curve's maximum is the plan's predicted peak.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """The HTML report: one self-contained file (plotly's script and the data inline, nothing
 fetched) with the step's memory over time, the limits, the per-block table and the verdict.
 
-Note 1 (what is drawn). Per step (the plain one and the planned one for a plan): the allocated
-bytes after each op, stacked by category (``report._view`` Note 1: the verdict's curve), over
-the CUDA context band on a GPU target; the budget and the card's memory as lines; on a GPU
-target the verdict's level, reserved + context at the peak (known there only, as in
-``report.plots`` Note 1); phases and micro-batch starts as vertical lines; the peak op marked,
-its label giving the exact bytes. Hovering the curve gives the op, module, phase, micro-batch
-and bytes by category. Buttons zoom on each step's peak and back.
+Note 1 (what is drawn). Per step (the plain one and the planned one for a plan): the allocated bytes
+after each op, stacked by category (``report._view``: the verdict's curve), over the CUDA context
+band on a GPU target; the budget and the card's memory as lines; on a GPU target the verdict's
+level, reserved + context at the peak (the trace knows it there only: a level, not a curve); phases
+and micro-batch starts as vertical lines; the peak op marked, its label giving the exact bytes.
+Hovering the curve gives the op, module, phase, micro-batch and bytes by category. Buttons zoom on
+each step's peak and back.
 
-Note 2 (one-op peaks). Long steps are downsampled to each run's highest op
-(``report._view`` Note 2), so the exact peak is a drawn point and nothing above it is dropped.
+Note 2 (one-op peaks). Long steps are downsampled to each run's highest op (``report._view``'s
+``envelope``), so the exact peak is a drawn point and nothing above it is dropped.
 """
 
 from __future__ import annotations

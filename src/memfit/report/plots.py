@@ -19,8 +19,8 @@ so it covers no data.
 Note 4 (allocated, not only live). On a GPU target the verdict's allocated peak is the caching
 allocator's (512-byte rounding, unsplit blocks, cuBLAS workspaces), above the live tensor bytes.
 Given the trace's record (``report._capture``), the stack is the allocator replay op by op
-(``report._replay`` Note 1), whose maximum is ``est.peak_bytes``; without it, the live bytes,
-labelled so.
+(``report._replay``, the same replay as ``CudaModel``'s), whose maximum is ``est.peak_bytes``;
+without it, the live bytes, labelled so.
 """
 
 from __future__ import annotations

@@ -3,15 +3,15 @@
 PyTorch's web viewer (pytorch.org/memory_viz) open a *predicted* step as they open a measured
 one.
 
-Note 1 (the format, as ``_memory_viz`` and ``MemoryViz.js`` read it). ``segments``: every
-segment the allocator holds when the snapshot is taken, each with its ``blocks`` in address
-order covering it whole (``active_allocated`` with ``size``, ``requested_size`` and ``frames``,
-or ``inactive``). ``device_traces``: per device, the events since recording began:
-``segment_alloc`` / ``segment_free`` (cudaMalloc / cudaFree), ``alloc`` and ``free_requested``
-+ ``free_completed`` (each with the block's address, the requested size and frames). The viewer
-walks the trace back from the segments, so blocks alive in the segments and absent from the
-trace were allocated before it began: here, before the counted step (``report._replay``
-Note 3), as with ``_record_memory_history`` started at the step's first op.
+Note 1 (the format, as ``_memory_viz`` and ``MemoryViz.js`` read it). ``segments``: every segment
+the allocator holds when the snapshot is taken, each with its ``blocks`` in address order covering
+it whole (``active_allocated`` with ``size``, ``requested_size`` and ``frames``, or ``inactive``).
+``device_traces``: per device, the events since recording began: ``segment_alloc`` /
+``segment_free`` (cudaMalloc / cudaFree), ``alloc`` and ``free_requested`` + ``free_completed``
+(each with the block's address, the requested size and frames). The viewer walks the trace back from
+the segments, so blocks alive in the segments and absent from the trace were allocated before it
+began: here, before the counted step (the events before it shape the state it starts from), as with
+``_record_memory_history`` started at the step's first op.
 
 Note 2 (frames). A real snapshot's frames are the Python and C++ stack of each allocation.
 A trace has what matters of it: the aten op (``filename`` "aten", ``line`` its op index in the
