@@ -25,7 +25,7 @@ def _fresh_bnb_overrides():
     by position, never cleared: a Trainer with ``optim="adamw_bnb_8bit"`` leaves its embedding's
     ``optim_bits=32`` at (0, 0) for every later bitsandbytes optimizer in the process. Each test
     starts from the empty manager a fresh process has (memfit's own optimizers hold their own
-    manager: low_bit_optimizer Note 6)."""
+    manager: _bnb_optimizer Note 2)."""
     yield
     import sys
     mod = sys.modules.get("bitsandbytes.optim.optimizer")

@@ -34,7 +34,7 @@ def test_refused_with_the_fix_and_the_model_untouched(make, words):
 def test_a_factory_of_a_bitsandbytes_optimizer_is_estimated_as_its_instance():
     """``optimizer=lambda ps: bnb.optim.AdamW8bit(ps)``: its constructor reads its maps' values,
     which a fake cannot (a raw DataDependentOutputException before); it is built with the modes
-    set aside and rebuilt as an instance is (low_bit_optimizer BnbRecipe)."""
+    set aside and rebuilt as an instance is (_bnb_optimizer BnbRecipe)."""
     bnb = pytest.importorskip("bitsandbytes")
     model, batch = _job()
     made = memfit.estimate(model, batch, loss_fn=LOSS,

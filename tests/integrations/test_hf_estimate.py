@@ -87,7 +87,7 @@ def test_max_grad_norm_zero_still_computes_the_norm():
 
 def test_eight_bit_optimizer_when_bitsandbytes_imports():
     """optim="adamw_bnb_8bit": transformers builds ``bnb.optim.AdamW(optim_bits=8)`` and
-    overrides every nn.Embedding weight to 32 bits (low_bit_optimizer Note 6). The state by
+    overrides every nn.Embedding weight to 32 bits (_bnb_optimizer Note 2). The state by
     hand: 8-bit moments (a code per value, an fp32 absmax per 256) and bitsandbytes' two
     256-value fp32 maps for the others of at least 4096 values, fp32 moments for the rest.
     Before, the estimate kept fp32 moments for every parameter (931,840 B, not 347,136)."""

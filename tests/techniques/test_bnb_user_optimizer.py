@@ -1,5 +1,5 @@
 """A user's own bitsandbytes optimizer (``optimizer=bnb.optim.AdamW8bit(...)``), estimated and
-tracked (low_bit_optimizer Note 6, measure._bnb_kernels Note 1).
+tracked (_bnb_optimizer Note 2, measure._bnb_kernels Note 1).
 
 Oracles, independent of memfit's figures: the state bytes by hand (8-bit: one uint8 code per
 value and an fp32 absmax per 256 values, per moment, and bitsandbytes' two 256-value fp32 maps
@@ -127,7 +127,7 @@ def test_per_parameter_overrides_are_kept(tmp_path):
 
 def test_gpu_target_steps_the_fused_kernel():
     """For a GPU the rebuilt optimizer steps bitsandbytes' op, whose fused CUDA kernel (and
-    fake) allocates nothing (low_bit_optimizer Note 5): the same 8-bit state, none of the CPU
+    fake) allocates nothing (_bnb_optimizer Note 1): the same 8-bit state, none of the CPU
     kernel's 20 bytes per value. Before, the trace stopped in bitsandbytes' ``fill_qmap``
     (``create_dynamic_map`` reads values, which a fake has not)."""
     model, batch = Net(), _batch()

@@ -36,8 +36,8 @@ def _mlp(seed=0):
 
 
 def test_the_8bit_step_is_bitsandbytes_adamw8bit_bitwise():
-    """Oracle: ``bnb.optim.AdamW8bit`` itself, its ops through the dispatcher (low_bit_optimizer
-    Note 5: memfit only calls the same registered CPU kernel as Python)."""
+    """Oracle: ``bnb.optim.AdamW8bit`` itself, its ops through the dispatcher (_bnb_optimizer
+    Note 1: memfit only calls the same registered CPU kernel as Python)."""
     a, b = _mlp(), _mlp()
     oa = low_bit("8bit", lr=1e-2, weight_decay=0.1)(a.parameters())
     ob = bnb.optim.AdamW8bit(b.parameters(), lr=1e-2, weight_decay=0.1)
@@ -97,7 +97,7 @@ def test_8bit_state_lowers_the_peak_on_cpu():
     """Issue 26 item 13: at micro-batch 1 with every block recomputed, 8-bit state must cost
     less than fp32 state, not more. Oracle, by hand: bitsandbytes' CPU kernel holds 20 bytes
     per value of the parameter it steps (two fp32 moments, an fp32 gradient, the denominator
-    and its sqrt: low_bit_optimizer Note 5), so the CPU step peaks at params + grads + state +
+    and its sqrt: _bnb_optimizer Note 1), so the CPU step peaks at params + grads + state +
     20 x the largest 8-bit tensor."""
     model, batch = _embedding_heavy()
     knobs = dict(optimizer="adamw", micro_batch_size=1, checkpoint="all")
@@ -114,7 +114,7 @@ def test_8bit_state_lowers_the_peak_on_cpu():
 
 def test_8bit_state_lowers_the_peak_on_a_gpu():
     """The same on a GTX 1080 Ti: bitsandbytes' fused CUDA kernel (and its fake) allocates
-    nothing, so the step holds only the state (low_bit_optimizer Note 5)."""
+    nothing, so the step holds only the state (_bnb_optimizer Note 1)."""
     model, batch = _embedding_heavy()
     knobs = dict(optimizer="adamw", device="gtx-1080-ti", micro_batch_size=1, checkpoint="all")
     fp32 = memfit.estimate(model, batch, **knobs)

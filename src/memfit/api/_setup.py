@@ -16,9 +16,9 @@ from memfit.optimizers import IMPL_FLAGS, OptimizerRecipe
 from memfit.planner import Plan
 from memfit.runtime import Applied, Runner
 from memfit.runtime.batch_shape import BatchShapes
+from memfit.techniques._bnb_optimizer import BnbRecipe, is_bnb, may_make_bnb
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
-from memfit.techniques._bnb_optimizer import BnbRecipe, is_bnb, may_make_bnb
 from memfit.techniques.low_bit_optimizer import LowBitOptimizer
 from memfit.techniques.offload import Offload
 from memfit.techniques.optimizer_offload import OptimizerOffload

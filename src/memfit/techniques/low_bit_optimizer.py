@@ -4,8 +4,8 @@ Note 1 (what is built). The user's Adam or AdamW (class, hyper-parameters, param
 rebuilt over the same parameters as the low-bit optimizer users run for that state:
 - "8bit": bitsandbytes' ``AdamW8bit``/``Adam8bit`` (block-wise dynamic 8-bit moments, 256
   values per fp32 absmax; Dettmers et al., https://arxiv.org/abs/2110.02861), stepped by its
-  fused kernel (Note 5). As in bitsandbytes, tensors of fewer than 4096 values
-  (``min_8bit_size``) keep fp32 moments and its 32-bit kernel.
+  own ``step`` (what runs where: ``_bnb_optimizer``). As in bitsandbytes, tensors of fewer
+  than 4096 values (``min_8bit_size``) keep fp32 moments and its 32-bit kernel.
 - "4bit": torchao's ``AdamW4bit``/``Adam4bit`` (4-bit, 128 per scale; Li et al.,
   https://arxiv.org/abs/2309.01507); "bf16": torchao's ``_AdamW`` base with its moments held
   as bf16 tensors (rounded to nearest when stored) and, where the parameters themselves are
@@ -49,57 +49,22 @@ plus a 4-byte step tensor per torch/torchao tensor).
 Note 4 (torchao's caches). torchao builds its quantization maps once per process
 (``functools.lru_cache`` over ``tensor.tolist()``); built first under a fake trace they would
 fail (a fake has no values), so they are built here, outside every mode, before any state.
-
-Note 5 (bitsandbytes' step: what runs where). ``update_step`` calls the custom op
-``bitsandbytes::optimizer_update_8bit_blockwise`` (``optimizer_update_32bit`` below 4096
-values) once per parameter. On CUDA its kernel is fused: it reads the codes, dequantizes,
-updates and requantizes in registers and writes ``p``, the codes and the absmax in place,
-allocating nothing (``backends/cuda/ops.py`` passes raw pointers to ``cadam_8bit_blockwise_*``).
-bitsandbytes registers a fake implementation that allocates nothing too, so a trace for a CUDA
-target (``use_cuda_kernel``, called by ``trace.cuda``) counts exactly that. On CPU the
-registered kernel is Python (``backends/cpu/ops.py``): it dequantizes both moments to fp32,
-makes an fp32 gradient and the denominator (and, briefly, its ``sqrt``), updates ``p`` in
-place and requantizes (each ``quantize_blockwise`` a uint8 copy and the absmax): per 8-bit
-parameter of N values, 20 N bytes at its peak, freed before the next. Behind the op those
-temporaries are invisible to a dispatch mode (``memfit.track``, the fake trace) but not to the
-allocator, so on CPU tensors the op is redirected (``measure._bnb_kernels.CpuKernels``
-around ``update_step``; ``track`` enters it over a real run too) to that same registered CPU
-function, called as Python: the same ops, the same numbers (a test holds it bitwise to
-``bnb.optim.AdamW8bit``), every temporary one the counter sees. Either way, it is bitsandbytes' own ``step`` that runs.
-
-Note 6 (a user's own bitsandbytes optimizer, the HF Trainer's ``adamw_bnb_8bit``). A trace
-rebuilds the optimizer over fake parameters; a bitsandbytes optimizer keeps what decides its
-state outside ``defaults``: ``args`` (``optim_bits``, ``min_8bit_size``, ``max_unorm``,
-``skip_zeros``; transformers builds ``bnb.optim.AdamW(optim_bits=8)``), ``is_paged``, and
-per-parameter overrides in its process-wide ``GlobalOptimManager`` keyed by the parameter's
-``id`` (transformers registers ``optim_bits=32`` for every ``nn.Embedding`` weight, applied by
-``check_overrides`` at the first step). Rebuilt from ``defaults`` alone it kept fp32 moments for
-every parameter. ``rebuild_bnb`` builds the same class with the ``_BnbStep`` mixin (Note 5: the
-CPU kernel's temporaries counted, ``use_cuda_kernel`` for a CUDA target), the same ``args`` and
-``is_paged``, and each parameter's overrides resolved now against the original's parameters
-(what its own ``get_config`` would read after ``check_overrides``), kept on the instance.
-Every optimizer memfit builds (rebuilt or the ``optimizer_state="8bit"`` lever) holds an empty
-manager of its own instead of the process-wide one: that one keys overrides by ``id`` and by
-*position* ``(group, index)`` and is never cleared, so after a Trainer with ``adamw_bnb_8bit``
-any later optimizer's first parameter took fp32 moments (the lever's state then disagreed with
-``state_bytes``), and a fake's ``id`` written there could be inherited by a later tensor.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memfit.measure._bnb_kernels import CpuKernels
-from memfit.optimizers import OptimizerRecipe, rebuild_optimizer
+from memfit.optimizers import OptimizerRecipe
+from memfit.techniques._bnb_optimizer import BnbStep, bnb_classes, bnb_modules
 
 __all__ = ["LowBitOptimizer", "LowBitRecipe", "STATES", "LOW_BIT_CLASSES", "NUMERICS_NOTE",
-           "state_bytes", "is_low_bit", "is_bnb", "rebuild_bnb", "BnbRecipe", "may_make_bnb"]
+           "state_bytes", "is_low_bit"]
 
 STATES = ("bf16", "8bit", "4bit")
 # torch class -> the torchao classes built for it, per state (Note 1)
@@ -117,21 +82,6 @@ _MIN_NUMEL = 4096          # both libraries quantize tensors of at least this ma
 _BNB_QMAP_BYTES = 2 * 256 * 4     # bitsandbytes' signed and unsigned maps, one per optimizer
 
 
-def _bnb():
-    """bitsandbytes' optim package and its registered CPU kernels (Note 5)."""
-    try:
-        import bitsandbytes.optim as bnb_optim
-        from bitsandbytes.backends.cpu import ops as cpu_ops
-    except ImportError as e:
-        raise ValueError("optimizer_state='8bit' needs bitsandbytes (>= 0.50), which is not "
-                         "installed: pip install bitsandbytes, or leave optimizer_state unset "
-                         "(fp32)") from e
-    if not hasattr(cpu_ops, "_optimizer_update_8bit_blockwise_cpu"):
-        raise ValueError("optimizer_state='8bit' needs bitsandbytes >= 0.50 (its CPU optimizer "
-                         "kernels): pip install -U bitsandbytes")
-    return bnb_optim, cpu_ops
-
-
 def _torchao(state: str):
     try:
         import torchao.optim as ao_optim
@@ -145,15 +95,7 @@ def _torchao(state: str):
 
 def _class_for(state: str, adamw: bool) -> type:
     """The optimizer class built for ``state`` (Note 1)."""
-    return (_bnb_classes() if state == "8bit" else _torchao_classes())[state, adamw]
-
-
-@functools.cache
-def _bnb_classes() -> dict[tuple[str, bool], type]:
-    """("8bit", is_adamw) -> bitsandbytes' 8-bit Adam with memfit's CPU redirect (Note 5)."""
-    bnb_optim, _ = _bnb()
-    return {("8bit", adamw): type(f"Bnb{base.__name__}", (_BnbStep, base), {"is_adamw": adamw})
-            for adamw, base in ((True, bnb_optim.AdamW8bit), (False, bnb_optim.Adam8bit))}
+    return (bnb_classes() if state == "8bit" else _torchao_classes())[state, adamw]
 
 
 @functools.cache
@@ -172,139 +114,6 @@ def _torchao_classes() -> dict[tuple[str, bool], type]:
                                   {"_decoupled": adamw, "__init__": _bf16_init,
                                    "_new_buffer": _bf16_new_buffer})
     return out
-
-
-@functools.cache
-def _bnb_qmaps() -> tuple[list[float], list[float]]:
-    """bitsandbytes' signed and unsigned dynamic maps, built outside every mode (Note 4: its
-    ``create_dynamic_map`` reads values with ``tolist``, which a fake cannot)."""
-    from bitsandbytes import functional as F
-
-    with _disable_current_modes():
-        return tuple(F.create_dynamic_map(signed=s).tolist() for s in (True, False))
-
-
-class _BnbStep:
-    """bitsandbytes' 8-bit Adam step (Note 5); mixed in before its class."""
-
-    state_name = "8bit"
-    cuda_kernel = False     # True: model the fused CUDA kernel on fake CPU tensors (trace.cuda)
-
-    def fill_qmap(self) -> None:
-        """bitsandbytes' ``fill_qmap``, its maps made in the current mode (fake in a trace)."""
-        signed, unsigned = _bnb_qmaps()
-        self.name2qmap["dynamic"] = torch.tensor(signed, dtype=torch.float32)
-        self.name2qmap["udynamic"] = torch.tensor(unsigned, dtype=torch.float32)
-
-    overrides: dict = {}    # (group, index) -> a parameter's config overrides (Note 6)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.mng = _own_manager()       # Note 6: never the process-wide one
-
-    def get_config(self, gindex, pindex, group):
-        config = super().get_config(gindex, pindex, group)
-        config.update(self.overrides.get((gindex, pindex), {}))
-        return config
-
-    def use_cuda_kernel(self) -> None:
-        """Step as on a GPU: the op itself, whose fused kernel (and fake) allocates nothing."""
-        self.cuda_kernel = True
-
-    @torch.no_grad()
-    def update_step(self, group, p, gindex, pindex):
-        if self.cuda_kernel:
-            return super().update_step(group, p, gindex, pindex)
-        with CpuKernels(_bnb()[1]):
-            return super().update_step(group, p, gindex, pindex)
-
-
-def _own_manager():
-    """An empty ``GlobalOptimManager`` of this optimizer's own (Note 6)."""
-    manager = _bnb()[0].GlobalOptimManager
-    mng = manager.__new__(manager)          # its __init__ refuses: a singleton by design
-    mng.initialize()
-    return mng
-
-
-def is_bnb(optimizer) -> bool:
-    """A bitsandbytes optimizer (``Optimizer8bit``; bitsandbytes is not imported for this)."""
-    mod = sys.modules.get("bitsandbytes.optim.optimizer")
-    return mod is not None and isinstance(optimizer, mod.Optimizer8bit)
-
-
-@functools.cache
-def _bnb_step_class(cls: type) -> type:
-    """``cls`` stepped as Note 5 says (itself when it already is)."""
-    return cls if issubclass(cls, _BnbStep) else type(f"Bnb{cls.__name__}", (_BnbStep, cls), {})
-
-
-def _bnb_overrides(optimizer) -> dict[tuple[int, int], dict]:
-    """Each parameter's config overrides as ``optimizer.get_config`` reads them once
-    ``check_overrides`` has run (Note 6), by (group, index)."""
-    mng, modules = optimizer.mng, {}
-    if not optimizer.initialized:       # its first step runs check_overrides
-        for module, attr, config in mng.module_weight_config_triple:
-            modules[id(getattr(module, attr))] = config
-    out = {}
-    for g, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
-            if id(p) in modules:        # check_overrides sets both to it
-                config = dict(modules[id(p)])
-            else:
-                config = dict(mng.index2config.get((g, i), {}))
-                config.update(mng.pid2config.get(id(p), {}))
-            if config:
-                out[g, i] = config
-    return out
-
-
-def rebuild_bnb(optimizer, new_of: dict[int, torch.Tensor]):
-    """A bitsandbytes ``optimizer`` over ``new_of[id(p)]``: its class, hyper-parameters,
-    ``args``, paging and per-parameter overrides, stepped as Note 5 says (Note 6)."""
-    _bnb()
-    new = rebuild_optimizer(optimizer, new_of, cls=_bnb_step_class(type(optimizer)))
-    new.args, new.is_paged = optimizer.args, optimizer.is_paged
-    new.overrides = _bnb_overrides(optimizer)
-    return new
-
-
-class BnbRecipe(OptimizerRecipe):
-    """A user's bitsandbytes optimizer instance: the instance itself over its own parameters,
-    else ``rebuild_bnb`` (Note 6). A user's factory (``lambda ps: bnb.optim.AdamW8bit(ps)``)
-    is called with every mode set aside (its constructor reads its maps' values, which a fake
-    cannot: Note 4) and what it made, if bitsandbytes', rebuilt the same way."""
-
-    def _made(self, params):
-        with _disable_current_modes():
-            return self.factory(params)
-
-    def optimizer_class(self, params):
-        return type(self._made(params)) if self.instance is None else type(self.instance)
-
-    def build(self, params, origin):
-        if self.instance is None:
-            made = self._made(params)
-            if self.impl is None and is_bnb(made):
-                return rebuild_bnb(made, {id(p): p for p in params})
-            return super().build(params, origin)
-        if self.impl is not None or all(n is o for o, n in zip(origin, params)):
-            return super().build(params, origin)
-        return rebuild_bnb(self.instance, {id(o): n for o, n in zip(origin, params)})
-
-
-def may_make_bnb(recipe: OptimizerRecipe) -> bool:
-    """A user's factory, where bitsandbytes is installed: it may build one of its optimizers
-    (``BnbRecipe`` finds out; bitsandbytes is not imported for this)."""
-    return recipe.instance is None and not isinstance(recipe.spec, str) and \
-        _bnb_installed()
-
-
-@functools.cache
-def _bnb_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("bitsandbytes") is not None
 
 
 class _EagerStep:
@@ -392,7 +201,7 @@ def _adam(p, grad, state, group, is_adamw: bool, stochastic_round: bool) -> None
 
 
 def is_low_bit(optimizer) -> bool:
-    return isinstance(optimizer, (_EagerStep, _BnbStep))
+    return isinstance(optimizer, (_EagerStep, BnbStep))
 
 
 def state_bytes(params, state: str) -> int:
@@ -422,7 +231,7 @@ def state_bytes(params, state: str) -> int:
 
 
 class LowBitOptimizer:
-    """Rebuild the user's Adam/AdamW with low-bit states (bitsandbytes, torchao; Notes 1-5)."""
+    """Rebuild the user's Adam/AdamW with low-bit states (bitsandbytes, torchao; Notes 1-4)."""
 
     @dataclass(frozen=True)
     class Config:
@@ -451,7 +260,7 @@ class LowBitOptimizer:
                              f"optimizer_state={self.config.state!r}: "
                              f"{LIBRARY[self.config.state]}'s low-bit Adam steps one parameter "
                              "at a time; leave optimizer_impl unset")
-        _bnb() if self.config.state == "8bit" else _torchao(self.config.state)
+        bnb_modules() if self.config.state == "8bit" else _torchao(self.config.state)
         out = LowBitRecipe(recipe.spec, self)
         if recipe.instance is not None:
             _check_class(recipe.instance, self.config.state)

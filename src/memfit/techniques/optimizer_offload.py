@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from memfit.measure import host_allocations
 from memfit.measure._counting import register_host_owner
 from memfit.optimizers import rebuild_optimizer
-from memfit.techniques.low_bit_optimizer import is_bnb, rebuild_bnb
+from memfit.techniques._bnb_optimizer import is_bnb, rebuild_bnb
 
 __all__ = ["OptimizerOffload", "OffloadedOptimizer"]
 

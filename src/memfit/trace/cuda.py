@@ -84,8 +84,8 @@ class CudaModel:
         if hasattr(optimizer, "host_tensors"):
             return
         inner = getattr(optimizer, "inner", optimizer)
-        if hasattr(inner, "use_cuda_kernel"):    # bitsandbytes' fused kernel (low_bit_optimizer
-            inner.use_cuda_kernel()              # Note 5)
+        if hasattr(inner, "use_cuda_kernel"):    # bitsandbytes' fused kernel, which allocates
+            inner.use_cuda_kernel()              # nothing (techniques._bnb_optimizer)
             return
         for group in inner.param_groups:
             if "foreach" in group and group["foreach"] is None and not group.get("fused"):
