@@ -12,11 +12,11 @@ Note 2 (verified). ``load`` checks the manifest, the size and the SHA-256 before
 a truncated or altered file is reported as corrupt, naming the previous checkpoint (which is
 kept, and can be resumed with ``--resume`` on it), and nothing is deleted.
 
-Note 3 (bitwise resume). The RNG states (torch CPU and CUDA, Python's ``random``, NumPy's
-global one) are saved after the step's optimizer update and restored right before the next
-step, once the model, optimizer and plan are rebuilt; the data order is a function of
-``(seed, epoch)`` (batching Note 2). So the resumed run draws the same dropout masks and sees
-the same batches as the uninterrupted one, and its parameters are equal bit for bit.
+Note 3 (bitwise resume). The RNG states (torch CPU and CUDA, Python's ``random``, NumPy's global
+one) are saved after the step's optimizer update and restored right before the next step, once the
+model, optimizer and plan are rebuilt; the data order is a function of ``(seed, epoch)``, so a
+position is two integers (the epoch, the batches done). So the resumed run draws the same dropout
+masks and sees the same batches as the uninterrupted one, and its parameters are equal bit for bit.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """``train``: the run itself: planned steps over length-grouped batches, evaluation, checkpoints.
 
-Note 1 (order of a step). For each effective batch: ``runner.step`` (micro-batches, AMP and
-loss scaling, clipping, the optimizer and LR scheduler steps, the OOM guard), then the metrics
-line, then evaluation and a checkpoint when due. The data position saved is the batch after the
-one just trained (batching Note 2), and the RNG states are read after the step (checkpoint
-Note 3), so a run stopped after step k and resumed takes step k+1 exactly as an uninterrupted run.
+Note 1 (order of a step). For each effective batch: ``runner.step`` (micro-batches, AMP and loss
+scaling, clipping, the optimizer and LR scheduler steps, the OOM guard), then the metrics line, then
+evaluation and a checkpoint when due. The data position saved is the batch after the one just
+trained (the order is a function of ``(seed, epoch)``, so the epoch and the batches done place a
+run), and the RNG states are read after the step (a resume restores them right before the next
+step), so a run stopped after step k and resumed takes step k+1 exactly as an uninterrupted run.
 
 Note 2 (Ctrl-C). While steps run, SIGINT only sets a flag: the step in flight finishes (an
 optimizer step cut in half would leave the parameters half updated), a checkpoint is written,

@@ -31,9 +31,9 @@ SIZE_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers
                "num_heads", "num_key_value_heads", "encoder_attention_heads", "decoder_attention_heads",
                "intermediate_size", "n_inner", "d_ff", "d_kv", "head_dim", "encoder_ffn_dim",
                "decoder_ffn_dim", "vocab_size")
-"""Fields that count layers, widths, heads or tokens: positive where set (Note above; a
-list or dict, as Swin's per-stage ``num_heads``, in every entry). Derived sizes may be 0
-(``_ZERO_ALLOWED``: a default that means "unused" or "derive it", GLM's ``head_dim=0``)."""
+"""Fields that count layers, widths, heads or tokens: positive where set (sizes no class checks,
+see above; a list or dict, as Swin's per-stage ``num_heads``, in every entry). Derived sizes may
+be 0 (``_ZERO_ALLOWED``: a default that means "unused" or "derive it", GLM's ``head_dim=0``)."""
 _SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
 _ZERO_ALLOWED = ("head_dim", "d_kv", "n_inner", "intermediate_size", "d_ff", "encoder_ffn_dim",
                  "decoder_ffn_dim", "num_key_value_heads")
@@ -41,9 +41,10 @@ _ZERO_ALLOWED = ("head_dim", "d_kv", "n_inner", "intermediate_size", "d_ff", "en
 
 def check_sizes(where: str, config) -> None:
     """Raise ``ValueError`` for a ``SIZE_FIELDS`` value of ``config`` (or of a sub-config, e.g.
-    CLIP's ``text_config``) that is set but out of range (Note above). ``config``: a config, or
-    the keyword values it is about to be built from (checked first: a class's own validator may
-    otherwise speak of another field, "hidden size (-8) is not a multiple of the heads")."""
+    CLIP's ``text_config``) that is set but out of range (sizes no class checks). ``config``: a
+    config, or the keyword values it is about to be built from (checked first: a class's own
+    validator may otherwise speak of another field, "hidden size (-8) is not a multiple of the
+    heads")."""
     raw = isinstance(config, Mapping)
     own = config if raw else vars(config)
     for name in SIZE_FIELDS:
