@@ -25,7 +25,8 @@ DEFINITION = re.compile(r"""^\s*(?:[rRuUbB]{0,2}(?:\"\"\"|'''))?(Note (\d+))\s*[
 NUMBERS = r"\d+(?:\s*(?:[-–]|,|\band\b|\bor\b)\s*\d+)*"
 CITATION = re.compile(rf"\bNotes?\b(?:\s+({NUMBERS}))?")
 # the word just before a citation: "``planner.sharding`` Note 2", "(devices Note 4",
-# "``api.plan``'s Note 3", "see memory_model.py Note"; "(its Note 1)" names another's too
+# "``api.plan``'s Note 3", "see memory_model.py Note"; "(its Note 1)", "whose Note 2"
+# name another's too
 BEFORE = re.compile(r"(?:^|[\s(\[{,;:])(`{0,2})([A-Za-z_][\w./]*[\w])(`{0,2})(?:'s)?\s+$")
 # a name just after one: "Note 2 of ``trace.data_dependent``", "The Notes are in ``x``"
 AFTER = re.compile(r"\s+(?:of|(?:are|is)\s+in)\s+(`{0,2})([A-Za-z_][\w./]*[\w])(`{0,2})")
@@ -119,8 +120,8 @@ def _violations() -> tuple[list[str], list[str]]:
             after = AFTER.match(text, match.end())
             if after and _is_module(after.group(1), after.group(2), known):
                 named.append(after.group(2))
-            if text[max(0, match.start() - 4):match.start()] == "its ":
-                named.append("its")          # "(its Note 1)": a note of what the text names
+            if re.search(r"\b(its|whose|their) $", text[max(0, match.start() - 6):match.start()]):
+                named.append("another module")   # "(its Note 1)": a note of what the text names
             others = [n for n in named if n.removesuffix(".py") not in own and n not in own]
             if others:
                 citations.append(f"{where}:{line}: cites {others[0]}'s note: {quote!r}")

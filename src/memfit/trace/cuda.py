@@ -7,7 +7,7 @@ their CUDA default, ``foreach`` (its temporaries span all parameters at once), a
 ``step`` counter of non-capturable Adam-style optimizers in host memory; every storage goes
 through a replay of the caching allocator (512-byte rounding, segments, splitting), after
 the cuBLAS workspaces the first matmuls allocate (the calling thread's, and autograd's device
-thread's for the backward: devices Note 4); the CUDA context is added on top.
+thread's for the backward: handles are per thread); the CUDA context is added on top.
 
 Note 2 (two steps). The allocator's state when step 2 begins (which segments are cached and
 how they are split) comes from step 1, so both steps are traced and replayed; peaks are taken
@@ -72,7 +72,7 @@ class CudaModel:
     def recompute(self, dtype: torch.dtype | None):
         """Around a checkpoint's recompute. It runs in backward, where torch-function modes
         entered around the step are no longer active, so the modelled kernels and autocast
-        are entered again (checkpoint Note 4)."""
+        are entered again (checkpoint's ``recompute_context`` calls this)."""
         with CudaSdpaMode(self.spec.compute_capability):
             with CudaAutocastMode(dtype) if dtype is not None else contextlib.nullcontext():
                 yield
@@ -126,11 +126,11 @@ class CudaModel:
     def replay_peaks(self, tracker, value=None) -> tuple[int, int, int, int]:
         """(allocated peak, reserved peak, ledger event at the allocated peak, workspace bytes)
         of step 2 through the caching allocator; ``value``: the ledger's sizes in another
-        shape of a shared trace (``Ledger.device_events``, measure._ledger Note 5)."""
+        shape of a shared trace (``Ledger.device_events``: each size's symbolic expression)."""
         window = tracker.resolved.window_start
         allocator, handles, sizes = CachingAllocator(self.allocator), {}, {}
         alloc_peak, reserved_peak, peak_event = -1, 0, window - 1
-        workspaces = {_CUBLAS: self.spec.cublas_workspace_bytes,      # devices Note 4
+        workspaces = {_CUBLAS: self.spec.cublas_workspace_bytes,      # kept from the 1st matmul
                       _CUBLAS_AUTOGRAD: self.spec.autograd_workspace_bytes}
         workspace_done = False
         for ev, sid, delta, is_resize in tracker.ledger.device_events(value):
