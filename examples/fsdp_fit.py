@@ -32,7 +32,8 @@ def main() -> None:
     mine = {k: v[rank * 2:(rank + 1) * 2] for k, v in batch.items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     knobs = {"gpus": world} if args.budget else {"gpus": world, "sharding": args.sharding}
-    runner = memfit.fit(model, opt, mine, budget=args.budget, device="cpu", **knobs)
+    job = memfit.Job(model, mine, optimizer=opt)
+    runner = memfit.fit(job, budget=args.budget, device="cpu", **knobs)
     if rank == 0:
         print(runner.plan.explain())
     for step in range(args.steps):

@@ -12,14 +12,15 @@ import importlib.util
 
 # public name -> the module that defines it
 _LAZY = {
-    "Estimate": "memfit.api", "estimate": "memfit.api", "fit": "memfit.api",
-    "largest_fitting": "memfit.api", "plan": "memfit.api", "progressive": "memfit.api",
+    "Estimate": "memfit.api", "estimate": "memfit.api.front", "fit": "memfit.api.front",
+    "largest_fitting": "memfit.api", "plan": "memfit.api.front", "progressive": "memfit.api",
     "what_if": "memfit.api", "remat": "memfit.api.remat",
     "estimate_sharded": "memfit.api._sharded",
     "DeviceSpec": "memfit.devices", "get_device": "memfit.devices", "list_devices": "memfit.devices",
     "BudgetTooSmall": "memfit.errors", "OutOfMemory": "memfit.errors", "TraceError": "memfit.errors",
-    "ReplanError": "memfit.errors",
-    "Knobs": "memfit.knobs", "Tracker": "memfit.measure", "track": "memfit.measure",
+    "ReplanError": "memfit.errors", "MemfitDeprecationWarning": "memfit.errors",
+    "Job": "memfit.job", "Knobs": "memfit.knobs", "Tracker": "memfit.measure",
+    "track": "memfit.measure",
     "Plan": "memfit.planner", "Runner": "memfit.runtime", "StepInfo": "memfit.runtime",
     "format_bytes": "memfit.units", "parse_bytes": "memfit.units",
 }

@@ -6,7 +6,8 @@ import torch
 
 from memfit.units import format_bytes
 
-__all__ = ["OutOfMemory", "BudgetTooSmall", "TraceError", "MemfitError", "ReplanError"]
+__all__ = ["OutOfMemory", "BudgetTooSmall", "TraceError", "MemfitError", "ReplanError",
+           "MemfitDeprecationWarning"]
 
 
 class MemfitError(Exception):
@@ -68,3 +69,9 @@ class ReplanError(MemfitError, RuntimeError):
     def __init__(self, message: str, *, waited_on: int | None = None):
         self.waited_on = waited_on
         super().__init__(message)
+
+
+class MemfitDeprecationWarning(DeprecationWarning):
+    """A memfit call in a form that goes away in the next release; the message gives the new
+    form. Its own class, so a test suite or an application can filter memfit's alone
+    (``-W ignore::memfit.errors.MemfitDeprecationWarning``)."""

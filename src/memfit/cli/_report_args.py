@@ -157,13 +157,12 @@ def plan_records(args, model, batch, planned, *, optimizer: str, device, allocat
 
 def _retrace(model, batch, est, optimizer, device, allocator, loss_fn, traced):
     """The trace record of ``est`` by tracing its knobs again; None if the figures differ."""
-    import memfit
+    from memfit.api.estimate import estimate
 
     knobs = {k: v for k, v in est.knobs.to_dict().items() if v is not None}
     with traced(model) as cap:
-        again = memfit.estimate(model, batch, optimizer=optimizer, device=device,
-                                loss_fn=loss_fn, budget=est.limit_bytes, allocator=allocator,
-                                **knobs)
+        again = estimate(model, batch, optimizer=optimizer, device=device, loss_fn=loss_fn,
+                         budget=est.limit_bytes, allocator=allocator, **knobs)
     same = (again.peak_bytes, again.reserved_bytes, again.timeline) == \
         (est.peak_bytes, est.reserved_bytes, est.timeline)
     return cap.take() if same else None

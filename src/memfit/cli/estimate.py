@@ -108,7 +108,7 @@ def run(args) -> int:
     impl = optimizer_impl_knob(args)
     from rich.console import Console
 
-    import memfit
+    from memfit.api.estimate import estimate
     from memfit.trace.allocator import AllocatorConfig
 
     console = Console(stderr=args.json)
@@ -119,7 +119,7 @@ def run(args) -> int:
             spec, model, batch = build_model_and_batch(args)
             allocator = AllocatorConfig(expandable_segments=args.expandable_segments)
             with _report_args.recording(args, model) as record:
-                est = memfit.estimate(
+                est = estimate(
                     model, batch, optimizer=args.optimizer, device=target.device,
                     budget=target.budget_bytes, precision=args.precision,
                     micro_batch_size=args.micro_batch_size, checkpoint=args.checkpoint,

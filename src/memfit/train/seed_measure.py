@@ -60,7 +60,7 @@ def _reach_steady_state(runner, batch, most: int = 30) -> None:
 def measure_row(row: st.Row) -> dict:
     """``measured_allocated_bytes``, ``measured_reserved_bytes``, ``measured_device_bytes`` of
     the row's step 2 on this machine's GPU, or all None with ``measured_oom`` (Note 1)."""
-    import memfit
+    from memfit.api.fit import fit
     from memfit import zoo
     from memfit.calibrate import measure_step, require_gpu
 
@@ -73,8 +73,8 @@ def measure_row(row: st.Row) -> dict:
         model = spec.build(None, tiny=row.tiny, device="cuda")
         batch = {k: v.cuda() for k, v in st._batch(row).items()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        runner = memfit.fit(model, opt, batch, precision=row.precision,
-                            checkpoint=None if row.checkpoint == "none" else row.checkpoint)
+        runner = fit(model, opt, batch, precision=row.precision,
+                     checkpoint=None if row.checkpoint == "none" else row.checkpoint)
         _reach_steady_state(runner, batch)
         got = measure_step(runner.step_unguarded, batch)
         out.update(measured_allocated_bytes=got["measured_allocated_bytes"],

@@ -158,10 +158,10 @@ def _figures(est, shared: bool) -> dict:
 def estimate_row(row: Row, device, use_cache: bool = True) -> dict:
     """The row's ``memfit estimate`` figures (Note 1), from its own trace."""
     def compute() -> dict:
-        import memfit
+        from memfit.api.estimate import estimate
 
         _, model = _model(row.model, row.tiny)
-        return _figures(memfit.estimate(model, _batch(row), **_estimate_kwargs(row, device)),
+        return _figures(estimate(model, _batch(row), **_estimate_kwargs(row, device)),
                         shared=False)
     return _cached("estimate", row, device, use_cache, compute)
 
@@ -203,10 +203,10 @@ def plan_row(model_name: str, seq_len: int, batch_size: int, device, tiny: bool 
     row = Row(model_name, seq_len, "auto", "auto", batch_size, tiny)
 
     def compute() -> dict:
-        import memfit
+        from memfit.api.plan import plan
 
         _, model = _model(model_name, tiny)
-        p = memfit.plan(model, _batch(row), None, "adamw", device, precision="auto")
+        p = plan(model, _batch(row), None, "adamw", device, precision="auto")
         modes = sorted(set(p.blocks.values()))
         return {"precision": p.knobs.precision,
                 "micro_batch_size": p.knobs.micro_batch_size or batch_size,

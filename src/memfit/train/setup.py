@@ -157,7 +157,7 @@ def total_steps(cfg: TrainConfig, rows: int) -> int:
 def _runner(cfg: TrainConfig, model, ids, encoder, say):
     """``memfit.fit`` for the longest batch under the budget (Note 1), with AdamW and a linear
     warm-up then linear decay of the learning rate."""
-    import memfit
+    from memfit.api.fit import fit
     from memfit.api._setup import resolve_device
 
     spec = resolve_device(model, cfg.gpu)      # --gpu, else where the model is
@@ -181,9 +181,8 @@ def _runner(cfg: TrainConfig, model, ids, encoder, say):
     budget = cfg.budget_bytes if cfg.budget_bytes is not None else spec.usable_bytes
     say(f"planning for the longest batch ({example['input_ids'].shape[0]} x "
         f"{example['input_ids'].shape[1]} tokens) on {spec.display_name}...")
-    runner = memfit.fit(model, optimizer, example, budget=budget, device=spec,
-                        scheduler=schedule, precision=cfg.precision,
-                        max_grad_norm=cfg.max_grad_norm)
+    runner = fit(model, optimizer, example, budget=budget, device=spec, scheduler=schedule,
+                 precision=cfg.precision, max_grad_norm=cfg.max_grad_norm)
     return runner, runner.plan.predicted_peak_bytes, budget, spec.display_name
 
 
