@@ -119,7 +119,7 @@ def write_plan(args, model, batch, planned, *, optimizer: str, device, title: st
                            allocator=allocator, loss_fn=loss_fn)
     for est, tracker, label, extra in ((planned.plain, records[0], "plain step", 0),
                                        (chosen, records[1], "with the plan", held)):
-        steps.append((est, tracker, f"{label} ({est.knobs.precision})", extra))  # _view Note 3
+        steps.append((est, tracker, f"{label} ({est.knobs.precision})", extra))  # + held bytes
     out = []
     if args.report:
         from memfit.report.html import step_view, write_report

@@ -113,7 +113,7 @@ def run(args) -> int:
 
     console = Console(stderr=args.json)
     with console.status("building the model on the meta device and tracing one step..."):
-        if hf is not None:             # the Trainer run of --hf-args (cli._hf_args Note 1)
+        if hf is not None:             # the Trainer run of --hf-args, on the meta device
             spec, model, est, batch = _trainer_estimate(args, hf, target)
         else:
             spec, model, batch = build_model_and_batch(args)

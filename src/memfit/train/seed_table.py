@@ -7,15 +7,17 @@ exactly the arguments ``memfit estimate --model M --batch-size B --seq-len S --p
 default allocator): a row's bytes are that command's, by construction, and a test holds a
 sample of rows to it.
 
-Note 2 (cost, and the cache). A trace's time depends on the number of ops, not on batch or
-length, so the rows that differ only in batch size and length (one model, precision and
-checkpointing) are one group with one trace, its batch and length symbolic, replayed in each
-row's shape (``estimate_group``; ``memfit.api._shared_shapes``, whose Note 2 says why each
-row's figures are still ``memfit estimate``'s, and which traces a row alone where they would
-not be). A shared trace of XLM-R large takes about 10 s on a quiet core. A row's result is kept in ``~/.cache/memfit/bench-seed/`` (or ``MEMFIT_CACHE``) under a key of
-the row, the device, torch's version and a hash of memfit's own source files (less the
-command line, this package, reports and integrations, which no estimate runs), so a rerun
-costs nothing and any change to what estimates traces again. ``use_cache=False`` ignores it.
+Note 2 (cost, and the cache). A trace's time depends on the number of ops, not on batch or length,
+so the rows that differ only in batch size and length (one model, precision and checkpointing) are
+one group with one trace, its batch and length symbolic, replayed in each row's shape
+(``estimate_group``; ``memfit.api._shared_shapes``: a shape is replayed only where its trace would
+run the same ops, every guard the shared trace recorded holds, so each row's figures are still
+``memfit estimate``'s; a row where that fails is traced alone). A shared trace of XLM-R large takes
+about 10 s on a quiet core. A row's result is kept in ``~/.cache/memfit/bench-seed/`` (or
+``MEMFIT_CACHE``) under a key of the row, the device, torch's version and a hash of memfit's own
+source files (less the command line, this package, reports and integrations, which no estimate
+runs), so a rerun costs nothing and any change to what estimates traces again. ``use_cache=False``
+ignores it.
 """
 
 from __future__ import annotations

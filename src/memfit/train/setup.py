@@ -2,10 +2,10 @@
 the run folder, the data, the tokenizer, the model (and, resuming, the checkpoint's identity),
 then the plan and the Runner (``memfit.fit``) for the longest batch.
 
-Note 1 (the longest batch). The plan is made for ``batch_size`` rows of the longest row in the
-data (after ``max_len``), with one padded position in the attention mask so the trace takes the
-padded attention path (runtime.batch_shape Note 1): every real batch has at most that many rows
-and tokens, so every one fits what was planned.
+Note 1 (the longest batch). The plan is made for ``batch_size`` rows of the longest row in the data
+(after ``max_len``), with one padded position in the attention mask so the trace takes the padded
+attention path (a mask with zeros stays in the traced batch; an all-ones one is dropped): every real
+batch has at most that many rows and tokens, so every one fits what was planned.
 
 Note 2 (resume with another model). A checkpoint records the model's identity: zoo name, tiny
 or not, weights folder, number of classes and vocabulary size. A resume that would build any
@@ -94,7 +94,7 @@ def prepare(cfg: TrainConfig, *, resume: str | None = None, say=print) -> Prepar
     check_output(cfg, resume is not None)
     state = None
     if resume is not None:
-        state = ckpt.load(ckpt.resolve(resume))          # corrupt: refused here (checkpoint Note 2)
+        state = ckpt.load(ckpt.resolve(resume))          # corrupt: refused here (checked)
     train, held, eval_source = _tables(cfg)
     encoder = _encoder(cfg, train, resume is not None, say)
     identity = {**cfg.identity(), "num_labels": train.num_labels,
@@ -174,7 +174,7 @@ def _runner(cfg: TrainConfig, model, ids, encoder, say):
     if spec.kind == "cuda" and cfg.device != "cuda":
         say(f"note: planning for the {spec.display_name} (--gpu) but training on the CPU (this "
             "torch sees no GPU): the measured memory is CPU live bytes, not that GPU's")
-    lr, why = cfg.learning_rate          # config Note 1
+    lr, why = cfg.learning_rate          # follows the weights: pretrained or from scratch
     say(f"learning rate {lr:g} ({why})")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
     example = example_batch(ids, cfg.batch_size, encoder.pad_id)
