@@ -2,6 +2,19 @@
 
 A keyword fixes a choice, ``None`` leaves it to memfit, and "off" is always explicit
 ("none", ``False``). An unknown keyword is an error that names the valid ones.
+
+Note 1 (knobs by concern). ``Knobs`` stays one flat frozen dataclass (every front and
+``dataclasses.fields(Knobs)`` read it so); its fields fall into six concerns, each readable as
+one value: ``precision`` and ``remat`` are single fields, and four groups are frozen
+dataclasses of the same fields, with the same defaults and checks: ``k.batching``
+(``Batching``: micro_batch_size, zero_grad, max_grad_norm), ``k.block_policy``
+(``BlockPolicy``: checkpoint, offload, offload_params), ``k.optimizer_setup``
+(``OptimizerSetup``: offload_optimizer, optimizer_impl, optimizer_state) and ``k.parallel``
+(``ParallelLayout``: gpus, sharding, reshard_after_forward, fsdp_offload, mp_policy).
+``Knobs.from_groups(precision=, batching=, block_policy=, optimizer_setup=, parallel=,
+remat=)`` builds one from them, and ``expand_groups`` turns group keywords among flat ones
+into flat ones (what ``memfit.estimate(job, batching=Batching(...))`` does); a field given
+both ways is an error. The groups are views: a Knobs holds only its flat fields.
 """
 
 from __future__ import annotations
@@ -11,7 +24,8 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["Knobs", "PRECISIONS", "OPTIMIZER_IMPLS", "ZERO_GRADS", "SHARDINGS", "OPTIMIZER_STATES",
-           "NOT_YET"]
+           "NOT_YET", "Batching", "BlockPolicy", "OptimizerSetup", "ParallelLayout", "GROUPS",
+           "expand_groups"]
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure", "auto")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
@@ -143,7 +157,11 @@ class Knobs:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(kwargs) - set(names))
         if unknown:
-            raise TypeError(f"unknown knob(s) {', '.join(unknown)}; valid knobs: {', '.join(names)}")
+            groups = [n for n in unknown if n in GROUPS]
+            hint = f" ({', '.join(groups)}: a group of knobs, which Knobs.from_groups and the " \
+                "Job forms memfit.estimate(job, ...), plan and fit take)" if groups else ""
+            raise TypeError(f"unknown knob(s) {', '.join(unknown)}; valid knobs: "
+                            f"{', '.join(names)}{hint}")
         return cls(**kwargs)
 
     def replace(self, **changes) -> "Knobs":
@@ -159,3 +177,118 @@ class Knobs:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    # the knobs by concern (Note 1): read-only views of the flat fields
+    @property
+    def batching(self) -> "Batching":
+        return self._group(Batching)
+
+    @property
+    def block_policy(self) -> "BlockPolicy":
+        return self._group(BlockPolicy)
+
+    @property
+    def optimizer_setup(self) -> "OptimizerSetup":
+        return self._group(OptimizerSetup)
+
+    @property
+    def parallel(self) -> "ParallelLayout":
+        return self._group(ParallelLayout)
+
+    def _group(self, cls: type):
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+    def groups(self) -> dict:
+        """The knobs by concern (Note 1): precision, batching, block_policy, optimizer_setup,
+        parallel, remat."""
+        return {"precision": self.precision, **{n: getattr(self, n) for n in GROUPS},
+                "remat": self.remat}
+
+    @classmethod
+    def from_groups(cls, *, precision: str | None = None, batching: "Batching | None" = None,
+                    block_policy: "BlockPolicy | None" = None,
+                    optimizer_setup: "OptimizerSetup | None" = None,
+                    parallel: "ParallelLayout | None" = None,
+                    remat: bool | None = None) -> "Knobs":
+        """A Knobs from its concerns (Note 1); a group left None leaves its knobs unset."""
+        return cls(**expand_groups(dict(precision=precision, remat=remat, batching=batching,
+                                        block_policy=block_policy,
+                                        optimizer_setup=optimizer_setup, parallel=parallel)))
+
+
+class _Group:
+    """A group of knobs (Note 1): checked as ``Knobs`` checks its fields, on construction."""
+
+    def __post_init__(self):
+        Knobs(**self.to_dict())
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class Batching(_Group):
+    """How one effective batch is stepped: ``micro_batch_size``, ``zero_grad`` (the loop
+    style), ``max_grad_norm`` (as ``Knobs`` documents them)."""
+
+    micro_batch_size: int | None = None
+    zero_grad: str | None = None
+    max_grad_norm: float | None = None
+
+
+@dataclass(frozen=True)
+class BlockPolicy(_Group):
+    """What each block does with what it saves and holds: ``checkpoint`` (recompute),
+    ``offload`` (saved activations to host), ``offload_params`` (its weights on the host)."""
+
+    checkpoint: str | tuple[str, ...] | None = None
+    offload: str | tuple[str, ...] | None = None
+    offload_params: str | tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerSetup(_Group):
+    """Where and how the optimizer steps: ``offload_optimizer`` (its state on the host),
+    ``optimizer_impl`` (foreach, fused, for-loop), ``optimizer_state`` (its state's dtype)."""
+
+    offload_optimizer: bool | None = None
+    optimizer_impl: str | None = None
+    optimizer_state: str | None = None
+
+
+@dataclass(frozen=True)
+class ParallelLayout(_Group):
+    """The data-parallel layout: ``gpus``, ``sharding``, and FSDP2's
+    ``reshard_after_forward``, ``fsdp_offload``, ``mp_policy``."""
+
+    gpus: int | str | None = None
+    sharding: str | None = None
+    reshard_after_forward: bool | int | None = None
+    fsdp_offload: bool | None = None
+    mp_policy: str | None = None
+
+
+# group keyword -> its class (Note 1)
+GROUPS: dict[str, type] = {"batching": Batching, "block_policy": BlockPolicy,
+                           "optimizer_setup": OptimizerSetup, "parallel": ParallelLayout}
+
+
+def expand_groups(kwargs: dict) -> dict:
+    """``kwargs`` with each group keyword (Note 1) replaced by its fields that are set; a
+    group of the wrong class, or a field given both flat and in a group, is refused."""
+    out = {n: v for n, v in kwargs.items() if n not in GROUPS}
+    for name, cls in GROUPS.items():
+        group = kwargs.get(name)
+        if group is None:
+            continue
+        if not isinstance(group, cls):
+            raise TypeError(f"{name} must be a memfit.knobs.{cls.__name__}, got "
+                            f"{type(group).__name__}")
+        for field, value in group.to_dict().items():
+            if value is None:
+                continue
+            if out.get(field) is not None:
+                raise ValueError(f"{field} is given twice: as {field}={out[field]!r} and in "
+                                 f"{name}={group!r}; give it once")
+            out[field] = value
+    return out

@@ -4,7 +4,9 @@
 ``fit(job, budget=None, device=None, **knobs)`` hand the job's fields to the functions that do
 the work (``memfit.api.estimate.estimate``, ``memfit.api.plan.plan``, ``memfit.api.fit.fit``,
 which memfit's own modules call directly); any other keyword they take (``budget`` and
-``allocator`` for estimate, ``floor`` for plan, ...) passes through.
+``allocator`` for estimate, ``floor`` for plan, ...) passes through. Knobs may be given flat
+(``micro_batch_size=4``) or by concern (``batching=Batching(micro_batch_size=4)``), turned
+flat here (``memfit.knobs.expand_groups``).
 
 Note 1 (the old forms). ``estimate(model, batch, ...)``, ``plan(model, batch, ...)`` and
 ``fit(model, optimizer, batch, ...)`` keep working for one release: a first argument that is
@@ -27,6 +29,7 @@ from memfit.api.fit import fit as _fit
 from memfit.api.plan import plan as _plan
 from memfit.errors import MemfitDeprecationWarning
 from memfit.job import Job
+from memfit.knobs import expand_groups
 from memfit.planner import Plan
 from memfit.runtime import Runner
 from memfit.runtime.batch_shape import extend_batch
@@ -99,6 +102,7 @@ def fit(job: Job, *args, **kwargs) -> Runner:
 
 def _estimate_job(job: Job, device=None, **knobs) -> Estimate:
     _refuse_job_fields("estimate", knobs)
+    knobs = expand_groups(knobs)
     args = job.arguments()
     args["batch"] = _traced_batch(job)
     return _estimate(device=device, **args, **knobs)
@@ -106,6 +110,7 @@ def _estimate_job(job: Job, device=None, **knobs) -> Estimate:
 
 def _plan_job(job: Job, budget=None, device=None, **fixed) -> Plan:
     _refuse_job_fields("plan", fixed)
+    fixed = expand_groups(fixed)
     args = job.arguments()
     args["batch"] = _traced_batch(job)
     return _plan(args.pop("model"), args.pop("batch"), budget, args.pop("optimizer"), device,
@@ -114,6 +119,7 @@ def _plan_job(job: Job, budget=None, device=None, **fixed) -> Plan:
 
 def _fit_job(job: Job, budget=None, device=None, **knobs) -> Runner:
     _refuse_job_fields("fit", knobs)
+    knobs = expand_groups(knobs)
     args = job.arguments()
     if job.max_seq_len is not None:
         args["max_seq_len"] = job.max_seq_len
