@@ -107,7 +107,7 @@ def test_breakdown_adds_up_exactly_and_cudnn_only_with_convolutions(name):
     conv = ran_convolution(est.op_log)
     assert conv == (name == "resnet-50")
     assert card.cudnn_bytes == (est.device.cudnn_bytes if conv else 0) and card.nccl_bytes == 0
-    # two handles' workspaces: this thread's (with cuBLASLt's) and autograd's (devices Note 4)
+    # two handles' workspaces: this thread's (with cuBLASLt's) and autograd's (_device_cuda Note 1)
     assert card.cublas_workspace_bytes == (est.device.cublas_workspace_bytes
                                            + est.device.autograd_workspace_bytes)
     # the card: NVML's total for the A10 family (thundergolfer.com: 23,028 MiB)

@@ -96,7 +96,7 @@ def test_small_records_run_and_compare_with_the_quoted_figures(records, small_ru
     mlp = next(row for row in rows if row["id"] == SMALL[0])
     assert mlp["measured_bytes"] == round(628.63671875 * MiB)
     # parameters and gradients (2 x 305.35 MiB) dominate; the workspaces (this thread's cuBLAS
-    # + cuBLASLt, autograd's thread's cuBLAS: devices Note 4) are modelled, so what is left is
+    # + cuBLASLt, autograd's thread's cuBLAS: _device_cuda Note 1) are modelled, so what is left is
     # under one workspace (8 MiB + 128 KiB on sm < 90) and a cuBLASLt one
     assert abs(mlp["predicted_bytes"] - mlp["measured_bytes"]) <= 8.125 * MiB + MiB
 

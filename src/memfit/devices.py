@@ -26,34 +26,9 @@ Note 3: host link. ``host_link_bytes_per_s`` is a realistic one-direction pinned
 not the link's raw rate: PCIe 3.0 x16 ~12e9, 4.0 x16 ~25e9 (x8: half), 5.0 x16 ~50e9 B/s; Grace
 Hopper's NVLink-C2C is given at its raw 450e9 (no copy-rate measurement found).
 
-Note 4: memory torch does not report as tensors. The CUDA context (driver state plus the
-kernels loaded; with lazy module loading, the default since CUDA 11.7 and torch 1.13, kernels
-load as a step first runs them) is device memory that ``torch.cuda.memory_allocated`` never
-sees: ``cuda_context_bytes`` is the context as a training step leaves it, of which
-``library_kernels_bytes`` are the kernels the step loaded; ``cudnn_bytes`` is what cuDNN adds
-when a convolution runs. Their figures, each from a public measurement, depend on the
-architecture, the CUDA version and the loading mode (``memfit._cuda_overhead``, its Notes); a
-profile measured on the user's card replaces them (``DeviceSpec.load``, ``memfit calibrate``).
-The cuBLAS workspace *is* allocated through the caching allocator, at the first matmul, and
-kept: PyTorch's default ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8`` (32 MiB) on sm90 and later and
-``:4096:2:16:8`` (8 MiB + 128 KiB) before, plus a 1 MiB cuBLASLt workspace
-(``CUBLASLT_WORKSPACE_SIZE``); see ``getChosenWorkspaceSize`` in
-aten/src/ATen/cuda/CublasHandlePool.cpp. On an A10G (sm_86) the 8 MiB + 128 KiB is measured:
-8,519,680 bytes left allocated after one ``nn.Linear`` (pytorch/pytorch#95668). The workspace
-is one per cuBLAS handle and stream, and handles are per thread (a ``thread_local`` pool window
-in ``getCurrentCUDABlasHandle``): the backward of CUDA tensors runs on autograd's device thread,
-so its matmuls allocate a second cuBLAS workspace (``autograd_workspace_bytes``; its cuBLASLt
-one only where a backward matmul takes the Lt path with an epilogue, which plain ``mm`` does
-not). A public script's ``max_memory_allocated`` shows both to the byte
-(benchmarks/public_records.json, efficientpytorch-sgd-accumulation-2: the one unmodelled 8 MiB +
-128 KiB before this).
-
-Note 5: the CUDA version. ``cuda_version`` is the CUDA the figures assume: what the installed
-torch was built for (``torch.version.cuda``); a CPU-only wheel has none, and then
-``ASSUMED_CUDA_VERSION`` (12.8, the default wheels') is taken and said in ``figure_notes``,
-which every estimate repeats. ``with_cuda`` / ``get_device(..., cuda_version=)`` choose
-another; an architecture that a CUDA release does not build for is refused (Blackwell needs
-12.8, CUDA 13 drops Pascal and Volta).
+The memory a GPU holds outside tensors (the CUDA context, the kernels a step loads, cuDNN), the
+cuBLAS workspaces and the CUDA version those figures assume are set by ``with_cuda``, in
+``memfit._device_cuda``, whose notes say where each comes from.
 """
 
 from __future__ import annotations
@@ -67,15 +42,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from memfit import _gpu_table
-from memfit._cuda_overhead import (ASSUMED_CUDA_VERSION, MAX_CUDA, MIN_CUDA, context_figure,
-                                   cudnn_figure, lazy_loading, parse_cuda_version,
-                                   step_kernels_figure)
+from memfit._device_cuda import CUBLASLT_WORKSPACE_BYTES, cublas_workspace_bytes_for, with_cuda
 from memfit._device_profile import load_profile
 from memfit.units import GiB, MiB
 
 __all__ = ["DeviceSpec", "GPUS", "ALIASES", "cpu_spec", "get_device", "list_devices", "with_cuda"]
 
-CUBLASLT_WORKSPACE_BYTES = 1024 * 1024   # CUBLASLT_WORKSPACE_SIZE's default, 1024 KiB (Note 4)
 _PCIE3 = 12e9  # B/s, PCIe 3.0 x16 one direction (Note 3)
 _PCIE4 = 25e9  # B/s, PCIe 4.0 x16
 _PCIE5 = 50e9  # B/s, PCIe 5.0 x16
@@ -109,21 +81,22 @@ class DeviceSpec:
     supports_bf16: bool  # whether bf16 matmuls run natively
     compute_capability: tuple[int, int]  # CUDA (major, minor); (0, 0) for the CPU
     architecture: str  # "pascal", "volta", "turing", "ampere", "ada", "hopper", ..., "cpu"
-    cuda_context_bytes: int = 0  # bytes the CUDA context and loaded kernels take (Note 4)
-    cublas_workspace_bytes: int = 0  # bytes of cuBLAS + cuBLASLt workspace, allocated once (Note 4)
-    library_kernels_bytes: int = 0  # bytes of cuda_context_bytes a step's first kernels load (Note 4)
-    cudnn_bytes: int = 0  # bytes cuDNN adds outside the allocator when convolutions run (Note 4)
-    cuda_version: tuple[int, int] | None = None  # CUDA the figures assume (Note 5); None on CPU
-    module_loading: str = "lazy"  # "lazy" or "eager": CUDA_MODULE_LOADING (Note 4)
-    figure_notes: tuple[str, ...] = ()  # where the non-allocator figures come from (Note 5)
+    # memory outside tensors and the CUDA it assumes: set by with_cuda (memfit._device_cuda)
+    cuda_context_bytes: int = 0  # bytes the CUDA context and loaded kernels take
+    cublas_workspace_bytes: int = 0  # bytes of cuBLAS + cuBLASLt workspace, allocated once
+    library_kernels_bytes: int = 0  # bytes of cuda_context_bytes a step's first kernels load
+    cudnn_bytes: int = 0  # bytes cuDNN adds outside the allocator when convolutions run
+    cuda_version: tuple[int, int] | None = None  # CUDA the figures assume; None on CPU
+    module_loading: str = "lazy"  # "lazy" or "eager": CUDA_MODULE_LOADING
+    figure_notes: tuple[str, ...] = ()  # where the non-allocator figures come from
     usable_measured: bool = True  # usable_bytes read off a log (False: the Note 1 fallback)
     profile_path: str | None = None  # the device profile these figures were measured in, if any
     nvml_total_bytes: int = 0  # the card's total as NVML / nvidia-smi reports it; 0: not known
 
     @property
     def autograd_workspace_bytes(self) -> int:
-        """The cuBLAS workspace of autograd's device thread (Note 4): the handle's own, without
-        the cuBLASLt one."""
+        """The cuBLAS workspace of autograd's device thread (its backward's matmuls run there,
+        on a handle of their own): the handle's own, without the cuBLASLt one."""
         return max(self.cublas_workspace_bytes - CUBLASLT_WORKSPACE_BYTES, 0)
 
     @classmethod
@@ -187,67 +160,6 @@ class DeviceSpec:
                          "or torch.bfloat16")
 
 
-def _cublas_workspace_bytes(cc: tuple[int, int]) -> int:
-    """Note 4: cuBLAS default workspace by compute capability, plus cuBLASLt's 1 MiB."""
-    cublas = 4096 * 1024 * 8 if cc[0] >= 9 else (4096 * 2 + 16 * 8) * 1024
-    return cublas + CUBLASLT_WORKSPACE_BYTES
-
-
-def _default_cuda() -> tuple[tuple[int, int], str | None]:
-    """The CUDA the installed torch was built for, and a note when it is assumed (Note 5)."""
-    if torch.version.cuda:
-        return parse_cuda_version(torch.version.cuda), None
-    major, minor = ASSUMED_CUDA_VERSION
-    return ASSUMED_CUDA_VERSION, (f"this torch ({torch.__version__}) has no CUDA: the figures "
-                                  f"assume CUDA {major}.{minor}; pass --cuda-version / "
-                                  "cuda_version= for yours")
-
-
-def with_cuda(spec: DeviceSpec, cuda_version=None, module_loading: str | None = None) -> DeviceSpec:
-    """``spec`` with its non-allocator figures (context, kernels, cuDNN) for ``cuda_version``
-    ("12", "12.4", (12, 4); default: torch's, Note 5) and ``module_loading`` ("lazy" or
-    "eager", what ``CUDA_MODULE_LOADING`` says; default: the spec's, "lazy" for table entries,
-    torch's default since 1.13). The API reads no environment variable; the CLI's
-    ``--module-loading`` defaults to the shell's ``CUDA_MODULE_LOADING``."""
-    if spec.kind != "cuda":
-        if cuda_version is not None:
-            raise ValueError(f"cuda_version={cuda_version!r} is for a GPU; {spec.name} is not one")
-        return spec
-    if spec.profile_path is not None:
-        if cuda_version is not None and parse_cuda_version(cuda_version)[0] != spec.cuda_version[0]:
-            raise ValueError(f"the device profile {spec.profile_path} was measured under CUDA "
-                             f"{spec.cuda_version[0]}.{spec.cuda_version[1]}: measure another with "
-                             "`memfit calibrate` under the CUDA you want, or drop --cuda-version")
-        return spec
-    notes = []
-    if cuda_version is None:
-        cuda, assumed = _default_cuda()
-        notes += [assumed] if assumed else []
-    else:
-        cuda = parse_cuda_version(cuda_version)
-    low, high = MIN_CUDA.get(spec.architecture), MAX_CUDA.get(spec.architecture)
-    if low and cuda < low or high and cuda > high:
-        span = f"{low[0]}.{low[1]}" + (f" to {high[0]}.{high[1]}" if high else " or later")
-        raise ValueError(f"the {spec.display_name} ({spec.architecture}, sm_"
-                         f"{spec.compute_capability[0]}{spec.compute_capability[1]}) runs under "
-                         f"CUDA {span}, not {cuda[0]}.{cuda[1]}: give a --cuda-version in that range")
-    module_loading = module_loading or spec.module_loading
-    if module_loading not in ("lazy", "eager"):
-        raise ValueError(f"module_loading must be 'lazy' or 'eager' (CUDA_MODULE_LOADING), "
-                         f"got {module_loading!r}")
-    context = context_figure(spec.architecture, cuda, module_loading)
-    kernels = step_kernels_figure(cuda, module_loading)
-    cudnn = cudnn_figure(cuda, module_loading)
-    mode = "lazy" if lazy_loading(cuda, module_loading) else "eager"
-    notes.append(f"CUDA {cuda[0]}.{cuda[1]}, {mode} module loading: context "
-                 f"{context.bytes / MiB:.0f} MiB ({'' if context.exact else 'no measurement for '}"
-                 f"{'' if context.exact else spec.architecture + ' here; '}{context.source})"
-                 + (f" + {kernels.bytes / MiB:.0f} MiB of kernels a step loads ({kernels.source})"
-                    if kernels.bytes else ""))
-    return replace(spec, cuda_version=cuda, module_loading=module_loading,
-                   cuda_context_bytes=context.bytes + kernels.bytes,
-                   library_kernels_bytes=kernels.bytes, cudnn_bytes=cudnn.bytes,
-                   figure_notes=tuple(notes))
 
 
 def _link(name: str) -> float:
@@ -272,7 +184,7 @@ def _gpu(row: dict) -> DeviceSpec:
                       peak_bf16_flops=row["bf16"], memory_bandwidth_bytes_per_s=row["bw"],
                       host_link_bytes_per_s=_link(row["link"]), supports_bf16=row["bf16"] > 0,
                       compute_capability=cc, architecture=_ARCH_BY_CC[cc],
-                      cublas_workspace_bytes=_cublas_workspace_bytes(cc),
+                      cublas_workspace_bytes=cublas_workspace_bytes_for(cc),
                       usable_measured=row["usable"] is not None,
                       nvml_total_bytes=row.get("smi", 0) * MiB)
     return with_cuda(spec, module_loading="lazy")
@@ -354,7 +266,7 @@ def _spec_from_cuda(device: torch.device) -> DeviceSpec:
                       memory_bandwidth_bytes_per_s=500e9, host_link_bytes_per_s=link,
                       supports_bf16=bf16 > 0, compute_capability=cc,
                       architecture=_ARCH_BY_CC.get(cc, f"sm_{cc[0]}{cc[1]}"),
-                      cublas_workspace_bytes=_cublas_workspace_bytes(cc))
+                      cublas_workspace_bytes=cublas_workspace_bytes_for(cc))
     return with_cuda(spec)
 
 
@@ -365,7 +277,7 @@ def get_device(name_or_spec: DeviceSpec | str | torch.device, *, cuda_version=No
     GPU names are the keys of :data:`GPUS` or :data:`ALIASES`, in any case and spacing
     ("GTX 1080 Ti", "1080ti", "a100-80"). Raises ValueError, with close names, for unknown ones.
     ``cuda_version`` ("12", "12.4") and ``module_loading`` ("lazy", "eager") choose the CUDA the
-    context figures assume (Note 5, ``with_cuda``); by default, torch's and lazy.
+    context figures assume (``with_cuda``); by default, torch's and lazy.
     """
     spec = _resolve(name_or_spec)
     if cuda_version is None and module_loading is None:

@@ -46,7 +46,8 @@ def test_without_kernels_autocast_or_foreach_it_is_the_real_step_through_the_all
     assert est.peak_bytes == real.allocated_peak_bytes
     assert est.reserved_bytes == real.reserved_peak_bytes
     # and the allocator adds only rounding and the workspaces to the exact live bytes: the
-    # calling thread's cuBLAS + cuBLASLt, and autograd's device thread's cuBLAS (devices Note 4)
+    # calling thread's cuBLAS + cuBLASLt, and autograd's device thread's cuBLAS
+    # (_device_cuda Note 1)
     exact = t.peak_bytes
     workspaces = spec.cublas_workspace_bytes + spec.autograd_workspace_bytes
     assert real.workspace_bytes == workspaces == 2 * spec.cublas_workspace_bytes - 1024**2
