@@ -26,7 +26,7 @@ def test_every_option_reserves_at_least_what_it_allocates(gpt2_gpu):
     assert opts.best.applicable and opts.saved_bytes >= 0
     assert opts.best.reserved_bytes == min(o.reserved_bytes for o in opts.options if o.applicable)
     # routing changes where blocks live, never which blocks: every scheme allocates the same
-    # blocks, so its allocated peak is the default's (frees are immediate, allocator Note 6)
+    # blocks, so its allocated peak is the default's (frees are immediate, allocator Note 5)
     assert {o.allocated_bytes for o in opts.options} == {opts.default.allocated_bytes}
 
 

@@ -27,19 +27,13 @@ may hold: device memory less context and other processes) makes malloc (a) with
 then (b) free every wholly free segment and unmap free pages (``release_cached_blocks``, as
 ``empty_cache`` does) and retry once; then raise ``AllocatorOOM``.
 
-Note 5: expandable segments. One segment per (pool, stream) reserves a huge virtual range and maps
-pages on demand: 2 MiB (``kSmallBuffer``) in the small pool, 20 MiB (``kLargeBuffer``, called
-``large_segment_size`` in 2.13) in the large pool. Without a cached fit, the lowest-address run of
-free + unmapped space that fits is mapped with just enough whole pages
-(``find_expandable_block``, ``map_block``). Best fit sees a free block in front of unmapped space
-as bigger (``expandable_size``), so interior holes go first. Releasing the cache unmaps whole pages
-inside free blocks (``unmap_block``) and drops a segment with no page left. Hence reserved ~
-allocated rounded up to pages, plus free space stuck between live blocks.
-
-Note 6: simplifications. Addresses are fake and grow with each segment, so best-fit ties go to
+Note 5: simplifications. Addresses are fake and grow with each segment, so best-fit ties go to
 the older segment. Blocks are free at once: no cross-stream events, CUDA graphs, private pools,
 garbage collection. An expandable segment spans ``_ADDRESS_SPACE_BYTES``, not 1.125 x device
 memory. A 0-byte request takes no memory and is not counted (``allocate`` never mallocs it).
+
+Expandable segments (``expandable_segments:True``: one growing segment per pool and stream,
+whose pages are mapped on demand) are served by ``_allocator_expandable``; its note says how.
 """
 
 from __future__ import annotations
@@ -49,19 +43,21 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from memfit.trace._allocator_blocks import (
-    _ADDRESS_SPACE_BYTES, _UNLIMITED, K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER,
-    K_SMALL_SIZE, _Block, _expandable_size, _Pool, _round_up, _Segment, _splice, round_size,
-    segment_size)
+    _UNLIMITED, K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_SIZE, _Block, _expandable_size, _Pool,
+    _round_up, _Segment, _splice, round_size, segment_size)
+from memfit.trace._allocator_expandable import ExpandableSegments
 
 __all__ = ["AllocatorConfig", "AllocatorOOM", "AllocatorStats", "CachingAllocator",
            "replay", "round_size", "segment_size"]
+
 
 @dataclass(frozen=True)
 class AllocatorConfig:
     """The ``PYTORCH_CUDA_ALLOC_CONF`` settings that change memory use."""
 
     expandable_segments: bool = False
-    """``expandable_segments:True``: one growing segment per pool and stream (Note 5)."""
+    """``expandable_segments:True``: one growing segment per pool and stream, its pages mapped
+    on demand (``_allocator_expandable``)."""
     max_split_size_bytes: int | None = None
     """``max_split_size_mb`` in bytes; None is PyTorch's default, unlimited. Must exceed 20 MiB."""
     capacity_bytes: int | None = None
@@ -117,7 +113,7 @@ class AllocatorOOM(MemoryError):
             "the cached part is large, try expandable_segments=True.")
 
 
-class CachingAllocator:
+class CachingAllocator(ExpandableSegments):
     """Replays mallocs and frees the way the CUDA caching allocator serves them (module notes)."""
 
     def __init__(self, config: AllocatorConfig = AllocatorConfig()):
@@ -235,7 +231,8 @@ class CachingAllocator:
         i = blocks.lower_bound((stream, size, -1))
         if i == len(blocks) or blocks.at(i).stream != stream:
             return None
-        while (blocks.at(i).segment is not None and i + 1 < len(blocks)  # Note 5
+        # in an expandable segment a free block before unmapped space counts as bigger
+        while (blocks.at(i).segment is not None and i + 1 < len(blocks)
                and blocks.at(i + 1).stream == stream
                and _expandable_size(blocks.at(i + 1)) < _expandable_size(blocks.at(i))):
             i += 1
@@ -309,87 +306,11 @@ class CachingAllocator:
             _splice(dst, dst.prev, src.next)
         dst.size += src.size
 
-    def _find_expandable_block(self, pool: _Pool, size: int, stream: int) -> _Block:
-        def has_room(b: _Block | None) -> bool:
-            room = 0
-            while room < size and b is not None and not b.allocated:
-                room, b = room + b.size, b.next
-            return room >= size
-
-        for i in range(pool.unmapped.lower_bound((stream, -1)), len(pool.unmapped)):
-            c = pool.unmapped.at(i)
-            if c.stream != stream:
-                break
-            if c.prev is not None and not c.prev.allocated:
-                c = c.prev
-            if has_room(c):
-                return c
-        page = K_SMALL_BUFFER if pool.is_small else K_LARGE_BUFFER
-        va_bytes = _round_up(_ADDRESS_SPACE_BYTES, page)
-        segment = _Segment(self._new_address(va_bytes), page)
-        self._expandable.append(segment)
-        candidate = _Block(segment.base, va_bytes, pool, stream, segment, mapped=False)
-        pool.unmapped.add(candidate)
-        return candidate
-
-    def _map_block(self, block: _Block, nbytes: int) -> bool:
-        seg = block.segment
-        assert seg is not None and (block.addr - seg.base) % seg.page_bytes == 0
-        mapped = _round_up(nbytes, seg.page_bytes)
-        if not self._grow_reserved(mapped):
-            return False
-        block.pool.unmapped.remove(block)
-        block.mapped = True
-        if mapped < block.size:
-            rest = _Block(block.addr + mapped, block.size - mapped, block.pool, block.stream, seg,
-                          mapped=False)
-            _splice(rest, block, block.next)
-            block.pool.unmapped.add(rest)
-            block.size = mapped
-        self._try_merge(block, block.prev)
-        self._try_merge(block, block.next)
-        block.pool.blocks.add(block)
-        return True
-
-    def _try_allocate_expandable_block(self, pool: _Pool, size: int, stream: int) -> _Block | None:
-        candidate = self._find_expandable_block(pool, size, stream)
-        if not candidate.mapped and not self._map_block(candidate, min(candidate.size, size)):
-            return None
-        while candidate.size < size:  # free block, then unmapped space: map and merge
-            after = candidate.next
-            if not self._map_block(after, min(size - candidate.size, after.size)):
-                return None
-            candidate = after
-        pool.blocks.remove(candidate)
-        return candidate
-
-    def _unmap_block(self, block: _Block) -> None:
-        seg, end = block.segment, block.addr + block.size
-        first = seg.base + _round_up(block.addr - seg.base, seg.page_bytes)
-        last = seg.base + (end - seg.base) // seg.page_bytes * seg.page_bytes
-        if first >= last:
-            return
-        pool = block.pool
-        pool.blocks.remove(block)
-        if first > block.addr:
-            before = _Block(block.addr, first - block.addr, pool, block.stream, seg)
-            _splice(before, block.prev, block)
-            pool.blocks.add(before)
-        if last < end:
-            after = _Block(last, end - last, pool, block.stream, seg)
-            _splice(after, block, block.next)
-            pool.blocks.add(after)
-        block.addr, block.size, block.mapped = first, last - first, False
-        self._try_merge(block, block.prev)
-        self._try_merge(block, block.next)
-        pool.unmapped.add(block)
-        self._reserved -= last - first
-
 
 def replay(events: Iterable[tuple[Hashable, int]],
            config: AllocatorConfig = AllocatorConfig()) -> AllocatorStats:
     """Replay ``(key, delta_bytes)`` events: delta > 0 allocates a block for ``key``, delta < 0
-    frees it (the magnitude is informational), delta == 0 is skipped (Note 6)."""
+    frees it (the magnitude is informational), delta == 0 is skipped (Note 5)."""
     allocator, handles = CachingAllocator(config), {}
     for key, delta in events:
         if delta > 0:
