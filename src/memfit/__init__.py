@@ -19,8 +19,8 @@ _LAZY = {
     "DeviceSpec": "memfit.devices", "get_device": "memfit.devices", "list_devices": "memfit.devices",
     "BudgetTooSmall": "memfit.errors", "OutOfMemory": "memfit.errors", "TraceError": "memfit.errors",
     "ReplanError": "memfit.errors", "MemfitDeprecationWarning": "memfit.errors",
-    "Job": "memfit.job", "Knobs": "memfit.knobs", "Tracker": "memfit.measure",
-    "track": "memfit.measure",
+    "Job": "memfit.job", "Knobs": "memfit.knobs", "Mode": "memfit.modes",
+    "Tracker": "memfit.measure", "track": "memfit.measure",
     "Plan": "memfit.planner", "Runner": "memfit.runtime", "StepInfo": "memfit.runtime",
     "format_bytes": "memfit.units", "parse_bytes": "memfit.units",
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from memfit.knobs import Knobs
+from memfit.modes import Mode
 from memfit.planner.search import Choice
 
 __all__ = ["knob_values", "describe"]
@@ -12,15 +13,18 @@ def knob_values(choice: Choice, blocks: list[str], k: Knobs | None = None) -> di
     """The Knobs that apply ``choice`` (per-block modes as policies or tuples of names); the
     caller's own ``checkpoint`` / ``offload`` where they fixed it (it may name modules that
     are not blocks, or recompute and offload one block, which the search only mirrors)."""
-    def policy(kinds: dict[str, str]) -> str | tuple[str, ...]:
+    def policy(kinds: dict[str, Mode]) -> str | tuple[str, ...]:
         if not kinds:
             return "none"
         if len(kinds) == len(blocks) and len(set(kinds.values())) == 1:
-            return "selective" if "selective" in kinds.values() else "all"
-        return tuple(f"{n}:selective" if v == "selective" else n for n, v in kinds.items())
+            return "selective" if Mode.SELECTIVE in kinds.values() else "all"
+        # the policy language's one suffix: "name:selective" (techniques._blocks)
+        return tuple(f"{n}:{Mode.SELECTIVE.value}" if v == Mode.SELECTIVE else n
+                     for n, v in kinds.items())
 
-    recompute = {n: m for n, m in zip(blocks, choice.modes) if m in ("recompute", "selective")}
-    offload = {n: m for n, m in zip(blocks, choice.modes) if m == "offload"}
+    recompute = {n: m for n, m in zip(blocks, choice.modes)
+                 if m in (Mode.RECOMPUTE, Mode.SELECTIVE)}
+    offload = {n: m for n, m in zip(blocks, choice.modes) if m == Mode.OFFLOAD}
     out = dict(micro_batch_size=choice.micro_batch_size, checkpoint=policy(recompute),
                offload=policy(offload), offload_optimizer=choice.offload_optimizer,
                optimizer_impl=choice.optimizer_impl,
@@ -35,7 +39,7 @@ def knob_values(choice: Choice, blocks: list[str], k: Knobs | None = None) -> di
 
 def describe(choice: Choice, b: int) -> str:
     """"fp16, micro-batch 1 of 32, 18 block(s) offload, fused optimizer"."""
-    counts = {m: choice.modes.count(m) for m in set(choice.modes) if m != "keep"}
+    counts = {m: choice.modes.count(m) for m in set(choice.modes) if m != Mode.KEEP}
     parts = [choice.precision, f"micro-batch {choice.micro_batch_size} of {b}"]
     parts += [f"{n} block(s) {m}" for m, n in sorted(counts.items())]
     if choice.optimizer_state is not None:

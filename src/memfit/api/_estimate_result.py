@@ -9,6 +9,7 @@ from memfit.devices import DeviceSpec
 from memfit.knobs import Knobs
 from memfit.measure import ModuleRecord
 from memfit.memplan import StorageLog
+from memfit.modes import Mode
 from memfit.trace.card import CardBreakdown
 
 __all__ = ["Estimate"]
@@ -38,7 +39,7 @@ class Estimate:
     trace_seconds: float
     basis: str = "cpu-trace"           # how the figures were obtained: cpu-trace | cuda-model
     notes: list[str] = field(default_factory=list)
-    knobs_blocks: dict[str, str] = field(default_factory=dict)   # block -> mode applied
+    knobs_blocks: dict[str, Mode] = field(default_factory=dict)  # block -> mode applied
     # remat=True with a budget: DTR simulated on this step (memfit.trace.dtr_sim), else None
     remat_peak_bytes: int | None = None          # predicted live-bytes peak under DTR
     remat_recompute_flops: int | None = None     # forward FLOPs DTR reruns
@@ -78,7 +79,7 @@ class Estimate:
         includes what a recompute actually reran: compare with a plain estimate for the exact
         cost."""
         r = self.modules[name]
-        return {"name": name, "mode": self.knobs_blocks.get(name, "keep"),
+        return {"name": name, "mode": self.knobs_blocks.get(name, Mode.KEEP),
                 "saved_bytes": r.saved_bytes, "input_bytes": r.input_bytes,
                 "param_bytes": r.param_bytes, "fw_flops": r.fw_flops, "bw_flops": r.bw_flops,
                 "recompute_flops_max": r.fw_flops, "offload_bytes_max": r.saved_bytes}

@@ -28,6 +28,7 @@ per lever beyond them: a person scans it, a program reads ``floor_bytes``.
 from __future__ import annotations
 
 from memfit.errors import BudgetTooSmall
+from memfit.modes import Mode
 from memfit.optimizers import IMPL_FLAGS
 from memfit.planner._explain import ratio_words
 from memfit.techniques.low_bit_optimizer import LIBRARY, NUMERICS_NOTE
@@ -40,7 +41,7 @@ __all__ = ["global_reasons", "host_bytes", "too_small", "excluded_levers", "coun
 def host_bytes(choice, est) -> int:
     """Host RAM the plan's offload needs (Note 2)."""
     k = est.knobs
-    offloads = choice.offload_optimizer or "offload" in choice.modes or \
+    offloads = choice.offload_optimizer or Mode.OFFLOAD in choice.modes or \
         k.offload not in (None, "none")
     return int(est.host_peak_bytes) if offloads else 0
 
@@ -67,10 +68,10 @@ def global_reasons(k, choice, memory, b: int, ctx, ratio: float) -> list[str]:
                else "the largest micro-batch the fastest plan could afford (each extra "
                     "micro-batch repeats the launches and weight reads)")
         out.append(f"micro-batch {choice.micro_batch_size} x {n} accumulated: {why}")
-    modes = [m for m in choice.modes if m != "keep"]
+    modes = [m for m in choice.modes if m != Mode.KEEP]
     if modes:
-        counts = ", ".join(f"{modes.count(m)} {m}" for m in ("recompute", "selective", "offload")
-                           if m in modes)
+        counts = ", ".join(f"{modes.count(m)} {m}" for m in
+                           (Mode.RECOMPUTE, Mode.SELECTIVE, Mode.OFFLOAD) if m in modes)
         fixed = [f"{name}={_policy_words(v)}" for name, v in
                  (("checkpoint", k.checkpoint), ("offload", k.offload)) if v is not None]
         why = (f"as your {' and '.join(fixed)} set" if fixed and

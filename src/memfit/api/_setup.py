@@ -12,6 +12,7 @@ from memfit.api._plan_allocator import apply_allocator
 from memfit.zoo._model_arg import check_model
 from memfit.devices import DeviceSpec, cpu_spec, get_device, with_cuda
 from memfit.knobs import Knobs
+from memfit.modes import Mode
 from memfit.optimizers import IMPL_FLAGS, OptimizerRecipe
 from memfit.planner import Plan
 from memfit.runtime import Applied, Runner
@@ -135,7 +136,7 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
                 optimizer, handle = ParamOffload(ParamOffload.Config(knobs.offload_params)) \
                     .apply(model, optimizer)
                 handles.append(handle)
-                chosen = sum(m == "offload" for m in handle.modes.values())
+                chosen = sum(m == Mode.OFFLOAD for m in handle.modes.values())
                 notes.append(f"offload_params: the weights of {chosen} block(s) live in host "
                              "memory (the optimizer's host copies), fetched to the device "
                              "before each block's forward and backward")
@@ -176,11 +177,10 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
                   user_step=user_step, on_phase=None if pools is None else pools.on_phase)
 
 
-def _merge_offload(blocks: dict[str, str], modes: dict[str, str]) -> None:
+def _merge_offload(blocks: dict[str, Mode], modes: dict[str, Mode]) -> None:
     """Offload's per-block modes into ``blocks`` (which a checkpoint or planner filled)."""
     for name, mode in modes.items():
-        if mode == "offload":
-            before = blocks.get(name, "keep")
-            blocks[name] = "offload" if before in ("keep", "offload") else f"{before}+offload"
+        if mode == Mode.OFFLOAD:
+            blocks[name] = Mode.parse(blocks.get(name, Mode.KEEP)).with_offload()
         else:
             blocks.setdefault(name, mode)

@@ -14,6 +14,7 @@ from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._validate import check_batch
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
+from memfit.modes import Mode
 from memfit.planner.memory_model import MemoryModel
 from memfit.planner.search import Constraints, search
 from memfit.planner.sharding import Candidate, ShardedTime, shard_estimate, state_bytes
@@ -110,7 +111,7 @@ class _Models:
     def single_s(self, spec) -> float:
         """The plain step of the whole batch on one device (the ratio's baseline)."""
         memory, time = self.pair(Candidate(1, "none"), spec)
-        return time.step_s(self.b, self.b, ("keep",) * len(memory.blocks), False)
+        return time.step_s(self.b, self.b, (Mode.KEEP,) * len(memory.blocks), False)
 
 
 def _search_row(models: _Models, cand: Candidate, spec, budget: int, k: Knobs, fixed_modes,

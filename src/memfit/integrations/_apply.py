@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from memfit.api._setup import build_runner
+from memfit.modes import Mode
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
 from memfit.units import format_bytes
@@ -35,7 +36,7 @@ class Changes:
     """What applying a plan changed on the model and the optimizer (Note 1)."""
 
     plan: Plan
-    blocks: dict[str, str]                 # block -> mode installed by hooks
+    blocks: dict[str, Mode]                # block -> mode installed by hooks
     optimizer_offloaded: bool              # the optimizer's state and step live on the host
     predicted_peak_bytes: int              # allocated peak of the planned step (the trace)
     predicted_device_bytes: int            # what the budget is checked against
@@ -45,7 +46,7 @@ class Changes:
 
     @property
     def changed(self) -> bool:
-        return self.optimizer_offloaded or any(m != "keep" for m in self.blocks.values())
+        return self.optimizer_offloaded or any(m != Mode.KEEP for m in self.blocks.values())
 
     def __str__(self) -> str:
         head = (f"memfit: {format_bytes(self.predicted_device_bytes)} predicted under the "
@@ -53,9 +54,9 @@ class Changes:
         if not self.changed:
             return "\n".join([head + "; nothing changed"] + [f"  {n}" for n in self.notes])
         lines = [head, f"  predicted step time x{self.plan.predicted_step_time_ratio:.2f}"]
-        hooked = sorted({m for m in self.blocks.values() if m != "keep"})
+        hooked = sorted({m for m in self.blocks.values() if m != Mode.KEEP})
         if hooked:
-            n = sum(m != "keep" for m in self.blocks.values())
+            n = sum(m != Mode.KEEP for m in self.blocks.values())
             lines.append(f"  block hooks: {n} of {len(self.blocks)} blocks {'/'.join(hooked)}")
         if self.optimizer_offloaded:
             lines.append("  optimizer: memfit's OffloadedOptimizer (state and step on the host)")

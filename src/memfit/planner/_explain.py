@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from memfit.modes import Mode
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ def _offloads(plan: "Plan") -> bool:
     """The plan moves something to the host (else host bytes are no offload's)."""
     k = plan.knobs
     return bool(k.offload_optimizer) or k.offload not in (None, "none") or \
-        any("offload" in m for m in plan.blocks.values())
+        any(m.offloads for m in plan.blocks.values())
 
 
 def _globals(plan: "Plan") -> list[str]:
@@ -102,8 +103,8 @@ def _block_rows(costs: list[dict]) -> list[str]:
     rows = [f"{'block(s)':<{width}}  {'mode':<10} {'saves (each)':>13} {'time (each)':>12}"]
     for r in runs:
         c = r[0]
-        saved = format_bytes(c["saved_bytes"]) if c["mode"] != "keep" else "-"
-        paid = f"+{1e3 * c['time_s']:.1f} ms" if c["mode"] != "keep" else "-"
+        saved = format_bytes(c["saved_bytes"]) if c["mode"] != Mode.KEEP else "-"
+        paid = f"+{1e3 * c['time_s']:.1f} ms" if c["mode"] != Mode.KEEP else "-"
         rows.append(f"{_names(r):<{width}}  {c['mode']:<10} {saved:>13} {paid:>12}")
     return rows
 

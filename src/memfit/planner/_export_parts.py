@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memfit.knobs import Knobs
+from memfit.modes import Mode
 
 if TYPE_CHECKING:
     from memfit.planner.plan import Plan
-
-_RECOMPUTED = ("recompute", "selective", "recompute+offload", "selective+offload")
 
 
 @dataclass(frozen=True)
@@ -139,8 +138,8 @@ def _activations(plan: "Plan", notes: list[str]) -> _Activations:
     modes = dict(plan.blocks)
     if not modes:
         return _from_policy(plan, notes)
-    selective = [b for b, m in modes.items() if m.startswith("selective")]
-    offload_only = [b for b, m in modes.items() if m == "offload"]
+    selective = [b for b, m in modes.items() if m in (Mode.SELECTIVE, Mode.SELECTIVE_OFFLOAD)]
+    offload_only = [b for b, m in modes.items() if m == Mode.OFFLOAD]
     if selective:
         notes.append(f"selective recompute ({_names(selective)}) has no counterpart: those blocks "
                      "are recomputed in full (less memory, more recompute time)")
@@ -148,9 +147,9 @@ def _activations(plan: "Plan", notes: list[str]) -> _Activations:
         notes.append(f"offload without recompute ({_names(offload_only)}) has no counterpart: "
                      "those blocks are recomputed with their inputs on the host (no more device "
                      "memory than the plan, more recompute time)")
-    chosen = [i for i, m in enumerate(modes.values()) if m in _RECOMPUTED or m == "offload"]
+    chosen = [i for i, m in enumerate(modes.values()) if m.recomputes or m.offloads]
     names = tuple(list(modes)[i] for i in chosen)
-    kept_here = [b for b in names if not modes[b].endswith("offload")]
+    kept_here = [b for b in names if not modes[b].offloads]
     offload = len(kept_here) < len(names)
     if offload and kept_here:
         notes.append(f"offload applies to every recomputed block, also {_names(kept_here)}, "

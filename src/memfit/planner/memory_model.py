@@ -75,10 +75,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from memfit.techniques.checkpoint import SAVED_OPS
+from memfit.modes import Mode
 
 __all__ = ["MODES", "MemoryModel", "Rows", "block_passes", "optimizer_rise_bytes"]
 
-MODES = ("keep", "recompute", "selective", "offload")
+MODES = (Mode.KEEP, Mode.RECOMPUTE, Mode.SELECTIVE, Mode.OFFLOAD)
 _STATE = ("params", "grads", "optimizer", "other")
 _ACT = ("activations", "temporaries")
 _SAVED_OP_NAMES = {str(op) for op in SAVED_OPS}       # "aten.mm", ...
@@ -106,7 +107,7 @@ class MemoryModel:
     """Predicted allocated bytes of a step for any micro-batch and per-block modes (Notes)."""
 
     placements: tuple[bool, ...] = (False, True)    # where the optimizer state may be (Note 10)
-    excluded_modes: tuple[str, ...] = ()            # block modes this step refuses (Note 10)
+    excluded_modes: tuple[Mode, ...] = ()            # block modes this step refuses (Note 10)
 
     def __init__(self, est, batch_size: int, half=None):
         """``est``: the plain trace at ``batch_size``; ``half``: the same at ``batch_size // 2``
@@ -161,13 +162,13 @@ class MemoryModel:
         self._points = self._build_points(n)
 
     # -- per block ----------------------------------------------------------------------------
-    def allowed(self, i: int) -> tuple[str, ...]:
+    def allowed(self, i: int) -> tuple[Mode, ...]:
         if not self._units_of[i]:
-            return ("keep",)
+            return (Mode.KEEP,)
         return tuple(m for m in MODES if m not in self.excluded_modes)
 
     def limited(self, placements: tuple[bool, ...] | None = None,
-                excluded_modes: tuple[str, ...] | None = None) -> "MemoryModel":
+                excluded_modes: tuple[Mode, ...] | None = None) -> "MemoryModel":
         """This model with fewer placements or block modes allowed (Note 10)."""
         out = copy.copy(self)
         if placements is not None:
@@ -176,12 +177,12 @@ class MemoryModel:
             out.excluded_modes = excluded_modes
         return out
 
-    def saved_bytes(self, i: int, mode: str, m: int) -> float:
+    def saved_bytes(self, i: int, mode: Mode, m: int) -> float:
         """Bytes block ``i`` no longer holds, at micro-batch ``m``, while its data is pending,
         summed over its passes (the bytes an offload moves each way)."""
         return sum(self.unit_saved_bytes(u, mode, m) for u in self._units_of[i])
 
-    def held_saved_bytes(self, i: int, mode: str, m: int) -> float:
+    def held_saved_bytes(self, i: int, mode: Mode, m: int) -> float:
         """The most block ``i`` no longer holds at one time (its largest pass)."""
         return max((self.unit_saved_bytes(u, mode, m) for u in self._units_of[i]), default=0.0)
 
@@ -189,19 +190,19 @@ class MemoryModel:
         """Block ``i``'s passes: ``(unit, forward span, backward span)`` each (Note 8)."""
         return [(u, self._units[u][1], self._units[u][2]) for u in self._units_of[i]]
 
-    def unit_saved_bytes(self, u: int, mode: str, m: int) -> float:
+    def unit_saved_bytes(self, u: int, mode: Mode, m: int) -> float:
         """What one pass (unit ``u``) of its block no longer holds while its data is pending."""
-        if mode == "keep":
+        if mode == Mode.KEEP:
             return 0.0
-        kept = self.selective_kept[u] if mode == "selective" else self.inputs[u]
+        kept = self.selective_kept[u] if mode == Mode.SELECTIVE else self.inputs[u]
         return max(_at(self.saved[u], m) - _at(kept, m), 0.0)
 
-    def _extra_bw(self, u: int, mode: str, m: int) -> float:
+    def _extra_bw(self, u: int, mode: Mode, m: int) -> float:
         """Bytes unit ``u``'s backward holds above the plain one's (Note 3)."""
-        if mode == "keep":
+        if mode == Mode.KEEP:
             return 0.0
         back = self.unit_saved_bytes(u, mode, m)
-        if mode == "offload":
+        if mode == Mode.OFFLOAD:
             return 2 * back                  # its own data back, and the next block's prefetch
         return back + self._fw_temporaries[u] * m
 

@@ -8,6 +8,11 @@ blocks=..., reasons=[...])``) or derive another with ``dataclasses.replace``. Wh
 plan did (the modes each block got, a rebuilt optimizer, notes) is ``runner.applied``
 (``memfit.runtime.Applied``), never written back here. ``to_json`` writes plain lists and
 objects, and ``from_json`` reads versions 1 and 2 as before.
+
+Note 2 (block modes). ``blocks`` maps each block to a ``memfit.Mode``, as does the "mode" of each
+``block_costs`` entry: strings given to the constructor ("keep", "recompute+offload", ...) are
+parsed (an unknown one is refused), and ``to_dict`` / ``to_json`` write the strings back, so the
+JSON is what it was and ``from_json`` gives Mode members.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from memfit.knobs import Knobs
+from memfit.modes import Mode
 from memfit.planner._explain import explain
 from memfit.planner.exports import export as _export
 
@@ -34,7 +40,7 @@ class Plan:
     was predicted."""
 
     knobs: Knobs
-    blocks: Mapping[str, str] = field(default_factory=dict)   # block name -> keep|recompute|...
+    blocks: Mapping[str, Mode] = field(default_factory=dict)  # block name -> Mode (Note 2)
     predicted_peak_bytes: int | None = None       # allocated peak of one effective batch
     predicted_reserved_bytes: int | None = None   # what the allocator holds at that peak
     predicted_step_time_ratio: float | None = None  # vs the plain step at the user's precision
@@ -66,9 +72,10 @@ class Plan:
         if self.knobs.offload_optimizer or self.knobs.precision == "bf16-pure" or \
                 self.knobs.optimizer_state not in (None, "fp32"):
             freeze(self, "optimizer_rebuilt", True)   # these knobs always need a new one
-        freeze(self, "blocks", MappingProxyType(dict(self.blocks)))
+        freeze(self, "blocks", MappingProxyType({n: Mode.parse(m) for n, m in self.blocks.items()}))
         freeze(self, "reasons", tuple(self.reasons))
-        freeze(self, "block_costs", tuple(MappingProxyType(dict(c)) for c in self.block_costs))
+        freeze(self, "block_costs", tuple(MappingProxyType(_with_mode(c))
+                                          for c in self.block_costs))
         if self.allocator is not None:
             freeze(self, "allocator", MappingProxyType(dict(self.allocator)))
 
@@ -76,9 +83,10 @@ class Plan:
         """Plain lists and dicts (what ``to_json`` writes)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["knobs"] = self.knobs.to_dict()
-        d["blocks"] = dict(self.blocks)
+        d["blocks"] = {n: m.value for n, m in self.blocks.items()}     # Note 2
         d["reasons"] = list(self.reasons)
-        d["block_costs"] = [dict(c) for c in self.block_costs]
+        d["block_costs"] = [{**c, **({"mode": c["mode"].value} if "mode" in c else {})}
+                            for c in self.block_costs]
         d["allocator"] = None if self.allocator is None else dict(self.allocator)
         return d
 
@@ -114,3 +122,11 @@ class Plan:
 
     def export(self, target: str, batch_size: int, world_size: int = 1):
         return _export(self, target, batch_size, world_size)   # -> Export(config, notes)
+
+
+def _with_mode(cost: Mapping) -> dict:
+    """A ``block_costs`` entry with its "mode" as a ``Mode`` (Note 2)."""
+    out = dict(cost)
+    if "mode" in out:
+        out["mode"] = Mode.parse(out["mode"])
+    return out

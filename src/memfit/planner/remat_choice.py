@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memfit.modes import Mode
 from memfit.planner.memory_model import MemoryModel
 from memfit.planner.plan import Plan
 from memfit.planner.search import Constraints, _best_for
@@ -59,11 +60,11 @@ def remat_on(est, spec, precision: str, b: int, cap_bytes: int) -> RematBatch:
     (Note 1)."""
     memory = MemoryModel(est, b)
     time = TimeModel(est, spec, precision, b, memory)
-    keep = ("keep",) * len(memory.blocks)
+    keep = (Mode.KEEP,) * len(memory.blocks)
     plain_s = time.step_s(b, b, keep, False)
     sim = simulate_dtr(est.timeline, spans_from_modules(est.modules, est.blocks), cap_bytes)
     only = Constraints(micro_batch_size=b, offload_optimizer=False,
-                       modes={n: ("keep", "recompute") for n in memory.blocks})
+                       modes={n: (Mode.KEEP, Mode.RECOMPUTE) for n in memory.blocks})
     found = _best_for(memory, time, (precision, None), b, b, False, cap_bytes, only)
     if found is False:                   # the static model sees no recompute set that fits
         return RematBatch(plain_s, float("inf"), sim.peak_bytes, sim.floor_bytes,

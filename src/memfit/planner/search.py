@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from memfit.modes import Mode
 from memfit.planner.memory_model import MODES, MemoryModel
 from memfit.planner.time_model import TimeModel
 from memfit.techniques._blocks import resolve_policy
@@ -83,7 +84,7 @@ class Choice:
 
     precision: str
     micro_batch_size: int
-    modes: tuple[str, ...]           # per block, in execution order
+    modes: tuple[Mode, ...]          # per block, in execution order (strings are parsed)
     offload_optimizer: bool
     allocated_bytes: int             # predicted allocated peak
     device_bytes: int                # predicted device bytes (allocated x traced reserve ratio)
@@ -91,6 +92,9 @@ class Choice:
     optimizer_impl: str | None = None  # the optimizer implementation (None: as given)
     optimizer_state: str | None = None   # a low-bit state memfit chose (None: as given)
     offload_params: str | None = None    # block weights on the host (None: as given)
+
+    def __post_init__(self):
+        object.__setattr__(self, "modes", tuple(Mode.parse(m) for m in self.modes))
 
     @property
     def key(self) -> tuple:
@@ -116,7 +120,7 @@ class Constraints:
     """What the user fixed (``None``: free)."""
 
     micro_batch_size: int | None = None
-    modes: dict[str, tuple[str, ...]] | None = None   # block name -> modes it may take (Note 3)
+    modes: dict[str, tuple[Mode, ...]] | None = None   # block name -> modes it may take (Note 3)
     offload_optimizer: bool | None = None
 
     @classmethod
@@ -125,31 +129,31 @@ class Constraints:
         (Note 3)."""
         modes = None
         if k.checkpoint is not None or k.offload is not None:
-            per = resolve_policy(model, k.checkpoint or "none", "recompute", "Checkpoint")
-            off = resolve_policy(model, k.offload or "none", "offload", "Offload")
+            per = resolve_policy(model, k.checkpoint or "none", Mode.RECOMPUTE, "Checkpoint")
+            off = resolve_policy(model, k.offload or "none", Mode.OFFLOAD, "Offload")
             modes = {}
             for name in set(per) | set(off):
-                rec = per.get(name, "keep") if k.checkpoint is not None else None
-                moved = off.get(name) == "offload" if k.offload is not None else None
+                rec = per.get(name, Mode.KEEP) if k.checkpoint is not None else None
+                moved = off.get(name) == Mode.OFFLOAD if k.offload is not None else None
                 if moved:                   # offloaded (recomputed too: the search mirrors it)
-                    modes[name] = ("offload",)
-                elif rec not in (None, "keep"):
+                    modes[name] = (Mode.OFFLOAD,)
+                elif rec not in (None, Mode.KEEP):
                     modes[name] = (rec,)
-                elif rec == "keep":         # not recomputed: kept, or offloaded if free
-                    modes[name] = ("keep",) if moved is False else ("keep", "offload")
+                elif rec == Mode.KEEP:      # not recomputed: kept, or offloaded if free
+                    modes[name] = (Mode.KEEP,) if moved is False else (Mode.KEEP, Mode.OFFLOAD)
                 else:                       # recompute free, not offloaded
-                    modes[name] = ("keep", "recompute", "selective")
+                    modes[name] = (Mode.KEEP, Mode.RECOMPUTE, Mode.SELECTIVE)
         m = k.micro_batch_size
         oo = k.offload_optimizer
         if oo is None and k.offload_params not in (None, "none"):
             oo = True       # parameter offload needs it: the host copy is the optimizer's twin
         return cls(None if m is None else min(m, b), modes, oo)
 
-    def allowed(self, name: str) -> tuple[str, ...]:
+    def allowed(self, name: str) -> tuple[Mode, ...]:
         return MODES if self.modes is None else self.modes.get(name, MODES)
 
     def keep_allowed(self, blocks) -> bool:
-        return all("keep" in self.allowed(n) for n in blocks)
+        return all(Mode.KEEP in self.allowed(n) for n in blocks)
 
 
 def _bounds(model: MemoryModel, fixed: Constraints) -> tuple[np.ndarray, np.ndarray]:
@@ -195,7 +199,7 @@ def _one_mode_per_block(nblocks: int, columns: int) -> np.ndarray:
     return rows
 
 
-def _modes_of(x: np.ndarray, nblocks: int) -> tuple[str, ...]:
+def _modes_of(x: np.ndarray, nblocks: int) -> tuple[Mode, ...]:
     nm = len(MODES)
     return tuple(MODES[int(np.argmax(x[i * nm:(i + 1) * nm]))] for i in range(nblocks))
 
@@ -308,12 +312,13 @@ def _least_at(memory: MemoryModel, time: TimeModel, key, m: int, b: int, oo: boo
     return _choice(memory, time, key, m, b, oo, rows.peak(x), _modes_of(x, nb))
 
 
-def _uniform(memory: MemoryModel, time: TimeModel, like: Choice, mode: str, b: int,
+def _uniform(memory: MemoryModel, time: TimeModel, like: Choice, mode: Mode, b: int,
              fixed: Constraints) -> Choice | None:
     """``like`` with ``mode`` in every block it does not keep, where allowed (Note 5); None if
     no block may take it."""
-    modes = tuple(mode if old != "keep" and mode in fixed.allowed(n) and mode in memory.allowed(i)
-                  else old for i, (n, old) in enumerate(zip(memory.blocks, like.modes)))
+    modes = tuple(mode if old != Mode.KEEP and mode in fixed.allowed(n)
+                  and mode in memory.allowed(i) else old
+                  for i, (n, old) in enumerate(zip(memory.blocks, like.modes)))
     if mode not in modes:
         return None
     m, oo = like.micro_batch_size, like.offload_optimizer
@@ -347,7 +352,7 @@ def floor_candidates(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
             continue
         memory, time = models[least.key]
         out.append(least)
-        for mode in ("recompute", "offload"):
+        for mode in (Mode.RECOMPUTE, Mode.OFFLOAD):
             u = _uniform(memory, time, least, mode, b, fixed)
             if u is not None and u.modes != least.modes and u not in out:
                 out.append(u)

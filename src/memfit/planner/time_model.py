@@ -52,6 +52,7 @@ import copy
 import numpy as np
 
 from memfit.devices import DeviceSpec, cpu_spec
+from memfit.modes import Mode
 from memfit.planner.memory_model import MemoryModel, is_saved_op
 
 __all__ = ["TimeModel", "FLOP_EFFICIENCY", "BANDWIDTH_EFFICIENCY"]
@@ -133,17 +134,17 @@ class TimeModel:
         """The plain forward and backward of ``n`` micro-batches over ``b`` samples."""
         return self._cost(slice(0, self.opt_start), n, b)
 
-    def mode_s(self, i: int, mode: str, m: int, n: int, b: int) -> float:
+    def mode_s(self, i: int, mode: Mode, m: int, n: int, b: int) -> float:
         """What block ``i`` in ``mode`` adds to the step (Note 4), summed over its passes."""
-        if mode == "keep":
+        if mode == Mode.KEEP:
             return 0.0
-        if mode == "recompute":
+        if mode == Mode.RECOMPUTE:
             return sum(self._cost(fw, n, b) for _, fw, _ in self._passes[i])
-        if mode == "selective":
+        if mode == Mode.SELECTIVE:
             return sum(self._cost(fw, n, b, ~self._matmul) for _, fw, _ in self._passes[i])
         total = 0.0
         for u, fw, bw in self._passes[i]:
-            moved = self.memory.unit_saved_bytes(u, "offload", m)             # bytes each way
+            moved = self.memory.unit_saved_bytes(u, Mode.OFFLOAD, m)             # bytes each way
             link = moved / self.spec.host_link_bytes_per_s
             fw_s, bw_s = self._cost(fw, 1, m), self._cost(bw, 1, m)
             read = moved / (self.spec.memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from memfit.modes import Mode
 from memfit.planner.memory_model import MemoryModel
 from memfit.planner.search import variant_key
 from memfit.planner.time_model import TimeModel, flop_rate
@@ -94,7 +95,7 @@ def add_param_offload(models: dict, traces: dict, trace: Callable, spec, b: int,
         except ValueError:
             continue
         pmem = MemoryModel(est, b, half).limited(placements=(True,),
-                                                 excluded_modes=("offload",))
+                                                 excluded_modes=(Mode.OFFLOAD,))
         pmem.device_ratio, pmem.context_bytes = memory.device_ratio, memory.context_bytes
         pmem.optimizer_state_bytes = memory.optimizer_state_bytes   # the host's, as given
         ptime = TimeModel(est, spec, precision, b, pmem, half)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from html import escape
 
+from memfit.modes import Mode
 from memfit.units import format_bytes
 
 __all__ = ["verdict_table", "blocks_table"]
@@ -67,7 +68,7 @@ def blocks_table(chosen, plain=None, plan=None) -> str:
     rows = []
     for name in chosen.blocks:
         r = chosen.modules[name]
-        mode = chosen.knobs_blocks.get(name, "keep")
+        mode = chosen.knobs_blocks.get(name, Mode.KEEP)
         cells = [f"<td>{escape(name)}</td>", f"<td class=\"mode\">{escape(mode)}</td>",
                  _b(r.saved_bytes), _b(r.input_bytes), _b(r.param_bytes),
                  f'<td class="num">{r.fw_flops / 1e9:.2f} G</td>']
@@ -79,7 +80,7 @@ def blocks_table(chosen, plain=None, plan=None) -> str:
                          else "<td>-</td>")
         if costs:
             c = costs.get(name)
-            keep = c is None or c["mode"] == "keep"
+            keep = c is None or c["mode"] == Mode.KEEP
             cells.append("<td>-</td>" if keep else _b(c["saved_bytes"]))
             cells.append("<td>-</td>" if keep else
                          f'<td class="num">+{1e3 * c["time_s"]:.2f} ms</td>')

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from html import escape
 
+from memfit.modes import Mode
 from memfit.report._html_tables import _b
 from memfit.report.html import page, stamp
 from memfit.units import GiB, MiB, format_bytes
@@ -78,7 +79,7 @@ def run_report_html(records: list[dict], plan, *, title: str) -> str:
     blocks = "".join(
         f'<tr data-block="{escape(c["name"])}"><td>{escape(c["name"])}</td>'
         f'<td class="mode">{escape(c["mode"])}</td>'
-        + ("<td>-</td><td>-</td>" if c["mode"] == "keep" else
+        + ("<td>-</td><td>-</td>" if c["mode"] == Mode.KEEP else
            f'{_b(c["saved_bytes"])}<td class="num">+{1e3 * c["time_s"]:.2f} ms</td>')
         + "</tr>" for c in plan.block_costs)
     table = (f'<table id="blocks" class="blocks"><thead><tr><th>block</th><th>mode</th>'

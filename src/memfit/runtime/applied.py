@@ -2,7 +2,7 @@
 
 A ``Plan`` is what the search chose and predicted, and stays as it was (a frozen record); the
 Runner keeps it as ``runner.plan`` and records here what applying it changed: the mode each
-block actually got (checkpoint and offload hooks as applied, e.g. ``"recompute+offload"``),
+block actually got (checkpoint and offload hooks as applied, e.g. ``Mode.RECOMPUTE_OFFLOAD``),
 whether the optimizer was rebuilt, the budget the Runner enforces and notes in words.
 """
 
@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from memfit.modes import Mode
+
 __all__ = ["Applied"]
 
 
@@ -20,9 +22,9 @@ __all__ = ["Applied"]
 class Applied:
     """What applying a plan did (read-only: a new record replaces it, e.g. after a re-plan)."""
 
-    # block name -> "keep" | "recompute" | "selective" | "offload" | "recompute+offload" |
-    # "selective+offload", as the blocks' hooks were installed (blocks in execution order)
-    blocks: Mapping[str, str] = field(default_factory=dict)
+    # block name -> Mode (strings are parsed), as the blocks' hooks were installed (blocks in
+    # execution order)
+    blocks: Mapping[str, Mode] = field(default_factory=dict)
     optimizer_rebuilt: bool = False   # runner.optimizer is a new optimizer, not the one passed in
     budget_bytes: int | None = None   # device bytes the Runner holds the optimizer step to
     notes: tuple[str, ...] = ()       # what was done and why, in words
@@ -30,7 +32,8 @@ class Applied:
     def __post_init__(self):
         if isinstance(self.notes, str) or not all(isinstance(n, str) for n in self.notes):
             raise ValueError(f"Applied.notes={self.notes!r} must be a sequence of str")
-        object.__setattr__(self, "blocks", MappingProxyType(dict(self.blocks)))
+        object.__setattr__(self, "blocks",
+                           MappingProxyType({n: Mode.parse(m) for n, m in self.blocks.items()}))
         object.__setattr__(self, "notes", tuple(self.notes))
 
     def with_note(self, note: str) -> "Applied":

@@ -80,12 +80,13 @@ from torch import nn
 from torch.utils import checkpoint as _torch_checkpoint
 
 from memfit.measure import find_blocks
+from memfit.modes import Mode
 from memfit.techniques._blocks import check_names, resolve_policy
 from memfit.techniques._selective import selective_contexts
 
 __all__ = ["Checkpoint", "CheckpointHandle", "CACHE_ARGS", "MODES", "SAVED_OPS"]
 
-MODES = ("keep", "recompute", "selective")
+MODES = (Mode.KEEP, Mode.RECOMPUTE, Mode.SELECTIVE)
 CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")   # Note 5
 _SAVED_OP_NAMES = (   # Note 3
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm",
@@ -200,7 +201,7 @@ class CheckpointHandle:
     ``reapply()`` puts the same checkpoint back (a new handle)."""
 
     def __init__(self, modes: dict[str, str], hooks: list, reapply):
-        self.modes = modes                  # block name -> "keep" | "recompute" | "selective"
+        self.modes = modes                  # block name -> Mode: KEEP, RECOMPUTE or SELECTIVE
         self._hooks = hooks                 # RemovableHandles of the blocks' hook pairs
         self._reapply = reapply             # () -> CheckpointHandle
 
@@ -247,8 +248,8 @@ class Checkpoint:
         self.autocast_factory = autocast_factory
 
     def resolve(self, model: nn.Module) -> dict[str, str]:
-        """Block name -> "keep" | "recompute" | "selective", blocks in execution order."""
-        return resolve_policy(model, self.config.policy, "recompute", "Checkpoint")
+        """Block name -> ``Mode`` KEEP, RECOMPUTE or SELECTIVE, blocks in execution order."""
+        return resolve_policy(model, self.config.policy, Mode.RECOMPUTE, "Checkpoint")
 
     def apply(self, model: nn.Module,
               per_block: dict[str, str] | None = None) -> CheckpointHandle:
@@ -256,10 +257,12 @@ class Checkpoint:
 
         Everything is checked before any block is touched."""
         modes = self.resolve(model) if per_block is None else dict(per_block)
-        bad = {n: m for n, m in modes.items() if m not in MODES}
+        bad = {n: str(m) for n, m in modes.items() if m not in MODES}
         if bad:
-            raise ValueError(f"per_block modes {bad} are unknown: use one of {MODES}")
-        chosen = [n for n, m in modes.items() if m != "keep"]
+            raise ValueError(f"per_block modes {bad} are unknown: use one of "
+                             f"{tuple(m.value for m in MODES)}")
+        modes = {n: Mode.parse(m) for n, m in modes.items()}
+        chosen = [n for n, m in modes.items() if m != Mode.KEEP]
         check_names(model, chosen, find_blocks(model))
         nested = [(a, b) for a in chosen for b in chosen if b.startswith(a + ".")]
         if nested:
@@ -277,7 +280,7 @@ class Checkpoint:
         hooks = []
         for name in chosen:
             block = model.get_submodule(name)
-            pair = _BlockHooks(block.forward, modes[name] == "selective", self.autocast_factory,
+            pair = _BlockHooks(block.forward, modes[name] == Mode.SELECTIVE, self.autocast_factory,
                                keep_cache=getattr(block, "_can_checkpoint_with_cache", False))
             hooks.append(block.register_forward_pre_hook(pair.pre, with_kwargs=True))
             hooks.append(block.register_forward_hook(pair.post, prepend=True, always_call=True))

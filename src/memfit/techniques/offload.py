@@ -65,13 +65,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.measure import find_blocks, host_allocations
+from memfit.modes import Mode
 from memfit.techniques._blocks import check_names, resolve_policy
 from memfit.techniques._offload_pool import (OffloadStats, _flat, _HostPool, _is_wrapper,
                                              _same_view, default_copy)
 
 __all__ = ["Offload", "OffloadHandle", "OffloadStats", "MODES", "default_copy"]
 
-MODES = ("keep", "offload")
+MODES = (Mode.KEEP, Mode.OFFLOAD)
 
 
 @dataclass(eq=False, slots=True, weakref_slot=True)
@@ -290,7 +291,7 @@ class OffloadHandle:
     offload back (a new handle, with new stats)."""
 
     def __init__(self, modes: dict[str, str], stats: OffloadStats, hooks: list, reapply):
-        self.modes = modes                  # block name -> "keep" | "offload"
+        self.modes = modes                  # block name -> Mode.KEEP or Mode.OFFLOAD
         self.stats = stats
         self._hooks = hooks
         self._reapply = reapply             # () -> OffloadHandle
@@ -332,18 +333,20 @@ class Offload:
         self.copy_to_device = copy_to_device or default_copy
 
     def resolve(self, model: nn.Module) -> dict[str, str]:
-        """Block name -> "keep" | "offload", blocks in execution order."""
-        return resolve_policy(model, self.config.policy, "offload", "Offload")
+        """Block name -> ``Mode.KEEP`` or ``Mode.OFFLOAD``, blocks in execution order."""
+        return resolve_policy(model, self.config.policy, Mode.OFFLOAD, "Offload")
 
     def apply(self, model: nn.Module, per_block: dict[str, str] | None = None) -> OffloadHandle:
-        """Hook the blocks ``per_block`` (default: ``resolve(model)``) marks "offload".
+        """Hook the blocks ``per_block`` (default: ``resolve(model)``) marks ``Mode.OFFLOAD``.
 
         Everything is checked before any block is touched."""
         modes = self.resolve(model) if per_block is None else dict(per_block)
-        bad = {n: m for n, m in modes.items() if m not in MODES}
+        bad = {n: str(m) for n, m in modes.items() if m not in MODES}
         if bad:
-            raise ValueError(f"per_block modes {bad} are unknown: use one of {MODES}")
-        chosen = [n for n, m in modes.items() if m == "offload"]
+            raise ValueError(f"per_block modes {bad} are unknown: use one of "
+                             f"{tuple(m.value for m in MODES)}")
+        modes = {n: Mode.parse(m) for n, m in modes.items()}
+        chosen = [n for n, m in modes.items() if m == Mode.OFFLOAD]
         check_names(model, chosen, find_blocks(model))
         nested = [(a, b) for a in chosen for b in chosen if b.startswith(a + ".")]
         if nested:

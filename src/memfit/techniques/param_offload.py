@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from memfit.measure import find_blocks
+from memfit.modes import Mode
 from memfit.techniques._blocks import check_names, resolve_policy
 from memfit.techniques._offload_pool import _same_view
 from memfit.techniques.offload import _Swapper
@@ -241,7 +242,7 @@ class _Fetcher:
 
 
 class ParamOffloadHandle:
-    """What ``ParamOffload.apply`` did: ``modes`` (block -> "keep" | "offload"), live
+    """What ``ParamOffload.apply`` did: ``modes`` (block -> ``Mode`` KEEP or OFFLOAD), live
     ``stats``; ``remove()`` fetches every weight back and takes the hooks off (the optimizer
     stays offloaded and copies updated weights back again); ``reapply()`` puts the same
     offload back (a new handle)."""
@@ -290,8 +291,8 @@ class ParamOffload:
         self.config = config
 
     def resolve(self, model: nn.Module) -> dict[str, str]:
-        """Block name -> "keep" | "offload", blocks in execution order."""
-        return resolve_policy(model, self.config.policy, "offload", "ParamOffload")
+        """Block name -> ``Mode.KEEP`` or ``Mode.OFFLOAD``, blocks in execution order."""
+        return resolve_policy(model, self.config.policy, Mode.OFFLOAD, "ParamOffload")
 
     def apply(self, model: nn.Module, optimizer, offload: "OptimizerOffload.Config | None" = None
               ) -> tuple:
@@ -310,7 +311,7 @@ class ParamOffload:
 
     def _prepare(self, model: nn.Module) -> "_Pending":
         modes = self.resolve(model)
-        chosen = [n for n, m in modes.items() if m == "offload"]
+        chosen = [n for n, m in modes.items() if m == Mode.OFFLOAD]
         check_names(model, chosen, find_blocks(model))
         nested = [(a, b) for a in chosen for b in chosen if b.startswith(a + ".")]
         if nested:

@@ -206,14 +206,15 @@ def plan_row(model_name: str, seq_len: int, batch_size: int, device, tiny: bool 
 
     def compute() -> dict:
         from memfit.api.plan import plan
+        from memfit.modes import Mode
 
         _, model = _model(model_name, tiny)
         p = plan(model, _batch(row), None, "adamw", device, precision="auto")
         modes = sorted(set(p.blocks.values()))
         return {"precision": p.knobs.precision,
                 "micro_batch_size": p.knobs.micro_batch_size or batch_size,
-                "blocks": "/".join(modes) if modes else "keep",
-                "recompute_blocks": sum(m == "recompute" for m in p.blocks.values()),
+                "blocks": "/".join(modes) if modes else Mode.KEEP.value,
+                "recompute_blocks": sum(m == Mode.RECOMPUTE for m in p.blocks.values()),
                 "offload_optimizer": bool(p.knobs.offload_optimizer),
                 "peak_bytes": p.predicted_peak_bytes, "reserved_bytes": p.predicted_reserved_bytes,
                 "device_bytes": p.predicted_device_bytes,
