@@ -11,8 +11,8 @@ import torch
 
 import memfit
 from memfit import zoo
-from memfit.api.levers import (Largest, _Prober, largest_fitting, least_memory_knobs,
-                               progressive, what_if)
+from memfit.api.levers import Largest, _Prober, largest_fitting, progressive, what_if
+from memfit.api.plan import plan
 from memfit.api._whatif import scaled_hidden
 from memfit.optimizers import OptimizerRecipe
 from memfit.report.levers import what_if_table
@@ -29,27 +29,34 @@ def _device_bytes(model, b, L, **knobs):
                            **knobs).device_bytes
 
 
+def _plans(model, b, L, budget, **knobs) -> bool:
+    """The oracle of levers Note 1: whether ``memfit.plan`` finds a plan at ``b`` x ``L``."""
+    try:
+        plan(model, SPEC.make_batch(model, b, seq_len=L), budget=budget, device="cpu", **knobs)
+        return True
+    except memfit.BudgetTooSmall:
+        return False
+
+
 @pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
-def test_largest_seq_len_fits_and_one_more_does_not():
+def test_largest_seq_len_is_the_longest_plan_fits_and_plan_refuses_one_more():
     model = _model()
-    knobs = least_memory_knobs("seq_len", 1, memfit.get_device("cpu"), {})
-    assert knobs == {"checkpoint": "all", "micro_batch_size": 1, "offload_optimizer": True,
-                     "precision": "fp32"}
-    budget = _device_bytes(model, 1, 80, **knobs) + 100        # interior: 80 of 128 positions
-    r = largest_fitting(SPEC, model, "seq_len", batch_size=1, seq_len=None, budget=budget,
+    least = {"checkpoint": "all", "micro_batch_size": 1, "offload_optimizer": True}
+    budget = _device_bytes(model, 2, 80, **least) + 100        # interior: near 80 of 128
+    r = largest_fitting(SPEC, model, "seq_len", batch_size=2, seq_len=None, budget=budget,
                         device="cpu")
-    assert isinstance(r, Largest) and r.capped_by is None and r.knobs == knobs
-    assert r.value == 80
-    assert r.device_bytes == _device_bytes(model, 1, r.value, **knobs) <= budget
-    assert _device_bytes(model, 1, r.value + 1, **knobs) > budget
-    assert r.limit_bytes == budget and r.probes >= 3
+    assert isinstance(r, Largest) and r.capped_by is None and r.limit_bytes == budget
+    assert _plans(model, 2, r.value, budget) and not _plans(model, 2, r.value + 1, budget)
+    assert r.device_bytes == r.planned.plan.predicted_device_bytes <= budget
+    assert r.knobs == {n: v for n, v in r.planned.plan.knobs.to_dict().items() if v is not None}
 
 
 def test_largest_seq_len_is_capped_by_positions():
     model = _model()
     r = largest_fitting(SPEC, model, "seq_len", batch_size=1, seq_len=None, budget="1GiB",
                         device="cpu")
-    assert r.value == 128 and "position" in r.capped_by and r.probes == 1
+    assert r.value == 128 and "position" in r.capped_by
+    assert r.planned.plan.predicted_device_bytes == r.device_bytes
 
 
 @pytest.mark.slow      # 13-23 s each: the CI time limit (a lighter sibling stays)
@@ -61,20 +68,19 @@ def test_largest_batch_size_in_one_micro_batch_with_fixed_knobs():
     r = largest_fitting(SPEC, model, "batch_size", batch_size=2, seq_len=L, budget=budget,
                         device="cpu", checkpoint="none")                 # a fixed knob is kept
     assert r.knobs["checkpoint"] == "none" and r.knobs["micro_batch_size"] == r.value
-    assert r.value == 6
-    assert _device_bytes(model, r.value, L, **r.knobs) <= budget
-    assert _device_bytes(model, r.value + 1, L, **{**r.knobs, "micro_batch_size": r.value + 1}) \
-        > budget
+    assert _plans(model, r.value, L, budget, checkpoint="none", micro_batch_size=r.value)
+    assert not _plans(model, r.value + 1, L, budget, checkpoint="none",
+                      micro_batch_size=r.value + 1)
     with pytest.raises(ValueError, match="micro_batch_size"):
         largest_fitting(SPEC, model, "batch_size", batch_size=2, seq_len=L, device="cpu",
                         micro_batch_size=2)
 
 
 @pytest.mark.slow
-def test_budget_below_the_smallest_value():
+def test_budget_below_the_smallest_value_gives_plans_floor():
     model = _model()
-    knobs = least_memory_knobs("seq_len", 2, memfit.get_device("cpu"), {})
-    floor = _device_bytes(model, 2, 1, **knobs)
+    floor = plan(model, SPEC.make_batch(model, 2, seq_len=1), device="cpu",
+                 floor=True).floor_bytes
     with pytest.raises(memfit.BudgetTooSmall) as info:
         largest_fitting(SPEC, model, "seq_len", batch_size=2, seq_len=None, budget=floor - 1,
                         device="cpu")
@@ -87,9 +93,12 @@ def test_accumulated_probe_extrapolates_to_the_byte():
     model = _model()
     prober = _Prober(SPEC, model, "seq_len", 8, None, None, memfit.get_device("cpu"), 2 ** 40,
                      "adamw", {}, lambda s: None)
-    knobs = least_memory_knobs("seq_len", 8, memfit.get_device("cpu"), {})
+    prober.learn(1)
+    knobs = prober.knobs(24)
+    assert knobs["micro_batch_size"] <= 2        # the floor accumulates (Note 3 applies)
+    count = prober.count
     assert prober.fast(24) == _device_bytes(model, 8, 24, **knobs)
-    assert prober.count == 2
+    assert prober.count - count == 2
 
 
 @pytest.mark.slow

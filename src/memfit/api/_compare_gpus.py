@@ -27,7 +27,7 @@ from memfit.planner.search import Constraints
 from memfit.planner.sharding import interconnect, layout_tiers
 from memfit.techniques.accumulation import batch_size_of
 
-__all__ = ["compare_gpus", "GpuRow"]
+__all__ = ["compare_gpus", "fewest_gpus", "GpuRow"]
 
 
 @dataclass(frozen=True)
@@ -74,26 +74,45 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
         if p not in traced:
             traced[p] = _Models(_trace(model, prepared, optimizer, loss_fn, count_fn, k, p,
                                        say), p, batch_size_of(prepared))
-        models = traced[p]
-        fixed_modes = Constraints.of(model, k, models.b).modes
-        say(f"searching {spec.name}")
-
-        def fitting(n: int, cands, probe: bool = False) -> list[Row]:
-            return [r for r in (
-                _search_row(models, c, spec, spec.usable_bytes, k, fixed_modes, probe=probe)
-                for c in cands if c.gpus == n) if r.choice is not None]
-
-        for cands in layout_tiers(k, "auto", models.b, p, spec):     # offload last
-            counts = sorted({c.gpus for c in cands})
-            n = fewest(counts, lambda n: bool(fitting(n, cands, probe=True)))
-            if n is not None:
-                break
-        if n is None:
-            rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes, None, "", p,
-                               None, None, link, f"none of 1-{models.b} GPUs fits"))
-            continue
-        found = min(fitting(n, cands), key=lambda r: r.choice.step_s)
-        rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes,
-                           found.candidate.gpus, found.candidate.describe(), p,
-                           found.choice.device_bytes, found.choice.step_s, link))
+        rows.append(_fewest_on(model, spec, spec.usable_bytes, traced[p], k, p, link, say))
     return sorted(rows, key=lambda r: (r.gpu_seconds is None, r.gpu_seconds or 0.0))
+
+
+def _fewest_on(model, spec, budget_bytes: int, models: _Models, k: Knobs, p: str, link: str,
+               say) -> GpuRow:
+    """The fewest GPUs of ``spec`` whose best layout the models predict to fit ``budget_bytes``
+    per GPU (Note 1), and that layout's step."""
+    fixed_modes = Constraints.of(model, k, models.b).modes
+    say(f"searching {spec.name}")
+
+    def fitting(n: int, cands, probe: bool = False) -> list[Row]:
+        return [r for r in (
+            _search_row(models, c, spec, budget_bytes, k, fixed_modes, probe=probe)
+            for c in cands if c.gpus == n) if r.choice is not None]
+
+    n = None
+    for cands in layout_tiers(k, "auto", models.b, p, spec):     # offload last
+        counts = sorted({c.gpus for c in cands})
+        n = fewest(counts, lambda n: bool(fitting(n, cands, probe=True)))
+        if n is not None:
+            break
+    if n is None:
+        return GpuRow(spec.name, spec.display_name, spec.usable_bytes, None, "", p, None, None,
+                      link, f"none of 1-{models.b} GPUs fits")
+    found = min(fitting(n, cands), key=lambda r: r.choice.step_s)
+    return GpuRow(spec.name, spec.display_name, spec.usable_bytes, found.candidate.gpus,
+                  found.candidate.describe(), p, found.choice.device_bytes, found.choice.step_s,
+                  link)
+
+
+def fewest_gpus(model: nn.Module, batch, optimizer, spec, budget_bytes: int,
+                loss_fn: Callable | None = None, *, count_fn: Callable | None = None,
+                on_progress: Callable[[str], None] | None = None, **knobs) -> GpuRow:
+    """The fewest GPUs of ``spec`` whose best layout fits ``budget_bytes`` per GPU, from the
+    layout search ``plan(gpus="auto")`` runs (modelled, Note 1): the sharding hint of a
+    single-device refusal (``api.plan``)."""
+    say = on_progress or (lambda message: None)
+    k, _, p, prepared = _setup(model, batch, optimizer, spec, loss_fn, knobs, None, None)
+    models = _Models(_trace(model, prepared, optimizer, loss_fn, count_fn, k, p, say), p,
+                     batch_size_of(prepared))
+    return _fewest_on(model, spec, budget_bytes, models, k, p, interconnect(spec)[0], say)

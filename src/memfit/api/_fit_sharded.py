@@ -62,6 +62,7 @@ from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.techniques.sharding import Sharding
 from memfit.units import format_bytes, parse_bytes
+from memfit.api.plan import plan
 
 __all__ = ["fit_sharded", "is_sharded"]
 
@@ -279,7 +280,6 @@ def _child_main(payload: bytes, send) -> None:
 
 
 def _plan_child(payload: bytes):
-    from memfit.api.plan import plan
     try:
         model, batch, budget, opt, device, loss_fn, count_fn, knobs = pickle.loads(payload)
     except Exception as e:        # e.g. a loss_fn defined in an interactive __main__

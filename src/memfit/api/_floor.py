@@ -16,9 +16,11 @@ the per-block modes or where the optimizer state lives, so it is traced once per
 micro-batch size) and shared by the candidates after the first: each further candidate costs one
 trace of 2m samples, not two.
 
-Note 3 (CUDA). The least is found on traces without the allocator replay, then confirmed with
-it (on 2m samples plus the linear term: an upper bound). A floor that becomes the plan is traced
-whole first (``plan``).
+Note 3 (CUDA). The least is found on traces without the allocator replay, then traced whole
+with it, under the allocator setting the plan would choose (``api._plan_allocator``): the floor
+is then exact, as a plan's bytes are, and never above a plan the same search finds (issue 27:
+the bound from 2m samples plus the linear term, under the default allocator, was 2 KiB above a
+plan on tiny gpt2 and 416 MiB above one on gpt2, 4 x 128, on a GTX 1080 Ti).
 
 Note 4 (the longest sequence). When even the floor misses the budget, ``BudgetTooSmall`` says
 how long an input the floor's configuration could hold: the batch's tensors that share its
@@ -55,41 +57,44 @@ from torch.utils._pytree import tree_map
 from memfit.api._choice import describe, knob_values
 from memfit.api.estimate import estimate
 from memfit.planner.search import floor_candidates
+from memfit.planner.verify import FLOOR_PRUNE, least_traced
 from memfit.techniques.accumulation import Accumulation
+from memfit.techniques.low_bit_optimizer import STATES, state_bytes
 
 __all__ = ["FLOOR_PRUNE", "least_memory", "first_samples", "longest_sequence", "Bound",
            "lower_bound"]
 
-FLOOR_PRUNE = 1.5       # floor candidates the models put this far above the least go untraced
-
-
-def least_memory(model, batch, models, fixed, k, common, held, b, say):
-    """The floor (Note 1): the candidates ``floor_candidates`` gives, traced; the least.
+def least_memory(model, batch, models, fixed, k, common, held, b, say, alloc=None):
+    """The floor (Note 1): the candidates ``floor_candidates`` gives, traced; the least
+    (``planner.verify.least_traced``). ``alloc``: the plan's ``AllocatorChoice``, whose setting
+    the floor is counted under on a GPU (Note 3).
 
     Returns ``(device_bytes, choice, estimate)``; ``estimate`` is None where the floor was
     extrapolated (Note 2) and must be traced whole before it becomes a plan."""
-    candidates = floor_candidates(models, b, fixed)
-    cutoff = candidates[0].device_bytes * FLOOR_PRUNE if candidates else 0
-    traced, seen, slopes = [], set(), {}
-    for c in candidates:
+    slopes: dict = {}
+
+    def trace(c):
         values = knob_values(c, models[c.key][0].blocks, k)
-        ident = (c.precision, tuple(sorted((n, str(v)) for n, v in values.items())))
-        if ident in seen or c.device_bytes > cutoff:
-            continue
-        seen.add(ident)
-        say(f"tracing a least-memory candidate: {describe(c, b)}")
         shape = (c.precision, c.micro_batch_size)
         total, est, slope = _accumulated_bytes(model, batch, c, values, common, b,
                                                slope=slopes.get(shape))
         slopes.setdefault(shape, slope)
-        traced.append((total + held[c.precision], c, values, est, slope))
-    total, c, values, est, slope = min(traced, key=lambda f: f[0])
+        return total + held[c.precision], (values, est)
+
+    def ident(c):
+        values = knob_values(c, models[c.key][0].blocks, k)
+        return c.precision, tuple(sorted((n, str(v)) for n, v in values.items()))
+
+    total, c, (values, est) = least_traced(
+        floor_candidates(models, b, fixed), predicted=lambda c: c.device_bytes, ident=ident,
+        trace=trace, say=say, describe=lambda c: describe(c, b))
     if common["device"].kind != "cuda":          # a CPU trace is exact: nothing to confirm
         return total, c, est
     say("confirming the least-memory configuration with the allocator replayed")
-    total, est, _ = _accumulated_bytes(model, batch, c, values, common, b, slope=slope,
-                                       replay=True)
-    return total + held[c.precision], c, est
+    est = estimate(model, batch, precision=c.precision, allocator_replay=True, **values,
+                   **common)                      # whole: exact, not a bound (Note 3)
+    saved = alloc.saved(est) if alloc is not None else 0
+    return est.device_bytes + held[c.precision] - saved, c, est
 
 
 def _accumulated_bytes(model, batch, c, values, common, b, *, slope: int | None = None,
@@ -171,8 +176,6 @@ def lower_bound(params, *, precisions, optimizer_class, context_bytes: int,
     ``precisions``: those the search weighs; ``state_on_host`` / ``params_on_host``: whether
     the search may move the optimizer state / the block weights to the host; ``state``: a fixed
     ``optimizer_state`` (None: fp32, or a low-bit one where ``low_bit``)."""
-    from memfit.techniques.low_bit_optimizer import STATES, state_bytes
-
     trainable = [p for p in params if p.requires_grad]
     frozen_bytes = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
     train_bytes = sum(p.numel() * p.element_size() for p in trainable)

@@ -59,6 +59,7 @@ from torch import nn
 
 from memfit.api._choice import describe, knob_values
 from memfit.api._floor import first_samples
+from memfit.api._sharded import estimate_sharded
 from memfit.api._sharded_models import (Row, _card_bytes, _Models, _search_row, _setup, _trace,
                                         fewest)
 from memfit.errors import BudgetTooSmall
@@ -67,13 +68,12 @@ from memfit.planner import Plan
 from memfit.planner.memory_model import optimizer_rise_bytes
 from memfit.planner.search import Constraints
 from memfit.planner.sharding import Candidate, interconnect, layout_tiers
+from memfit.planner.verify import ATTEMPTS, Margins
 from memfit.techniques.accumulation import batch_size_of
 from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["plan_sharded", "plan_sharded_traced", "ShardedPlanned"]
 
-_ATTEMPTS = 3
-_SLACK_BYTES = 2 ** 20
 _SHARD_KNOBS = ("gpus", "sharding", "reshard_after_forward", "fsdp_offload", "mp_policy")
 
 
@@ -153,9 +153,8 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
         first = fewest(counts, fits)
         pending = [n for n in reversed(counts) if first is not None and n > first]
         rows: list[Row] = at(first) if first is not None else probed[counts[-1]]
-        margins: dict = {}
-        tries: dict = {}
-        for _ in range(len(cands) * (_ATTEMPTS + 1)):
+        margins = Margins(budget_bytes, drop_after=ATTEMPTS)      # planner.verify
+        for _ in range(len(cands) * (ATTEMPTS + 1)):
             fitting = [r for r in rows if r.choice is not None]
             if not fitting and pending:          # re-traces missed: the next count (Note 3)
                 rows += at(pending.pop())
@@ -184,12 +183,10 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
             device_bytes = verified.device_bytes          # _sharded Note 7
             if device_bytes <= budget_bytes:
                 return _planned(k, best, verified, device_bytes, models, spec, budget_bytes,
-                                before + rows, margins.get(c, 0)), rows
-            margins[c] = margins.get(c, 0) + device_bytes - budget_bytes + _SLACK_BYTES
-            tries[c] = tries.get(c, 0) + 1
-            retry = tries[c] < _ATTEMPTS and margins[c] < budget_bytes
+                                before + rows, margins.get(c)), rows
+            retry = margins.missed(c, device_bytes)
             rows[rows.index(best)] = _search_row(models, c, spec, budget_bytes, k, fixed_modes,
-                                                 margins[c]) if retry else \
+                                                 margins.get(c)) if retry else \
                 Row(c, best.rank_batch, None, best.floor_bytes)
         return None, rows
 
@@ -212,7 +209,6 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
 
 
 def _verify(model, batch, optimizer, spec, loss_fn, count_fn, k: Knobs, row: Row, blocks):
-    from memfit.api._sharded import estimate_sharded
     rk = _rank_knobs(k, row, blocks)
     c = row.candidate
     part = batch if row.rank_batch == batch_size_of(batch) else first_samples(batch,

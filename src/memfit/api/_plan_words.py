@@ -32,7 +32,7 @@ from memfit.modes import Mode
 from memfit.optimizers import IMPL_FLAGS
 from memfit.planner._explain import ratio_words
 from memfit.techniques.low_bit_optimizer import LIBRARY, NUMERICS_NOTE
-from memfit.units import GiB, MiB, format_bytes
+from memfit.units import MiB, format_bytes
 
 __all__ = ["global_reasons", "host_bytes", "too_small", "excluded_levers", "counted_levers",
            "lever_reasons"]
@@ -161,12 +161,15 @@ def _optimizer_reasons(k, choice, memory, ctx) -> list[str]:
 
 def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
               excluded: list[str] = (), seq: tuple[int | None, int] | None = None,
-              gpus: int = 1, counted: list[str] = (), bound: bool = False) -> BudgetTooSmall:
+              gpus: int = 1, counted: list[str] = (), bound: bool = False,
+              layout=None) -> BudgetTooSmall:
     """The floor (re-traced over every lever memfit has) and what is beyond it
     (Note 3): ``excluded``, memfit's levers the caller's settings left out; ``seq``, (the
     longest sequence the floor's configuration fits, or None if none does; the batch's).
     ``bound``: ``floor_bytes`` is the floor's lower bound from the parameters alone (what every
-    configuration holds), found before any trace: the floor is at least that. One line per lever
+    configuration holds), found before any trace: the floor is at least that. ``layout``: the
+    fewest GPUs the layout search finds (``api._compare_gpus.fewest_gpus``'s row), for the
+    sharding line. One line per lever
     (Note 4)."""
     params, grads = memory.params_bytes, memory.grads_bytes
     state = memory.optimizer_state_bytes
@@ -192,11 +195,13 @@ def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
                       f"shorter sequences would not do: even the shortest input (of the batch's "
                       f"{given} tokens) does not fit the least-memory configuration")
     if gpus == 1:
-        share = budget_bytes - (floor_bytes - train)
-        ranks = -(-int(train) // int(share)) if share > 0 and not bound else None
         levers.append("sharding (FSDP) over several GPUs: this plan is for one"
-                      + (f"; the gradients and optimizer state split over about {ranks} would "
-                         "fit" if ranks and ranks > 1 else ""))
+                      + ("" if layout is None else
+                         f"; the layout search (plan --gpus auto) finds {layout.gpus} GPUs "
+                         f"fit ({layout.layout}, {format_bytes(layout.rank_bytes)} per GPU, "
+                         "modelled)" if layout.gpus else
+                         f"; the layout search (plan --gpus auto) finds no layout that fits "
+                         f"either ({layout.why})"))
     needs = "needs at least" if bound else "needs"
     lines = [f"nothing memfit can do fits {format_bytes(budget_bytes)}: the least device memory "
              f"any plan {needs} {format_bytes(floor_bytes)} ({described})."]

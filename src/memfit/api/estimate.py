@@ -30,6 +30,7 @@ from memfit.trace.cuda import CudaModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
 from memfit.trace.scaler import TraceGradScaler, warm_up_scaled
 from memfit.units import parse_bytes
+from memfit.units import format_bytes
 
 __all__ = ["Estimate", "estimate"]
 
@@ -209,7 +210,6 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
     sim = None
     if k.remat and budget is not None:      # DTR replayed on the traced timeline
         sim = simulate_dtr(prof.timeline, spans_from_modules(prof.modules, prof.blocks), limit)
-        from memfit.units import format_bytes        # words a person reads, not raw B
 
         notes.append(f"remat: DTR simulated under {format_bytes(limit)}: peak "
                      f"{format_bytes(sim.peak_bytes)}, {sim.evictions} evictions, "

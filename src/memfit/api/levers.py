@@ -3,17 +3,22 @@
 (``what_if``, in ``_whatif``), and a progressive sequence-length schedule (``progressive``, in
 ``_progressive``).
 
-Note 1 (what "the largest value that fits" means). memfit's own knobs can shrink a step a long
-way, so the question is asked of memfit's least-memory configuration: the knobs the caller
-fixed are kept, the free ones take their least-memory choice: ``checkpoint="all"``,
-``offload_optimizer=True`` (not under bf16-pure, which refuses it), and
-- for ``lever="seq_len"``: ``micro_batch_size=1`` (accumulation over the whole batch): the
-  longest input any plan could train at this batch size;
+Note 1 (what "the largest value that fits" means). The largest value at which ``memfit.plan``
+finds a plan (issue 27: the answer and ``plan`` must agree): every lever the plan has counts
+(precision, micro-batches, per-block recompute / offload, the optimizer state on the host or in
+low bits, the block weights on the host, the allocator setting), and the knobs the caller fixed
+are kept.
+- for ``lever="seq_len"``: the longest input any plan could train at this batch size;
 - for ``lever="batch_size"``: the batch must fit in ONE micro-batch (``micro_batch_size`` = the
   batch). With accumulation any batch fits (only its input tensors grow), so the useful number
   is the largest batch one forward/backward can hold. A fixed ``micro_batch_size`` contradicts
   that definition and is refused.
-The value is then a bound: ``memfit.plan`` at that value finds the fastest plan that fits.
+How: the plan's floor at the smallest value (``plan_traced(floor=True)``) names the least-memory
+configuration; the bisection (Note 2) probes that configuration at each value, cheaply; the
+answer is then checked by ``plan`` itself: it must plan at the answer and refuse one past it.
+Where it does not agree (the floor's configuration differs at longer inputs), ``plan`` is the
+probe that bisects the rest of the way. The smallest value's floor over the limit refuses the
+job with ``BudgetTooSmall`` (nothing any plan does fits).
 
 Note 2 (search). Memory grows with both levers, so a binary search finds the boundary. The
 range: seq_len from 1 (2 for causal LMs) to the model's position limit
@@ -46,12 +51,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memfit.api._progressive import Phase, ProgressiveSchedule, progressive
-from memfit.api._setup import resolve_device, resolve_precision
+from memfit.api._plan_allocator import AllocatorChoice
+from memfit.api._setup import resolve_device
 from memfit.api._whatif import WhatIfRow, what_if
 from memfit.api.estimate import estimate
+from memfit.api.plan import plan_traced
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
-from memfit.units import format_bytes, parse_bytes
+from memfit.units import parse_bytes
 from memfit.zoo._batches import position_limit
 
 __all__ = ["Largest", "largest_fitting", "WhatIfRow", "what_if", "Phase", "ProgressiveSchedule",
@@ -64,42 +71,29 @@ _MAX_UNLIMITED_SEQ = 65536
 
 @dataclass(frozen=True)
 class Largest:
-    """The largest value of one lever that fits memfit's least-memory configuration (Note 1)."""
+    """The largest value of one lever at which ``memfit.plan`` finds a plan (Note 1); ``knobs``
+    and ``device_bytes`` are that plan's (``planned``: it, with its traces)."""
 
     lever: str                 # "seq_len" | "batch_size"
     value: int                 # tokens per sample, or samples per (single) micro-batch
     device_bytes: int          # what the step holds on the device at ``value`` (confirmed)
     limit_bytes: int           # the budget, else the device's usable memory
     knobs: dict = field(hash=False)   # the knobs probed (non-None Knobs fields)
-    probes: int                # estimates traced, the confirmation(s) included
+    probes: int                # estimates and plans traced, the confirmation(s) included
     capped_by: str | None = None      # set when ``value`` is the search's upper bound, not memory
-
-
-def least_memory_knobs(lever: str, batch_size: int, spec, knobs: dict) -> dict:
-    """The caller's knobs, the free ones set to their least-memory choice (Note 1)."""
-    k = Knobs.from_kwargs(**knobs)
-    k.check_available()
-    if lever == "batch_size" and k.micro_batch_size is not None:
-        raise ValueError(
-            f"micro_batch_size={k.micro_batch_size} was fixed, but the largest batch_size is "
-            "defined as the largest batch ONE micro-batch holds (with accumulation any batch "
-            "fits): drop micro_batch_size, or search lever='seq_len'")
-    k = k.replace(precision=resolve_precision(k.precision, spec))
-    free = {"checkpoint": "all", "micro_batch_size": 1 if lever == "seq_len" else batch_size}
-    if k.precision != "bf16-pure":
-        free["offload_optimizer"] = True
-    values = {n: v for n, v in k.to_dict().items() if v is not None}
-    return {**free, **values}
+    planned: object = field(default=None, hash=False, compare=False, repr=False)  # plan at value
 
 
 def largest_fitting(spec, model, lever: str, *, batch_size: int, seq_len: int | None,
                     budget=None, device=None, optimizer="adamw", task=None,
-                    on_progress: Callable[[str], None] | None = None, **knobs) -> Largest:
-    """The largest ``seq_len`` or ``batch_size`` for which one training step of ``model``
-    (built from the zoo ``spec``) fits ``budget`` (default: the device's usable memory) under
-    memfit's least-memory configuration (Note 1). ``seq_len`` is the sequence length when the
-    lever is the batch size (ignored for ``lever="seq_len"``); ``batch_size`` is the batch when
-    the lever is the sequence length (and where the doubling starts for ``"batch_size"``).
+                    on_progress: Callable[[str], None] | None = None,
+                    allow_numerics_change: bool | None = None, **knobs) -> Largest:
+    """The largest ``seq_len`` or ``batch_size`` at which ``memfit.plan`` fits one training step
+    of ``model`` (built from the zoo ``spec``) in ``budget`` (default: the device's usable
+    memory), every lever of the plan counted (Note 1). ``seq_len`` is the sequence length when
+    the lever is the batch size (ignored for ``lever="seq_len"``); ``batch_size`` is the batch
+    when the lever is the sequence length (and where the doubling starts for ``"batch_size"``).
+    ``allow_numerics_change``: as ``memfit.plan`` takes it.
     Raises ``memfit.BudgetTooSmall`` when even the smallest value does not fit."""
     if lever not in LEVERS:
         raise ValueError(f"lever={lever!r}: use one of {', '.join(LEVERS)}")
@@ -107,27 +101,47 @@ def largest_fitting(spec, model, lever: str, *, batch_size: int, seq_len: int | 
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     say = on_progress or (lambda message: None)
     dev = resolve_device(model, device)
+    if allow_numerics_change is not None:
+        knobs["allow_numerics_change"] = allow_numerics_change
     limit = parse_bytes(budget) if budget is not None else dev.usable_bytes
     task = spec.check_task(task) if task is not None else None
     prober = _Prober(spec, model, lever, batch_size, seq_len, task, dev, limit, optimizer,
                      knobs, say)
-    low, top, why = prober.range()
+    low = prober.low()
+    prober.learn(low)                       # the least-memory configuration, or BudgetTooSmall
+    top, why = prober.top()
     value = _search(prober.fast, prober.limit, low, top)
     if value >= low:
         say(f"confirming {lever}={value} with the allocator replayed")
         confirmed = prober.confirm(value)
         if confirmed > limit:                                        # Note 2
             value = _search_below(prober, low, value, confirmed - prober.fast(value))
-        if value >= low:
-            return Largest(lever, value, prober.confirm(value), limit,
-                           dict(prober.knobs(value)), prober.count,
-                           why if value == top else None)
-    floor = prober.confirm(low)
-    raise BudgetTooSmall(
-        f"even {lever}={low} needs {format_bytes(floor)} on the {dev.display_name} under "
-        f"memfit's least-memory configuration ({_describe(prober.knobs(low))}); the limit is "
-        f"{format_bytes(limit)}. Lower the other lever (batch size or sequence length), use a "
-        "smaller model, or raise the budget", floor_bytes=floor, budget_bytes=limit)
+    value, planned = _agree(prober, max(value, low), low, top)      # Note 1: plan decides
+    return Largest(lever, value, planned.plan.predicted_device_bytes, limit,
+                   {n: v for n, v in planned.plan.knobs.to_dict().items() if v is not None},
+                   prober.count, why if value == top else None, planned)
+
+
+def _agree(prober, value: int, low: int, top: int):
+    """``(v, plan at v)``: the largest v at which ``plan`` plans, from the probes' ``value``
+    (Note 1): checked there and one past it, bisected by ``plan`` where either disagrees."""
+    planned = prober.plan(value)
+    if planned is None:                      # the probes were optimistic: bisect below
+        good, bad, found = low, value, prober.plan(low)
+        if found is None:                    # the floor said it fits at low: cannot happen
+            raise AssertionError(f"plan refuses {prober.lever}={low} under its own floor")
+    elif value >= top or prober.plan(value + 1) is None:
+        return value, planned
+    else:                                    # a longer value plans too: bisect above
+        good, found, bad = value + 1, prober.plan(value + 1), top + 1
+        if prober.plan(top) is not None:
+            return top, prober.plan(top)
+        bad = top
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        at = prober.plan(mid)
+        good, bad, found = (mid, bad, at) if at is not None else (good, mid, found)
+    return good, found
 
 
 def _search(probe: Callable[[int], int], limit: int, low: int, cap: int) -> int:
@@ -176,22 +190,78 @@ class _Prober:
         self.batch_size, self.seq_len = batch_size, seq_len
         self.dev, self.limit, self.optimizer, self.say = dev, limit, optimizer, say
         self.user_knobs = knobs
-        least_memory_knobs(lever, batch_size, dev, knobs)      # validate before any trace
+        k = Knobs.from_kwargs(**{n: v for n, v in knobs.items()     # validate before any trace
+                                 if n != "allow_numerics_change"})
+        k.check_available()
+        if lever == "batch_size" and k.micro_batch_size is not None:
+            raise ValueError(
+                f"micro_batch_size={k.micro_batch_size} was fixed, but the largest batch_size is "
+                "defined as the largest batch ONE micro-batch holds (with accumulation any batch "
+                "fits): drop micro_batch_size, or search lever='seq_len'")
+        self._least: dict = {}
+        self._alloc = AllocatorChoice(model, dev, None)
+        self._plans: dict = {}
         self.count = 0
         self._fast: dict[int, int] = {}
         self._slope: dict[int, int] = {}
         self._confirmed: dict[int, int] = {}
 
-    def range(self) -> tuple[int, int, str]:
-        config = self.model.config
+    def low(self) -> int:
+        """The smallest value searched: 1, or 2 tokens for a causal LM (a shifted label)."""
         if self.lever == "batch_size":
-            return 1, self._doubling_cap(), f"the search's ceiling of {_MAX_BATCH} samples"
+            return 1
         task = self.task or self.spec._task_of(self.model) or self.spec.default_task
-        low = 2 if task == "causal-lm" else 1
-        limit, why = position_limit(config)
+        return 2 if task == "causal-lm" else 1
+
+    def top(self) -> tuple[int, str]:
+        """The bisection's ceiling, and why it is one."""
+        if self.lever == "batch_size":
+            return self._doubling_cap(), f"the search's ceiling of {_MAX_BATCH} samples"
+        limit, why = position_limit(self.model.config)
         if limit is None:
-            return low, self._doubling_cap(), f"the search's ceiling of {_MAX_UNLIMITED_SEQ} tokens"
-        return low, limit, f"the model's position limit ({why})"
+            return self._doubling_cap(), f"the search's ceiling of {_MAX_UNLIMITED_SEQ} tokens"
+        return limit, f"the model's position limit ({why})"
+
+    def _fixed(self, v: int) -> dict:
+        """The caller's knobs at ``v``: the batch lever's one micro-batch (Note 1)."""
+        if self.lever == "batch_size":
+            return {**self.user_knobs, "micro_batch_size": v}
+        return dict(self.user_knobs)
+
+    def learn(self, low: int) -> None:
+        """The plan's floor at ``low`` names the least-memory configuration the probes trace
+        (Note 1); ``BudgetTooSmall`` where even ``low`` does not fit."""
+        found: dict = {}
+        self.say(f"finding the least-memory configuration at {self.lever}={low}")
+        try:
+            self._plan_at(low, floor=True, on_floor=found.update)
+        except BudgetTooSmall as e:
+            raise BudgetTooSmall(
+                f"even {self.lever}={low} does not fit: {e}", floor_bytes=e.floor_bytes,
+                budget_bytes=self.limit) from None
+        self._least = found
+
+    def knobs(self, v: int) -> dict:
+        """The least-memory configuration (``learn``) at ``v``."""
+        least = dict(self._least)
+        if self.lever == "batch_size":
+            least["micro_batch_size"] = v
+        return least
+
+    def _plan_at(self, v: int, **extra):
+        self.count += 1
+        return plan_traced(self.model, self._batch(v), self.limit, self.optimizer, self.dev,
+                           suggest_shorter=False, **extra, **self._fixed(v))
+
+    def plan(self, v: int):
+        """``plan`` at ``v`` (memoised), or None where it refuses."""
+        if v not in self._plans:
+            self.say(f"planning at {self.lever}={v}")
+            try:
+                self._plans[v] = self._plan_at(v)
+            except BudgetTooSmall:
+                self._plans[v] = None
+        return self._plans[v]
 
     def _doubling_cap(self) -> int:
         """Double from the given value until a probe does not fit; the bisection's ceiling."""
@@ -200,10 +270,6 @@ class _Prober:
         while v < top and self.fast(v) <= self.limit:
             v *= 2
         return min(v, top)
-
-    def knobs(self, v: int) -> dict:
-        b = v if self.lever == "batch_size" else self.batch_size
-        return least_memory_knobs(self.lever, b, self.dev, self.user_knobs)
 
     def _batch(self, v: int, samples: int | None = None):
         b = v if self.lever == "batch_size" else self.batch_size
@@ -214,7 +280,8 @@ class _Prober:
         self.count += 1
         est = estimate(self.model, self._batch(v, samples), self.optimizer, self.dev,
                        budget=self.limit, allocator_replay=replay, **self.knobs(v))
-        return est.device_bytes
+        # replayed: under the allocator setting a plan would choose, as the plan counts it
+        return est.device_bytes - (self._alloc.saved(est) if replay else 0)
 
     def _split(self, v: int) -> tuple[int, int] | None:
         """(micro-batch, full micro-batches) when Note 3's extrapolation applies, else None."""
@@ -257,8 +324,3 @@ class _Prober:
             if two > self.limit or bound <= self.limit:
                 return two if two > self.limit else bound
         return self._trace(v, None, True)
-
-
-def _describe(knobs: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in knobs.items())
-

@@ -9,8 +9,8 @@ step with the choice applied.
 
 Note 2 (verification). The re-trace is the answer: its peak and reserved bytes are the plan's
 predictions. If it does not fit, the search runs again with the cap lowered by what was
-missing (per precision, accumulated), up to ``_ATTEMPTS`` times; the model's errors cost speed,
-never the budget. On CPU the re-trace is exact (track counts the same bytes); on a GPU it is the
+missing (per precision, accumulated): the one verify loop every planner runs
+(``planner.verify``); the model's errors cost speed, never the budget. On CPU the re-trace is exact (track counts the same bytes); on a GPU it is the
 CUDA model of ``estimate``.
 
 Note 3 (precision "auto"). On a GPU, auto searches the 16-bit precision the card has (bf16, else
@@ -83,6 +83,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from memfit.api._choice import describe, knob_values
+from memfit.api._compare_gpus import fewest_gpus
 from memfit.api._floor import first_samples, least_memory, longest_sequence, lower_bound
 from memfit.api._plan_allocator import AllocatorChoice
 from memfit.api._plan_levers import Levers, numerics_allowed, state_knobs
@@ -100,15 +101,13 @@ from memfit.planner import Plan
 from memfit.planner.memory_model import MemoryModel, optimizer_rise_bytes
 from memfit.planner.search import Choice, Constraints, search
 from memfit.planner.time_model import TimeModel
+from memfit.planner.verify import Margins, verify_loop
 from memfit.planner.variants import auto_precisions
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["plan", "plan_traced", "Planned"]
-
-_ATTEMPTS = 5
-_SLACK_BYTES = 2 ** 20       # added to each verified shortfall, so a retry does not land on it
 
 
 def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
@@ -144,8 +143,12 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                 allocator=None, on_progress: Callable[[str], None] | None = None,
                 step: Callable | None = None, scheduler: Callable | None = None,
                 floor: bool = False, allow_numerics_change: bool | None = None,
-                batches=None, **knobs) -> Planned:
-    """``plan``, with the plain and the chosen traces (for plots and reports)."""
+                batches=None, on_floor: Callable[[dict], None] | None = None,
+                suggest_shorter: bool = True, **knobs) -> Planned:
+    """``plan``, with the plain and the chosen traces (for plots and reports).
+    ``on_floor(knobs)`` hears the floor's configuration (its knob values, the precision among
+    them) when the floor is traced; ``suggest_shorter=False`` leaves out the refusal's longest
+    sequence the floor holds (``api.levers`` asks that question itself)."""
     say = on_progress or (lambda message: None)
     k = Knobs.from_kwargs(**knobs)
     if is_sharded(knobs):
@@ -239,10 +242,16 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
             add_precisions()
             levers.add_low_bit()
             levers.add_param_offload()
-            traced_floor = least_memory(model, batch, models, fixed, k, common, held, b, say)
-            ctx.floor_bytes = traced_floor[0]
+            traced_floor = least_memory(model, batch, models, fixed, k, common, held, b, say,
+                                        ctx.alloc)
+            ctx.floor_bytes = min(traced_floor[0], margins.least_verified or traced_floor[0])
+            if on_floor is not None:
+                c = traced_floor[1]
+                on_floor({"precision": c.precision,
+                          **knob_values(c, models[c.key][0].blocks, k)})
         return traced_floor
 
+    margins = Margins(budget_bytes)          # the verify loop's (planner.verify)
     if floor:
         least()
 
@@ -261,38 +270,36 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
 
     add_precisions()
     levers.add_low_bit()
-    margins: dict = {}
-    failed: dict = {}
-    for attempt in range(_ATTEMPTS):
-        say("searching" if attempt == 0 else f"searching again (attempt {attempt + 1})")
+
+    def propose(margins: Margins):
         for q in models:
-            margins.setdefault(q, held[q[0]])
-        choice = search(models, b, budget_bytes, fixed, margins)
+            margins.start(q, held[q[0]])
+        choice = search(models, b, budget_bytes, fixed, margins.bytes)
         if choice is None and levers.add_param_offload():      # a last resort (variants Note 2)
             for q in models:
-                margins.setdefault(q, held[q[0]])
-            choice = search(models, b, budget_bytes, fixed, margins)
-        if choice is None:
-            break
+                margins.start(q, held[q[0]])
+            choice = search(models, b, budget_bytes, fixed, margins.bytes)
+        return choice
+
+    def verify(choice: Choice):
         say(f"verifying: re-tracing {describe(choice, b)}")
-        q = choice.precision
-        est = estimate(model, batch, precision=q,
+        est = estimate(model, batch, precision=choice.precision,
                        **knob_values(choice, models[choice.key][0].blocks, k), **common)
-        if ctx.alloc.fits(est, held[q], budget_bytes):     # _plan_allocator Note 2
-            reasons = [] if attempt == 0 else [
-                f"the first {attempt} choice(s) re-traced over the budget; the search ran again "
-                f"{format_bytes(margins[choice.key] - held[q])} tighter"]
-            return weigh(remat, Planned(_make_plan(ctx, choice, est, models[choice.key],
-                                                    reasons), plain, ctx.alloc.under_setting(est)))
-        short = est.device_bytes + held[q] - budget_bytes + _SLACK_BYTES
-        failed[choice.key] = failed.get(choice.key, 0) + 1
-        # a variant that missed twice is dropped, so the next attempts weigh the others
-        margins[choice.key] = margins.get(choice.key, 0) + short \
-            if failed[choice.key] < 2 else budget_bytes
+        return est, est.device_bytes + held[choice.precision]
+
+    found = verify_loop(propose, verify, lambda c: c.key, margins, say=say,
+                        fits=lambda est, device: ctx.alloc.fits(est, device - est.device_bytes,
+                                                                budget_bytes))
+    if found is not None:                                  # _plan_allocator Note 2
+        choice, est = found.candidate, found.trace
+        reasons = [] if found.attempt == 0 else [
+            f"the first {found.attempt} choice(s) re-traced over the budget; the search ran "
+            f"again {format_bytes(margins.get(choice.key) - held[choice.precision])} tighter"]
+        return weigh(remat, Planned(_make_plan(ctx, choice, est, models[choice.key], reasons),
+                                    plain, ctx.alloc.under_setting(est)))
     _, floor_choice, floor_est = least()
     if ctx.floor_bytes <= budget_bytes:
-        if floor_est is None or floor_est.reserved_bytes == floor_est.peak_bytes and \
-                spec.kind == "cuda":        # extrapolated or not replayed: trace it whole
+        if floor_est is None:        # extrapolated (a CPU floor, _floor Note 2): trace it whole
             say(f"re-tracing {describe(floor_choice, b)}")
             floor_est = estimate(model, batch, precision=floor_choice.precision,
                                  **knob_values(floor_choice,
@@ -308,17 +315,25 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         say("tracing the least-memory configuration on shorter sequences")
         est = estimate(model, part, precision=floor_choice.precision, allocator_replay=replay,
                        **values, **common)
-        return est.device_bytes + held[floor_choice.precision] + \
+        saved = ctx.alloc.saved(est) if replay else 0        # the floor's setting, as it
+        return est.device_bytes + held[floor_choice.precision] - saved + \
             (ctx_bytes if not replay else 0) <= budget_bytes
 
     ctx_bytes = models[floor_choice.key][0].context_bytes
     confirm = (lambda part: fits(part, replay=True)) if spec.kind == "cuda" else None
-    seq = longest_sequence(batch, fits, confirm) if user_step is None else None
+    seq = longest_sequence(batch, fits, confirm) if user_step is None and suggest_shorter \
+        else None
     # what the weights, gradients and state need on the device: the floor's precision with
     # everything on the device (the floor's own model may hold block weights on the host)
     on_device = models.get(floor_choice.key[:2]) or models[floor_choice.key]
+    layout = None
+    if user_step is None and spec.kind == "cuda" and b > 1:   # the sharding hint: searched
+        say("searching layouts of several GPUs (the refusal's sharding line)")
+        layout = fewest_gpus(model, batch, optimizer, spec, budget_bytes, loss_fn,
+                             count_fn=count_fn, precision=k.precision)
     raise too_small(ctx.floor_bytes, on_device[0], describe(floor_choice, b),
                     budget_bytes, excluded_levers(k, numerics, user_step is not None), seq,
+                    layout=layout,
                     counted=counted_levers(k, numerics, user_step is not None,
                                            sorted({q[0] for q in models})))
 

@@ -132,13 +132,14 @@ def run(args) -> int:
     with console.status("building the model on the meta device...") as status:
         spec, model = build_model(args)
         _check_progressive_limit(spec, model, args)
-        batch_size, seq_len = _resolve_levers(spec, model, args, target, status, out)
+        batch_size, seq_len, planned = _resolve_levers(spec, model, args, target, status, out)
         batch = make_batch(spec, model, args, batch_size, seq_len)
         _check_progressive(batch, args)
-        planned = plan_traced(model, batch, target.budget_bytes, args.optimizer, target.device,
-                              on_progress=lambda m: status.update(m + "..."), floor=args.floor,
-                              allow_numerics_change=False if args.no_numerics_change else None,
-                              **_knobs(args))
+        if planned is None or args.floor:       # else the lever search's plan at its answer
+            planned = plan_traced(model, batch, target.budget_bytes, args.optimizer,
+                                  target.device, on_progress=lambda m: status.update(m + "..."),
+                                  floor=args.floor, allow_numerics_change=_numerics(args),
+                                  **_knobs(args))
         extras = _extras(spec, model, batch, args, target, status, planned.plan, out)
     p, seconds = planned.plan, time.perf_counter() - start
     described = describe_batch(batch)
@@ -261,9 +262,14 @@ def _check_progressive(batch, args) -> None:
                          f"the full length {full} (--seq-len)")
 
 
-def _resolve_levers(spec, model, args, target, status, out: dict) -> tuple[int, int | None]:
-    """--batch-size auto / --seq-len auto: the largest that fits (memfit.api.levers)."""
-    batch_size, seq_len = args.batch_size, args.seq_len
+def _numerics(args) -> bool | None:
+    return False if args.no_numerics_change else None
+
+
+def _resolve_levers(spec, model, args, target, status, out: dict):
+    """--batch-size auto / --seq-len auto: the largest at which plan fits (memfit.api.levers);
+    ``(batch size, sequence length, the plan at them or None)``."""
+    batch_size, seq_len, planned = args.batch_size, args.seq_len, None
     for lever in ("seq_len", "batch_size"):
         if getattr(args, lever) != "auto":
             continue
@@ -274,13 +280,18 @@ def _resolve_levers(spec, model, args, target, status, out: dict) -> tuple[int, 
             spec, model, lever, batch_size=batch_size if batch_size != "auto" else 1,
             seq_len=seq_len if seq_len != "auto" else None, budget=target.budget_bytes,
             device=target.device, optimizer=args.optimizer, task=args.task,
-            on_progress=lambda m: status.update(m + "..."), **_lever_knobs(args))
+            on_progress=lambda m: status.update(m + "..."),
+            allow_numerics_change=_numerics(args), **_lever_knobs(args))
         out[f"largest_{lever}"] = found.value
+        # the seq_len search's plan is plan's own at the answer (the batch lever's fixes one
+        # micro-batch: levers Note 1), so it is the plan printed
+        same_batch = args.batch_size != "auto" and not args.padded and args.image_size is None
+        planned = found.planned if lever == "seq_len" and same_batch else None
         if lever == "seq_len":
             seq_len = found.value
         else:
             batch_size = found.value
-    return batch_size, seq_len
+    return batch_size, seq_len, planned
 
 
 def _lever_knobs(args) -> dict:

@@ -26,8 +26,9 @@ arguments' own unless ``fit(precision=...)`` allows another, ``_hf_precision`` N
 Note 3 (verification, and the floor). As in ``api.plan`` Notes 2 and 5: the choice is re-traced
 with the Trainer's real step configured as chosen (``trace``: its TrainingArguments on a copy
 of ``trainer.args``, memfit's knobs on the fake model), and that trace is the answer, on CPU
-exact. Over the budget, the search runs again with the cap lowered by what was missing, up to
-``ATTEMPTS`` times. When nothing is found, the floor is traced: the planner's least-memory
+exact. Over the budget, the search runs again with the cap lowered by what was missing: the
+verify loop every planner runs (``planner.verify``). When nothing is found, the floor is traced
+(``planner.verify.least_traced``): the planner's least-memory
 candidates (``planner.search.floor_candidates``) at the smallest and the largest allowed m,
 each re-traced; the least is the floor, applied if it fits, else ``BudgetTooSmall`` names it.
 """
@@ -45,13 +46,9 @@ from memfit.integrations._hf_precision import at_precision, set_precision, user_
 from memfit.planner.memory_model import MemoryModel
 from memfit.planner.search import Choice, Constraints, floor_candidates, search
 from memfit.planner.time_model import TimeModel
+from memfit.planner.verify import Margins, least_traced, verify_loop
 
-__all__ = ["Candidate", "TrainerModels", "trace", "configured", "set_args", "ATTEMPTS",
-           "FLOOR_PRUNE"]
-
-ATTEMPTS = 5
-FLOOR_PRUNE = 1.5         # floor candidates the models put this far above the least go untraced
-_SLACK_BYTES = 2 ** 20    # added to each verified shortfall, as api.plan does
+__all__ = ["Candidate", "TrainerModels", "trace", "configured", "set_args"]
 
 
 @dataclass(frozen=True)
@@ -198,37 +195,37 @@ class TrainerModels:
         return None if best is None else self.candidate(best)
 
     def floor(self, sizes, offload_optimizer, say) -> tuple[Candidate, Estimate]:
-        """The least traced of the planner's least-memory candidates (Note 3)."""
+        """The least traced of the planner's least-memory candidates (Note 3), as every
+        planner finds it (``planner.verify.least_traced``)."""
         proposed = []
         for m in sorted({min(sizes), max(sizes)}):
             proposed += floor_candidates(self.models, self.total,
                                          self.constraints(m, offload_optimizer))
-        proposed.sort(key=lambda ch: ch.device_bytes)
-        cutoff = proposed[0].device_bytes * FLOOR_PRUNE
-        seen, traced = set(), []
-        for ch in proposed:
-            c = self.candidate(ch)
-            if c in seen or ch.device_bytes > cutoff:
-                continue
-            seen.add(c)
-            say(f"tracing a least-memory candidate: {c.describe()}")
-            traced.append((c, trace(self.trainer, c, self.device)))
+
+        def traced(ch: Choice):
             self.traced += 1
-        return min(traced, key=lambda t: t[1].device_bytes)
+            est = trace(self.trainer, self.candidate(ch), self.device)
+            return est.device_bytes, est
+
+        _, ch, est = least_traced(proposed, predicted=lambda ch: ch.device_bytes,
+                                  ident=self.candidate, trace=traced, say=say,
+                                  describe=lambda ch: self.candidate(ch).describe())
+        return self.candidate(ch), est
 
     def plan(self, budget_bytes: int, sizes, offload_optimizer, say):
-        """Search and verify (Note 3): ``(candidate, its trace, attempts note)`` or None when
-        nothing the models propose re-traces under the budget."""
-        margins: dict = {}
-        for attempt in range(ATTEMPTS):
-            c = self.search(budget_bytes, sizes, offload_optimizer, margins)
-            if c is None:
-                return None
+        """Search and verify (Note 3; ``planner.verify.verify_loop``, as every planner):
+        ``(candidate, its trace, attempts)`` or None when nothing the models propose re-traces
+        under the budget."""
+        def verify(c: Candidate):
             say(f"verifying: re-tracing {c.describe()}")
-            est = trace(self.trainer, c, self.device)
             self.traced += 1
-            if est.device_bytes <= budget_bytes:
-                return c, est, attempt
-            key = (c.precision, None)
-            margins[key] = margins.get(key, 0) + est.device_bytes - budget_bytes + _SLACK_BYTES
-        return None
+            est = trace(self.trainer, c, self.device)
+            return est, est.device_bytes
+
+        margins = Margins(budget_bytes)
+        for key in self.models:
+            margins.start(key)
+        found = verify_loop(
+            lambda margins: self.search(budget_bytes, sizes, offload_optimizer, margins.bytes),
+            verify, lambda c: (c.precision, None), margins)
+        return None if found is None else (found.candidate, found.trace, found.attempt)

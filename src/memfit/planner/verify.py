@@ -1,0 +1,122 @@
+"""The one verify -> retry -> floor loop every planner runs: one device (``api.plan``), the
+sharded layouts (``api._plan_sharded``) and the Hugging Face Trainer's (``integrations._hf_plan``).
+
+Note 1 (verification). The memory models propose; a re-trace of the proposal is the answer. A
+proposal whose trace misses the budget lowers the cap of its family (a precision and optimizer
+variant, a layout: whatever ``key`` the caller gives) by what was missing plus ``SLACK_BYTES``,
+so the next search does not land on the same bytes, and the search runs again, ``ATTEMPTS``
+times at most. A family that missed ``drop_after`` times is dropped where other families remain
+(its cap set to the whole budget), so the next attempts weigh the others; the models' errors
+cost speed, never the budget.
+
+Note 2 (the floor). The least device bytes of the configurations the models call least-memory,
+each traced (``least_traced``): candidates the models put more than ``FLOOR_PRUNE`` above their
+least are not traced, and two candidates with the same ``ident`` are traced once. The floor is
+never above a verified plan of the same call (``Margins.seen``: the least verified bytes), so a
+budget of exactly the floor plans.
+
+The estimator is passed in (``verify`` and ``trace`` callables): nothing here traces by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ATTEMPTS", "SLACK_BYTES", "FLOOR_PRUNE", "Margins", "Verified", "verify_loop",
+           "least_traced"]
+
+ATTEMPTS = 5               # searches per call before the floor is asked (Note 1)
+SLACK_BYTES = 2 ** 20      # added to each verified shortfall, so a retry does not land on it
+FLOOR_PRUNE = 1.5          # floor candidates the models put this far above the least go untraced
+
+
+class Margins:
+    """Per family, the bytes its cap is lowered by (Note 1); a dict the searches read."""
+
+    def __init__(self, budget_bytes: int, *, drop_after: int = 2):
+        self.budget_bytes = budget_bytes
+        self.drop_after = drop_after
+        self.bytes: dict[Hashable, int] = {}
+        self.misses: dict[Hashable, int] = {}
+        self.least_verified: int | None = None     # the least device bytes verified (Note 2)
+
+    def start(self, key: Hashable, held_bytes: int = 0) -> None:
+        """A family's first margin: bytes held beside the step (the caller's batch)."""
+        self.bytes.setdefault(key, held_bytes)
+
+    def get(self, key: Hashable, default: int = 0) -> int:
+        return self.bytes.get(key, default)
+
+    def seen(self, device_bytes: int) -> None:
+        """A verified trace's device bytes (the floor is never above them, Note 2)."""
+        if self.least_verified is None or device_bytes < self.least_verified:
+            self.least_verified = device_bytes
+
+    def missed(self, key: Hashable, device_bytes: int) -> bool:
+        """``key``'s proposal re-traced at ``device_bytes``, over the budget: lower its cap by
+        the shortfall plus ``SLACK_BYTES``; whether the family may be proposed again."""
+        self.seen(device_bytes)
+        self.misses[key] = self.misses.get(key, 0) + 1
+        others = [k for k, v in self.bytes.items() if k != key and v < self.budget_bytes]
+        if self.misses[key] >= self.drop_after and others:
+            self.bytes[key] = self.budget_bytes
+            return False
+        self.bytes[key] = self.bytes.get(key, 0) + device_bytes - self.budget_bytes + SLACK_BYTES
+        return self.bytes[key] < self.budget_bytes and self.misses[key] < ATTEMPTS
+
+
+@dataclass
+class Verified:
+    """A proposal whose re-trace fits: the candidate, its trace, and on which attempt."""
+
+    candidate: Any
+    trace: Any
+    device_bytes: int
+    attempt: int                 # 0: the first proposal fitted
+
+
+def verify_loop(search: Callable[[Margins], Any], verify: Callable[[Any], tuple[Any, int]],
+                key: Callable[[Any], Hashable], margins: Margins, *, attempts: int = ATTEMPTS,
+                fits: Callable[[Any, int], bool] | None = None,
+                say: Callable[[str], None] = lambda message: None) -> Verified | None:
+    """Note 1: ``search(margins)`` proposes (None: nothing fits the models), ``verify(c)``
+    re-traces it as ``(trace, device bytes)``; ``fits(trace, device_bytes)`` (default: within
+    the budget) accepts it. Returns the first accepted, or None."""
+    for attempt in range(attempts):
+        say("searching" if attempt == 0 else f"searching again (attempt {attempt + 1})")
+        c = search(margins)
+        if c is None:
+            return None
+        trace, device_bytes = verify(c)
+        ok = fits(trace, device_bytes) if fits is not None else \
+            device_bytes <= margins.budget_bytes
+        if ok:
+            margins.seen(device_bytes)
+            return Verified(c, trace, device_bytes, attempt)
+        margins.missed(key(c), device_bytes)
+    return None
+
+
+def least_traced(candidates: Iterable, *, predicted: Callable[[Any], int],
+                 ident: Callable[[Any], Hashable], trace: Callable[[Any], tuple[int, Any]],
+                 say: Callable[[str], None] = lambda message: None,
+                 describe: Callable[[Any], str] = str) -> tuple[int, Any, Any]:
+    """Note 2: ``(device bytes, candidate, its trace)`` of the least traced candidate;
+    ``predicted(c)``: the models' bytes (for the pruning), ``trace(c)`` -> ``(device bytes,
+    trace)``."""
+    candidates = sorted(candidates, key=predicted)
+    if not candidates:
+        raise ValueError("no floor candidate: the search space is empty")
+    cutoff = predicted(candidates[0]) * FLOOR_PRUNE
+    seen, traced = set(), []
+    for c in candidates:
+        i = ident(c)
+        if i in seen or predicted(c) > cutoff:
+            continue
+        seen.add(i)
+        say(f"tracing a least-memory candidate: {describe(c)}")
+        device_bytes, est = trace(c)
+        traced.append((device_bytes, c, est))
+    return min(traced, key=lambda t: t[0])
