@@ -2,7 +2,7 @@
 applied with FSDP2 (``fully_shard`` per block and at the root) or DDP over the job's group.
 
 Note 1 (where the plan is made). The planner traces one rank under a fake process group, and
-c10d holds one default group per process (``trace.sharded`` Note 1): inside a running job it
+c10d holds one default group per process (``trace.sharded``): inside a running job it
 cannot trace. So with a budget, rank 0 plans in a child process (``spawn``: a fresh
 interpreter without the job's group) on a ``meta`` copy of the model (no weights are copied)
 and the job's effective batch (this rank's batch, ``world`` times: every rank's has the same
@@ -16,28 +16,28 @@ parameters (``OptimizerRecipe``'s ``origin`` mapping, as ``estimate_sharded`` do
 says so. A scheduler given as an instance would drive the old optimizer: pass a factory.
 
 Note 3 (the OOM guard). With a budget the Runner's re-planner is collective
-(``runtime.oom_guard`` Note 6): when the optimizer-step check finds any rank over its budget,
+(``runtime.oom_guard``): when the optimizer-step check finds any rank over its budget,
 every rank calls it with the worst rank's excess; the budget is lowered by every excess so far
 (plus the single-device guard's margin), rank 0 plans again as in Note 1 (child process,
 broadcast), the layout (``gpus``, ``sharding``, ``fsdp_offload``), precision and optimizer
 placement kept, and every rank builds the same new plan over the same sharded model and
 optimizer: the per-block modes and micro-batch are re-applied, FSDP2's
 ``reshard_after_forward`` set with ``set_reshard_after_forward``. When nothing fits, every rank
-raises the same ``BudgetTooSmall`` and the guard's Note 5 error. An out-of-memory error inside
+raises the same ``BudgetTooSmall`` and the guard's own error (``runtime.oom_guard``). An out-of-memory error inside
 one rank's forward or backward stops every rank with that rank's error, with or without a
-budget (``runtime.oom_ranks`` Note 2).
+budget (``runtime.oom_ranks``).
 
 Note 4 (a re-plan that fails on the way). Rank 0 always broadcasts a result: a failure before
 the child answers (``loss_fn`` that does not pickle, a child that dies or is killed, one that
 cannot start) is sent as one, and every rank raises the same ``ReplanError`` naming rank 0's
 failure, its type and text, and the fix; at a re-plan the guard then restores and raises its
-Note 5 error on every rank (``runtime.oom_guard``), parameters and optimizer state unchanged.
+own error on every rank (``runtime.oom_guard``), parameters and optimizer state unchanged.
 The child is a ``spawn``-ed ``Process`` answering over a pipe rather than a ``Pool``: a pool
 whose worker is killed waits for its answer for ever, while the pipe reads end-of-file when
 the child exits (a child that hangs keeps rank 0, and the others with it, waiting up to the
 group's timeout). A rank that fails while the plan is shared (a peer died: gloo's "Connection
 closed by peer") raises ``ReplanError`` naming the rank it waited on and shuts its connections,
-so that no rank waits for the group's timeout (``runtime.replan_broadcast`` Note 1).
+so that no rank waits for the group's timeout (``runtime.replan_broadcast``).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class _Replanner:
     same excess, it plans on rank 0 under the budget lowered by every excess so far (the layout,
     precision and optimizer kept) and applies the same plan on every rank."""
 
-    collective = True          # oom_guard Note 6: one plan for all ranks
+    collective = True          # oom_guard: one plan for all ranks
 
     def __init__(self, job: "_Job", budget: int, k: Knobs, first: Plan):
         fk = first.knobs

@@ -1,6 +1,6 @@
 """The planner's floor: the least device bytes of any configuration in the search space, traced.
 
-Note 1 (which candidates). ``planner.search.floor_candidates`` proposes them (search Note 5:
+Note 1 (which candidates). ``planner.search.floor_candidates`` proposes them (search:
 the least-memory modes at micro-batch 1 and at the whole batch, and uniform recompute /
 offload beside them); each is traced and the least traced is the floor. Candidates the models
 put more than ``FLOOR_PRUNE`` above the least are not traced (the uniform variants are needed:
@@ -8,7 +8,7 @@ on tiny gpt2 the least traced is uniform recompute at micro-batch 1, which the m
 their mixed least).
 
 Note 2 (tracing a candidate cheaply). A candidate of n >= 4 whole micro-batches of m is traced
-at 2m and 3m samples and extrapolated, as ``largest_fitting`` does (levers Note 3): every
+at 2m and 3m samples and extrapolated, as ``largest_fitting`` does (levers): every
 micro-batch past the first sees the same live state, so the peak is linear in the samples (to
 the byte on a CPU). The slope is what one more micro-batch keeps alive until the step ends: its
 inputs (the caller's batch is alive throughout) and its loss weight. That does not depend on
@@ -34,8 +34,8 @@ such a dimension (images), or without an integer tensor along it (ids, a mask: a
 Note 5 (the bound before any trace, issue 26). What every configuration the search could pick
 keeps on the device is known from the parameters alone: the gradients of the trainable
 parameters (all alive when backward ends, whatever the micro-batches, recompute, offload or
-optimizer placement: parameter offload releases weights, never gradients, param_offload Note
-4), the weights no lever moves to the host (frozen ones always; trainable ones unless parameter
+optimizer placement: parameter offload releases weights, never gradients,
+``techniques.param_offload``), the weights no lever moves to the host (frozen ones always; trainable ones unless parameter
 offload is open), the optimizer state where no lever moves it (Adam's, counted exactly by
 ``low_bit_optimizer.state_bytes`` at the least state the search may pick; another optimizer's
 as 0) and, on a GPU, the CUDA context. Each precision the search weighs gets its own sum

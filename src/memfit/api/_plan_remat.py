@@ -1,5 +1,5 @@
-"""DTR in the planner (``api.plan`` Note 9): fixed by the caller, or weighed against the static
-plan over the workload's batches (planner.remat_choice Notes 1-2); and ``Planned``, a plan with
+"""DTR in the planner (``api.plan``): fixed by the caller, or weighed against the static
+plan over the workload's batches (planner.remat_choice); and ``Planned``, a plan with
 the traces behind it.
 """
 
@@ -37,7 +37,7 @@ class Planned:
 
 def held_bytes(batch, precision: str) -> int:
     """Bytes of the caller's batch the step does not use but ``runner.step(batch)`` keeps alive
-    beside it (Note 4): an all-ones mask that is dropped, bf16-pure's fp32 originals."""
+    beside it (``api.plan``: the caller's batch): an all-ones mask that is dropped, bf16-pure's fp32 originals."""
     used = Precision(Precision.Config(precision)).prepare_batch(prepare_batch(batch))
     kept = {st._cdata for t in tree_leaves(used) if isinstance(t, torch.Tensor)
             for st in storages_of(t)}
@@ -53,7 +53,7 @@ def held_bytes(batch, precision: str) -> int:
 
 def check_remat(k: Knobs, step) -> None:
     """DTR fixed by the caller plans the whole batch with nothing else fixed but the
-    optimizer's placement (planner.remat_choice Note 1)."""
+    optimizer's placement (planner.remat_choice)."""
     if not k.remat:
         return
     if step is not None:
@@ -69,7 +69,7 @@ def check_remat(k: Knobs, step) -> None:
 
 
 class RematWeigh:
-    """DTR over the workload (planner.remat_choice Notes 1-2): traced once, on demand."""
+    """DTR over the workload (planner.remat_choice): traced once, on demand."""
 
     def __init__(self, model, batch, batches, plain, common, spec, user, b, budget_bytes,
                  state, k: Knobs, say):
@@ -141,7 +141,7 @@ class RematWeigh:
     def faster_than(self, static: Plan) -> Plan | None:
         """The DTR plan where it is predicted faster than ``static`` over the workload."""
         if len({_shapes(w) for w in (self.batches or [self.batch])}) < 2:
-            return None            # one batch: the static search spans DTR's choices (Note 9)
+            return None            # one batch: the static search spans DTR's choices (api.plan)
         rows = self.rows()
         if not all(r[0].fits for r in rows):
             return None
@@ -165,7 +165,7 @@ def _shapes(batch) -> tuple:
 
 
 def weigh(remat: RematWeigh | None, planned: Planned) -> Planned:
-    """The static plan, or DTR where it is predicted faster (planner.remat_choice Note 2)."""
+    """The static plan, or DTR where it is predicted faster (planner.remat_choice)."""
     if remat is None:
         return planned
     dtr = remat.faster_than(planned.plan)

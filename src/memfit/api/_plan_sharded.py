@@ -8,13 +8,13 @@ samples (the largest rank's share where N does not divide b), so N is at most b.
 
 Note 2 (traces). One plain single-device trace (at b, at the searched precision) gives the
 models: the state fixed, activations and per-sample time proportional to the batch
-(``memory_model`` Note 2, ``time_model`` Note 3); every candidate layout is a rescaling of it
-(``planner.sharding`` Note 1), searched by the single-device MILP at the rank's batch. A second
+(``memory_model``, ``time_model``); every candidate layout is a rescaling of it
+(``planner.sharding``), searched by the single-device MILP at the rank's batch. A second
 trace at b // 2 (which ``memfit.plan`` reads for the line through both) costs Llama-2-7B 15 s
 and, measured at batch 8 x 2048 in bf16, changed neither layout's answer (6 RTX 4090, 3
 A100-40GB) and the modelled bytes of the 4090 answer by 0.3% (23.97 -> 23.91 GiB; re-traced
 22.79 / 22.87 GiB): the re-trace (Note 3) is the answer either way. The traces are CPU traces, as
-``estimate_sharded``'s are for any target (``api._sharded`` Note 2), so model and verification
+``estimate_sharded``'s are for any target (``api._sharded``), so model and verification
 count the same things: allocated bytes, plus the card's cuBLAS workspaces and CUDA context
 (``extra``, ``context``). The CUDA autocast / SDPA / caching-allocator models and NCCL's own
 buffers (outside the allocator) are not applied under sharding yet; a note says so.
@@ -25,13 +25,13 @@ answer. The fewest GPUs predicted to fit are found by bisection over the counts 
 rank's bytes never grow with the count (its share of the state, and of the batch, only
 shrink; the unsharded buffers stay), so neither does what fits. Larger counts are searched
 only when the re-traces at the fewest miss. If it misses the budget the search runs again with the cap lowered by what was
-missing (as ``memfit.plan``'s Note 2), then moves to the next layout. One GPU is
+missing (as ``memfit.plan``), then moves to the next layout. One GPU is
 ``memfit.plan``'s question: when the models say a single device may fit, it is asked.
 
 Note 4 (what is weighed). Precision (fp32, or bf16 autocast; "auto" takes bf16 where the card
 has it: FSDP2 here does not run fp16's GradScaler), micro-batch size, per-block keep /
 recompute / selective / offload, the layout, and for a GPU FSDP2's CPU offload (sharded
-state on the host, ``planner.sharding`` Note 6; re-traced as ``trace.fsdp_offload`` places
+state on the host, ``planner.sharding``; re-traced as ``trace.fsdp_offload`` places
 it), searched only where no layout without it fits unless ``fsdp_offload=True`` is asked for
 (``layout_tiers``: the search runs tier by tier, the rows of the earlier tiers kept for the
 plan's reasons). Not weighed: memfit's own optimizer-state offload, and ``reshard_after_forward`` as a
@@ -44,8 +44,8 @@ Note 6 (FSDP2's mixed precision). Where the precision searched is bf16, every FS
 weighed twice: with bf16 autocast (precision "bf16") and with FSDP2's own
 ``MixedPrecisionPolicy(bf16, reduce fp32)`` (``mp_policy="bf16"``, precision "fp32": no
 autocast), whose unsharded parameters are half and whose all-gathers move half the bytes
-(``planner.sharding`` Note 5). Under autocast a bf16 copy of every block's weights lives from
-the forward to the backward (``planner.sharding`` Note 4); under the policy it does not, so on
+(``planner.sharding``). Under autocast a bf16 copy of every block's weights lives from
+the forward to the backward (``planner.sharding``); under the policy it does not, so on
 large models the policy fits where autocast does not (Llama-2-7B, batch 8 x 2048, on 24 GB
 cards). ``mp_policy="bf16"`` given by the caller weighs it alone (FSDP2 only).
 """
@@ -180,7 +180,7 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
                 f"{describe(best.choice, best.rank_batch)}")
             verified = _verify(model, batch, optimizer, spec, loss_fn, count_fn, k, best,
                                models.memory(c, *_card_bytes(spec))[0].blocks)
-            device_bytes = verified.device_bytes          # _sharded Note 7
+            device_bytes = verified.device_bytes          # _sharded
             if device_bytes <= budget_bytes:
                 return _planned(k, best, verified, device_bytes, models, spec, budget_bytes,
                                 before + rows, margins.get(c)), rows
@@ -241,7 +241,7 @@ def _planned(k, row: Row, verified, device_bytes: int, models: _Models, spec, bu
             f"{r.choice.step_s:.3g} s predicted, slower"
         why.append(f"{r.candidate.describe()}: {what}")
     why.append(f"collectives over {link} ({rate / 1e9:.0f} GB/s one direction, "
-               f"planner.sharding Note 2): {comm:.3g} s per step not hidden by compute (Note 3)")
+               f"planner.sharding): {comm:.3g} s per step not hidden by compute (Note 3)")
     why.append(f"predicted step time {choice.step_s:.3g} s per effective batch of {models.b}; "
                f"one GPU's plain step of the whole batch would take {baseline:.3g} s (modelled)")
     if c.offload:
@@ -249,7 +249,7 @@ def _planned(k, row: Row, verified, device_bytes: int, models: _Models, spec, bu
         why.append(f"FSDP2's CPU offload: the sharded state and the optimizer step on the host, "
                    f"{format_bytes(host)} of host RAM per rank at its peak, "
                    f"{format_bytes(host * c.gpus)} for {c.gpus} ranks on one machine "
-                   "(planner.sharding Note 6)")
+                   "(planner.sharding)")
     if margin:
         why.append(f"the first choice re-traced over the budget; searched again "
                    f"{format_bytes(margin)} tighter")

@@ -73,7 +73,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     ``checkpoint``, ``offload``, ``offload_optimizer`` (host bytes in ``host_peak_bytes``),
     ``remat`` (with ``budget``: DTR simulated on the traced step, ``remat_*`` fields; the
     traced figures stay those of the plain step), ``zero_grad`` (the loop style: "before-forward",
-    the default, "after-forward" or "keep-buffers", ``memfit.step`` Note 1), ``optimizer_state``
+    the default, "after-forward" or "keep-buffers", ``memfit.step``), ``optimizer_state``
     ("8bit": bitsandbytes', "bf16", "4bit": torchao's low-bit Adam/AdamW,
     ``techniques.low_bit_optimizer``),
     ``offload_params`` (block weights on the host, with ``offload_optimizer``,
@@ -91,7 +91,7 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
 
     ``step``: the user's own training step ``fn(model, batch, optimizer)`` as written
     (zero_grad wherever it is, clipping, a GradScaler, extra forwards, an EMA copy, a second
-    loss), traced instead of memfit's (``api._user_step`` Notes 1-4). It is called on FAKE
+    loss), traced instead of memfit's (``api._user_step``). It is called on FAKE
     copies of the model, the batch (as given) and the optimizer (built as above), several
     times per estimate (twice: the second call is the steady state that is counted); what it
     keeps between calls must be made from those arguments (e.g. a ``weakref.WeakKeyDictionary``
@@ -141,7 +141,7 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
     recipe.check_impl(trainable)
-    if user is None:               # a user step takes the batch as given (_user_step Note 3)
+    if user is None:               # a user step takes the batch as given (_user_step)
         batch = prepare_batch(batch)
         check_batch(model, batch, loss_fn)
     batch_size_of(batch)
@@ -172,9 +172,9 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
             tracker.mark_host(t)
 
     # steady state: optimizer state exists (and, under fp16, the scaler's scale: a warm-up
-    # without a step, scaler Note 1); for a GPU, two whole steps for the allocator's history
-    # (cuda Note 2). A user step always runs twice
-    # (_user_step Note 2)
+    # without a step, scaler); for a GPU, two whole steps for the allocator's history
+    # (cuda). A user step always runs twice
+    # (_user_step)
     warm_up = (lambda: warm_up_scaled(runner.model, runner.optimizer, runner.scaler)) \
         if runner.scaler is not None else None
     try:
@@ -188,7 +188,7 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
         raise _described(e, model, batch, loss_fn)
     if user is not None:
         if spec.kind == "cuda":
-            check_cuda_autocast(user, spec.display_name)       # memfit.step Note 3
+            check_cuda_autocast(user, spec.display_name)       # memfit.step
         prof.phases = with_backward_phase(prof.phases, prof.modules)
     peak, reserved, breakdown, context = prof.peak_bytes, prof.peak_bytes, prof.breakdown, 0
     notes, card = [], None

@@ -40,7 +40,7 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     ``scheduler``: an LR scheduler (or a factory ``optimizer -> scheduler``, needed with
     bf16-pure and offload_optimizer, which rebuild the optimizer) stepped once per effective
     batch. ``max_seq_len``: plan for the example extended to this many tokens (dynamic
-    padding: the longest batch), built on the ``meta`` device (runtime.batch_shape Note 1); a
+    padding: the longest batch), built on the ``meta`` device (runtime.batch_shape); a
     batch larger than the one planned for warns in ``runner.step``.
     Knobs (``memfit.Knobs``): ``precision``, ``micro_batch_size``, ``max_grad_norm``,
     ``checkpoint``, ``offload``, ``offload_optimizer``, ``remat`` (DTR around each step: under
@@ -61,12 +61,12 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     ``MemPool``s are entered around the step's phases; ``expandable_segments`` is weighed only
     as the running allocator has it (a model on the GPU has started CUDA): export
     ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before starting Python to let memfit
-    use it (``memfit.api._plan_allocator`` Note 3).
+    use it (``memfit.api._plan_allocator``).
 
     ``step=fn``: the user's own training step ``fn(model, batch, optimizer)``; the plan is made
     for it (``memfit.plan(step=fn)``: per-block modes and the optimizer's placement only) and
     ``runner.step(batch)`` calls ``fn(runner.model, batch, runner.optimizer)`` with the plan
-    applied through block hooks and the optimizer (runner Note 5), then steps ``scheduler``;
+    applied through block hooks and the optimizer (runner), then steps ``scheduler``;
     it returns what ``fn`` returned, as a float (NaN for None). Use ``runner.optimizer``
     (it is rebuilt when the optimizer state is offloaded) and ``runner.close()`` to remove
     the hooks. There is no re-plan on out-of-memory for a user step.
@@ -111,7 +111,7 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     if user is None:
         check_batch(model, example, loss_fn)
     planned, shapes = batch, batch          # what is traced; the shapes runner.step compares
-    if max_seq_len is not None:             # batch_shape Note 1: the all-ones mask goes first
+    if max_seq_len is not None:             # batch_shape: the all-ones mask goes first
         planned, shapes = extend_batch(example, max_seq_len), extend_batch(batch, max_seq_len)
         check_batch(model, planned, loss_fn)
     plan = Plan(k, device=spec.name, batch_size=batch_size_of(example),

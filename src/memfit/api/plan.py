@@ -14,9 +14,9 @@ missing (per precision, accumulated): the one verify loop every planner runs
 CUDA model of ``estimate``.
 
 Note 3 (precision "auto"). On a GPU, auto searches the 16-bit precision the card has (bf16, else
-fp16 autocast): its matmuls run at least as fast as fp32 (time_model Note 2) and its activations
+fp16 autocast): its matmuls run at least as fast as fp32 (time_model) and its activations
 take half the bytes. The "plain step" is always the user's own: fp32 under auto, traced once;
-the step-time ratio is against it (time_model Note 5), so a plan that changes the precision
+the step-time ratio is against it (time_model), so a plan that changes the precision
 says so, and a ratio below 1 is a speed-up. Where the user's plain step fits and is predicted
 no slower (a small model, whose casts cost more launches than its matmuls save), auto keeps
 it. On the CPU auto is fp32.
@@ -26,7 +26,7 @@ attention mask dropped, bf16-pure's float inputs cast. ``runner.step(batch)`` ke
 caller's batch alive beside it, so those unused bytes are added to every prediction and check.
 
 Note 5 (the floor). One number: the least device bytes of a configuration in the search
-space, re-traced. The models propose the candidates (search Note 5: the least-memory modes
+space, re-traced. The models propose the candidates (search: the least-memory modes
 at micro-batch 1 and at the whole batch, and uniform recompute / offload beside them); each is
 re-traced, and the least traced is the floor. It is what ``Plan.floor_bytes``, ``explain()``
 and ``BudgetTooSmall.floor_bytes`` report, and a budget of exactly the floor plans (that
@@ -36,19 +36,18 @@ answer, or ``BudgetTooSmall`` says by how much it misses), or when asked (``floo
 plan found without it has ``floor_bytes=None``: on a large model the floor's candidates cost
 more traces than the plan itself (micro-batch 1 runs several micro-batches per trace).
 Before any trace, the floor's lower bound from the parameters alone (weights, gradients,
-optimizer state at the least the search may pick; _floor Note 5) refuses a budget under it in
+optimizer state at the least the search may pick; _floor) refuses a budget under it in
 well under a second, with the same words (``BudgetTooSmall.floor_is_bound``). Not with
 ``floor=True`` (the caller asks for the traced floor, even where nothing fits) nor with
 ``remat=True`` (DTR's floor is its simulation's, Note 9).
 
 Note 6 (the optimizer implementation). With ``optimizer_impl`` unset and the optimizer given
-by name or factory, the planner may switch the implementation on a GPU target (optimizers
-Note 1): each other one the class supports and that may need less than CUDA's default
+by name or factory, the planner may switch the implementation on a GPU target (optimizers): each other one the class supports and that may need less than CUDA's default
 foreach (fused, for-loop) is traced once, and the search weighs it like any other knob, before the optimizer
 state leaves the device. An optimizer instance keeps its own unless ``optimizer_impl`` is set.
 
 Note 7 (the user's step). With ``step=fn`` every trace above runs the user's step
-(``api._user_step`` Notes 1-4), the half-batch one on the first half of the batch. The step
+(``api._user_step``), the half-batch one on the first half of the batch. The step
 fixes its precision, micro-batch size, clipping and zero_grad, so the search keeps the whole
 batch in one micro-batch and the user's precision; it weighs only what reaches the step through
 the model and the optimizer: per-block keep / recompute / selective / offload (block hooks) and
@@ -57,19 +56,19 @@ Note 4). The plan's knobs leave ``precision`` and ``micro_batch_size`` unset (th
 and its reasons say so.
 
 Note 8 (every lever, issue 15). Once the plain step does not fit, "auto" also traces the other
-precisions it weighs (planner.variants Note 3: fp32 where 16-bit gains nothing, bf16-pure where
+precisions it weighs (planner.variants: fp32 where 16-bit gains nothing, bf16-pure where
 bf16 is supported); where numerics may change (``allow_numerics_change=True``, implied by
 precision "auto") each low-bit optimizer state gets a model; when nothing fits, the block
-weights on the host (parameter offload) get one and the search runs again (variants Note 2).
-The floor counts them all; ``BudgetTooSmall`` names what is beyond them (_plan_words Note 3).
+weights on the host (parameter offload) get one and the search runs again (variants).
+The floor counts them all; ``BudgetTooSmall`` names what is beyond them (_plan_words).
 A caller's fixed ``optimizer_state`` / ``offload_params`` is in every trace.
 
-Note 9 (DTR). ``remat=True`` plans DTR alone on the whole batch (planner.remat_choice Note 1;
+Note 9 (DTR). ``remat=True`` plans DTR alone on the whole batch (planner.remat_choice;
 with ``BudgetTooSmall`` at DTR's floor). With ``remat`` unset, a static plan that was found is
 weighed against DTR over ``batches`` (representative batches of the job, the planned one the
-largest) and DTR taken where it is predicted faster (remat_choice Note 2). Where every batch
+largest) and DTR taken where it is predicted faster (remat_choice). Where every batch
 has the same shapes (or none are given) DTR is not weighed: on one batch the static search
-already spans what DTR does (whole-block recomputes, remat_choice Note 1), so a DTR advantage
+already spans what DTR does (whole-block recomputes, remat_choice), so a DTR advantage
 there would be the two models' disagreement, not a gain. ``remat=False`` never weighs it.
 """
 
@@ -222,7 +221,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     levers = Levers(model, batch, models, {p: base}, common, spec, b, k, numerics,
                      user_step is not None, say)
 
-    def add_precisions():          # the other precisions "auto" weighs (variants Note 3)
+    def add_precisions():          # the other precisions "auto" weighs (variants)
         for q in others:
             if (q, k.optimizer_impl) not in models:
                 est = plain if q == user else None
@@ -275,7 +274,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         for q in models:
             margins.start(q, held[q[0]])
         choice = search(models, b, budget_bytes, fixed, margins.bytes)
-        if choice is None and levers.add_param_offload():      # a last resort (variants Note 2)
+        if choice is None and levers.add_param_offload():      # a last resort (variants)
             for q in models:
                 margins.start(q, held[q[0]])
             choice = search(models, b, budget_bytes, fixed, margins.bytes)
@@ -290,7 +289,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     found = verify_loop(propose, verify, lambda c: c.key, margins, say=say,
                         fits=lambda est, device: ctx.alloc.fits(est, device - est.device_bytes,
                                                                 budget_bytes))
-    if found is not None:                                  # _plan_allocator Note 2
+    if found is not None:                                  # _plan_allocator
         choice, est = found.candidate, found.trace
         reasons = [] if found.attempt == 0 else [
             f"the first {found.attempt} choice(s) re-traced over the budget; the search ran "
@@ -299,7 +298,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                                     plain, ctx.alloc.under_setting(est)))
     _, floor_choice, floor_est = least()
     if ctx.floor_bytes <= budget_bytes:
-        if floor_est is None:        # extrapolated (a CPU floor, _floor Note 2): trace it whole
+        if floor_est is None:        # extrapolated (a CPU floor, _floor): trace it whole
             say(f"re-tracing {describe(floor_choice, b)}")
             floor_est = estimate(model, batch, precision=floor_choice.precision,
                                  **knob_values(floor_choice,
@@ -311,7 +310,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
                                      plain, ctx.alloc.under_setting(floor_est)))
     values = knob_values(floor_choice, models[floor_choice.key][0].blocks, k)
 
-    def fits(part, replay=False) -> bool:   # the floor's configuration, shorter (_floor Note 4)
+    def fits(part, replay=False) -> bool:   # the floor's configuration, shorter (_floor)
         say("tracing the least-memory configuration on shorter sequences")
         est = estimate(model, part, precision=floor_choice.precision, allocator_replay=replay,
                        **values, **common)
@@ -341,7 +340,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
 def _refuse_below_bound(model, spec, k: Knobs, recipe, trainable, budget_bytes: int,
                         numerics: bool, user_step: bool, precisions) -> None:
     """``BudgetTooSmall`` before any trace where the floor's lower bound from the parameters
-    alone (_floor Note 5) is over the budget: the same words as the traced floor's."""
+    alone (_floor) is over the budget: the same words as the traced floor's."""
     bound = lower_bound(
         list(model.parameters()), precisions=sorted(precisions),
         optimizer_class=recipe.optimizer_class(trainable),
@@ -380,7 +379,7 @@ class _Context:
 
 
 def _modelled_impl(recipe: OptimizerRecipe, params, spec) -> str | None:
-    """The implementation the optimizer as given runs on ``spec`` (optimizers Note 1)."""
+    """The implementation the optimizer as given runs on ``spec`` (optimizers)."""
     if recipe.impl is not None:
         return recipe.impl
     opt = recipe.instance if recipe.instance is not None else recipe.build(params, params)
@@ -402,7 +401,7 @@ def _impl_variants(recipe: OptimizerRecipe, k: Knobs, params, default: str | Non
 
 def _models(model, batch, est, common, spec, precision: str, b: int, impl, say, state=None):
     """The memory and time models of one precision, from its plain trace and a second one at
-    half the batch (memory_model Note 2; the second needs no allocator replay)."""
+    half the batch (memory_model; the second needs no allocator replay)."""
     state = state or {}
     half = None
     if b > 1:
@@ -410,7 +409,7 @@ def _models(model, batch, est, common, spec, precision: str, b: int, impl, say, 
         half = estimate(model, first_samples(batch, b // 2), precision=precision,
                         allocator_replay=False, optimizer_impl=impl, **state, **common)
     memory = MemoryModel(est, b, half)
-    if precision == "bf16-pure":        # its fp32 masters stay on the device (memory_model Note 10)
+    if precision == "bf16-pure":        # its fp32 masters stay on the device (memory_model)
         memory = memory.limited(placements=(False,))
     elif state.get("offload_params") not in (None, "none"):
         memory = memory.limited(placements=(True,), excluded_modes=("offload",))
@@ -418,7 +417,7 @@ def _models(model, batch, est, common, spec, precision: str, b: int, impl, say, 
 
 
 def _user_models(plain, spec, user: str, b: int):
-    """Memory and time models of the user's own plain step (Note 3, time_model Note 5)."""
+    """Memory and time models of the user's own plain step (Note 3, time_model)."""
     memory = MemoryModel(plain, b)
     return memory, TimeModel(plain, spec, user, b, memory)
 

@@ -147,7 +147,7 @@ def run(args) -> int:
     if args.plot:
         from memfit.report import plot_before_after
 
-        # on a GPU target the curve is the allocator's (plots Note 4): both steps re-traced
+        # on a GPU target the curve is the allocator's (plots): both steps re-traced
         records = (_report_args.plan_records(args, model, batch, planned,
                                              optimizer=args.optimizer, device=target.device)
                    if planned.plain.basis == "cuda-model" else (None, None))
@@ -189,7 +189,7 @@ def _host_bytes(est) -> int:
 
 
 def _run_trainer(args, values: dict, target) -> int:
-    """``plan --hf-args F``: fit the Trainer run of F under the budget (cli._hf_args Notes 1-2)."""
+    """``plan --hf-args F``: fit the Trainer run of F under the budget (cli._hf_args)."""
     for flag, value in (("--what-if", args.what_if), ("--progressive", args.progressive),
                         ("--plot", args.plot), ("--floor", args.floor)):
         if value:
@@ -284,7 +284,7 @@ def _resolve_levers(spec, model, args, target, status, out: dict):
             allow_numerics_change=_numerics(args), **_lever_knobs(args))
         out[f"largest_{lever}"] = found.value
         # the seq_len search's plan is plan's own at the answer (the batch lever's fixes one
-        # micro-batch: levers Note 1), so it is the plan printed
+        # micro-batch: levers), so it is the plan printed
         same_batch = args.batch_size != "auto" and not args.padded and args.image_size is None
         planned = found.planned if lever == "seq_len" and same_batch else None
         if lever == "seq_len":
@@ -342,7 +342,7 @@ def _print_human(console, spec, model, planned, described, args, target, seconds
     where = "on " + target.where()
     console.print(f"plain step ({plain.knobs.precision}, the whole batch at once): "
                   + verdict(plain.device_bytes, p.budget_bytes, where))
-    saved = p.allocator["saved_bytes"] if p.allocator else 0    # api._plan_allocator Note 1
+    saved = p.allocator["saved_bytes"] if p.allocator else 0    # api._plan_allocator
     console.print(f"with the plan ({p.knobs.precision}): "
                   + verdict(chosen.device_bytes - saved, p.budget_bytes, where))
     if p.allocator:

@@ -3,13 +3,13 @@ planned per block by memfit's planner and applied to the trainer.
 
 Note 1 (the search space: the planner's). ``memfit.plan`` weighs, for a user step, one mode per
 block (keep / recompute / selective / offload) and the optimizer state's placement
-(``api.plan`` Note 7); for the Trainer the micro-batch is also ours to choose, because it is a
+(``api.plan``); for the Trainer the micro-batch is also ours to choose, because it is a
 TrainingArguments setting the step reads: any divisor ``m`` of the effective batch
 ``per_device_train_batch_size x gradient_accumulation_steps`` up to the user's micro-batch, with
 the accumulation raised to keep the effective batch. So a plan may recompute 5 of 12 blocks,
 offload one and keep the rest, where a uniform mode would recompute all 12. The models, the
 MILP and the verification are the planner's, run over the Trainer's real step
-(``_hf_plan`` Notes 1-3). A trainer that already checkpoints with transformers' own
+(``_hf_plan``). A trainer that already checkpoints with transformers' own
 activation checkpointing keeps it (its blocks take no memfit hooks then).
 
 Note 2 (numerics). By default the precision is the user's: fit changes where bytes live and
@@ -18,7 +18,7 @@ precision the target device has (bf16, else fp16, on a GPU; a CPU target keeps f
 ``memfit.plan``'s auto does), weighed beside the user's own by the same models;
 ``precision="bf16"`` / ``"fp16"`` asks for that one. A chosen precision is set in the
 TrainingArguments (``bf16`` / ``fp16`` / ``mixed_precision``) and the trainer's accelerator is
-rebuilt at it (``_hf_precision`` Note 1): that is what ``train()`` autocasts with. Under
+rebuilt at it (``_hf_precision``): that is what ``train()`` autocasts with. Under
 "auto" a trainer that fits as configured is left as it is.
 
 Note 3 (applying). TrainingArguments are set on ``trainer.args`` (and the trainer's cached
@@ -67,10 +67,10 @@ class Changes:
     plain_device_bytes: int                # the trainer as it was
     predicted_step_time_ratio: float       # vs the trainer as it was (time model)
     budget_bytes: int
-    traced: int                            # traces run (_hf_plan Notes 1 and 3)
+    traced: int                            # traces run (_hf_plan)
     estimate: Estimate = field(repr=False)
     plan: Plan | None = field(default=None, repr=False)    # memfit's Plan of it (explain())
-    floor_bytes: int | None = None         # the least traced, where traced (_hf_plan Note 3)
+    floor_bytes: int | None = None         # the least traced, where traced (_hf_plan)
     models: TrainerModels | None = field(default=None, repr=False)   # what planned it
     _undo: list = field(default_factory=list, repr=False)
 

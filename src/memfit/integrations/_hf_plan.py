@@ -3,8 +3,8 @@ Trainer's own step (``fit(trainer, budget)`` applies the result, ``_hf_fit``).
 
 Note 1 (the models: the planner's, from one micro-batch). ``memfit.plan`` reads its memory
 and time models off a plain trace of the whole effective batch as one micro-batch and a second
-at half of it (``api.plan`` Note 1, ``planner.memory_model`` Note 2), and models accumulation
-and micro-batches from them (memory_model Note 5, time_model Note 3). Here the same two
+at half of it (``api.plan``, ``planner.memory_model``), and models accumulation
+and micro-batches from them (memory_model, time_model). Here the same two
 traces are of the Trainer's real step (``_hf_step.TrainerStep``, the user's precision,
 clipping, optimizer and scheduler) with ``gradient_accumulation_steps=1`` and
 ``per_device_train_batch_size`` b and b // 2: a trace of one micro-batch. The effective batch
@@ -21,9 +21,9 @@ predicted choice over all m wins. A trainer that checkpoints with transformers' 
 activation checkpointing keeps it: its blocks are then fixed to "keep" for memfit's hooks
 (they already recompute), and only m and the optimizer's placement are searched. The models
 are keyed as the planner's, ``(precision, None)``: one pair per precision fit may use (the
-arguments' own unless ``fit(precision=...)`` allows another, ``_hf_precision`` Note 2).
+arguments' own unless ``fit(precision=...)`` allows another, ``_hf_precision``).
 
-Note 3 (verification, and the floor). As in ``api.plan`` Notes 2 and 5: the choice is re-traced
+Note 3 (verification, and the floor). As in ``api.plan``: the choice is re-traced
 with the Trainer's real step configured as chosen (``trace``: its TrainingArguments on a copy
 of ``trainer.args``, memfit's knobs on the fake model), and that trace is the answer, on CPU
 exact. Over the budget, the search runs again with the cap lowered by what was missing: the
@@ -155,7 +155,7 @@ class TrainerModels:
             self.models[(p, None)] = memory, TimeModel(full, spec, p, self.b, memory, half)
         if (self.precision, None) in self.models:
             self.baseline = self.models[(self.precision, None)][1]
-        else:                  # the user's own step times the ratio (api.plan Note 3)
+        else:                  # the user's own step times the ratio (api.plan)
             full = one if one is not None else self._plain(self.precision, self.b)
             memory = MemoryModel(full, self.b)
             self.baseline = TimeModel(full, spec, self.precision, self.b, memory)
