@@ -74,3 +74,34 @@ def test_a_core_layer_imports_no_layer_above_it(layer):
     upward = sorted((a, b) for a, b in _graph().edges
                     if _layer(a) == layer and _layer(b) in above)
     assert upward == []
+
+
+def _function_imports(path: pathlib.Path) -> list[str]:
+    """memfit imports made inside a function of ``path`` (not under ``TYPE_CHECKING``)."""
+    tree = ast.parse(path.read_text())
+    out = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        typing_only = {id(n) for node in ast.walk(fn) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for sub in node.body for n in ast.walk(sub)}
+        for node in ast.walk(fn):
+            if id(node) in typing_only:
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level \
+                else ["."] if isinstance(node, ast.ImportFrom) else []
+            out += [f"{path.relative_to(SRC)}:{node.lineno} {n}" for n in names
+                    if n == "." or n == "memfit" or n.startswith("memfit.")]
+    return out
+
+
+def test_no_memfit_import_inside_a_function_below_the_cli():
+    """Imports sit at the top of a module (an import deferred into a function hides a cycle);
+    the CLI and the applications (``cli``, ``train``) defer theirs so that ``memfit --help``
+    starts without torch: the only exception."""
+    deferred = [hit for path in sorted(SRC.rglob("*.py"))
+                if path.relative_to(SRC).parts[0] not in ("cli", "train")
+                for hit in _function_imports(path)]
+    assert deferred == []
