@@ -15,7 +15,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "memfit"
 # the core's layers, lowest first; each may import only those before it (and the leaf modules
 # at the top of the package: units, devices, knobs, errors, step, optimizers...)
 LAYERS = ["measure", "trace", "memplan", "techniques", "planner", "runtime", "api"]
-ABOVE_CORE = ["integrations", "report", "cli", "train"]
+ABOVE_CORE = ["integrations", "report", "cli", "train", "studies"]
 
 
 def _modules() -> dict[str, pathlib.Path]:

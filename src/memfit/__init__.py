@@ -13,8 +13,8 @@ import importlib.util
 # public name -> the module that defines it
 _LAZY = {
     "Estimate": "memfit.api", "estimate": "memfit.api.front", "fit": "memfit.api.front",
-    "largest_fitting": "memfit.api", "plan": "memfit.api.front", "progressive": "memfit.api",
-    "what_if": "memfit.api", "remat": "memfit.api.remat",
+    "largest_fitting": "memfit.api", "plan": "memfit.api.front", "progressive": "memfit.studies",
+    "what_if": "memfit.studies", "remat": "memfit.api.remat",
     "estimate_sharded": "memfit.api._sharded",
     "DeviceSpec": "memfit.devices", "get_device": "memfit.devices", "list_devices": "memfit.devices",
     "BudgetTooSmall": "memfit.errors", "OutOfMemory": "memfit.errors", "TraceError": "memfit.errors",

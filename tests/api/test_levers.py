@@ -11,9 +11,10 @@ import torch
 
 import memfit
 from memfit import zoo
-from memfit.api.levers import Largest, _Prober, largest_fitting, progressive, what_if
+from memfit.api.levers import Largest, _Prober, largest_fitting
+from memfit.studies import progressive, what_if
 from memfit.api.plan import plan
-from memfit.api._whatif import scaled_hidden
+from memfit.studies.what_if import scaled_hidden
 from memfit.optimizers import OptimizerRecipe
 from memfit.report.levers import what_if_table
 

@@ -2,7 +2,7 @@
 
 from memfit.api.estimate import Estimate, estimate
 from memfit.api.fit import fit
-from memfit.api.levers import largest_fitting, progressive, what_if
+from memfit.api.levers import largest_fitting
 from memfit.api.plan import plan
 
-__all__ = ["Estimate", "estimate", "fit", "largest_fitting", "plan", "progressive", "what_if"]
+__all__ = ["Estimate", "estimate", "fit", "largest_fitting", "plan"]

@@ -1,7 +1,7 @@
-"""The config levers of SEED.md Answer 2: the largest sequence length or batch that fits
-(``largest_fitting``), a what-if table over sequence length, hidden size and layer count
-(``what_if``, in ``_whatif``), and a progressive sequence-length schedule (``progressive``, in
-``_progressive``).
+"""The config levers of SEED.md Answer 2 that ``plan`` answers: the largest sequence length or
+batch at which a plan fits (``largest_fitting``: ``--seq-len auto`` / ``--batch-size auto``).
+The what-if table and the progressive schedule are studies on top of the planner
+(``memfit.studies``).
 
 Note 1 (what "the largest value that fits" means). The largest value at which ``memfit.plan``
 finds a plan (issue 27: the answer and ``plan`` must agree): every lever the plan has counts
@@ -50,10 +50,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from memfit.api._progressive import Phase, ProgressiveSchedule, progressive
 from memfit.api._plan_allocator import AllocatorChoice
 from memfit.api._setup import resolve_device
-from memfit.api._whatif import WhatIfRow, what_if
 from memfit.api.estimate import estimate
 from memfit.api.plan import plan_traced
 from memfit.errors import BudgetTooSmall
@@ -61,8 +59,7 @@ from memfit.knobs import Knobs
 from memfit.units import parse_bytes
 from memfit.zoo._batches import position_limit
 
-__all__ = ["Largest", "largest_fitting", "WhatIfRow", "what_if", "Phase", "ProgressiveSchedule",
-           "progressive"]
+__all__ = ["Largest", "largest_fitting"]
 
 LEVERS = ("seq_len", "batch_size")
 _MAX_BATCH = 65536

@@ -306,7 +306,7 @@ def _extras(spec, model, batch, args, target, status, p, out: dict) -> dict:
         out["export"] = {"target": args.export, "config": export.config,
                          "notes": list(export.notes)}
     if args.what_if:
-        from memfit.api.levers import what_if
+        from memfit.studies import what_if
 
         status.update("what if: tracing smaller sequence, hidden size and depth...")
         seq = batch["input_ids"].shape[1] if "input_ids" in batch else None
@@ -316,7 +316,7 @@ def _extras(spec, model, batch, args, target, status, p, out: dict) -> dict:
         extras["what_if"] = rows
         out["what_if"] = [r.__dict__ for r in rows]
     if args.progressive:
-        from memfit.api.levers import progressive
+        from memfit.studies import progressive
 
         length, fraction = args.progressive
         status.update("sizing the progressive schedule...")
