@@ -16,16 +16,15 @@ parameters (``OptimizerRecipe``'s ``origin`` mapping, as ``estimate_sharded`` do
 says so. A scheduler given as an instance would drive the old optimizer: pass a factory.
 
 Note 3 (the OOM guard). With a budget the Runner's re-planner is collective
-(``runtime.oom_guard``): when the optimizer-step check finds any rank over its budget,
-every rank calls it with the worst rank's excess; the budget is lowered by every excess so far
-(plus the single-device guard's margin), rank 0 plans again as in Note 1 (child process,
-broadcast), the layout (``gpus``, ``sharding``, ``fsdp_offload``), precision and optimizer
-placement kept, and every rank builds the same new plan over the same sharded model and
-optimizer: the per-block modes and micro-batch are re-applied, FSDP2's
-``reshard_after_forward`` set with ``set_reshard_after_forward``. When nothing fits, every rank
-raises the same ``BudgetTooSmall`` and the guard's own error (``runtime.oom_guard``). An out-of-memory error inside
-one rank's forward or backward stops every rank with that rank's error, with or without a
-budget (``runtime.oom_ranks``).
+(``runtime.oom_guard``): when the optimizer-step check finds any rank over its budget, every rank
+calls it with the worst rank's excess; the budget is lowered by every excess so far (plus the
+single-device guard's margin), rank 0 plans again as in Note 1 (child process, broadcast), the
+layout (``gpus``, ``sharding``, ``fsdp_offload``), precision and optimizer placement kept, and every
+rank builds the same new plan over the same sharded model and optimizer: the per-block modes and
+micro-batch are re-applied, FSDP2's ``reshard_after_forward`` set with
+``set_reshard_after_forward``. When nothing fits, every rank raises the same ``BudgetTooSmall`` and
+the guard's own error (``runtime.oom_guard``). An out-of-memory error inside one rank's forward or
+backward stops every rank with that rank's error, with or without a budget (``runtime.oom_ranks``).
 
 Note 4 (a re-plan that fails on the way). Rank 0 always broadcasts a result: a failure before
 the child answers (``loss_fn`` that does not pickle, a child that dies or is killed, one that

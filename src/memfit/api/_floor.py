@@ -23,28 +23,27 @@ the bound from 2m samples plus the linear term, under the default allocator, was
 plan on tiny gpt2 and 416 MiB above one on gpt2, 4 x 128, on a GTX 1080 Ti).
 
 Note 4 (the longest sequence). When even the floor misses the budget, ``BudgetTooSmall`` says
-how long an input the floor's configuration could hold: the batch's tensors that share its
-sequence length (dimension 1 of every tensor of two or more dimensions: ids, masks, labels)
-are cut to a shorter length, and a bisection over the length traces the configuration at each
-(without the allocator replay, plus the CUDA context), then confirms the answer with the
-replay (on a GPU those are the bytes the budget caps), bisecting below it where that fails. A batch without
-such a dimension (images), or without an integer tensor along it (ids, a mask: a float
-``(batch, features)`` input has no sequence), has no sequence lever.
+how long an input the floor's configuration could hold: the batch's tensors that share its sequence
+length (dimension 1 of every tensor of two or more dimensions: ids, masks, labels) are cut to a
+shorter length, and a bisection over the length traces the configuration at each (without the
+allocator replay, plus the CUDA context), then confirms the answer with the replay (on a GPU those
+are the bytes the budget caps), bisecting below it where that fails. A batch without such a
+dimension (images), or without an integer tensor along it (ids, a mask: a float ``(batch,
+features)`` input has no sequence), has no sequence lever.
 
 Note 5 (the bound before any trace, issue 26). What every configuration the search could pick
-keeps on the device is known from the parameters alone: the gradients of the trainable
-parameters (all alive when backward ends, whatever the micro-batches, recompute, offload or
-optimizer placement: parameter offload releases weights, never gradients,
-``techniques.param_offload``), the weights no lever moves to the host (frozen ones always; trainable ones unless parameter
-offload is open), the optimizer state where no lever moves it (Adam's, counted exactly by
-``low_bit_optimizer.state_bytes`` at the least state the search may pick; another optimizer's
-as 0) and, on a GPU, the CUDA context. Each precision the search weighs gets its own sum
-(bf16-pure: 16-bit weights and gradients, its fp32 masters not counted) and the least is the
-bound. Every term is part of what the traced floor counts, so the bound is at most the floor
-and a budget under it is refused at once (``plan``) with the floor's own message. One
-assumption: every trainable parameter gets a gradient; one the loss never reaches (an unused
-pooler) has none, and the bound is then high by its bytes, less than what one sample's
-activations add to the floor on any model seen.
+keeps on the device is known from the parameters alone: the gradients of the trainable parameters
+(all alive when backward ends, whatever the micro-batches, recompute, offload or optimizer
+placement: parameter offload releases weights, never gradients, ``techniques.param_offload``), the
+weights no lever moves to the host (frozen ones always; trainable ones unless parameter offload is
+open), the optimizer state where no lever moves it (Adam's, counted exactly by
+``low_bit_optimizer.state_bytes`` at the least state the search may pick; another optimizer's as 0)
+and, on a GPU, the CUDA context. Each precision the search weighs gets its own sum (bf16-pure:
+16-bit weights and gradients, its fp32 masters not counted) and the least is the bound. Every term
+is part of what the traced floor counts, so the bound is at most the floor and a budget under it is
+refused at once (``plan``) with the floor's own message. One assumption: every trainable parameter
+gets a gradient; one the loss never reaches (an unused pooler) has none, and the bound is then high
+by its bytes, less than what one sample's activations add to the floor on any model seen.
 """
 
 from __future__ import annotations

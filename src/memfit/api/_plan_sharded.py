@@ -65,8 +65,8 @@ from memfit.api._sharded_models import (Row, _card_bytes, _Models, _search_row, 
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.planner import Plan
-from memfit.planner.memory_model import optimizer_rise_bytes
 from memfit.planner.search import Constraints
+from memfit.planner.build import block_costs, build_plan
 from memfit.planner.sharding import Candidate, interconnect, layout_tiers
 from memfit.planner.verify import ATTEMPTS, Margins
 from memfit.techniques.accumulation import batch_size_of
@@ -258,16 +258,8 @@ def _planned(k, row: Row, verified, device_bytes: int, models: _Models, spec, bu
                "not modelled under sharding yet (memfit.api._plan_sharded Note 2)"
                if spec.kind == "cuda" else "per-rank figures: estimate_sharded's trace (exact "
                "on the CPU against real gloo runs)")
-    m = choice.micro_batch_size
-    n = -(-row.rank_batch // m)
-    costs = [{"name": name, "mode": mode, "saved_bytes": int(memory.held_saved_bytes(i, mode, m)),
-              "time_s": time.mode_s(i, mode, m, n, row.rank_batch)}
-             for i, (name, mode) in enumerate(zip(memory.blocks, choice.modes))]
-    plan = Plan(knobs, blocks=dict(zip(memory.blocks, choice.modes)),
-                predicted_peak_bytes=verified.peak_bytes,
-                predicted_reserved_bytes=verified.reserved_bytes,
-                predicted_device_bytes=device_bytes,
-                predicted_step_time_ratio=choice.step_s / baseline, device=spec.name,
-                budget_bytes=budget, batch_size=row.rank_batch, block_costs=costs,
-                predicted_optimizer_step_bytes=optimizer_rise_bytes(verified), reasons=why)
+    costs = block_costs(memory, time, choice.modes, choice.micro_batch_size, row.rank_batch)
+    plan = build_plan(knobs, memory.blocks, choice.modes, verified, batch_size=row.rank_batch,
+                      ratio=choice.step_s / baseline, device=spec.name, budget_bytes=budget,
+                      reasons=why, device_bytes=device_bytes, costs=costs)
     return ShardedPlanned(plan, choice.step_s, c, rows, verified, link)

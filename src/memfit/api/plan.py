@@ -10,8 +10,8 @@ step with the choice applied.
 Note 2 (verification). The re-trace is the answer: its peak and reserved bytes are the plan's
 predictions. If it does not fit, the search runs again with the cap lowered by what was
 missing (per precision, accumulated): the one verify loop every planner runs
-(``planner.verify``); the model's errors cost speed, never the budget. On CPU the re-trace is exact (track counts the same bytes); on a GPU it is the
-CUDA model of ``estimate``.
+(``planner.verify``); the model's errors cost speed, never the budget. On CPU the re-trace is
+exact (track counts the same bytes); on a GPU it is the CUDA model of ``estimate``.
 
 Note 3 (precision "auto"). On a GPU, auto searches the 16-bit precision the card has (bf16, else
 fp16 autocast): its matmuls run at least as fast as fp32 (time_model) and its activations
@@ -42,9 +42,11 @@ well under a second, with the same words (``BudgetTooSmall.floor_is_bound``). No
 ``remat=True`` (DTR's floor is its simulation's, Note 9).
 
 Note 6 (the optimizer implementation). With ``optimizer_impl`` unset and the optimizer given
-by name or factory, the planner may switch the implementation on a GPU target (optimizers): each other one the class supports and that may need less than CUDA's default
-foreach (fused, for-loop) is traced once, and the search weighs it like any other knob, before the optimizer
-state leaves the device. An optimizer instance keeps its own unless ``optimizer_impl`` is set.
+by name or factory, the planner may switch the implementation on a GPU target
+(``memfit.optimizers``): each other one the class supports and that may need less than CUDA's
+default foreach (fused, for-loop) is traced once, and the search weighs it like any other knob,
+before the optimizer state leaves the device. An optimizer instance keeps its own unless
+``optimizer_impl`` is set.
 
 Note 7 (the user's step). With ``step=fn`` every trace above runs the user's step
 (``api._user_step``), the half-batch one on the first half of the batch. The step
@@ -74,7 +76,6 @@ there would be the two models' disagreement, not a gain. ``remat=False`` never w
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,8 +98,9 @@ from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe, impl_of, supports_impl
 from memfit.planner import Plan
-from memfit.planner.memory_model import MemoryModel, optimizer_rise_bytes
+from memfit.planner.memory_model import MemoryModel
 from memfit.planner.search import Choice, Constraints, search
+from memfit.planner.build import block_costs, build_plan
 from memfit.planner.time_model import TimeModel
 from memfit.planner.verify import Margins, verify_loop
 from memfit.planner.variants import auto_precisions
@@ -148,193 +150,271 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     ``on_floor(knobs)`` hears the floor's configuration (its knob values, the precision among
     them) when the floor is traced; ``suggest_shorter=False`` leaves out the refusal's longest
     sequence the floor holds (``api.levers`` asks that question itself)."""
-    say = on_progress or (lambda message: None)
-    k = Knobs.from_kwargs(**knobs)
     if is_sharded(knobs):
         raise ValueError("gpus/sharding: use memfit.plan (plan_traced plans one device)")
-    numerics = numerics_allowed(allow_numerics_change, k)
-    k.check_available()
-    check_remat(k, step)
-    spec = resolve_device(model, device)
-    budget_bytes = parse_bytes(budget) if budget is not None else spec.usable_bytes
-    if budget_bytes > spec.usable_bytes and spec.kind == "cuda":
-        warnings.warn(f"budget {format_bytes(budget_bytes)} is more than the "
-                      f"{spec.display_name}'s usable {format_bytes(spec.usable_bytes)}: the plan "
-                      "is for a card that large", stacklevel=3)
-    user_step = as_user_step(step)
-    original = batch
-    if user_step is None:        # a user step takes the batch as given (Note 7)
-        batch = prepare_batch(batch)
-        check_batch(model, batch, loss_fn)
-    b = batch_size_of(batch)
-    if user_step is not None:
-        k = check_step_knobs(k, b, loss_fn).replace(micro_batch_size=b)
-    trainable = [t for t in model.parameters() if t.requires_grad]
-    recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
-    recipe.check_params(trainable)
-    recipe.check_impl(trainable)
-    p = resolve_precision(k.precision, spec)              # the one searched (Note 3)
-    user = "fp32" if k.precision in (None, "auto") else p
-    others = [q for q in auto_precisions(spec) if q != p] \
-        if k.precision == "auto" and user_step is None else []
-    if not floor and not k.remat:     # Note 5: no trace (asked for the floor: it is traced)
-        _refuse_below_bound(model, spec, k, recipe, trainable, budget_bytes, numerics,
-                            user_step is not None, {p, user, *others})
-    fixed = Constraints.of(model, k, b)
-    common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
-                  allocator=allocator, max_grad_norm=k.max_grad_norm, zero_grad=k.zero_grad,
-                  step=user_step, scheduler=scheduler)
-    state = state_knobs(k)          # a fixed optimizer_state / offload_params, in every trace
-    say(f"tracing the plain step ({user}, batch {b})")
-    plain = estimate(model, batch, precision=user, optimizer_impl=k.optimizer_impl, **state,
-                     **common)
-    base = plain
-    if p != user:
-        say(f"tracing the plain step ({p}, batch {b})")
-        base = estimate(model, batch, precision=p, optimizer_impl=k.optimizer_impl, **state,
-                        **common)
-    key = (p, k.optimizer_impl)
-    models = {key: _models(model, batch, base, common, spec, p, b, k.optimizer_impl, say,
-                           state)}
-    default_impl = _modelled_impl(recipe, trainable, spec)
-    variants = _impl_variants(recipe, k, trainable, default_impl, fixed, spec)
-    for impl in variants:
-        say(f"tracing the optimizer step with the {impl} implementation")
-        other = estimate(model, batch, precision=p, optimizer_impl=impl, allocator_replay=False,
-                         **state, **common)
-        memory, time = models[key]
-        models[(p, impl)] = memory.with_optimizer_step(other), time.with_optimizer_step(other)
-    user_pair = models[key] if p == user else _user_models(plain, spec, user, b)
-    baseline_s = _plain_s(user_pair, b)
-    held = {q: 0 if user_step else held_bytes(original, q) for q in {p, user}}   # Note 4
-    ctx = _Context(k, spec, budget_bytes, baseline_s, b, held, user, default_impl,
-                   plain.device_bytes + held[user], bool(variants), user_step is not None)
-    ctx.fp32_state_bytes = models[key][0].optimizer_state_bytes
-    ctx.alloc = AllocatorChoice(model, spec, allocator)    # the allocator setting (issue 17)
-    remat = None
-    if k.remat is not False and user_step is None:     # DTR weighed (planner.remat_choice)
-        remat = RematWeigh(model, batch, batches, plain, common, spec, user, b, budget_bytes,
-                            state, k, say)
-        if k.remat:                # fixed by the caller: its plan, or its floor
-            return remat.fixed(plain)
-    traced_floor = None
-    levers = Levers(model, batch, models, {p: base}, common, spec, b, k, numerics,
-                     user_step is not None, say)
-
-    def add_precisions():          # the other precisions "auto" weighs (variants)
-        for q in others:
-            if (q, k.optimizer_impl) not in models:
-                est = plain if q == user else None
-                if est is None:
-                    say(f"tracing the plain step ({q}, batch {b})")
-                    est = estimate(model, batch, precision=q, optimizer_impl=k.optimizer_impl,
-                                   **state, **common)
-                models[(q, k.optimizer_impl)] = _models(model, batch, est, common, spec, q, b,
-                                                        k.optimizer_impl, say, state)
-                held[q] = 0 if user_step else held_bytes(original, q)
-                levers.traces[q] = est
-
-
-    def least():                   # the floor, traced once (Note 5), over every lever
-        nonlocal traced_floor
-        if traced_floor is None:
-            add_precisions()
-            levers.add_low_bit()
-            levers.add_param_offload()
-            traced_floor = least_memory(model, batch, models, fixed, k, common, held, b, say,
-                                        ctx.alloc)
-            ctx.floor_bytes = min(traced_floor[0], margins.least_verified or traced_floor[0])
-            if on_floor is not None:
-                c = traced_floor[1]
-                on_floor({"precision": c.precision,
-                          **knob_values(c, models[c.key][0].blocks, k)})
-        return traced_floor
-
-    margins = Margins(budget_bytes)          # the verify loop's (planner.verify)
+    job = _PlanCall.checked(model, batch, budget, optimizer, device, loss_fn, count_fn,
+                            allocator, on_progress, step, scheduler, floor,
+                            allow_numerics_change, knobs)
+    planner = _Planner(job, batches, on_floor, suggest_shorter)
+    if planner.remat is not None and job.k.remat:   # DTR fixed by the caller: its plan or floor
+        return planner.remat.fixed(planner.plain)
     if floor:
-        least()
+        planner.least()
+    return planner.plain_fits() or planner.searched() or planner.floor_plan()
 
-    if fixed.keep_allowed(base.blocks) and not fixed.offload_optimizer and \
-            fixed.micro_batch_size in (None, b):
-        fits = [(pair, est, q) for pair, est, q in ((models[key], base, p), (user_pair, plain, user))
-                if ctx.alloc.fits(est, held[q], budget_bytes)]
-        if fits:       # the faster plain step that fits (Note 3: auto keeps fp32 where faster)
-            pair, est, q = min(fits, key=lambda f: _plain_s(f[0], b))
-            choice = _as_choice(pair, (q, k.optimizer_impl), b, est)
-            why = ["the plain step fits: nothing to change"] if q == user else []
-            if q == user and p != user:
-                why.append(f"auto keeps {user}: the {p} step is predicted no faster here")
-            return Planned(_make_plan(ctx, choice, est, pair, why), plain,
-                           ctx.alloc.under_setting(est))
 
-    add_precisions()
-    levers.add_low_bit()
+@dataclass
+class _PlanCall:
+    """One ``plan_traced`` call's job, checked once, before any trace."""
 
-    def propose(margins: Margins):
-        for q in models:
-            margins.start(q, held[q[0]])
-        choice = search(models, b, budget_bytes, fixed, margins.bytes)
-        if choice is None and levers.add_param_offload():      # a last resort (variants)
-            for q in models:
-                margins.start(q, held[q[0]])
-            choice = search(models, b, budget_bytes, fixed, margins.bytes)
-        return choice
+    model: nn.Module
+    batch: object                  # as the step uses it (Note 4); a user step's as given
+    original: object               # as the caller gave it
+    b: int
+    k: Knobs
+    spec: object
+    budget_bytes: int
+    user_step: object | None
+    recipe: OptimizerRecipe
+    trainable: list
+    p: str                         # the precision searched (Note 3)
+    user: str                      # the user's own
+    others: list[str]              # the other precisions "auto" weighs (Note 8)
+    numerics: bool                 # low-bit optimizer states weighed (Note 8)
+    fixed: Constraints
+    common: dict                   # estimate's keywords every trace shares
+    state: dict                    # a fixed optimizer_state / offload_params, in every trace
+    say: Callable[[str], None]
 
-    def verify(choice: Choice):
-        say(f"verifying: re-tracing {describe(choice, b)}")
-        est = estimate(model, batch, precision=choice.precision,
-                       **knob_values(choice, models[choice.key][0].blocks, k), **common)
-        return est, est.device_bytes + held[choice.precision]
+    @classmethod
+    def checked(cls, model, batch, budget, optimizer, device, loss_fn, count_fn, allocator,
+                on_progress, step, scheduler, floor, allow_numerics_change,
+                knobs) -> "_PlanCall":
+        k = Knobs.from_kwargs(**knobs)
+        numerics = numerics_allowed(allow_numerics_change, k)
+        k.check_available()
+        check_remat(k, step)
+        spec = resolve_device(model, device)
+        budget_bytes = parse_bytes(budget) if budget is not None else spec.usable_bytes
+        if budget_bytes > spec.usable_bytes and spec.kind == "cuda":
+            warnings.warn(f"budget {format_bytes(budget_bytes)} is more than the "
+                          f"{spec.display_name}'s usable {format_bytes(spec.usable_bytes)}: the "
+                          "plan is for a card that large", stacklevel=4)
+        user_step = as_user_step(step)
+        original = batch
+        if user_step is None:        # a user step takes the batch as given (Note 7)
+            batch = prepare_batch(batch)
+            check_batch(model, batch, loss_fn)
+        b = batch_size_of(batch)
+        if user_step is not None:
+            k = check_step_knobs(k, b, loss_fn).replace(micro_batch_size=b)
+        trainable = [t for t in model.parameters() if t.requires_grad]
+        recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
+        recipe.check_params(trainable)
+        recipe.check_impl(trainable)
+        p = resolve_precision(k.precision, spec)
+        user = "fp32" if k.precision in (None, "auto") else p
+        others = [q for q in auto_precisions(spec) if q != p] \
+            if k.precision == "auto" and user_step is None else []
+        if not floor and not k.remat:     # Note 5: no trace (asked for the floor: traced)
+            _refuse_below_bound(model, spec, k, recipe, trainable, budget_bytes, numerics,
+                                user_step is not None, {p, user, *others})
+        common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
+                      allocator=allocator, max_grad_norm=k.max_grad_norm,
+                      zero_grad=k.zero_grad, step=user_step, scheduler=scheduler)
+        return cls(model, batch, original, b, k, spec, budget_bytes, user_step, recipe,
+                   trainable, p, user, others, numerics, Constraints.of(model, k, b), common,
+                   state_knobs(k), on_progress or (lambda message: None))
 
-    found = verify_loop(propose, verify, lambda c: c.key, margins, say=say,
-                        fits=lambda est, device: ctx.alloc.fits(est, device - est.device_bytes,
-                                                                budget_bytes))
-    if found is not None:                                  # _plan_allocator
+    def trace(self, precision: str, **knobs):
+        """The step at ``precision`` with ``knobs`` (the fixed state's unless given)."""
+        return estimate(self.model, self.batch, precision=precision,
+                        **{**self.state, **knobs}, **self.common)
+
+    def held(self, precision: str) -> int:
+        """Bytes of the caller's batch held beside the step (Note 4)."""
+        return 0 if self.user_step else held_bytes(self.original, precision)
+
+
+class _Planner:
+    """The search of one ``plan_traced`` call, phase by phase (Notes 1-9)."""
+
+    def __init__(self, job: _PlanCall, batches, on_floor, suggest_shorter: bool):
+        self.job, self.on_floor, self.suggest_shorter = job, on_floor, suggest_shorter
+        k, p, user, b, say = job.k, job.p, job.user, job.b, job.say
+        say(f"tracing the plain step ({user}, batch {b})")
+        self.plain = job.trace(user, optimizer_impl=k.optimizer_impl)
+        self.base = self.plain
+        if p != user:
+            say(f"tracing the plain step ({p}, batch {b})")
+            self.base = job.trace(p, optimizer_impl=k.optimizer_impl)
+        self.key = (p, k.optimizer_impl)
+        self.models = {self.key: _models(job.model, job.batch, self.base, job.common, job.spec,
+                                         p, b, k.optimizer_impl, say, job.state)}
+        default_impl = _modelled_impl(job.recipe, job.trainable, job.spec)
+        variants = _impl_variants(job.recipe, k, job.trainable, default_impl, job.fixed,
+                                  job.spec)
+        for impl in variants:                                   # Note 6
+            say(f"tracing the optimizer step with the {impl} implementation")
+            other = job.trace(p, optimizer_impl=impl, allocator_replay=False)
+            memory, time = self.models[self.key]
+            self.models[(p, impl)] = (memory.with_optimizer_step(other),
+                                      time.with_optimizer_step(other))
+        self.user_pair = self.models[self.key] if p == user else \
+            _user_models(self.plain, job.spec, user, b)
+        self.held = {q: job.held(q) for q in {p, user}}
+        self.ctx = _Context(k, job.spec, job.budget_bytes, _plain_s(self.user_pair, b), b,
+                            self.held, user, default_impl,
+                            self.plain.device_bytes + self.held[user], bool(variants),
+                            job.user_step is not None)
+        self.ctx.fp32_state_bytes = self.models[self.key][0].optimizer_state_bytes
+        self.ctx.alloc = AllocatorChoice(job.model, job.spec, job.common["allocator"])
+        self.remat = None
+        if k.remat is not False and job.user_step is None:   # DTR weighed (Note 9)
+            self.remat = RematWeigh(job.model, job.batch, batches, self.plain, job.common,
+                                    job.spec, user, b, job.budget_bytes, job.state, k, say)
+        self.levers = Levers(job.model, job.batch, self.models, {p: self.base}, job.common,
+                             job.spec, b, k, job.numerics, job.user_step is not None, say)
+        self.margins = Margins(job.budget_bytes)          # the verify loop's (planner.verify)
+        self.traced_floor = None
+
+    def add_precisions(self) -> None:
+        """The other precisions "auto" weighs (Note 8), traced once each."""
+        job = self.job
+        for q in job.others:
+            if (q, job.k.optimizer_impl) in self.models:
+                continue
+            est = self.plain if q == job.user else None
+            if est is None:
+                job.say(f"tracing the plain step ({q}, batch {job.b})")
+                est = job.trace(q, optimizer_impl=job.k.optimizer_impl)
+            self.models[(q, job.k.optimizer_impl)] = _models(
+                job.model, job.batch, est, job.common, job.spec, q, job.b, job.k.optimizer_impl,
+                job.say, job.state)
+            self.held[q] = job.held(q)
+            self.levers.traces[q] = est
+
+    def least(self):
+        """The floor, traced once (Note 5), over every lever: ``(bytes, choice, trace)``."""
+        if self.traced_floor is None:
+            job = self.job
+            self.add_precisions()
+            self.levers.add_low_bit()
+            self.levers.add_param_offload()
+            self.traced_floor = least_memory(job.model, job.batch, self.models, job.fixed, job.k,
+                                             job.common, self.held, job.b, job.say,
+                                             self.ctx.alloc)
+            least = self.traced_floor[0]
+            self.ctx.floor_bytes = min(least, self.margins.least_verified or least)
+            if self.on_floor is not None:
+                c = self.traced_floor[1]
+                self.on_floor({"precision": c.precision, **self._values(c)})
+        return self.traced_floor
+
+    def _values(self, choice: Choice) -> dict:
+        return knob_values(choice, self.models[choice.key][0].blocks, self.job.k)
+
+    def _planned(self, choice: Choice, est, reasons: list[str]) -> Planned:
+        return Planned(_make_plan(self.ctx, choice, est, self.models[choice.key], reasons),
+                       self.plain, self.ctx.alloc.under_setting(est))
+
+    def plain_fits(self) -> Planned | None:
+        """The faster plain step that fits (Note 3: auto keeps fp32 where faster), if any."""
+        job, ctx = self.job, self.ctx
+        if not job.fixed.keep_allowed(self.base.blocks) or job.fixed.offload_optimizer or \
+                job.fixed.micro_batch_size not in (None, job.b):
+            return None
+        fits = [(pair, est, q) for pair, est, q in
+                ((self.models[self.key], self.base, job.p), (self.user_pair, self.plain, job.user))
+                if ctx.alloc.fits(est, self.held[q], job.budget_bytes)]
+        if not fits:
+            return None
+        pair, est, q = min(fits, key=lambda f: _plain_s(f[0], job.b))
+        choice = _as_choice(pair, (q, job.k.optimizer_impl), job.b, est)
+        why = ["the plain step fits: nothing to change"] if q == job.user else []
+        if q == job.user and job.p != job.user:
+            why.append(f"auto keeps {job.user}: the {job.p} step is predicted no faster here")
+        return Planned(_make_plan(ctx, choice, est, pair, why), self.plain,
+                       ctx.alloc.under_setting(est))
+
+    def searched(self) -> Planned | None:
+        """Search and verify (Notes 1-2, ``planner.verify``), or None when nothing verified."""
+        job = self.job
+        self.add_precisions()
+        self.levers.add_low_bit()
+
+        def propose(margins: Margins):
+            for q in self.models:
+                margins.start(q, self.held[q[0]])
+            choice = search(self.models, job.b, job.budget_bytes, job.fixed, margins.bytes)
+            if choice is None and self.levers.add_param_offload():   # a last resort (Note 8)
+                for q in self.models:
+                    margins.start(q, self.held[q[0]])
+                choice = search(self.models, job.b, job.budget_bytes, job.fixed, margins.bytes)
+            return choice
+
+        def verify(choice: Choice):
+            job.say(f"verifying: re-tracing {describe(choice, job.b)}")
+            est = estimate(job.model, job.batch, precision=choice.precision,
+                           **self._values(choice), **job.common)
+            return est, est.device_bytes + self.held[choice.precision]
+
+        found = verify_loop(propose, verify, lambda c: c.key, self.margins, say=job.say,
+                            fits=lambda est, device: self.ctx.alloc.fits(
+                                est, device - est.device_bytes, job.budget_bytes))
+        if found is None:
+            return None
         choice, est = found.candidate, found.trace
+        tighter = self.margins.get(choice.key) - self.held[choice.precision]
         reasons = [] if found.attempt == 0 else [
             f"the first {found.attempt} choice(s) re-traced over the budget; the search ran "
-            f"again {format_bytes(margins.get(choice.key) - held[choice.precision])} tighter"]
-        return weigh(remat, Planned(_make_plan(ctx, choice, est, models[choice.key], reasons),
-                                    plain, ctx.alloc.under_setting(est)))
-    _, floor_choice, floor_est = least()
-    if ctx.floor_bytes <= budget_bytes:
-        if floor_est is None:        # extrapolated (a CPU floor, _floor): trace it whole
-            say(f"re-tracing {describe(floor_choice, b)}")
-            floor_est = estimate(model, batch, precision=floor_choice.precision,
-                                 **knob_values(floor_choice,
-                                                models[floor_choice.key][0].blocks, k),
-                                 **common)
-        return weigh(remat, Planned(_make_plan(ctx, floor_choice, floor_est,
-                                                models[floor_choice.key],
-                                                ["only the least-memory configuration fits"]),
-                                     plain, ctx.alloc.under_setting(floor_est)))
-    values = knob_values(floor_choice, models[floor_choice.key][0].blocks, k)
+            f"again {format_bytes(tighter)} tighter"]
+        return weigh(self.remat, self._planned(choice, est, reasons))
 
-    def fits(part, replay=False) -> bool:   # the floor's configuration, shorter (_floor)
-        say("tracing the least-memory configuration on shorter sequences")
-        est = estimate(model, part, precision=floor_choice.precision, allocator_replay=replay,
-                       **values, **common)
-        saved = ctx.alloc.saved(est) if replay else 0        # the floor's setting, as it
-        return est.device_bytes + held[floor_choice.precision] - saved + \
-            (ctx_bytes if not replay else 0) <= budget_bytes
+    def floor_plan(self) -> Planned:
+        """The floor's configuration where it fits, else ``BudgetTooSmall`` (Note 5)."""
+        job = self.job
+        _, choice, est = self.least()
+        if self.ctx.floor_bytes <= job.budget_bytes:
+            if est is None:        # extrapolated (a CPU floor): trace it whole
+                job.say(f"re-tracing {describe(choice, job.b)}")
+                est = estimate(job.model, job.batch, precision=choice.precision,
+                               **self._values(choice), **job.common)
+            return weigh(self.remat, self._planned(
+                choice, est, ["only the least-memory configuration fits"]))
+        raise self._too_small(choice)
 
-    ctx_bytes = models[floor_choice.key][0].context_bytes
-    confirm = (lambda part: fits(part, replay=True)) if spec.kind == "cuda" else None
-    seq = longest_sequence(batch, fits, confirm) if user_step is None and suggest_shorter \
-        else None
-    # what the weights, gradients and state need on the device: the floor's precision with
-    # everything on the device (the floor's own model may hold block weights on the host)
-    on_device = models.get(floor_choice.key[:2]) or models[floor_choice.key]
-    layout = None
-    if user_step is None and spec.kind == "cuda" and b > 1:   # the sharding hint: searched
-        say("searching layouts of several GPUs (the refusal's sharding line)")
-        layout = fewest_gpus(model, batch, optimizer, spec, budget_bytes, loss_fn,
-                             count_fn=count_fn, precision=k.precision)
-    raise too_small(ctx.floor_bytes, on_device[0], describe(floor_choice, b),
-                    budget_bytes, excluded_levers(k, numerics, user_step is not None), seq,
-                    layout=layout,
-                    counted=counted_levers(k, numerics, user_step is not None,
-                                           sorted({q[0] for q in models})))
+    def _too_small(self, choice: Choice):
+        job, k = self.job, self.job.k
+        values = self._values(choice)
+        context_bytes = self.models[choice.key][0].context_bytes
+
+        def fits(part, replay=False) -> bool:   # the floor's configuration, shorter
+            job.say("tracing the least-memory configuration on shorter sequences")
+            est = estimate(job.model, part, precision=choice.precision, allocator_replay=replay,
+                           **values, **job.common)
+            saved = self.ctx.alloc.saved(est) if replay else 0    # the floor's setting
+            return est.device_bytes + self.held[choice.precision] - saved + \
+                (context_bytes if not replay else 0) <= job.budget_bytes
+
+        confirm = (lambda part: fits(part, replay=True)) if job.spec.kind == "cuda" else None
+        seq = longest_sequence(job.batch, fits, confirm) \
+            if job.user_step is None and self.suggest_shorter else None
+        # what the weights, gradients and state need on the device: the floor's precision with
+        # everything on the device (the floor's own model may hold block weights on the host)
+        on_device = self.models.get(choice.key[:2]) or self.models[choice.key]
+        layout = None
+        if job.user_step is None and job.spec.kind == "cuda" and job.b > 1:   # searched
+            job.say("searching layouts of several GPUs (the refusal's sharding line)")
+            layout = fewest_gpus(job.model, job.batch, job.common["optimizer"], job.spec,
+                                 job.budget_bytes, job.common["loss_fn"],
+                                 count_fn=job.common["count_fn"], precision=k.precision)
+        user_step = job.user_step is not None
+        return too_small(self.ctx.floor_bytes, on_device[0], describe(choice, job.b),
+                         job.budget_bytes, excluded_levers(k, job.numerics, user_step), seq,
+                         layout=layout,
+                         counted=counted_levers(k, job.numerics, user_step,
+                                                sorted({q[0] for q in self.models})))
 
 
 def _refuse_below_bound(model, spec, k: Knobs, recipe, trainable, budget_bytes: int,
@@ -435,9 +515,6 @@ def _as_choice(model_pair, key, b: int, est) -> Choice:
                   time.step_s(b, b, modes, False), key[1])
 
 
-_PLAN_FIELDS = {f.name for f in dataclasses.fields(Plan)}
-
-
 def _make_plan(ctx: _Context, choice: Choice, est, model_pair, reasons: list[str]) -> Plan:
     memory, time = model_pair
     k, b, held = ctx.knobs, ctx.b, ctx.held[choice.precision]
@@ -446,29 +523,14 @@ def _make_plan(ctx: _Context, choice: Choice, est, model_pair, reasons: list[str
     if ctx.user_step:              # the step's own (Note 7)
         knobs = knobs.replace(precision=None, micro_batch_size=None)
         reasons = [STEP_FIXED_NOTE] + reasons
-    m, n = choice.micro_batch_size, -(-b // choice.micro_batch_size)
-    costs = [{"name": name, "mode": mode,
-              "saved_bytes": int(memory.held_saved_bytes(i, mode, m)),
-              "time_s": time.mode_s(i, mode, m, n, b)}
-             for i, (name, mode) in enumerate(zip(memory.blocks, choice.modes))]
-    device_bytes = est.device_bytes + held
     ratio = choice.step_s / ctx.baseline_s
     host = host_bytes(choice, est)
     why = reasons + global_reasons(k, choice, memory, b, ctx, ratio)
-    extra = {}
-    if "predicted_host_bytes" in _PLAN_FIELDS:
-        extra["predicted_host_bytes"] = host
-    elif host:
+    if host:
         why.append(f"host RAM: the offload needs {format_bytes(host)} of host memory "
                    "(offloaded activations and optimizer state) free beside the job")
-    plan = Plan(knobs, blocks=dict(zip(memory.blocks, choice.modes)),
-                predicted_peak_bytes=est.peak_bytes + held,
-                predicted_reserved_bytes=est.reserved_bytes + held,
-                predicted_device_bytes=device_bytes,
-                predicted_step_time_ratio=ratio, device=ctx.spec.name,
-                budget_bytes=ctx.budget_bytes,
-                predicted_optimizer_step_bytes=optimizer_rise_bytes(est), batch_size=b,
-                floor_bytes=None if ctx.floor_bytes is None else min(ctx.floor_bytes, device_bytes),
-                block_costs=costs,
-                reasons=why, **extra)
+    plan = build_plan(knobs, memory.blocks, choice.modes, est, batch_size=b, ratio=ratio,
+                      device=ctx.spec.name, budget_bytes=ctx.budget_bytes, reasons=why,
+                      held_bytes=held, floor_bytes=ctx.floor_bytes,
+                      costs=block_costs(memory, time, choice.modes, choice.micro_batch_size, b))
     return plan if ctx.alloc is None else ctx.alloc.apply(plan, est)

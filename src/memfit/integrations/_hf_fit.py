@@ -48,7 +48,7 @@ from memfit.integrations._hf_precision import precisions_for, rebuild, unwrap_au
 from memfit.integrations._hf_step import check_supported, trainer_optimizer
 from memfit.knobs import Knobs
 from memfit.planner import Plan
-from memfit.planner.memory_model import optimizer_rise_bytes
+from memfit.planner.build import build_plan
 from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["fit", "Changes", "Candidate"]
@@ -180,14 +180,10 @@ def _plan_of(c: Candidate, est: Estimate, budget_bytes: int, ratio: float, reaso
              floor_bytes, device: str) -> Plan:
     """memfit's ``Plan`` of ``c`` for the model and optimizer (what ``apply_plan`` applies)."""
     knobs = Knobs(**c.knobs) if c.blocks else Knobs(offload_optimizer=c.offload_optimizer)
-    return Plan(knobs, blocks=dict(zip(c.blocks, c.modes)),
-                predicted_peak_bytes=est.peak_bytes,
-                predicted_reserved_bytes=est.reserved_bytes,
-                predicted_device_bytes=est.device_bytes, predicted_step_time_ratio=ratio,
-                device=device, budget_bytes=budget_bytes,
-                predicted_optimizer_step_bytes=optimizer_rise_bytes(est),
-                batch_size=c.micro_batch_size * c.accumulation, floor_bytes=floor_bytes,
-                reasons=[f"the Trainer: {c.describe()}"] + list(reasons))
+    return build_plan(knobs, c.blocks, c.modes, est, ratio=ratio, device=device,
+                      budget_bytes=budget_bytes, batch_size=c.micro_batch_size * c.accumulation,
+                      floor_bytes=floor_bytes,
+                      reasons=[f"the Trainer: {c.describe()}"] + list(reasons))
 
 
 def _apply(trainer, c: Candidate, est: Estimate, plain: Estimate, ratio: float,
