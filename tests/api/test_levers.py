@@ -94,7 +94,7 @@ def test_accumulated_probe_extrapolates_to_the_byte():
     model = _model()
     prober = _Prober(SPEC, model, "seq_len", 8, None, None, memfit.get_device("cpu"), 2 ** 40,
                      "adamw", {}, lambda s: None)
-    prober.learn(1)
+    prober.learn(24)
     knobs = prober.knobs(24)
     assert knobs["micro_batch_size"] <= 2        # the floor accumulates (Note 3 applies)
     count = prober.count

@@ -14,10 +14,13 @@ are kept.
   is the largest batch one forward/backward can hold. A fixed ``micro_batch_size`` contradicts
   that definition and is refused.
 How: the plan's floor at the smallest value (``plan_traced(floor=True)``) names the least-memory
-configuration; the bisection (Note 2) probes that configuration at each value, cheaply; the
-answer is then checked by ``plan`` itself: it must plan at the answer and refuse one past it.
-Where it does not agree (the floor's configuration differs at longer inputs), ``plan`` is the
-probe that bisects the rest of the way. The smallest value's floor over the limit refuses the
+configuration; the bisection (Note 2) probes that configuration at each value, cheaply. The least
+configuration at a short input is not the least at a long one (at 2 tokens fp32 may hold less
+than fp16 autocast's weight copies; at 1 token one micro-batch may beat accumulation), so the
+floor is traced again at the probes' answer and, where its configuration differs, the probes run
+again with it (``_RELEARN`` times at most). The answer is then checked by ``plan`` itself: it
+must plan at the answer and refuse one past it; where it does not agree, ``plan`` is the probe
+that gallops and bisects the rest of the way. The smallest value's floor over the limit refuses the
 job with ``BudgetTooSmall`` (nothing any plan does fits).
 
 Note 2 (search). Memory grows with both levers, so a binary search finds the boundary. The
@@ -64,6 +67,7 @@ __all__ = ["Largest", "largest_fitting"]
 LEVERS = ("seq_len", "batch_size")
 _MAX_BATCH = 65536
 _MAX_UNLIMITED_SEQ = 65536
+_RELEARN = 2          # floors re-traced at the probes' answer (Note 1)
 
 
 @dataclass(frozen=True)
@@ -107,16 +111,26 @@ def largest_fitting(spec, model, lever: str, *, batch_size: int, seq_len: int | 
     low = prober.low()
     prober.learn(low)                       # the least-memory configuration, or BudgetTooSmall
     top, why = prober.top()
-    value = _search(prober.fast, prober.limit, low, top)
-    if value >= low:
-        say(f"confirming {lever}={value} with the allocator replayed")
-        confirmed = prober.confirm(value)
-        if confirmed > limit:                                        # Note 2
-            value = _search_below(prober, low, value, confirmed - prober.fast(value))
+    value = _probed(prober, low, top)
+    for _ in range(_RELEARN):               # the floor's configuration where the answer is
+        if value <= low or not prober.learn(value):
+            break
+        value = _probed(prober, low, top)
     value, planned = _agree(prober, max(value, low), low, top)      # Note 1: plan decides
     return Largest(lever, value, planned.plan.predicted_device_bytes, limit,
                    {n: v for n, v in planned.plan.knobs.to_dict().items() if v is not None},
                    prober.count, why if value == top else None, planned)
+
+
+def _probed(prober, low: int, top: int) -> int:
+    """The largest value the probed configuration fits, confirmed (Note 2), else low - 1."""
+    value = _search(prober.fast, prober.limit, low, top)
+    if value >= low:
+        prober.say(f"confirming {prober.lever}={value} with the allocator replayed")
+        confirmed = prober.confirm(value)
+        if confirmed > prober.limit:
+            value = _search_below(prober, low, value, confirmed - prober.fast(value))
+    return value
 
 
 def _agree(prober, value: int, low: int, top: int):
@@ -129,11 +143,11 @@ def _agree(prober, value: int, low: int, top: int):
             raise AssertionError(f"plan refuses {prober.lever}={low} under its own floor")
     elif value >= top or prober.plan(value + 1) is None:
         return value, planned
-    else:                                    # a longer value plans too: bisect above
-        good, found, bad = value + 1, prober.plan(value + 1), top + 1
-        if prober.plan(top) is not None:
-            return top, prober.plan(top)
-        bad = top
+    else:                                    # a longer value plans too: gallop, then bisect
+        good, found, step = value + 1, prober.plan(value + 1), 2
+        while good + step <= top and prober.plan(good + step) is not None:
+            good, found, step = good + step, prober.plan(good + step), step * 2
+        bad = min(good + step, top + 1)
     while bad - good > 1:
         mid = (good + bad) // 2
         at = prober.plan(mid)
@@ -225,18 +239,26 @@ class _Prober:
             return {**self.user_knobs, "micro_batch_size": v}
         return dict(self.user_knobs)
 
-    def learn(self, low: int) -> None:
-        """The plan's floor at ``low`` names the least-memory configuration the probes trace
-        (Note 1); ``BudgetTooSmall`` where even ``low`` does not fit."""
+    def learn(self, v: int) -> bool:
+        """The plan's floor at ``v`` names the least-memory configuration the probes trace
+        (Note 1); whether it changed. The first call (the smallest value) raises
+        ``BudgetTooSmall`` where even ``v`` does not fit."""
         found: dict = {}
-        self.say(f"finding the least-memory configuration at {self.lever}={low}")
+        self.say(f"finding the least-memory configuration at {self.lever}={v}")
         try:
-            self._plan_at(low, floor=True, on_floor=found.update)
+            self._plan_at(v, floor=True, on_floor=found.update)
         except BudgetTooSmall as e:
-            raise BudgetTooSmall(
-                f"even {self.lever}={low} does not fit: {e}", floor_bytes=e.floor_bytes,
-                budget_bytes=self.limit) from None
+            if not self._least:
+                raise BudgetTooSmall(
+                    f"even {self.lever}={v} does not fit: {e}", floor_bytes=e.floor_bytes,
+                    budget_bytes=self.limit) from None
+        if found == self._least or not found:
+            return False
         self._least = found
+        self._fast.clear()
+        self._slope.clear()
+        self._confirmed.clear()
+        return True
 
     def knobs(self, v: int) -> dict:
         """The least-memory configuration (``learn``) at ``v``."""
