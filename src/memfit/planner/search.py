@@ -32,9 +32,10 @@ from a plain trace with that implementation.
 Note 5 (the floor). ``floor_candidates`` gives the least-memory configuration the models find at
 each micro-batch size that can be least (Note 2: 1 and the whole batch), and beside each the same
 with one mode in every block it changes (all recomputed, or all offloaded; the blocks it keeps stay
-kept: e.g. the last block, whose backward follows its forward at once, so changing it saves nothing
-at the peak). The models can misjudge which is least, so the caller re-traces them all and takes the
-least traced.
+kept: e.g. the last block, whose backward follows its forward at once, so the models say changing it
+saves nothing at the peak), and with that mode in every block outright (the trace may disagree: on
+a tiny GPT-2 recomputing the last block too held 256 B less). The models can misjudge which is
+least, so the caller re-traces them all and takes the least traced.
 
 Note 6 (levers beyond the per-block modes). A key may be longer: ``(precision, impl,
 optimizer_state, offload_params)`` (``variant_key``), one model per low-bit optimizer state
@@ -62,6 +63,7 @@ the cap does the solve run to the end.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -313,10 +315,10 @@ def _least_at(memory: MemoryModel, time: TimeModel, key, m: int, b: int, oo: boo
 
 
 def _uniform(memory: MemoryModel, time: TimeModel, like: Choice, mode: Mode, b: int,
-             fixed: Constraints) -> Choice | None:
-    """``like`` with ``mode`` in every block it does not keep, where allowed (Note 5); None if
-    no block may take it."""
-    modes = tuple(mode if old != Mode.KEEP and mode in fixed.allowed(n)
+             fixed: Constraints, every: bool = False) -> Choice | None:
+    """``like`` with ``mode`` in every block it does not keep (``every``: in every block),
+    where allowed (Note 5); None if no block may take it."""
+    modes = tuple(mode if (every or old != Mode.KEEP) and mode in fixed.allowed(n)
                   and mode in memory.allowed(i) else old
                   for i, (n, old) in enumerate(zip(memory.blocks, like.modes)))
     if mode not in modes:
@@ -352,8 +354,8 @@ def floor_candidates(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
             continue
         memory, time = models[least.key]
         out.append(least)
-        for mode in (Mode.RECOMPUTE, Mode.OFFLOAD):
-            u = _uniform(memory, time, least, mode, b, fixed)
+        for mode, every in itertools.product((Mode.RECOMPUTE, Mode.OFFLOAD), (False, True)):
+            u = _uniform(memory, time, least, mode, b, fixed, every)
             if u is not None and u.modes != least.modes and u not in out:
                 out.append(u)
     return sorted(out, key=lambda c: c.device_bytes)
