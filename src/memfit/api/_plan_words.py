@@ -197,9 +197,9 @@ def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
     if gpus == 1:
         levers.append("sharding (FSDP) over several GPUs: this plan is for one"
                       + ("" if layout is None else
-                         f"; the layout search (plan --gpus auto) finds {layout.gpus} GPUs "
-                         f"fit ({layout.layout}, {format_bytes(layout.rank_bytes)} per GPU, "
-                         "modelled)" if layout.gpus else
+                         f"; the layout search (plan --gpus auto) finds that {layout.layout} "
+                         f"fits, {format_bytes(layout.rank_bytes)} per GPU (modelled)"
+                         if layout.gpus else
                          f"; the layout search (plan --gpus auto) finds no layout that fits "
                          f"either ({layout.why})"))
     needs = "needs at least" if bound else "needs"
