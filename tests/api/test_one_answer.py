@@ -11,6 +11,7 @@ from 2m samples plus a linear term (an upper bound) under the default allocator,
 import pytest
 
 import memfit
+from memfit.api._compare_gpus import fewest_gpus
 from memfit.api.estimate import estimate
 from memfit.api.plan import plan
 from tests.helpers import tiny
@@ -43,3 +44,15 @@ def test_the_floor_plans_and_one_byte_less_refuses_with_the_same_floor(job):
     with pytest.raises(memfit.BudgetTooSmall) as info:
         plan(model, batch, device=GPU, precision="auto", budget=floor - 1)
     assert info.value.floor_bytes == floor
+
+
+@pytest.mark.slow      # a floor and a layout search of the tiny model on a GPU target
+def test_the_refusals_sharding_line_is_the_layout_searchs_answer(job):
+    model, batch, floor, plain = job
+    budget = floor - 2 ** 20
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        plan(model, batch, device=GPU, precision="auto", budget=budget)
+    row = fewest_gpus(model, batch, "adamw", memfit.get_device(GPU), budget, precision="auto")
+    line = next(s for s in str(info.value).splitlines() if "sharding" in s)
+    assert "layout search" in line
+    assert (f"finds that {row.layout} fits" in line) if row.gpus else ("no layout" in line)
