@@ -26,19 +26,21 @@ def _modules() -> dict[str, pathlib.Path]:
     return out
 
 
+def _running(tree: ast.AST):
+    """The nodes of ``tree`` that run: those under ``if TYPE_CHECKING:`` left out."""
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for sub in node.body for n in ast.walk(sub)}
+    return (node for node in ast.walk(tree) if id(node) not in typing_only)
+
+
 def _graph() -> nx.DiGraph:
     mods = _modules()
     g = nx.DiGraph()
     g.add_nodes_from(mods)
     for name, path in mods.items():
         pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        tree = ast.parse(path.read_text())
-        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                       and "TYPE_CHECKING" in ast.unparse(node.test)
-                       for sub in node.body for n in ast.walk(sub)}
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
+        for node in _running(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -83,12 +85,7 @@ def _function_imports(path: pathlib.Path) -> list[str]:
     for fn in ast.walk(tree):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        typing_only = {id(n) for node in ast.walk(fn) if isinstance(node, ast.If)
-                       and "TYPE_CHECKING" in ast.unparse(node.test)
-                       for sub in node.body for n in ast.walk(sub)}
-        for node in ast.walk(fn):
-            if id(node) in typing_only:
-                continue
+        for node in _running(fn):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level \
                 else ["."] if isinstance(node, ast.ImportFrom) else []

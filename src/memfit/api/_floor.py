@@ -96,22 +96,21 @@ def least_memory(model, batch, models, fixed, k, common, held, b, say, alloc=Non
     return est.device_bytes + held[c.precision] - saved, c, est
 
 
-def _accumulated_bytes(model, batch, c, values, common, b, *, slope: int | None = None,
-                       replay: bool = False):
-    """Device bytes of candidate ``c``, traced; with four or more whole micro-batches from 2m
-    samples plus ``slope`` per further micro-batch (traced at 3m when not given, Note 2).
-    ``replay``: with the allocator replayed. Returns ``(bytes, estimate or None if
-    extrapolated, slope or None)``."""
+def _accumulated_bytes(model, batch, c, values, common, b, *, slope: int | None = None):
+    """Device bytes of candidate ``c``, traced without the allocator replay (Note 3); with four
+    or more whole micro-batches from 2m samples plus ``slope`` per further micro-batch (traced
+    at 3m when not given, Note 2). Returns ``(bytes, estimate or None if extrapolated, slope or
+    None)``."""
     m = c.micro_batch_size
     n = b // m
     if m < b and b % m == 0 and n >= 4:
         two = estimate(model, first_samples(batch, 2 * m), precision=c.precision,
-                       allocator_replay=replay, **values, **common).device_bytes
+                       allocator_replay=False, **values, **common).device_bytes
         if slope is None:
             slope = max(estimate(model, first_samples(batch, 3 * m), precision=c.precision,
                                  allocator_replay=False, **values, **common).device_bytes - two, 0)
         return two + (n - 2) * slope, None, slope
-    est = estimate(model, batch, precision=c.precision, allocator_replay=replay, **values,
+    est = estimate(model, batch, precision=c.precision, allocator_replay=False, **values,
                    **common)
     return est.device_bytes, est, None
 
