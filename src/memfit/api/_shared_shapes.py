@@ -32,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfit.api._setup import resolve_device
-from memfit.api.estimate import _sharded, estimate, traced_estimate
+from memfit.api._rank_layout import is_sharded
+from memfit.api.estimate import estimate, traced_estimate
 from memfit.knobs import Knobs
 from memfit.step import prepare_batch
 from memfit.trace.card import card_breakdown
@@ -71,7 +72,7 @@ def estimate_shapes(model, make_batch: Callable[[dict[str, int]], object],
     hint = next((s for s in shapes if min(s.values()) >= 2
                  and len(set(s.values())) == len(s)), None)
     # a CPU target has no replay to share; one rank of a sharded job is estimate's other path
-    gpu = resolve_device(model, device).kind == "cuda" and not _sharded(k)
+    gpu = resolve_device(model, device).kind == "cuda" and not is_sharded(k)
     shared = _shared_trace(model, make_batch, hint, k, kwargs) \
         if gpu and hint and len(shapes) > 1 else None
     out = []

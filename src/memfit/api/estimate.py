@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointError
 
 from memfit.api._estimate_result import Estimate
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
-from memfit.api._sharded import estimate_sharded
+from memfit.api._rank_layout import RankLayout
 from memfit.api._user_step import (as_user_step, check_cuda_autocast, check_step_knobs,
                                    explain_step_error, step_notes, with_backward_phase)
 from memfit.api._validate import check_batch, check_order, describe_batch_mismatch
@@ -101,16 +101,14 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     the optimizer. ``scheduler``: a factory ``optimizer -> LR scheduler``, built on the fake
     optimizer and stepped after each step (as ``memfit.fit``'s runner does).
 
-    ``gpus=N`` with ``sharding="fsdp"`` (``reshard_after_forward``, ``fsdp_offload``) or
-    ``"ddp"``: one rank's figures of an N-rank job, ``batch`` being one rank's batch
-    (``memfit.estimate_sharded``, which also takes FSDP2's ``mp_policy`` and a ``rank``).
+    ``gpus=N`` with ``sharding="fsdp"`` (``reshard_after_forward``, ``fsdp_offload``,
+    ``mp_policy``) or ``"ddp"``: one rank's figures of an N-rank job, ``batch`` being one rank's
+    batch, traced with PyTorch's FSDP2 or DDP over a fake process group
+    (``memfit.api._rank_layout``; ``memfit.estimate_sharded`` also takes a ``rank`` and DDP's
+    ``bucket_cap_mb``).
     """
     check_order("estimate", optimizer=optimizer)
     k = Knobs.from_kwargs(**knobs)
-    if _sharded(k):
-        return _estimate_one_rank(model, batch, optimizer, device, loss_fn, k, budget=budget,
-                                  count_fn=count_fn, step=step, scheduler=scheduler,
-                                  allocator=allocator)
     return traced_estimate(model, batch, optimizer, device, loss_fn, k, FakeCopier("cpu"),
                            budget=budget, count_fn=count_fn, allocator=allocator,
                            allocator_replay=allocator_replay, step=step, scheduler=scheduler,
@@ -119,11 +117,16 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
 
 def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier, *,
                     budget=None, count_fn=None, allocator=None, allocator_replay=True, step=None,
-                    scheduler=None, cuda_version=None):
-    """``estimate`` of one device, traced on fakes made by ``copier``: (the Estimate, the
-    tracker that counted it, the CudaModel of a GPU target or None). A shared trace
-    (``memfit.api._shared_shapes``) replays the tracker in other shapes."""
+                    scheduler=None, cuda_version=None, layout: RankLayout | None = None):
+    """``estimate`` traced on fakes made by ``copier``: (the Estimate, the tracker that counted
+    it, the CudaModel of a GPU target or None). A shared trace (``memfit.api._shared_shapes``)
+    replays the tracker in other shapes. With a data-parallel ``layout`` (default: the one the
+    knobs ``gpus``, ``sharding``... ask for), one rank of it: the same trace on the fake model
+    sharded by ``techniques.sharding`` (``api._rank_layout``)."""
     k.check_available()
+    layout = layout or RankLayout.of(k)
+    if layout is not None:
+        layout.refuse(k, step=step, scheduler=scheduler, allocator=allocator)
     user = as_user_step(step)
     if scheduler is not None and (hasattr(scheduler, "step") or not callable(scheduler)):
         raise ValueError("estimate traces on a fake optimizer, so a scheduler built on the real "
@@ -136,6 +139,8 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
                          "'auto' is for memfit.plan and memfit.fit")
     spec = resolve_device(model, device, cuda_version)
     k = k.replace(precision=resolve_precision(k.precision, spec))
+    if layout is not None:
+        layout.check_precision(k.precision)
     limit = parse_bytes(budget) if budget is not None else spec.usable_bytes
     recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -146,52 +151,66 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
         check_batch(model, batch, loss_fn)
     batch_size_of(batch)
 
-    cuda = CudaModel(spec, allocator) if spec.kind == "cuda" else None
+    # memfit's CUDA models are not applied to a sharded rank yet (api._rank_layout Note 2)
+    cuda = CudaModel(spec, allocator) if spec.kind == "cuda" and layout is None else None
     replay = cuda is not None and allocator_replay
-    fake_model = copier.module(model)
-    fake_model.train(model.training)
-    fake_batch = copier.tree(batch)
-    with copier.mode:
-        runner = build_runner(fake_model, recipe, k, plan=Plan(k), origin=trainable,
-                              loss_fn=loss_fn, count_fn=count_fn, scaler_class=TraceGradScaler,
-                              autocast_impl=cuda.autocast if cuda else None,
-                              recompute_context=cuda.recompute if cuda else None,
-                              scheduler=scheduler, user_step=user)
-        fake_batch = runner.prepare(fake_batch)
-    if cuda:
-        cuda.use_foreach(runner.optimizer)
+    with contextlib.ExitStack() as stack:     # a rank's fake process group, until counted
+        fake_model = copier.module(model)
+        fake_model.train(model.training)
+        fake_batch = copier.tree(batch)
+        if layout is not None:
+            fake_model = layout.shard(stack, fake_model, copier)
+        with copier.mode:
+            runner = build_runner(fake_model, recipe, k, plan=Plan(k), origin=trainable,
+                                  loss_fn=loss_fn, count_fn=count_fn,
+                                  scaler_class=TraceGradScaler,
+                                  autocast_impl=cuda.autocast if cuda else None,
+                                  recompute_context=cuda.recompute if cuda else None,
+                                  scheduler=scheduler, user_step=user)
+            fake_batch = runner.prepare(fake_batch)
+        if cuda:
+            cuda.use_foreach(runner.optimizer)
+        placement = layout.placement(runner, spec) if layout is not None else None
 
-    def run(on_phase):
-        with cuda.kernels() if cuda else contextlib.nullcontext():
-            runner.run(fake_batch, on_phase)
-            if runner.scheduler is not None:
-                runner.scheduler.step()
+        def run(on_phase):
+            with cuda.kernels() if cuda else contextlib.nullcontext(), \
+                    placement.step(on_phase) if placement else \
+                    contextlib.nullcontext(on_phase) as mark:
+                runner.run(fake_batch, mark)
+                if runner.scheduler is not None:
+                    runner.scheduler.step()
 
-    def host_state(tracker):
-        for t in cuda.host_tensors(runner.optimizer):
-            tracker.mark_host(t)
+        def host_state(tracker):
+            for t in cuda.host_tensors(runner.optimizer):
+                tracker.mark_host(t)
 
-    # steady state: optimizer state exists (and, under fp16, the scaler's scale: a warm-up
-    # without a step, scaler); for a GPU, two whole steps for the allocator's history
-    # (cuda). A user step always runs twice
-    # (_user_step)
-    warm_up = (lambda: warm_up_scaled(runner.model, runner.optimizer, runner.scaler)) \
-        if runner.scaler is not None else None
-    try:
-        prof, tracker = profile_step(run, copier=copier, model=runner.model,
-                                     optimizer=runner.optimizer, warm_up=warm_up,
-                                     two_steps=replay or user is not None,
-                                     after_first=host_state if replay else None)
-    except Exception as e:
-        if user is not None and (clear := explain_step_error(e, user)) is not None:
-            raise clear from e
-        raise _described(e, model, batch, loss_fn)
+        # steady state: optimizer state exists (and, under fp16, the scaler's scale: a warm-up
+        # without a step, scaler); for a GPU, two whole steps for the allocator's history
+        # (cuda); a rank, one micro-batch (api._rank_layout Notes 4, 6). A user step always
+        # runs twice (_user_step)
+        warm_up = None
+        if layout is not None:
+            warm_up = lambda: layout.warm_up(runner, fake_batch, copier)  # noqa: E731
+        elif runner.scaler is not None:
+            warm_up = lambda: warm_up_scaled(runner.model, runner.optimizer,  # noqa: E731
+                                             runner.scaler)
+        try:
+            prof, tracker = profile_step(run, copier=copier, model=runner.model,
+                                         optimizer=runner.optimizer, warm_up=warm_up,
+                                         two_steps=replay or user is not None,
+                                         after_first=host_state if replay else None)
+        except Exception as e:
+            if user is not None and (clear := explain_step_error(e, user)) is not None:
+                raise clear from e
+            raise _described(e, model, batch, loss_fn)
     if user is not None:
         if spec.kind == "cuda":
             check_cuda_autocast(user, spec.display_name)       # memfit.step
         prof.phases = with_backward_phase(prof.phases, prof.modules)
     peak, reserved, breakdown, context = prof.peak_bytes, prof.peak_bytes, prof.breakdown, 0
     notes, card = [], None
+    if layout is not None:      # the card around the allocator, as for one device
+        reserved, context, card, notes = layout.card(peak, prof.op_log, spec)
     if replay:
         mem = cuda.replay(tracker)
         peak, reserved, breakdown = mem.allocated_peak_bytes, mem.reserved_peak_bytes, mem.breakdown
@@ -229,39 +248,3 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
         op_costs=prof.op_costs, card=card, lifetimes=storage_log(tracker),
     )
     return est, tracker, cuda
-
-
-def _sharded(k: Knobs) -> bool:
-    """Whether the knobs ask for one rank of a data-parallel job."""
-    return k.sharding not in (None, "none") or k.gpus not in (None, 1) or \
-        k.reshard_after_forward is not None or bool(k.fsdp_offload) or k.mp_policy is not None
-
-
-def _estimate_one_rank(model, batch, optimizer, device, loss_fn, k: Knobs, *, budget, count_fn,
-                       step, scheduler, allocator) -> "Estimate":
-    """``estimate(gpus=N, sharding=...)``: ``estimate_sharded`` with the other knobs."""
-    if k.gpus in (None, 1) or k.gpus == "auto" or k.sharding in (None, "none"):
-        given = [f"{n}={v!r}" for n, v in (("gpus", k.gpus), ("sharding", k.sharding))
-                 if v is not None] or ["an FSDP2 knob (reshard_after_forward, fsdp_offload, "
-                                       "mp_policy)"]   # no Python None in the words
-        raise ValueError(f"{', '.join(given)}: one rank of a "
-                         "data-parallel job needs both gpus=N (N >= 2 ranks; 'auto' is for "
-                         "memfit.plan) and sharding='fsdp' or sharding='ddp'")
-    if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload
-                                or k.mp_policy):
-        raise ValueError("reshard_after_forward, fsdp_offload and mp_policy are FSDP2's: use "
-                         "sharding='fsdp', or leave them unset with 'ddp'")
-    if allocator == AllocatorConfig():
-        allocator = None             # the default: nothing to model differently
-    for name, value in (("step", step), ("scheduler", scheduler), ("allocator", allocator)):
-        if value is not None:
-            raise ValueError(f"{name} with sharding is not supported yet: estimate the "
-                             f"sharded step without {name}")
-    rest = {n: v for n, v in k.to_dict().items() if v is not None and n not in
-            ("gpus", "sharding", "reshard_after_forward", "fsdp_offload", "mp_policy")}
-    return estimate_sharded(
-        model, batch, optimizer, device, loss_fn, world_size=k.gpus, sharding=k.sharding,
-        reshard_after_forward=True if k.reshard_after_forward is None else
-        k.reshard_after_forward, fsdp_offload=bool(k.fsdp_offload), mp_policy=k.mp_policy,
-        budget=budget,
-        count_fn=count_fn, **rest)
