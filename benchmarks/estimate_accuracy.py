@@ -39,7 +39,7 @@ CASES = [
 
 def measure(model, batch, optimizer: str, precision: str):
     tech = Precision(Precision.Config(precision))
-    model, opt = tech.apply(model, OptimizerRecipe(optimizer))
+    opt = tech.apply(model, OptimizerRecipe(optimizer)).optimizer
     batch = tech.prepare_batch(prepare_batch(batch))
     canonical_step(model, opt, batch, None, tech.autocast("cpu"))
     start = time.perf_counter()

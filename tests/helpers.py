@@ -23,7 +23,7 @@ def tiny(name, batch_size=3, seq_len=16, padded=False, seed=0):
 def track_real_step(model, batch, optimizer="adamw", precision="fp32", loss_fn=None):
     """Step 1 untracked (optimizer state appears), then step 2 under track."""
     tech = Precision(Precision.Config(precision))
-    model, opt = tech.apply(model, OptimizerRecipe(optimizer))
+    opt = tech.apply(model, OptimizerRecipe(optimizer)).optimizer
     batch = tech.prepare_batch(prepare_batch(batch))
     canonical_step(model, opt, batch, loss_fn, tech.autocast("cpu"))
     with memfit.track(model, opt) as t:

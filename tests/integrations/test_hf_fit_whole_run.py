@@ -134,8 +134,8 @@ def test_the_whole_train_stays_under_the_budget_at_the_predicted_peak(build):
 def test_a_tracker_opened_after_the_optimizer_was_offloaded_counts_its_twins_on_the_host():
     from memfit.techniques.optimizer_offload import OptimizerOffload
     model = torch.nn.Linear(256, 256)
-    optimizer = OptimizerOffload(OptimizerOffload.Config()).wrap(
-        torch.optim.AdamW(model.parameters()))
+    optimizer = OptimizerOffload(OptimizerOffload.Config()).apply(
+        model, torch.optim.AdamW(model.parameters())).optimizer
     weights = sum(p.numel() * 4 for p in model.parameters())
     for _ in range(2):                      # the second region opens with the state made
         with memfit.track() as t:

@@ -178,7 +178,7 @@ def test_composes_with_optimizer_offload_exact_and_bitwise():
             (t.peak_bytes, t.breakdown, t.host_peak_bytes)
         (a, _), (b, _) = tiny("gpt2"), tiny("gpt2")
         oa = factory(a.parameters())
-        ob = OptimizerOffload(OptimizerOffload.Config()).wrap(factory(b.parameters()))
+        ob = OptimizerOffload(OptimizerOffload.Config()).apply(b, factory(b.parameters())).optimizer
         for k in range(3):
             for m, o in ((a, oa), (b, ob)):
                 torch.manual_seed(k)
@@ -227,8 +227,12 @@ def test_8bit_within_bitsandbytes_documented_tolerance_of_fp32_adam_over_20_step
 
 
 def test_numerics_change_is_said():
-    note = LowBitOptimizer(LowBitOptimizer.Config("4bit")).note()
+    model = _mlp()
+    change = LowBitOptimizer(LowBitOptimizer.Config("4bit")).apply(
+        model, memfit.optimizers.OptimizerRecipe("adamw"))
+    (note,) = change.notes
     assert "changes the numerics" in note and "4 bits" in note
+    assert change.optimizer_rebuilt and change.optimizer is None and change.model is model
 
 
 @pytest.mark.parametrize("opt,match", [
@@ -248,18 +252,18 @@ def test_bad_config_and_impl_are_refused():
         LowBitOptimizer.Config("2bit")
     tech = LowBitOptimizer(LowBitOptimizer.Config("8bit"))
     with pytest.raises(ValueError, match="optimizer_impl='fused' has no effect"):
-        tech.recipe(memfit.optimizers.OptimizerRecipe("adamw", impl="fused"))
+        tech.apply(_mlp(), memfit.optimizers.OptimizerRecipe("adamw", impl="fused"))
 
 
 def test_missing_libraries_say_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.optim", None)     # import torchao.optim fails
     monkeypatch.setitem(sys.modules, "bitsandbytes.optim", None)
     with pytest.raises(ValueError, match="needs torchao.*pip install torchao"):
-        LowBitOptimizer(LowBitOptimizer.Config("4bit")).recipe(
-            memfit.optimizers.OptimizerRecipe("adamw"))
+        LowBitOptimizer(LowBitOptimizer.Config("4bit")).apply(
+            _mlp(), memfit.optimizers.OptimizerRecipe("adamw"))
     with pytest.raises(ValueError, match="needs bitsandbytes.*pip install bitsandbytes"):
-        LowBitOptimizer(LowBitOptimizer.Config("8bit")).recipe(
-            memfit.optimizers.OptimizerRecipe("adamw"))
+        LowBitOptimizer(LowBitOptimizer.Config("8bit")).apply(
+            _mlp(), memfit.optimizers.OptimizerRecipe("adamw"))
 
 
 def test_lr_scheduler_drives_the_low_bit_optimizer():

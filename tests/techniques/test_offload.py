@@ -23,7 +23,7 @@ BF16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
 
 @pytest.fixture(autouse=True)
 def _no_sync_warning():
-    # The CPU fallback warns once per handle (tested below); elsewhere it is noise.
+    # The CPU fallback warns once per apply (tested below); elsewhere it is noise.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Offload: no pinned memory")
         yield

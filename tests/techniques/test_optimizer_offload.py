@@ -36,8 +36,8 @@ def _pair(name="gpt2", optimizer="adamw", **config):
     plain, batch = tiny(name)
     model, _ = tiny(name)
     opt = OPTIMIZERS[optimizer](plain.parameters())
-    off = OptimizerOffload(OptimizerOffload.Config(**config)).wrap(
-        OPTIMIZERS[optimizer](model.parameters()))
+    off = OptimizerOffload(OptimizerOffload.Config(**config)).apply(
+        model, OPTIMIZERS[optimizer](model.parameters())).optimizer
     return (plain, opt), (model, off), batch
 
 
@@ -184,15 +184,15 @@ def test_state_dict_round_trip_and_plain_compatibility():
     _train(plain, opt, batch, steps=2)
     _train(model, off, batch, steps=2)
     model2 = copy.deepcopy(model)
-    off2 = OptimizerOffload(OptimizerOffload.Config()).wrap(
-        OPTIMIZERS["adamw"](model2.parameters()))
+    off2 = OptimizerOffload(OptimizerOffload.Config()).apply(
+        model2, OPTIMIZERS["adamw"](model2.parameters())).optimizer
     off2.load_state_dict(_saved(off.state_dict()))
     assert torch.equal(off2.state[next(model2.parameters())]["exp_avg"],
                        off.state[next(model.parameters())]["exp_avg"])
     plain2 = copy.deepcopy(plain)
     opt2 = OPTIMIZERS["adamw"](plain2.parameters())
     opt2.load_state_dict(_saved(off.state_dict()))   # torch's format: a plain optimizer loads it
-    off3 = OptimizerOffload(OptimizerOffload.Config()).wrap(opt)   # a copy of opt's state
+    off3 = OptimizerOffload(OptimizerOffload.Config()).apply(plain, opt).optimizer  # copies state
     assert off3.state[next(plain.parameters())]["exp_avg"].untyped_storage().data_ptr() != \
         opt.state[next(plain.parameters())]["exp_avg"].untyped_storage().data_ptr()
     for m, o in ((plain2, opt2), (model, off), (model2, off2), (plain, off3)):
@@ -237,8 +237,8 @@ def test_a_fake_trace_matches_the_real_run_to_the_byte():
     copier = FakeCopier("cpu")
     fake_model, fake_batch = copier.module(model), copier.tree(batch)
     with copier.mode:
-        fake_off = OptimizerOffload(OptimizerOffload.Config()).wrap(
-            OPTIMIZERS["adamw"](fake_model.parameters()))
+        fake_off = OptimizerOffload(OptimizerOffload.Config()).apply(
+            fake_model, OPTIMIZERS["adamw"](fake_model.parameters())).optimizer
         canonical_step(fake_model, fake_off, fake_batch)
         with Tracker(fake_model, fake_off, host_tensors=fake_off.host_tensors(), fake=True) as fake:
             canonical_step(fake_model, fake_off, fake_batch)
@@ -263,7 +263,7 @@ def test_injected_copies_are_used_once_per_parameter_with_a_grad():
     model, _ = tiny("gpt2")
     tech = OptimizerOffload(OptimizerOffload.Config(), copy_to_host=counted("host"),
                             copy_to_device=counted("device"))
-    off = tech.wrap(OPTIMIZERS["sgd"], model.parameters())          # a factory
+    off = tech.apply(model, OPTIMIZERS["sgd"]).optimizer           # a factory
     opt = OPTIMIZERS["sgd"](plain.parameters())
     _train(plain, opt, batch, steps=2)
     _train(model, off, batch, steps=2)
@@ -278,7 +278,8 @@ def test_warns_once_per_process_on_the_cpu(monkeypatch):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(2):
-            OptimizerOffload(OptimizerOffload.Config()).wrap(OPTIMIZERS["sgd"](model.parameters()))
+            OptimizerOffload(OptimizerOffload.Config()).apply(
+                model, OPTIMIZERS["sgd"](model.parameters()))
     assert [str(w.message).split(":")[0] for w in seen] == ["OptimizerOffload"]
     assert "not pinned" in str(seen[0].message)
 
@@ -290,24 +291,26 @@ def test_fakes_do_not_warn(monkeypatch):
     fake_model = copier.module(model)
     with warnings.catch_warnings(record=True) as seen, copier.mode:
         warnings.simplefilter("always")
-        OptimizerOffload(OptimizerOffload.Config()).wrap(OPTIMIZERS["sgd"](fake_model.parameters()))
+        OptimizerOffload(OptimizerOffload.Config()).apply(
+            fake_model, OPTIMIZERS["sgd"](fake_model.parameters()))
     assert not [w for w in seen if "OptimizerOffload" in str(w.message)]
 
 
-def test_config_and_wrap_errors():
+def test_config_and_apply_errors():
     with pytest.raises(ValueError, match="chunk_bytes"):
         OptimizerOffload.Config(chunk_bytes=0)
     model, _ = tiny("gpt2")
     opt = OPTIMIZERS["sgd"](model.parameters())
-    assert OptimizerOffload(OptimizerOffload.Config(enabled=False)).wrap(opt) is opt
+    off = OptimizerOffload(OptimizerOffload.Config(enabled=False)).apply(model, opt)
+    assert off.optimizer is opt and not off.optimizer_rebuilt and off.notes == ()
     tech = OptimizerOffload(OptimizerOffload.Config())
-    with pytest.raises(ValueError, match="factory"):
-        tech.wrap(OPTIMIZERS["sgd"])
     with pytest.raises(ValueError, match="already offloaded"):
-        tech.wrap(tech.wrap(opt))
+        tech.apply(model, tech.apply(model, opt).optimizer)
     with pytest.raises(ValueError, match="Optimizer"):
-        tech.wrap("adamw")
-    off = tech.wrap(opt)
+        tech.apply(model, "adamw")
+    change = tech.apply(model, opt)
+    off = change.optimizer
+    assert change.optimizer_rebuilt and change.model is model and change.modes == {}
     assert isinstance(off, OffloadedOptimizer) and isinstance(off, torch.optim.Optimizer)
     with pytest.raises(NotImplementedError):
         off.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
@@ -321,8 +324,8 @@ def test_cuda_twins_are_pinned_and_follow_the_plain_optimizer():
     model.cuda()
     batch = {k: v.cuda() for k, v in batch.items()}
     opt = OPTIMIZERS["adamw"](plain.parameters())
-    off = OptimizerOffload(OptimizerOffload.Config(chunk_bytes=64 * 1024)).wrap(
-        OPTIMIZERS["adamw"](model.parameters()))
+    off = OptimizerOffload(OptimizerOffload.Config(chunk_bytes=64 * 1024)).apply(
+        model, OPTIMIZERS["adamw"](model.parameters())).optimizer
     assert all(h.is_pinned() and h.device.type == "cpu" for h in off.host_params)
     _train(plain, opt, batch)
     _train(model, off, batch)

@@ -26,7 +26,10 @@ def _adamw(model):
 
 
 def _offloaded(model, policy, prefetch=True):
-    return ParamOffload(ParamOffload.Config(policy, prefetch=prefetch)).apply(model, _adamw(model))
+    """(the offloaded optimizer, the Change)."""
+    tech = ParamOffload(ParamOffload.Config(policy, prefetch=prefetch))
+    change = tech.apply(model, _adamw(model))
+    return change.optimizer, change
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert-base"])
@@ -48,10 +51,11 @@ def test_gradients_and_parameters_bitwise_equal_to_the_plain_step(arch, policy, 
         off.step()
     # step 1's forward runs on the weights as they were; then each weight is fetched once for
     # each backward and each later forward
-    n = sum(1 for name, mode in handle.modes.items() if mode == "offload"
-            for p in model.get_submodule(name).parameters())
+    chosen = [name for name, mode in ParamOffload(ParamOffload.Config(policy)).resolve(model)
+              .items() if mode == "offload"]
+    n = sum(1 for name in chosen for p in model.get_submodule(name).parameters())
     assert handle.stats.fetches == 5 * n
-    chosen = [name for name, mode in handle.modes.items() if mode == "offload"]
+    assert handle.modes == {}           # the blocks' saved activations are as they were
     assert (handle.stats.prefetches > 0) == (prefetch and len(chosen) > 1)
     handle.remove()                              # fetches every weight back
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters()))
@@ -68,7 +72,7 @@ def _traced_and_tracked(arch, policy):
 
     def build(m):
         if policy is None:
-            return OptimizerOffload(OptimizerOffload.Config()).wrap(_adamw(m))
+            return OptimizerOffload(OptimizerOffload.Config()).apply(m, _adamw(m)).optimizer
         return _offloaded(m, policy)[0]
 
     with copier.mode:
@@ -104,9 +108,9 @@ def test_trace_equals_track_and_weights_leave_the_device(arch, policy):
 
 def test_refuses_what_it_cannot_do():
     model, _ = tiny("gpt2")
+    offloaded = OptimizerOffload(OptimizerOffload.Config()).apply(model, _adamw(model)).optimizer
     with pytest.raises(ValueError, match="before optimizer offload"):
-        ParamOffload(ParamOffload.Config("all")).apply(
-            model, OptimizerOffload(OptimizerOffload.Config()).wrap(_adamw(model)))
+        ParamOffload(ParamOffload.Config("all")).apply(model, offloaded)
     with pytest.raises(ValueError, match="checkpoint policy"):
         ParamOffload.Config("selective")
     with pytest.raises(ValueError, match="match no submodule"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -17,6 +16,7 @@ from memfit.optimizers import IMPL_FLAGS, OptimizerRecipe
 from memfit.planner import Plan
 from memfit.runtime import Applied, Runner
 from memfit.runtime.batch_shape import BatchShapes
+from memfit.techniques import Change
 from memfit.techniques._bnb_optimizer import BnbRecipe, is_bnb, may_make_bnb
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
@@ -79,77 +79,46 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     ``replan(excess_bytes) -> Runner`` arms the Runner's OOM guard (runtime.oom_guard).
     ``planned_batch``: the batch the plan was made for; a larger one warns (batch_shape).
     ``user_step`` (``memfit.step.UserStep``): run it instead of memfit's loop, on the batch as
-    given; the plan reaches it through the block hooks and the optimizer."""
-    if knobs.offload_optimizer and knobs.precision == "bf16-pure":
-        raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
-                         "master weights would be kept twice; use bf16 autocast instead")
-    offload_params = knobs.offload_params not in (None, "none")
-    if offload_params and not knobs.offload_optimizer:
-        raise ValueError(f"offload_params={knobs.offload_params!r} needs offload_optimizer=True: "
-                         "an offloaded weight's host copy is the optimizer's fp32 host twin, "
-                         "stepped on the host (docs/techniques/parameter-offload.md)")
+    given; the plan reaches it through the block hooks and the optimizer.
+
+    Each technique's ``apply`` returns a ``Change`` (``techniques._protocol``): the optimizer,
+    ``applied``'s notes and rebuilt flag, the hooks the Runner removes and the contexts it
+    enters are read off them, in the order they were applied."""
+    _refuse(knobs)
     # refused before the model is touched (expandable_segments is read when CUDA starts)
     pools, allocator_note = apply_allocator(plan, device_type)
     low_bit = None
-    if knobs.optimizer_state not in (None, "fp32"):
-        low_bit = LowBitOptimizer(LowBitOptimizer.Config(knobs.optimizer_state))
-        recipe = low_bit.recipe(recipe)     # refuses optimizer_impl and non-Adam classes
+    if knobs.optimizer_state not in (None, "fp32"):    # refuses optimizer_impl, non-Adam classes
+        low_bit = LowBitOptimizer(LowBitOptimizer.Config(knobs.optimizer_state)) \
+            .apply(model, recipe)
+        recipe = low_bit.recipe
     elif is_bnb(recipe.instance) or may_make_bnb(recipe):   # its args, overrides kept
         recipe = BnbRecipe(recipe.spec, recipe.impl)
     tech = Precision(Precision.Config(knobs.precision or "fp32"), autocast_impl)
-    blocks, notes, rebuilt, handles = dict(plan.blocks), list(notes), False, []
+    blocks, changes = dict(plan.blocks), []
     try:
         if knobs.checkpoint not in (None, "none"):
-            # a real torch.autocast is replayed by checkpoint itself; a modelled one must be
-            # re-entered around the recompute, which runs in backward, outside the mode
-            factory = None
-            if recompute_context is not None:
-                factory = lambda: recompute_context(tech.autocast_dtype)  # noqa: E731
-            handle = Checkpoint(Checkpoint.Config(knobs.checkpoint),
-                                autocast_factory=factory).apply(model)
-            handles.append(handle)
-            blocks.update(handle.modes)
+            changes.append(Checkpoint(Checkpoint.Config(knobs.checkpoint),
+                                      autocast_factory=_recompute_factory(tech, recompute_context))
+                           .apply(model))
+            blocks.update(changes[-1].modes)
         if knobs.offload not in (None, "none"):
             # offload's hooks sit outside a checkpoint's: on a block that is also recomputed,
             # what leaves the device is the checkpoint's inputs
-            handle = Offload(Offload.Config(knobs.offload)).apply(model)
-            handles.append(handle)
-            _merge_offload(blocks, handle.modes)
+            changes.append(Offload(Offload.Config(knobs.offload)).apply(model))
+            _merge_offload(blocks, changes[-1].modes)
         if knobs.optimizer_impl is not None:
             recipe = recipe.with_impl(knobs.optimizer_impl)
-        model, optimizer = tech.apply(model, recipe, origin)
-        if knobs.optimizer_impl is not None and recipe.instance is not None and \
-                optimizer is not recipe.instance and knobs.precision != "bf16-pure":
-            rebuilt = True
-            flags = ", ".join(f"{k}={v}" for k, v in IMPL_FLAGS[knobs.optimizer_impl].items())
-            notes.append(f"optimizer_impl={knobs.optimizer_impl}: the optimizer was rebuilt "
-                         f"with {flags} (runner.optimizer); the one passed in is no longer used")
-        if knobs.precision == "bf16-pure":
-            rebuilt = True
-            notes.append("bf16-pure: the optimizer was rebuilt over fp32 master weights "
-                         "(runner.optimizer); the one passed in is no longer used")
-        if low_bit is not None:
-            rebuilt = True
-            notes.append(low_bit.note())
+        built = tech.apply(model, recipe, origin)
+        changes += [built, *_impl_rebuilt(model, knobs, recipe, built.optimizer)]
+        changes += [low_bit] if low_bit is not None else []
         if knobs.offload_optimizer:
-            if offload_params:       # it offloads the optimizer itself: its twins are the weights
-                optimizer, handle = ParamOffload(ParamOffload.Config(knobs.offload_params)) \
-                    .apply(model, optimizer)
-                handles.append(handle)
-                chosen = sum(m == Mode.OFFLOAD for m in handle.modes.values())
-                notes.append(f"offload_params: the weights of {chosen} block(s) live in host "
-                             "memory (the optimizer's host copies), fetched to the device "
-                             "before each block's forward and backward")
-            else:
-                optimizer = OptimizerOffload(OptimizerOffload.Config()).wrap(optimizer)
-            rebuilt = True
-            notes.append("offload_optimizer: the optimizer was rebuilt over fp32 host copies of "
-                         "the parameters (runner.optimizer); its state and step live in host "
-                         "memory")
+            changes.append(_offload_optimizer(model, built.optimizer, knobs))
     except BaseException:
-        for h in reversed(handles):       # leave the user's model as it was
-            h.remove()
+        for c in reversed(changes):       # leave the user's model as it was
+            c.remove()
         raise
+    optimizer = [c.optimizer for c in changes if c.optimizer is not None][-1]
     scaler = None
     if knobs.precision == "fp16":
         scaler = (scaler_class or torch.amp.GradScaler)(device_type)
@@ -159,22 +128,61 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
         scheduler = scheduler(target)
     acc = Accumulation(Accumulation.Config(knobs.micro_batch_size), count_fn)
     budget = plan.budget_bytes if budget_bytes is None else budget_bytes
-    contexts = []
     if knobs.remat:      # DTR around each effective batch, under the budget if any
-        remat = Remat(Remat.Config(budget_bytes=budget))
-        contexts.append(functools.partial(remat.session, model, optimizer))
-        notes.append("remat: blocks' saved tensors are evicted under memory pressure and "
-                     "recomputed when backward needs them (DTR)")
+        changes.append(Remat(Remat.Config(budget_bytes=budget)).apply(model, optimizer))
+    contexts = [c.context for c in changes if c.context is not None]
     if pools is not None:
         contexts.append(lambda: pools)            # leaves the last phase's pool after a step
+    notes = [*notes, *(n for c in changes for n in c.notes)]
     notes += [allocator_note] if allocator_note else []
-    applied = Applied(blocks=blocks, optimizer_rebuilt=rebuilt, budget_bytes=budget,
-                      notes=notes)
+    applied = Applied(blocks=blocks, optimizer_rebuilt=any(c.optimizer_rebuilt for c in changes),
+                      budget_bytes=budget, notes=notes)
     return Runner(model, optimizer, plan=plan, applied=applied, precision=tech,
                   accumulation=acc, loss_fn=loss_fn, scaler=scaler, scheduler=scheduler,
-                  device_type=device_type, handles=handles, contexts=contexts, replan=replan,
+                  device_type=device_type, handles=changes, contexts=contexts, replan=replan,
                   batch_shapes=None if planned_batch is None else BatchShapes(planned_batch),
                   user_step=user_step, on_phase=None if pools is None else pools.on_phase)
+
+
+def _refuse(knobs: Knobs) -> None:
+    """The combinations no technique runs yet, refused before anything is applied."""
+    if knobs.offload_optimizer and knobs.precision == "bf16-pure":
+        raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
+                         "master weights would be kept twice; use bf16 autocast instead")
+    if knobs.offload_params not in (None, "none") and not knobs.offload_optimizer:
+        raise ValueError(f"offload_params={knobs.offload_params!r} needs offload_optimizer=True: "
+                         "an offloaded weight's host copy is the optimizer's fp32 host twin, "
+                         "stepped on the host (docs/techniques/parameter-offload.md)")
+
+
+def _recompute_factory(tech: Precision, recompute_context) -> Callable | None:
+    """A real torch.autocast is replayed by checkpoint itself (None); a modelled one must be
+    re-entered around the recompute, which runs in backward, outside the mode."""
+    if recompute_context is None:
+        return None
+    return lambda: recompute_context(tech.autocast_dtype)
+
+
+def _impl_rebuilt(model: nn.Module, knobs: Knobs, recipe: OptimizerRecipe,
+                  optimizer) -> list[Change]:
+    """The ``Change`` of ``optimizer_impl`` when it rebuilt the user's optimizer instance
+    (bf16-pure's own ``Change`` says that it rebuilt it)."""
+    if knobs.optimizer_impl is None or recipe.instance is None or \
+            optimizer is recipe.instance or knobs.precision == "bf16-pure":
+        return []
+    flags = ", ".join(f"{k}={v}" for k, v in IMPL_FLAGS[knobs.optimizer_impl].items())
+    return [Change(model, optimizer_rebuilt=True,
+                   notes=(f"optimizer_impl={knobs.optimizer_impl}: the optimizer was rebuilt "
+                          f"with {flags} (runner.optimizer); the one passed in is no longer "
+                          "used",))]
+
+
+def _offload_optimizer(model: nn.Module, optimizer, knobs: Knobs) -> Change:
+    """Optimizer offload, or parameter offload, which offloads the optimizer itself (its host
+    twins are the offloaded weights)."""
+    if knobs.offload_params not in (None, "none"):
+        return ParamOffload(ParamOffload.Config(knobs.offload_params)).apply(model, optimizer)
+    return OptimizerOffload(OptimizerOffload.Config()).apply(model, optimizer)
 
 
 def _merge_offload(blocks: dict[str, Mode], modes: dict[str, Mode]) -> None:

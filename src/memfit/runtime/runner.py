@@ -92,7 +92,7 @@ class Runner:
         self.batch_shapes = batch_shapes    # the planned batch's shapes: a larger batch warns
         self.user_step = user_step          # the user's own step, run instead of Note 1's
         self.on_phase = on_phase    # run's default on_phase (the plan's allocator pools)
-        self.handles = list(handles)      # applied techniques; ``close`` removes them
+        self.handles = list(handles)      # the techniques' ``Change``s; ``close`` removes them
         # factories of context managers entered around each effective batch (e.g. DTR)
         self.contexts = list(contexts)
         # replan(excess_bytes) -> a new Runner over the same model, adopted after an OOM

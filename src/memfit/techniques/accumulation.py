@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from memfit.techniques._protocol import Change
+
 __all__ = ["Accumulation", "batch_size_of", "unwrap"]
 
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
@@ -68,6 +70,11 @@ class Accumulation:
     def __init__(self, config: "Accumulation.Config", count_fn: Callable | None = None):
         self.config = config
         self.count_fn = count_fn
+
+    def apply(self, model: nn.Module) -> Change:
+        """Nothing changes on the model or the optimizer: the Runner runs each effective batch
+        through this object (``split``, ``count``, ``sync``). An empty ``Change``."""
+        return Change(model)
 
     def split(self, batch) -> list:
         """Micro-batches: tensors whose first dimension is the batch size are cut into chunks

@@ -82,9 +82,10 @@ from torch.utils import checkpoint as _torch_checkpoint
 from memfit.measure import find_blocks
 from memfit.modes import Mode
 from memfit.techniques._blocks import check_names, resolve_policy
+from memfit.techniques._protocol import Change
 from memfit.techniques._selective import selective_contexts
 
-__all__ = ["Checkpoint", "CheckpointHandle", "CACHE_ARGS", "MODES", "SAVED_OPS"]
+__all__ = ["Checkpoint", "CACHE_ARGS", "MODES", "SAVED_OPS"]
 
 MODES = (Mode.KEEP, Mode.RECOMPUTE, Mode.SELECTIVE)
 CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")   # Note 5
@@ -196,25 +197,6 @@ def _hooks_of(block: nn.Module) -> list[_BlockHooks]:
             if isinstance(getattr(h, "__self__", None), _BlockHooks)]
 
 
-class CheckpointHandle:
-    """What ``Checkpoint.apply`` did; ``remove()`` takes every block's hooks off (Note 1),
-    ``reapply()`` puts the same checkpoint back (a new handle)."""
-
-    def __init__(self, modes: dict[str, str], hooks: list, reapply):
-        self.modes = modes                  # block name -> Mode: KEEP, RECOMPUTE or SELECTIVE
-        self._hooks = hooks                 # RemovableHandles of the blocks' hook pairs
-        self._reapply = reapply             # () -> CheckpointHandle
-
-    def remove(self) -> None:
-        for h in reversed(self._hooks):
-            h.remove()
-        self._hooks = []
-
-    def reapply(self) -> "CheckpointHandle":
-        """The same blocks, modes and autocast factory again, after ``remove()``."""
-        return self._reapply()
-
-
 class Checkpoint:
     """Recompute chosen blocks in backward instead of keeping their activations."""
 
@@ -251,11 +233,13 @@ class Checkpoint:
         """Block name -> ``Mode`` KEEP, RECOMPUTE or SELECTIVE, blocks in execution order."""
         return resolve_policy(model, self.config.policy, Mode.RECOMPUTE, "Checkpoint")
 
-    def apply(self, model: nn.Module,
-              per_block: dict[str, str] | None = None) -> CheckpointHandle:
+    def apply(self, model: nn.Module, per_block: dict[str, str] | None = None) -> Change:
         """Hook the blocks ``per_block`` (default: ``resolve(model)``) marks recompute/selective.
 
-        Everything is checked before any block is touched."""
+        Everything is checked before any block is touched. The ``Change`` has the blocks'
+        ``modes`` (KEEP, RECOMPUTE or SELECTIVE); its ``remove()`` takes every block's hooks off
+        (Note 1), its ``reapply()`` puts the same checkpoint back (same blocks, modes and
+        autocast factory)."""
         modes = self.resolve(model) if per_block is None else dict(per_block)
         bad = {n: str(m) for n, m in modes.items() if m not in MODES}
         if bad:
@@ -271,7 +255,7 @@ class Checkpoint:
             block = model.get_submodule(name)
             if _hooks_of(block):
                 raise ValueError(f"block {name!r} is already checkpointed: call remove() on the "
-                                 "handle the first apply returned before applying again")
+                                 "Change the first apply returned before applying again")
             if getattr(block, "gradient_checkpointing", False) is True:
                 raise ValueError(f"block {name!r} already has transformers' gradient "
                                  "checkpointing, so it would recompute twice: call "
@@ -284,4 +268,5 @@ class Checkpoint:
                                keep_cache=getattr(block, "_can_checkpoint_with_cache", False))
             hooks.append(block.register_forward_pre_hook(pair.pre, with_kwargs=True))
             hooks.append(block.register_forward_hook(pair.post, prepend=True, always_call=True))
-        return CheckpointHandle(modes, hooks, functools.partial(self.apply, model, modes))
+        return Change(model, modes=modes, hooks=tuple(hooks),
+                      redo=functools.partial(self.apply, model, modes))

@@ -58,10 +58,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.optimizers import OptimizerRecipe
 from memfit.techniques._bnb_optimizer import BnbStep, bnb_classes, bnb_modules
+from memfit.techniques._protocol import Change
 
 __all__ = ["LowBitOptimizer", "LowBitRecipe", "STATES", "LOW_BIT_CLASSES", "NUMERICS_NOTE",
            "state_bytes", "is_low_bit"]
@@ -245,16 +247,17 @@ class LowBitOptimizer:
     def __init__(self, config: "LowBitOptimizer.Config"):
         self.config = config
 
-    def note(self) -> str:
-        """What applying this did, for ``runner.applied.notes`` and a plan's reasons."""
+    def apply(self, model: nn.Module, recipe: OptimizerRecipe) -> Change:
+        """The ``Change``'s ``recipe`` is ``recipe`` building the low-bit optimizer instead (the
+        user's optimizer is checked now when it is an instance, else when it is first built);
+        its note says that the numerics change."""
         state = self.config.state
-        return (f"optimizer_state={state}: the optimizer was rebuilt as {LIBRARY[state]}'s "
+        note = (f"optimizer_state={state}: the optimizer was rebuilt as {LIBRARY[state]}'s "
                 f"low-bit Adam (runner.optimizer); this "
                 + NUMERICS_NOTE.format(what=_WHAT[state], lib=LIBRARY[state]))
+        return Change(model, recipe=self._recipe(recipe), optimizer_rebuilt=True, notes=(note,))
 
-    def recipe(self, recipe: OptimizerRecipe) -> "LowBitRecipe":
-        """``recipe`` building the low-bit optimizer instead (the user's optimizer is checked
-        now when it is an instance, else when it is first built)."""
+    def _recipe(self, recipe: OptimizerRecipe) -> "LowBitRecipe":
         if recipe.impl is not None:
             raise ValueError(f"optimizer_impl={recipe.impl!r} has no effect with "
                              f"optimizer_state={self.config.state!r}: "
@@ -330,7 +333,7 @@ class LowBitRecipe(OptimizerRecipe):
 
     def with_impl(self, impl):
         if impl is not None:
-            self.technique.recipe(OptimizerRecipe(self.spec, impl))     # raises
+            self.technique._recipe(OptimizerRecipe(self.spec, impl))     # raises
         return self
 
     def optimizer_class(self, params):

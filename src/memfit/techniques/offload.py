@@ -49,7 +49,7 @@ order, never through ``record_stream`` (whose lazy events let memory pile up whi
 ahead of the GPU): a saved tensor being copied out is held until its block's forward ends, when
 the compute stream waits for the side stream; a copy back is allocated on the compute stream,
 which waits on its event before using or dropping it. Elsewhere (CPU, fakes) copies are
-synchronous; for real tensors a warning says so once per handle.
+synchronous; for real tensors a warning says so once per apply.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ from memfit.modes import Mode
 from memfit.techniques._blocks import check_names, resolve_policy
 from memfit.techniques._offload_pool import (OffloadStats, _flat, _HostPool, _is_wrapper,
                                              _same_view, default_copy)
+from memfit.techniques._protocol import Change
 
-__all__ = ["Offload", "OffloadHandle", "OffloadStats", "MODES", "default_copy"]
+__all__ = ["Offload", "OffloadStats", "MODES", "default_copy"]
 
 MODES = (Mode.KEEP, Mode.OFFLOAD)
 
@@ -111,7 +112,7 @@ class _Outer:
 
 @dataclass(eq=False)
 class _Swapper:
-    """The runtime of one handle: module hooks, pack/unpack, pool, dedup map, prefetch."""
+    """The runtime of one apply: module hooks, pack/unpack, pool, dedup map, prefetch."""
 
     model: nn.Module
     config: "Offload.Config"
@@ -285,27 +286,6 @@ class _Swapper:
         return torch.cuda.stream(self._side(device))
 
 
-class OffloadHandle:
-    """What ``Offload.apply`` did: ``modes``, live ``stats``; ``remove()`` takes the hooks off
-    (saves already offloaded still come back in their backward); ``reapply()`` puts the same
-    offload back (a new handle, with new stats)."""
-
-    def __init__(self, modes: dict[str, str], stats: OffloadStats, hooks: list, reapply):
-        self.modes = modes                  # block name -> Mode.KEEP or Mode.OFFLOAD
-        self.stats = stats
-        self._hooks = hooks
-        self._reapply = reapply             # () -> OffloadHandle
-
-    def reapply(self) -> "OffloadHandle":
-        """The same blocks, config and copies again, after ``remove()``."""
-        return self._reapply()
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-
 class Offload:
     """Keep what chosen blocks save for backward in host memory until backward needs it."""
 
@@ -336,10 +316,13 @@ class Offload:
         """Block name -> ``Mode.KEEP`` or ``Mode.OFFLOAD``, blocks in execution order."""
         return resolve_policy(model, self.config.policy, Mode.OFFLOAD, "Offload")
 
-    def apply(self, model: nn.Module, per_block: dict[str, str] | None = None) -> OffloadHandle:
+    def apply(self, model: nn.Module, per_block: dict[str, str] | None = None) -> Change:
         """Hook the blocks ``per_block`` (default: ``resolve(model)``) marks ``Mode.OFFLOAD``.
 
-        Everything is checked before any block is touched."""
+        Everything is checked before any block is touched. The ``Change`` has the blocks'
+        ``modes`` (KEEP or OFFLOAD) and live ``stats``; its ``remove()`` takes the hooks off
+        (saves already offloaded still come back in their backward), its ``reapply()`` puts the
+        same offload back (same blocks, config and copies, new stats)."""
         modes = self.resolve(model) if per_block is None else dict(per_block)
         bad = {n: str(m) for n, m in modes.items() if m not in MODES}
         if bad:
@@ -356,14 +339,14 @@ class Offload:
             if any(isinstance(getattr(h, "__self__", None), _Swapper)
                    for h in block._forward_pre_hooks.values()):
                 raise ValueError(f"block {name!r} is already offloaded: call remove() on the "
-                                 "handle the first apply returned before applying again")
+                                 "Change the first apply returned before applying again")
         swapper = _Swapper(model, self.config, self.copy_to_host, self.copy_to_device)
         hooks = []
         for block in blocks:
             hooks.append(block.register_forward_pre_hook(swapper.enter, prepend=True))
             hooks.append(block.register_forward_hook(swapper.exit, always_call=True))
-        return OffloadHandle(modes, swapper.stats, hooks,
-                             functools.partial(self.apply, model, modes))
+        return Change(model, modes=modes, stats=swapper.stats, hooks=tuple(hooks),
+                      redo=functools.partial(self.apply, model, modes))
 
 
 def _check_policy(p) -> None:

@@ -47,8 +47,12 @@ from memfit.measure import host_allocations
 from memfit.measure._counting import register_host_owner
 from memfit.optimizers import rebuild_optimizer
 from memfit.techniques._bnb_optimizer import is_bnb, rebuild_bnb
+from memfit.techniques._protocol import Change
 
 __all__ = ["OptimizerOffload", "OffloadedOptimizer"]
+
+_NOTE = ("offload_optimizer: the optimizer was rebuilt over fp32 host copies of the "
+         "parameters (runner.optimizer); its state and step live in host memory")
 
 Copy = Callable[[torch.Tensor, torch.Tensor], None]    # (dst, src) -> None, in place
 _warned_unpinned = False
@@ -60,7 +64,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``build(twins) -> Optimizer`` makes ``inner``, the user's optimizer over the twins of
     ``params``; ``params``/``host_params``: the device parameters it holds and their twins, in
     the same order. ``state`` is the inner state keyed by device parameter. Made by
-    ``OptimizerOffload.wrap``.
+    ``OptimizerOffload.apply``.
     """
 
     def __init__(self, params: Iterable[torch.Tensor],
@@ -249,34 +253,30 @@ class OptimizerOffload:
         self.copy_to_host = copy_to_host
         self.copy_to_device = copy_to_device
 
-    def wrap(self, optimizer, params: Iterable[torch.Tensor] | None = None):
-        """Offload ``optimizer``: an instance over the device parameters (rebuilt over the
-        twins; any state it has is carried over), or a factory ``params -> Optimizer`` with
-        the device ``params``. Disabled: the optimizer itself (the factory's, over ``params``)."""
+    def apply(self, model: nn.Module, optimizer) -> Change:
+        """Offload ``optimizer``: an instance over ``model``'s device parameters (rebuilt over
+        the twins; any state it has is carried over), or a factory ``params -> Optimizer``,
+        called with the model's trainable parameters. The ``Change``'s ``optimizer`` is the
+        ``OffloadedOptimizer`` to step; disabled, the optimizer itself (the factory's)."""
         if isinstance(optimizer, torch.optim.Optimizer):
-            if params is not None:
-                raise ValueError("pass params only with a factory: an optimizer instance "
-                                 "already holds its parameters")
             if isinstance(optimizer, OffloadedOptimizer):
                 raise ValueError("the optimizer is already offloaded")
             if not self.config.enabled:
-                return optimizer
+                return Change(model, optimizer=optimizer)
             params = [p for g in optimizer.param_groups for p in g["params"]]
             build = lambda twins: _rebuild(optimizer, params, twins)   # noqa: E731
         elif callable(optimizer):
-            if params is None:
-                raise ValueError("a factory params -> Optimizer needs the device params: "
-                                 "wrap(factory, model.parameters())")
-            params = [p for p in params if p.requires_grad]
+            params = [p for p in model.parameters() if p.requires_grad]
             if not self.config.enabled:
-                return optimizer(params)
+                return Change(model, optimizer=optimizer(params))
             build = optimizer
         else:
-            raise ValueError("OptimizerOffload.wrap takes a torch.optim.Optimizer or a factory "
+            raise ValueError("OptimizerOffload.apply takes a torch.optim.Optimizer or a factory "
                              f"params -> Optimizer; got {type(optimizer).__name__}")
-        return OffloadedOptimizer(params, build, chunk_bytes=self.config.chunk_bytes,
-                                  copy_to_host=self.copy_to_host,
-                                  copy_to_device=self.copy_to_device)
+        wrapped = OffloadedOptimizer(params, build, chunk_bytes=self.config.chunk_bytes,
+                                     copy_to_host=self.copy_to_host,
+                                     copy_to_device=self.copy_to_device)
+        return Change(model, optimizer=wrapped, optimizer_rebuilt=True, notes=(_NOTE,))
 
 
 def _rebuild(optimizer: torch.optim.Optimizer, params: list, twins: list) -> torch.optim.Optimizer:

@@ -70,10 +70,11 @@ from memfit.measure import find_blocks
 from memfit.modes import Mode
 from memfit.techniques._blocks import check_names, resolve_policy
 from memfit.techniques._offload_pool import _same_view
+from memfit.techniques._protocol import Change
 from memfit.techniques.offload import _Swapper
 from memfit.techniques.optimizer_offload import OffloadedOptimizer, OptimizerOffload
 
-__all__ = ["ParamOffload", "ParamOffloadHandle", "ParamOffloadStats"]
+__all__ = ["ParamOffload", "ParamOffloadStats"]
 
 @dataclass
 class ParamOffloadStats:
@@ -105,7 +106,7 @@ class _Other:
 
 @dataclass(eq=False)
 class _Fetcher:
-    """The runtime of one handle: module hooks, saved-tensor hooks, fetch and release."""
+    """The runtime of one apply: module hooks, saved-tensor hooks, fetch and release."""
 
     twin_of: dict[int, torch.Tensor]          # id(param) -> its host twin
     params_of: dict[str, list[nn.Parameter]]  # block name -> its offloaded parameters
@@ -117,7 +118,7 @@ class _Fetcher:
     _storage: dict = field(default_factory=dict)  # storage _cdata -> param, while fetched
     _contexts: list = field(default_factory=list)
     _block_of: dict = field(default_factory=dict)  # id(param) -> its block
-    active: bool = True                            # False once the handle is removed
+    active: bool = True                            # False once the Change is removed
     # what pack returned for a save that is not a parameter's -> its block (Note 3)
     _save_block: dict = field(default_factory=dict)   # id -> (weakref, block)
 
@@ -241,31 +242,6 @@ class _Fetcher:
         self.release(p)
 
 
-class ParamOffloadHandle:
-    """What ``ParamOffload.apply`` did: ``modes`` (block -> ``Mode`` KEEP or OFFLOAD), live
-    ``stats``; ``remove()`` fetches every weight back and takes the hooks off (the optimizer
-    stays offloaded and copies updated weights back again); ``reapply()`` puts the same
-    offload back (a new handle)."""
-
-    def __init__(self, modes: dict[str, str], fetcher: _Fetcher, hooks: list, reapply):
-        self.modes = modes
-        self.stats = fetcher.stats
-        self._fetcher = fetcher
-        self._hooks = hooks
-        self._reapply = reapply             # () -> ParamOffloadHandle
-
-    def reapply(self) -> "ParamOffloadHandle":
-        return self._reapply()
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self._fetcher.active = False
-        for name in self._fetcher.params_of:
-            self._fetcher.fetch(name)
-
-
 class ParamOffload:
     """Keep the weights of chosen blocks on the host between uses (Notes 1-5)."""
 
@@ -294,20 +270,27 @@ class ParamOffload:
         """Block name -> ``Mode.KEEP`` or ``Mode.OFFLOAD``, blocks in execution order."""
         return resolve_policy(model, self.config.policy, Mode.OFFLOAD, "ParamOffload")
 
-    def apply(self, model: nn.Module, optimizer, offload: "OptimizerOffload.Config | None" = None
-              ) -> tuple:
+    def apply(self, model: nn.Module, optimizer,
+              offload: "OptimizerOffload.Config | None" = None) -> Change:
         """Offload ``optimizer`` (a torch optimizer over ``model``'s parameters, not yet
-        offloaded) with ``OptimizerOffload(offload)`` and hook the chosen blocks of ``model``:
-        returns ``(offloaded optimizer, ParamOffloadHandle)``. Everything is checked before
-        the model is touched."""
+        offloaded) with ``OptimizerOffload(offload)`` and hook the chosen blocks of ``model``.
+        Everything is checked before the model is touched. The ``Change``'s ``optimizer`` is
+        the offloaded one, ``stats`` live counters; ``modes`` is empty (the blocks' saved
+        activations are as they were: ``resolve`` says whose weights are offloaded). Its
+        ``remove()`` takes the hooks off and fetches every weight back (the optimizer stays
+        offloaded and copies updated weights back again); ``reapply()`` offloads them again."""
         if isinstance(optimizer, OffloadedOptimizer) or not isinstance(
                 optimizer, torch.optim.Optimizer):
             raise ValueError("ParamOffload.apply takes the optimizer before optimizer offload "
                              "(it offloads it itself, param_offload Note 1)")
         pending = self._prepare(model)
-        wrapped = OptimizerOffload(offload or OptimizerOffload.Config(),
-                                   copy_to_device=pending.copy_to_device).wrap(optimizer)
-        return wrapped, pending.attach(wrapped)
+        offloaded = OptimizerOffload(offload or OptimizerOffload.Config(),
+                                     copy_to_device=pending.copy_to_device).apply(model, optimizer)
+        chosen = sum(m == Mode.OFFLOAD for m in pending.modes.values())
+        note = (f"offload_params: the weights of {chosen} block(s) live in host memory (the "
+                "optimizer's host copies), fetched to the device before each block's forward "
+                "and backward")
+        return pending.attach(offloaded.optimizer, (note, *offloaded.notes))
 
     def _prepare(self, model: nn.Module) -> "_Pending":
         modes = self.resolve(model)
@@ -341,7 +324,7 @@ class _Pending:
         else:
             self._fetcher.copy_to_device(dst, src)
 
-    def attach(self, optimizer) -> ParamOffloadHandle:
+    def attach(self, optimizer, notes: tuple[str, ...]) -> Change:
         twin_of = {id(p): h for p, h in zip(optimizer.params, optimizer.host_params)}
         blocks = {n: self.model.get_submodule(n) for n in self.chosen}
         params_of = {}
@@ -368,5 +351,14 @@ class _Pending:
                 fetcher._resident.add(id(p))         # valid until the first release
                 fetcher._storage[p.untyped_storage()._cdata] = p
         self._fetcher = fetcher
-        return ParamOffloadHandle(self.modes, fetcher, hooks,
-                                  functools.partial(self.attach, optimizer))
+        return Change(self.model, optimizer=optimizer, optimizer_rebuilt=True, notes=notes,
+                      stats=fetcher.stats, hooks=tuple(hooks),
+                      on_remove=functools.partial(_fetch_back, fetcher),
+                      redo=functools.partial(self.attach, optimizer, notes))
+
+
+def _fetch_back(fetcher: _Fetcher) -> None:
+    """After the hooks are off: every weight back on the device, for good (Note 1)."""
+    fetcher.active = False
+    for name in fetcher.params_of:
+        fetcher.fetch(name)

@@ -17,10 +17,14 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memfit.knobs import PRECISIONS
+from memfit.optimizers import OptimizerRecipe
+from memfit.techniques._protocol import Change
 
 __all__ = ["Precision", "MasterWeightsOptimizer", "cast_floating"]
 
 _AUTOCAST_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_PURE_NOTE = ("bf16-pure: the optimizer was rebuilt over fp32 master weights (runner.optimizer); "
+              "the one passed in is no longer used")
 
 
 class MasterWeightsOptimizer:
@@ -110,18 +114,21 @@ class Precision:
         return tree_map(lambda x: x.to(torch.bfloat16)
                         if isinstance(x, torch.Tensor) and x.is_floating_point() else x, batch)
 
-    def apply(self, model: nn.Module, recipe, origin: list[torch.Tensor] | None = None):
-        """Return ``(model, optimizer)``, the optimizer built by ``recipe`` (an
-        ``OptimizerRecipe``) over the model's trainable parameters, which replace ``origin``
-        (default: themselves). bf16-pure casts ``model`` in place (Note 1)."""
+    def apply(self, model: nn.Module, recipe: OptimizerRecipe,
+              origin: list[torch.Tensor] | None = None) -> Change:
+        """Build the optimizer by ``recipe`` over the model's trainable parameters, which
+        replace ``origin`` (default: themselves): the ``Change``'s ``optimizer``. bf16-pure
+        casts ``model`` in place (Note 1; ``remove()`` does not cast it back) and rebuilds the
+        optimizer over the fp32 master weights."""
         trainable = [p for p in model.parameters() if p.requires_grad]
         origin = trainable if origin is None else origin
         if self.config.mode != "bf16-pure":
-            return model, recipe.build(trainable, origin)
+            return Change(model, optimizer=recipe.build(trainable, origin))
         masters = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in trainable]
         inner = recipe.build(masters, origin)     # first: if it fails, the model is untouched
         new = cast_floating(model, torch.bfloat16)
-        return model, MasterWeightsOptimizer([new[id(p)] for p in trainable], masters, inner)
+        optimizer = MasterWeightsOptimizer([new[id(p)] for p in trainable], masters, inner)
+        return Change(model, optimizer=optimizer, optimizer_rebuilt=True, notes=(_PURE_NOTE,))
 
 
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> dict[int, torch.Tensor]:

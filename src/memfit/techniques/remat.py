@@ -100,6 +100,7 @@ session), counted from their first use by an op.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -110,6 +111,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from memfit.measure import Tracker, find_blocks
 from memfit.measure._counting import CountingMode
+from memfit.techniques._protocol import Change
 from memfit.techniques._remat_budget import count_live_storages, cuda_fraction
 from memfit.techniques._remat_evict import Eviction, RematBudgetTooSmall, RematStats, new_bytes
 from memfit.techniques._remat_hooks import BlockHooks, PressureMode
@@ -119,6 +121,8 @@ from memfit.units import format_bytes
 __all__ = ["Remat", "RematSession", "RematStats", "RematBudgetTooSmall"]
 
 log = logging.getLogger("memfit.remat")
+_NOTE = ("remat: blocks' saved tensors are evicted under memory pressure and recomputed when "
+         "backward needs them (DTR)")
 
 
 class RematSession(Eviction):
@@ -347,3 +351,10 @@ class Remat:
     def session(self, model: nn.Module | None = None, optimizer=None) -> RematSession:
         """A context manager; without ``model`` the first module called inside is the model."""
         return RematSession(self.config, model, optimizer)
+
+    def apply(self, model: nn.Module, optimizer=None) -> Change:
+        """Nothing is hooked now: the ``Change``'s ``context`` opens a ``session`` over
+        ``model`` (and ``optimizer``, whose state the budget counts), entered around each
+        effective batch; the blocks are evictable inside it only (Note 7)."""
+        return Change(model, notes=(_NOTE,),
+                      context=functools.partial(self.session, model, optimizer))
