@@ -69,7 +69,7 @@ def reduce_scatter_in_place(model) -> None:
 def measure(model, batch, optimizer, config: Sharding.Config, mesh, knobs: dict) -> dict:
     """Shard ``model``, run two steps, then measure the next: the steady state (DDP rebuilds
     its buckets at step 2, ``api._rank_layout`` Note 4)."""
-    sharded = Sharding(config).apply(model, mesh)
+    sharded = Sharding(config).apply(model, mesh).model
     if config.kind == "fsdp":
         comm = in_place_reduce_scatter()
         for m in sharded.modules():

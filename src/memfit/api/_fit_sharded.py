@@ -114,7 +114,7 @@ def _apply(model, optimizer, plan: Plan, loss_fn, count_fn, scheduler, replan=No
     config = Sharding.Config(kind=pk.sharding, reshard_after_forward=True
                              if pk.reshard_after_forward is None else pk.reshard_after_forward,
                              offload=bool(pk.fsdp_offload), mp_policy=pk.mp_policy)
-    sharded = Sharding(config).apply(model, mesh)
+    sharded = Sharding(config).apply(model, mesh).model
     rest = Knobs(**{n: v for n, v in pk.to_dict().items() if n not in _SHARD})
     factory = scheduler if callable(scheduler) else None
     guard = ("OOM guard: ranks agree on a new plan at the optimizer step, and an "

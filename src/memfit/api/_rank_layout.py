@@ -140,7 +140,7 @@ class RankLayout:
         mesh = stack.enter_context(fake_process_group(self.world_size, self.rank))
         ddp = self.config.kind == "ddp"
         with copier.mode if ddp else contextlib.nullcontext():
-            sharded = Sharding(self.config).apply(fake_model, mesh, init_sync=False)
+            sharded = Sharding(self.config).apply(fake_model, mesh, init_sync=False).model
         if ddp:
             trace_ddp_hook(sharded)
         return sharded

@@ -151,7 +151,7 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
         check_batch(model, batch, loss_fn)
     batch_size_of(batch)
 
-    # memfit's CUDA models are not applied to a sharded rank yet (api._rank_layout Note 2)
+    # memfit's CUDA models are not applied to a sharded rank yet (api._rank_layout says why)
     cuda = CudaModel(spec, allocator) if spec.kind == "cuda" and layout is None else None
     replay = cuda is not None and allocator_replay
     with contextlib.ExitStack() as stack:     # a rank's fake process group, until counted
@@ -186,7 +186,7 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
 
         # steady state: optimizer state exists (and, under fp16, the scaler's scale: a warm-up
         # without a step, scaler); for a GPU, two whole steps for the allocator's history
-        # (cuda); a rank, one micro-batch (api._rank_layout Notes 4, 6). A user step always
+        # (cuda); a rank, one micro-batch (RankLayout.warm_up). A user step always
         # runs twice (_user_step)
         warm_up = None
         if layout is not None:

@@ -16,12 +16,17 @@ state stay fp32 -- torchtitan's default. No autocast is needed on top.
 
 Note 3 (DDP). ``kind="ddp"`` wraps the model in ``DistributedDataParallel``: every rank holds
 the whole model, its gradients and optimizer state, plus the reducer's gradient buckets
-(``bucket_cap_mb``, the reducer allocates them itself). ``apply`` returns the wrapper; the
-model's parameters are the wrapper's.
+(``bucket_cap_mb``, the reducer allocates them itself). The ``Change``'s model is the
+wrapper; the model's parameters are the wrapper's.
 
 The mesh is given by the caller (the real default group's, or a fake one for a trace,
 ``memfit.trace.sharded``), built outside any ``FakeTensorMode``: ``DeviceMesh`` reads its rank
 list back as Python ints, which a fake tensor cannot give.
+
+Note 4 (what ``remove`` undoes). ``apply`` returns a ``Change`` (``techniques._protocol``) with
+no hooks of memfit's: DDP's are inside its wrapper (train the model passed in, not the wrapper,
+and none of them run), and FSDP2's ``fully_shard`` changes the model's class and parameters in
+place, which PyTorch offers no way to undo.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 from torch import nn
 
 from memfit.measure import find_blocks
+from memfit.techniques._protocol import Change
 
 __all__ = ["Sharding", "KINDS", "MP_POLICIES"]
 
@@ -69,15 +75,19 @@ class Sharding:
     def __init__(self, config: Config | None = None):
         self.config = config or Sharding.Config()
 
-    def apply(self, model: nn.Module, mesh, *, init_sync: bool = True) -> nn.Module:
-        """Shard ``model`` in place over ``mesh`` (FSDP2), or wrap it (DDP); return the model
-        to train (the DDP wrapper, or ``model`` itself). ``init_sync=False``: DDP skips its
-        start-up check and broadcast of the parameters (a trace's fakes have no values)."""
+    def apply(self, model: nn.Module, mesh, *, init_sync: bool = True) -> Change:
+        """Shard ``model`` in place over ``mesh`` (FSDP2), or wrap it (DDP). The ``Change``'s
+        model is the one to train (the DDP wrapper, or ``model`` itself); ``remove()`` has
+        nothing to take off (DDP: drop the wrapper; FSDP2's sharding stays, Note 4).
+        ``init_sync=False``: DDP skips its start-up check and broadcast of the parameters (a
+        trace's fakes have no values)."""
         c = self.config
         if c.kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
-            return DistributedDataParallel(model, process_group=mesh.get_group(),
-                                           bucket_cap_mb=c.bucket_cap_mb, init_sync=init_sync)
+            ddp = DistributedDataParallel(model, process_group=mesh.get_group(),
+                                          bucket_cap_mb=c.bucket_cap_mb, init_sync=init_sync)
+            return Change(model=ddp, notes=(f"DDP over {mesh.size()} ranks, gradient buckets "
+                                            f"of {c.bucket_cap_mb} MiB",))
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         kwargs = {"mesh": mesh, "reshard_after_forward": c.reshard_after_forward}
         if c.mp_policy == "bf16":
@@ -93,4 +103,5 @@ class Sharding:
         for name in blocks:                    # Note 1
             fully_shard(model.get_submodule(name), **kwargs)
         fully_shard(model, **kwargs)
-        return model
+        return Change(model=model, notes=(f"FSDP2 over {mesh.size()} ranks: fully_shard on "
+                                          f"{len(blocks)} blocks and at the root",))
