@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from memfit.zoo._registry import get
+from memfit.zoo._hub import is_hub_id
+from memfit.zoo._registry import find
 
 __all__ = ["check_model"]
 
@@ -21,13 +22,17 @@ def check_model(model, what: str = "model") -> None:
     if isinstance(model, nn.Module):
         return
     if isinstance(model, str):
-        try:
-            get(model)
+        if find(model) is not None:
             how = (f"spec = memfit.zoo.get({model!r}); model = spec.build(device='meta') (random "
                    "weights, no memory); batch = spec.make_batch(model, 8)")
-        except ValueError:
+        elif is_hub_id(model):
+            how = (f"spec = memfit.zoo.from_pretrained_config({model!r}) (reads its config.json "
+                   "only); model = spec.build(device='meta') (random weights, no memory); "
+                   "batch = spec.make_batch(model, 8)")
+        else:
             how = ("memfit.zoo.names() lists the built-in models (memfit.zoo.get(name).build()), "
-                   "memfit.zoo.from_config_file(path) reads a Hugging Face config.json")
+                   "memfit.zoo.from_config_file(path) reads a Hugging Face config.json, "
+                   "memfit.zoo.from_pretrained_config('org/name') a hub model's")
         raise ValueError(f"{what} must be a torch.nn.Module, got the name {model!r}: {how}")
     raise ValueError(f"{what} must be a torch.nn.Module (e.g. a transformers model), got "
                      f"{type(model).__name__}")

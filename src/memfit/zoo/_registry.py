@@ -19,7 +19,7 @@ from transformers import (BertConfig, CLIPConfig, ConvNextConfig, DebertaV2Confi
 
 from memfit.zoo._spec import ModelSpec
 
-__all__ = ["get", "names"]
+__all__ = ["find", "get", "names"]
 
 
 def _encoder_tasks(prefix: str) -> dict[str, str]:
@@ -282,16 +282,22 @@ def names() -> list[str]:
     return [spec.name for spec in _SPECS]
 
 
+def find(name: str) -> ModelSpec | None:
+    """The built-in spec called ``name`` (canonical name or alias, case-insensitive), or ``None``."""
+    return _BY_NAME.get(str(name).strip().lower())
+
+
 def get(name: str) -> ModelSpec:
     """The built-in spec called ``name`` (canonical name or alias, case-insensitive)."""
-    key = str(name).strip().lower()
-    spec = _BY_NAME.get(key)
+    spec = find(name)
     if spec is None:
+        key = str(name).strip().lower()
         close = difflib.get_close_matches(key, list(_BY_NAME), n=5, cutoff=0.5)
         suggestions = list(dict.fromkeys(_BY_NAME[c].name for c in close))[:3]  # canonical, deduplicated
         hint = f" Did you mean {', '.join(map(repr, suggestions))}?" if suggestions else ""
         raise ValueError(
             f"unknown model {name!r}.{hint} memfit.zoo.names() lists the built-in models; "
-            "memfit.zoo.from_config_file(path) reads any Hugging Face config.json."
+            "memfit.zoo.from_config_file(path) reads any Hugging Face config.json, and "
+            "memfit.zoo.from_pretrained_config('org/name') a hub model's."
         )
     return spec
