@@ -30,10 +30,17 @@ def add_model_args(p: argparse.ArgumentParser, batch_size: int = 8,
     g = p.add_argument_group("model and batch")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, metavar="NAME",
-                     help=f"a built-in model (default: {DEFAULT_MODEL}); list them with "
-                          "`memfit models`")
+                     help=f"a built-in model (default: {DEFAULT_MODEL}; list them with "
+                          "`memfit models`), a Hugging Face config.json or a folder holding one, "
+                          "or a hub id ORG/NAME such as meta-llama/Llama-3.1-8B, read in that "
+                          "order: a built-in name first, then an existing path, then the hub. "
+                          "A hub id reads only its config.json (weights are random), from the "
+                          "local Hugging Face cache first; HF_HUB_OFFLINE=1 keeps to the cache")
     src.add_argument("--config", default=None, metavar="PATH",
                      help="a Hugging Face config.json (or a folder holding one) instead of --model")
+    g.add_argument("--revision", default=None, metavar="REV",
+                   help="with a hub id in --model: the branch, tag or commit hash whose "
+                        "config.json to read (default: main)")
     g.add_argument("--task", default=None,
                    help="training head, e.g. sequence-classification, causal-lm, masked-lm "
                         "(default: the model's usual one; `memfit models` lists each model's)")
@@ -192,8 +199,12 @@ def build_model(args):
     from memfit.cli._adapt import apply_freeze, apply_lora
 
     _quiet_transformers()
+    revision = getattr(args, "revision", None)
+    if args.config and revision is not None:
+        raise ValueError(f"--revision {revision} picks a commit of a hub repo; --config reads "
+                         "a local file as it is: drop --revision, or give the hub id as --model")
     spec = zoo.from_config_file(args.config, task=args.task) if args.config else \
-        zoo.get(args.model or DEFAULT_MODEL)
+        zoo.resolve(args.model or DEFAULT_MODEL, revision=revision, task=args.task)
     spec.check_task(args.task)
     model = spec.build(args.task, device="meta")
     if getattr(args, "lora_rank", None):

@@ -33,6 +33,7 @@ _PHRASES = {
     "memfit.zoo.names()": "`memfit models`",
     "memfit.devices.list_devices()": "`memfit gpus`",
     "memfit.zoo.from_config_file(path)": "--config PATH",
+    "memfit.zoo.from_pretrained_config('org/name')": "--model ORG/NAME",
     "memfit.largest_fitting(..., lever='seq_len')": "--seq-len auto",
     "memfit.largest_fitting(..., lever='batch_size')": "--batch-size auto",
     "requires_grad=False": "--freeze PATTERN",
