@@ -1,8 +1,8 @@
 """``fit(trainer, budget)`` against the whole of a real ``trainer.train()``, counted by a
 live-storage counter that is not ``memfit.track`` (issue 26 item 1).
 
-The oracle. ``LiveBytes`` is a dispatch mode written here: every CPU storage an op reads or
-returns is counted from the first time it is seen until it dies (a weak finalizer), and the
+The oracle. ``LiveBytes`` (``tests/live_bytes.py``) is a dispatch mode written for the tests:
+every CPU storage an op reads or returns is counted from the first time it is seen until it dies (a weak finalizer), and the
 peak is taken over the whole of ``train()``, its first step (where the optimizer state is
 made) included. memfit's host memory does not count against a budget (DESIGN: on CPU, live
 storages except memfit's host pool): the storages born inside ``host_allocations`` and those an
@@ -18,58 +18,16 @@ read, 1.05x and 1.09x the budget where the device held the predicted bytes.
 
 import gc
 import tempfile
-import weakref
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from transformers import Trainer, TrainingArguments, set_seed
 
 import memfit
 from memfit.integrations import transformers as mf_hf
-from memfit.measure._counting import host_allocations_open
+from tests.live_bytes import LiveBytes
 
 SEQ, SAMPLES = 32, 48
-
-
-class LiveBytes(TorchDispatchMode):
-    """Live CPU storage bytes over a region and their peak; host ones apart."""
-
-    def __init__(self, host_tensors=()):
-        super().__init__()
-        self.live: dict[int, tuple[int, bool]] = {}
-        self.device_bytes = self.peak_bytes = 0
-        for t in host_tensors:
-            self._see(t.untyped_storage(), host=True)
-
-    def _see(self, st, host: bool) -> None:
-        key = st._cdata
-        if key in self.live:
-            return
-        self.live[key] = (st.nbytes(), host)
-        if not host:
-            self.device_bytes += st.nbytes()
-            self.peak_bytes = max(self.peak_bytes, self.device_bytes)
-        weakref.finalize(st, self._gone, key)
-
-    def _gone(self, key: int) -> None:
-        nbytes, host = self.live.pop(key)
-        if not host:
-            self.device_bytes -= nbytes
-
-    def _count(self, tree) -> None:
-        for x in tree_leaves(tree):
-            if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) and \
-                    x.device.type == "cpu":
-                self._see(x.untyped_storage(), host_allocations_open())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self._count((args, kwargs))
-        out = func(*args, **(kwargs or {}))
-        self._count(out)
-        return out
 
 
 def encoder_and_rows():

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 from memfit.errors import OutOfMemory
 from memfit.measure import _ledger as L
 from memfit.measure._bnb_kernels import cpu_kernels
+from memfit.measure.attached import attached_tensors, module_tensors
 from memfit.measure._storage_resize import resizes_counted
 from memfit.measure._counting import (CountingMode, allocates_and_writes, host_allocations,
                                       written_args, registered_host_tensors)
@@ -215,10 +216,15 @@ class Tracker:
         if self.model is not None:
             for p in self.model.parameters():
                 led.mark_tensor(p, L.PARAMS, entry=entry)
+                for t in attached_tensors(p):     # a quantized weight's scales
+                    led.mark_tensor(t, L.PARAMS, entry=entry)
                 if p.grad is not None:
                     led.mark_tensor(p.grad, L.GRADS, entry=entry)
             for b in self.model.buffers():
                 led.mark_tensor(b, L.OTHER, entry=entry)
+            for m in self.model.modules():        # Linear8bitLt.state's CB and SCB
+                for t in module_tensors(m):
+                    led.mark_tensor(t, L.PARAMS, entry=entry)
         if self.optimizer is not None:
             self._mark_optimizer(entry)
 

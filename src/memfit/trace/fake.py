@@ -3,8 +3,10 @@
 Note 1 (the copy). The model is deep-copied with its parameters and buffers pre-seeded in the
 deepcopy memo by their fake counterparts, so the copy shares nothing with the user's model,
 tied parameters stay tied (one object, one fake), hooks and config come along, and no real
-tensor data is duplicated. Real tensors become fakes with ``from_tensor`` (storage size and
-sharing kept); ``meta`` tensors become fakes on ``device`` with the same shape and strides.
+tensor data is duplicated. Real tensors become fakes with ``from_tensor`` (sharing kept), each
+fake storage then grown to the real storage's size: ``from_tensor`` sizes a storage by the
+extent the tensor reaches, and a tensor may sit in a larger one (torchao's ``NF4Tensor`` keeps
+its ``quantization_factor``, one value, in a storage of 256); ``meta`` tensors become fakes on ``device`` with the same shape and strides.
 The real values of the model's parameters and buffers are kept for the scalar reads an
 optimizer makes of them (``DataValues.link_weight``: scalar reads only, never written).
 
@@ -18,6 +20,14 @@ of the trace as the real tensor would be copied, in the trace's mode: a paramete
 any other tensor as ``Tensor.__deepcopy__`` does (its whole storage copied once per deep copy,
 views re-made on it, its gradient and attributes copied), so the counter counts the bytes the
 real copy allocates.
+
+Note 3 (a quantized weight's state). A bitsandbytes ``Params4bit`` or ``Int8Params`` keeps its
+scales in attributes (``quant_state``, ``SCB``: ``memfit.measure.attached``). Its fake is a
+plain ``nn.Parameter`` (a fake cannot also be that subclass) given the same attributes with
+fake tensors, so bitsandbytes' own modules run on it: ``Linear4bit.forward`` finds the weight's
+``quant_state`` and calls ``matmul_4bit``, whose ops have fake kernels in bitsandbytes. Tensors a
+module holds outside its parameters and buffers (``Linear8bitLt.state.CB``/``SCB``) are faked
+into the deep copy's memo the same way, after the weights, whose storage they may share.
 """
 
 from __future__ import annotations
@@ -28,9 +38,11 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map
 
 import memfit.trace.fake_kernels  # noqa: F401  (registers fake kernels for ops without one)
+from memfit.measure.attached import attached, module_tensors
 from memfit.trace.data_dependent import DataValues
 
 __all__ = ["FakeCopier", "FakeDeepcopyMode"]
@@ -61,10 +73,14 @@ class FakeCopier:
             fake.requires_grad_(True)
         self.data.offer(fake, t)
         self._memo[id(t)] = fake
+        for name, value in attached(t, self.tensor).items():      # Note 3
+            setattr(fake, name, value)
         return fake
 
     def _from_real(self, t: torch.Tensor) -> torch.Tensor:
-        return self.mode.from_tensor(t)
+        fake = self.mode.from_tensor(t)
+        _whole_storages(fake, t)
+        return fake
 
     def tree(self, obj):
         """Fake every tensor in a pytree (dicts, lists, tuples); leave other leaves alone."""
@@ -78,6 +94,10 @@ class FakeCopier:
                 if t is not None:
                     memo[id(t)] = self.tensor(t)
                     self.data.link_weight(memo[id(t)], t.detach())
+        for m in model.modules():             # after the weights: CB may share one (Note 3)
+            for t in module_tensors(m):
+                if id(t) not in memo:
+                    memo[id(t)] = self.tensor(t)
         return copy.deepcopy(model, memo)
 
 
@@ -93,6 +113,17 @@ class FakeDeepcopyMode(TorchFunctionMode):
                 and args[0].fake_mode is self.mode and args[0].is_leaf):
             return _deepcopy(args[0], args[1])
         return func(*args, **(kwargs or {}))
+
+
+def _whole_storages(fake: torch.Tensor, real: torch.Tensor) -> None:
+    """Give each fake storage the real one's size (Note 1); a wrapper subclass's inner ones."""
+    if is_traceable_wrapper_subclass(real):
+        for name in real.__tensor_flatten__()[0]:
+            _whole_storages(getattr(fake, name), getattr(real, name))
+        return
+    need = real.untyped_storage().nbytes()
+    if fake.untyped_storage().nbytes() < need:
+        fake.untyped_storage().resize_(need)
 
 
 def _deepcopy(t: torch.Tensor, memo: dict) -> torch.Tensor:
