@@ -83,3 +83,40 @@ def test_bad_freeze_or_rank_is_one_line(capsys, tiny_gpt2, flags, needle):
     assert rc == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_quantize_with_lora_estimates_the_qlora_model(capsys, tiny_gpt2):
+    """--quantize nf4 --lora-rank 4 (issue 28 item 2): the API figure of the same model frozen,
+    quantized by QuantizedBase and wrapped by PEFT, and less than LoRA on the float base."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from memfit.techniques import QuantizedBase
+    lora = cli_json(capsys, "estimate", "--config", tiny_gpt2, *SHAPE, "--lora-rank", "4")
+    qlora = cli_json(capsys, "estimate", "--config", tiny_gpt2, *SHAPE, "--lora-rank", "4",
+                     "--quantize", "nf4")
+    _, model, batch = _model_and_batch(tiny_gpt2)
+    model.requires_grad_(False)
+    QuantizedBase(QuantizedBase.Config("nf4")).apply(model)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", task_type=peft.TaskType.CAUSAL_LM))
+    api = memfit.estimate(wrapped, batch, device="cpu")
+    assert qlora["peak_bytes"] == api.peak_bytes
+    assert qlora["breakdown"]["params"] < lora["breakdown"]["params"]
+    assert qlora["trainable_parameters"] == lora["trainable_parameters"]
+
+
+def test_quantize_kinds_are_the_techniques():
+    from memfit.cli._common import QUANTIZE_KINDS
+    from memfit.techniques.quantized_base import KINDS
+    assert QUANTIZE_KINDS == KINDS
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--quantize", "nf4"], "add --lora-rank R (QLoRA) or --freeze"),
+    (["--lora-targets", "c_attn"], "give --lora-rank R too"),
+    (["--lora-rank", "4", "--lora-targets", ","], "give module names"),
+])
+def test_bad_quantize_or_targets_is_one_line(capsys, tiny_gpt2, flags, needle):
+    assert main(["estimate", "--config", tiny_gpt2, *SHAPE, *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

@@ -13,6 +13,14 @@ Note 2 (LoRA). --lora-rank R wraps the model with ``peft.get_peft_model`` and a
 output head, PEFT's own rule); for the zoo's tasks PEFT's task type is set, so a
 classification head stays trainable as PEFT trains it. The base weights are frozen by PEFT;
 memfit counts what PEFT leaves trainable, as it would for the user's own PEFT model.
+--lora-targets q_proj,v_proj gives PEFT those module names instead of "all-linear".
+
+Note 3 (a quantized base). --quantize nf4|fp4|int8 holds the frozen linear layers in 4 or 8 bits
+(``techniques.quantized_base``: bitsandbytes' own modules, the layers transformers keeps in full
+precision left alone), before LoRA, as QLoRA loads a quantized model and then adds adapters:
+with --lora-rank the whole base is frozen first (a quantized weight cannot train; PEFT trains
+the adapters, and a task's head as it always does), with --freeze only what the patterns name.
+The weights stay on ``meta``: a 70B base is described, never quantized for real.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import difflib
 import fnmatch
 import re
 
-__all__ = ["apply_freeze", "apply_lora", "base_model", "LORA_TASK_TYPES"]
+from memfit.techniques.quantized_base import QuantizedBase
+
+__all__ = ["apply_freeze", "apply_lora", "apply_quantize", "base_model", "LORA_TASK_TYPES"]
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -67,7 +77,12 @@ def apply_freeze(model, patterns: list[str]) -> int:
     return frozen
 
 
-def apply_lora(model, rank: int, task: str | None):
+def apply_quantize(model, kind: str, double_quant: bool) -> None:
+    """The frozen linear layers held by bitsandbytes (Note 3)."""
+    QuantizedBase(QuantizedBase.Config(kind=kind, double_quant=double_quant)).apply(model)
+
+
+def apply_lora(model, rank: int, task: str | None, targets: str | None = None):
     """The model wrapped for LoRA training by PEFT (Note 2)."""
     try:
         import peft
@@ -77,7 +92,12 @@ def apply_lora(model, rank: int, task: str | None):
     kwargs = {}
     if task in LORA_TASK_TYPES:
         kwargs["task_type"] = getattr(peft.TaskType, LORA_TASK_TYPES[task])
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", **kwargs)
+    modules = "all-linear" if targets is None else \
+        [t.strip() for t in targets.split(",") if t.strip()]
+    if not modules:
+        raise ValueError(f"--lora-targets {targets!r}: give module names, comma-separated "
+                         "(q_proj,v_proj)")
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules, **kwargs)
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:

@@ -22,6 +22,8 @@ DEFAULT_GPU = "gtx-1080-ti"
 # memfit.optimizers.OPTIMIZERS' names (kept here so the parser needs no torch; a test holds them equal)
 OPTIMIZER_NAMES = ("adagrad", "adam", "adamw", "momentum", "rmsprop", "sgd")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
+# techniques.quantized_base.KINDS, named here so --help needs no torch (tests/cli/test_adapt.py)
+QUANTIZE_KINDS = ("nf4", "fp4", "int8")
 
 
 def add_model_args(p: argparse.ArgumentParser, batch_size: int = 8,
@@ -61,6 +63,16 @@ def add_model_args(p: argparse.ArgumentParser, batch_size: int = 8,
     g.add_argument("--lora-rank", type=positive_int, default=None, metavar="R",
                    help="train LoRA adapters of rank R on every linear layer instead of the "
                         "weights (needs `pip install peft`)")
+    g.add_argument("--lora-targets", default=None, metavar="NAMES",
+                   help="with --lora-rank: the linear layers that get adapters, comma-separated "
+                        "module names (q_proj,v_proj); default: every linear layer but the head")
+    g.add_argument("--quantize", default=None, choices=QUANTIZE_KINDS,
+                   help="hold the frozen base weights in 4 bits (nf4, fp4: QLoRA with "
+                        "--lora-rank) or 8 bits (int8: LLM.int8) with bitsandbytes, as "
+                        "loading with BitsAndBytesConfig does; needs --lora-rank or --freeze")
+    g.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --quantize nf4/fp4: quantize the block scales again (QLoRA's "
+                        "bnb_4bit_use_double_quant; default on)")
 
 
 def add_target_args(g, *, budget_help: str) -> None:
@@ -193,10 +205,10 @@ def _quiet_transformers() -> None:
 
 
 def build_model(args):
-    """The model spec and the model on the meta device (no memory), with --freeze and
-    --lora-rank applied (cli._adapt)."""
+    """The model spec and the model on the meta device (no memory), with --freeze,
+    --quantize and --lora-rank applied (cli._adapt)."""
     from memfit import zoo
-    from memfit.cli._adapt import apply_freeze, apply_lora
+    from memfit.cli._adapt import apply_freeze, apply_lora, apply_quantize
 
     _quiet_transformers()
     revision = getattr(args, "revision", None)
@@ -207,10 +219,25 @@ def build_model(args):
         zoo.resolve(args.model or DEFAULT_MODEL, revision=revision, task=args.task)
     spec.check_task(args.task)
     model = spec.build(args.task, device="meta")
-    if getattr(args, "lora_rank", None):
-        model = apply_lora(model, args.lora_rank, args.task or spec.default_task)
-    if getattr(args, "freeze", None):
-        apply_freeze(model, args.freeze)
+    lora, freeze = getattr(args, "lora_rank", None), getattr(args, "freeze", None)
+    if getattr(args, "quantize", None):
+        if lora:
+            model.requires_grad_(False)      # a quantized base is frozen, LoRA trains beside it
+        elif freeze:
+            apply_freeze(model, freeze)
+            freeze = None
+        else:
+            raise ValueError(f"--quantize {args.quantize} holds frozen weights in fewer bits: "
+                             "add --lora-rank R (QLoRA) or --freeze PATTERN for the layers "
+                             "that do not train")
+        apply_quantize(model, args.quantize, args.double_quant)
+    if lora:
+        model = apply_lora(model, lora, args.task or spec.default_task,
+                           targets=getattr(args, "lora_targets", None))
+    elif getattr(args, "lora_targets", None):
+        raise ValueError("--lora-targets names the layers LoRA adapts: give --lora-rank R too")
+    if freeze:
+        apply_freeze(model, freeze)
     return spec, model
 
 
