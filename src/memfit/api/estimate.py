@@ -50,6 +50,16 @@ def _described(e: Exception, model, batch, loss_fn) -> Exception:
     return err
 
 
+def _int8_note(model, spec) -> list[str]:
+    """LLM.int8 layers on a GPU target are traced through bitsandbytes' CPU branch
+    (``memfit.trace.cuda_bnb`` says why)."""
+    if not any(type(m).__name__ == "Linear8bitLt" for m in model.modules()):
+        return []
+    return [f"LLM.int8 layers: traced as bitsandbytes trains them on the CPU (dequantize, then "
+            f"a float matmul), not its CUDA path on the {spec.display_name} (int8 matmul with "
+            "16-bit outlier columns): their temporaries are the CPU path's"]
+
+
 def _describe_calls(calls: list[str]) -> str:
     if not calls:
         return "no SDPA"
@@ -223,6 +233,8 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
                      f"{cuda.optimizer_impl(runner.optimizer)}; caching-allocator "
                      f"replay; context and library kernels {where}. Unvalidated until "
                      "benchmarks/gpu_check.py (or memfit calibrate) has run on this GPU")
+        notes += [cuda.bnb_note] if cuda.bnb_note else []
+        notes += _int8_note(runner.model, spec)
         notes += list(card.notes)
     if user is not None:
         notes += step_notes(user, batch)

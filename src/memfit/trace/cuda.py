@@ -2,7 +2,8 @@
 
 Note 1 (the pieces). A fake trace runs CPU kernels' meta functions. For a CUDA target:
 autocast follows CUDA's op lists (``CudaAutocastMode``); SDPA runs the kernel the GPU would
-pick, with that kernel's saved tensors and workspaces (``CudaSdpaMode``); optimizers take
+pick, with that kernel's saved tensors and workspaces (``CudaSdpaMode``); bitsandbytes' 4-bit
+matmul makes the dequantized weight its CUDA fallback makes (``CudaBnbMode``); optimizers take
 their CUDA default, ``foreach`` (its temporaries span all parameters at once), and keep the
 ``step`` counter of non-capturable Adam-style optimizers in host memory; every storage goes
 through a replay of the caching allocator (512-byte rounding, segments, splitting), after
@@ -26,6 +27,7 @@ from memfit.measure import CATEGORIES
 from memfit.optimizers import impl_of
 from memfit.trace.allocator import AllocatorConfig, CachingAllocator
 from memfit.trace.cuda_autocast import CudaAutocastMode
+from memfit.trace.cuda_bnb import CudaBnbMode
 from memfit.trace.cuda_sdpa import CudaSdpaMode
 
 __all__ = ["CudaModel", "CudaMemory"]
@@ -56,24 +58,27 @@ class CudaModel:
         self.spec = spec
         self.allocator = allocator or AllocatorConfig()
         self.sdpa_calls: list[str] = []
+        self.bnb_note: str | None = None       # bitsandbytes' 4-bit matmuls (cuda_bnb)
 
     def autocast(self, dtype: torch.dtype):
         return CudaAutocastMode(dtype)
 
     @contextlib.contextmanager
     def kernels(self):
-        """Active around the whole traced step: SDPA as the GPU would run it."""
-        mode = CudaSdpaMode(self.spec.compute_capability)
-        with mode:
+        """Active around the whole traced step: SDPA and bitsandbytes' 4-bit matmul as the
+        GPU would run them."""
+        mode, bnb = CudaSdpaMode(self.spec.compute_capability), CudaBnbMode()
+        with mode, bnb:
             yield
         self.sdpa_calls = list(mode.calls)          # the last (steady-state) step's calls
+        self.bnb_note = bnb.note()
 
     @contextlib.contextmanager
     def recompute(self, dtype: torch.dtype | None):
         """Around a checkpoint's recompute. It runs in backward, where torch-function modes
         entered around the step are no longer active, so the modelled kernels and autocast
         are entered again (checkpoint's ``recompute_context`` calls this)."""
-        with CudaSdpaMode(self.spec.compute_capability):
+        with CudaSdpaMode(self.spec.compute_capability), CudaBnbMode():
             with CudaAutocastMode(dtype) if dtype is not None else contextlib.nullcontext():
                 yield
 
