@@ -16,15 +16,16 @@ def test_every_knob_belongs_to_exactly_one_concern():
     flat = [f.name for f in dataclasses.fields(Knobs)]
     grouped = [f.name for cls in GROUPS.values() for f in dataclasses.fields(cls)]
     assert sorted(grouped + ["precision", "remat"]) == sorted(flat)
-    assert len(flat) == 16             # the views add no field: dataclasses.fields users see 16
+    assert len(flat) == 17             # the views add no field: dataclasses.fields users see 17
     assert not set(GROUPS) & set(flat)
 
 
 def test_the_views_hold_the_flat_fields_and_round_trip():
-    k = Knobs(precision="bf16", micro_batch_size=2, max_grad_norm=1.0, checkpoint="every:2",
+    k = Knobs(precision="bf16", micro_batch_size=2, max_grad_norm=1.0, chunked_loss=8,
+              checkpoint="every:2",
               offload_params="all", offload_optimizer=True, optimizer_state="8bit", gpus=2,
               sharding="fsdp", fsdp_offload=False, remat=False)
-    assert k.batching == Batching(micro_batch_size=2, max_grad_norm=1.0)
+    assert k.batching == Batching(micro_batch_size=2, max_grad_norm=1.0, chunked_loss=8)
     assert k.block_policy == BlockPolicy(checkpoint="every:2", offload_params="all")
     assert k.optimizer_setup == OptimizerSetup(offload_optimizer=True, optimizer_state="8bit")
     assert k.parallel == ParallelLayout(gpus=2, sharding="fsdp", fsdp_offload=False)
@@ -39,6 +40,7 @@ def test_the_views_hold_the_flat_fields_and_round_trip():
 @pytest.mark.parametrize("make, says", [
     (lambda: Batching(micro_batch_size=0), "micro_batch_size must be a positive int"),
     (lambda: Batching(zero_grad="later"), "zero_grad='later' is not one of"),
+    (lambda: Batching(chunked_loss=-1), "chunked_loss must be a number of pieces"),
     (lambda: BlockPolicy(checkpoint="most"), "checkpoint='most'"),
     (lambda: OptimizerSetup(optimizer_state="int8"), "optimizer_state='int8' is not one of"),
     (lambda: ParallelLayout(gpus=0), "gpus must be an int >= 1"),

@@ -7,7 +7,7 @@ Note 1 (knobs by concern). ``Knobs`` stays one flat frozen dataclass (every fron
 ``dataclasses.fields(Knobs)`` read it so); its fields fall into six concerns, each readable as
 one value: ``precision`` and ``remat`` are single fields, and four groups are frozen
 dataclasses of the same fields, with the same defaults and checks: ``k.batching``
-(``Batching``: micro_batch_size, zero_grad, max_grad_norm), ``k.block_policy``
+(``Batching``: micro_batch_size, zero_grad, max_grad_norm, chunked_loss), ``k.block_policy``
 (``BlockPolicy``: checkpoint, offload, offload_params), ``k.optimizer_setup``
 (``OptimizerSetup``: offload_optimizer, optimizer_impl, optimizer_state) and ``k.parallel``
 (``ParallelLayout``: gpus, sharding, reshard_after_forward, fsdp_offload, mp_policy).
@@ -38,7 +38,7 @@ _POLICY = re.compile(r"^(none|all|selective|every:[1-9][0-9]*)$")
 # Knobs this version accepts but cannot apply yet, with the issue that brings them.
 NOT_YET: dict[str, str] = {}
 # per knob, the values that mean "off" beside None / False / "none"
-_OFF = {"gpus": (1,), "optimizer_state": ("fp32",)}
+_OFF = {"gpus": (1,), "optimizer_state": ("fp32",), "chunked_loss": (0,)}
 
 
 def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
@@ -98,6 +98,10 @@ class Knobs:
     mp_policy: FSDP2's ``MixedPrecisionPolicy``: "bf16" (bf16 unsharded parameters and
         compute, fp32 sharded parameters and gradient reduction; with precision "fp32", no
         autocast) or None (none).
+    chunked_loss: a causal LM's loss computed over this many pieces of the tokens, each
+        piece's logits made from the head, upcast and recomputed in backward one piece at a
+        time, so the (tokens x vocab) logits never exist whole (``techniques.chunked_loss``);
+        0: the model's own loss (off).
     """
 
     precision: str | None = None
@@ -116,6 +120,7 @@ class Knobs:
     fsdp_offload: bool | None = None
     offload_params: str | tuple[str, ...] | None = None
     mp_policy: str | None = None
+    chunked_loss: int | None = None
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -147,6 +152,10 @@ class Knobs:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be True or False, got {v!r}")
+        c = self.chunked_loss
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+            raise ValueError(f"chunked_loss must be a number of pieces (an int >= 1), 0 for the "
+                             f"model's own loss, or None (memfit decides); got {c!r}")
         g = self.max_grad_norm
         if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0):
             raise ValueError(f"max_grad_norm must be a positive number, got {g!r}")
@@ -229,11 +238,13 @@ class _Group:
 @dataclass(frozen=True)
 class Batching(_Group):
     """How one effective batch is stepped: ``micro_batch_size``, ``zero_grad`` (the loop
-    style), ``max_grad_norm`` (as ``Knobs`` documents them)."""
+    style), ``max_grad_norm``, ``chunked_loss`` (how the loss is taken; as ``Knobs`` documents
+    them)."""
 
     micro_batch_size: int | None = None
     zero_grad: str | None = None
     max_grad_norm: float | None = None
+    chunked_loss: int | None = None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ import memfit.techniques as techniques
 from memfit.modes import Mode
 from memfit.optimizers import OptimizerRecipe
 from memfit.techniques import (Accumulation, Change, Checkpoint, LowBitOptimizer, Offload,
-                               OptimizerOffload, ParamOffload, Precision, Remat, Sharding)
+                               OptimizerOffload, ParamOffload, Precision, QuantizedBase, Remat,
+                               Sharding)
 
 
 def _discovered() -> dict[str, type]:
@@ -54,6 +55,8 @@ def _adamw(model):
 APPLY = {
     "Accumulation": lambda m: Accumulation(Accumulation.Config(micro_batch_size=1)).apply(m),
     "Checkpoint": lambda m: Checkpoint(Checkpoint.Config("all")).apply(m),
+    "ChunkedLoss": lambda m: techniques.ChunkedLoss(techniques.ChunkedLoss.Config(chunks=5))
+    .apply(m),
     "Offload": lambda m: Offload(Offload.Config("all", min_bytes=0)).apply(m),
     "ParamOffload": lambda m: ParamOffload(ParamOffload.Config("all")).apply(m, _adamw(m)),
     "OptimizerOffload": lambda m: OptimizerOffload(OptimizerOffload.Config()).apply(m, _adamw(m)),
@@ -67,7 +70,12 @@ APPLY = {
     # which nothing undoes (techniques.sharding Note 4)
     "Sharding": lambda m: Sharding(Sharding.Config(kind="ddp")).apply(
         m, init_device_mesh("cpu", (1,))),
+    "QuantizedBase": lambda m: QuantizedBase(QuantizedBase.Config(
+        "nf4", compute_dtype="fp32")).apply(m.transformer.h.requires_grad_(False) and m),
 }
+# what these change stays changed (techniques._protocol Note 2: the float weights are gone):
+# remove() takes off nothing, and the forward stays the applied one
+IN_PLACE = {"QuantizedBase"}
 
 
 @pytest.fixture(autouse=True)
@@ -151,7 +159,11 @@ def test_apply_returns_a_change_whose_remove_restores_the_forward_bitwise(name):
     assert not change.optimizer_rebuilt or change.optimizer is not None or \
         change.recipe is not None
     with change.context() if change.context is not None else contextlib.nullcontext():
-        _step(change.model)                    # the technique's hooks run once
+        applied = _step(change.model)          # the technique's hooks run once
+    if name in IN_PLACE:
+        change.remove()
+        assert _hooks(model) == hooks and _same(applied, _step(model))
+        return
     change.remove()
     change.remove()                            # a second remove does nothing more
     assert _hooks(model) == hooks and _same(before, _step(model))

@@ -20,6 +20,7 @@ from memfit.techniques import Change
 from memfit.techniques._bnb_optimizer import BnbRecipe, is_bnb, may_make_bnb
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
+from memfit.techniques.chunked_loss import ChunkedLoss
 from memfit.techniques.low_bit_optimizer import LowBitOptimizer
 from memfit.techniques.offload import Offload
 from memfit.techniques.optimizer_offload import OptimizerOffload
@@ -107,6 +108,11 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
             # what leaves the device is the checkpoint's inputs
             changes.append(Offload(Offload.Config(knobs.offload)).apply(model))
             _merge_offload(blocks, changes[-1].modes)
+        if knobs.chunked_loss:       # the loss over pieces of tokens, recomputed in backward
+            changes.append(ChunkedLoss(ChunkedLoss.Config(knobs.chunked_loss),
+                                       autocast_factory=_recompute_factory(tech,
+                                                                           recompute_context))
+                           .apply(model))
         if knobs.optimizer_impl is not None:
             recipe = recipe.with_impl(knobs.optimizer_impl)
         built = tech.apply(model, recipe, origin)
@@ -153,6 +159,10 @@ def _refuse(knobs: Knobs) -> None:
         raise ValueError(f"offload_params={knobs.offload_params!r} needs offload_optimizer=True: "
                          "an offloaded weight's host copy is the optimizer's fp32 host twin, "
                          "stepped on the host (docs/techniques/parameter-offload.md)")
+    if knobs.chunked_loss and (knobs.sharding not in (None, "none") or
+                               knobs.gpus not in (None, 1)):
+        raise ValueError(f"chunked_loss={knobs.chunked_loss} with several GPUs (gpus, "
+                         "sharding) is not supported yet: leave chunked_loss unset there")
 
 
 def _recompute_factory(tech: Precision, recompute_context) -> Callable | None:
