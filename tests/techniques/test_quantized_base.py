@@ -87,3 +87,32 @@ def test_what_trains_or_nothing_frozen_is_refused_and_the_model_is_kept():
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     with pytest.raises(ValueError, match="quantize='nf8'"):
         QuantizedBase.Config("nf8")
+
+
+@pytest.mark.parametrize("kind,double", [("nf4", True), ("fp4", False), ("int8", False)])
+def test_layout_bytes_are_what_a_quantized_layer_holds(kind, double):
+    from memfit.measure.attached import attached_tensors, module_tensors
+    tech = QuantizedBase(QuantizedBase.Config(kind, double_quant=double, compute_dtype="fp32"))
+    for device in ("cpu", "meta"):
+        model = nn.Sequential(nn.Linear(128, 96, bias=False).to(device)).requires_grad_(False)
+        tech.apply(model)
+        layer = model[0]
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in
+                    [layer.weight, *attached_tensors(layer.weight), *module_tensors(layer)]}
+        assert sum(storages.values()) == tech.layout_bytes(96, 128)
+
+
+def test_a_full_fine_tune_that_cannot_fit_names_qlora_with_its_numbers():
+    from memfit.units import format_bytes
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long),
+             "labels": torch.zeros(1, 8, dtype=torch.long)}
+    linear = [m.weight for n, m in model.named_modules()
+              if isinstance(m, nn.Linear) and n != "lm_head"]
+    tech = QuantizedBase(QuantizedBase.Config("nf4"))
+    with pytest.raises(memfit.BudgetTooSmall) as refused:
+        memfit.plan(memfit.Job(model, batch), budget="64KiB", device="cpu")
+    line = next(x for x in str(refused.value).splitlines() if "QLoRA" in x)
+    assert f"the {len(linear)} linear layers' weights take " \
+        f"{format_bytes(sum(w.numel() * 4 for w in linear))}" in line
+    assert f"they take {format_bytes(sum(tech.layout_bytes(*w.shape) for w in linear))}" in line

@@ -38,13 +38,15 @@ _PHRASES = {
     "memfit.largest_fitting(..., lever='batch_size')": "--batch-size auto",
     "requires_grad=False": "--freeze PATTERN",
     "LoRA adapters (peft)": "LoRA adapters (--lora-rank R)",
+    "QLoRA (memfit.techniques.QuantizedBase, then peft's LoRA)":
+        "QLoRA (--quantize nf4 --lora-rank R)",
 }
 # API keyword -> CLI flag (Note 1)
 _FLAGS = {
     "micro_batch_size": "--micro-batch-size", "offload_optimizer": "--offload-optimizer",
     "max_grad_norm": "--max-grad-norm", "optimizer_impl": "--optimizer-impl",
     "zero_grad": "--zero-grad", "optimizer_state": "--optimizer-state",
-    "offload_params": "--offload-params",
+    "offload_params": "--offload-params", "chunked_loss": "--chunked-loss",
     "reshard_after_forward": "--reshard-after-forward", "fsdp_offload": "--fsdp-offload",
     "mp_policy": "--mp-policy",
     "allocator": "--expandable-segments",

@@ -76,19 +76,15 @@ class QuantizedBase:
         names how many and what they now hold. The replacement is not undone by ``remove``:
         the float weights are gone (Note 3)."""
         bnb = _bitsandbytes()
-        keep = _kept(model) | set(self.config.keep)
         done, saved = 0, 0
-        for parent_name, parent in list(model.named_modules()):
-            for name, child in list(parent.named_children()):
-                full = f"{parent_name}.{name}" if parent_name else name
-                if not _is_linear(child) or child.weight.requires_grad or \
-                        full in keep or name in keep:
-                    continue
-                before = child.weight.numel() * child.weight.element_size()
-                quantized = self._quantized(bnb, child)
-                setattr(parent, name, quantized)
-                done += 1
-                saved += before - _weight_bytes(quantized)
+        for parent, name, child in self.layers(model):
+            if child.weight.requires_grad:
+                continue
+            before = child.weight.numel() * child.weight.element_size()
+            quantized = self._quantized(bnb, child)
+            setattr(parent, name, quantized)
+            done += 1
+            saved += before - _weight_bytes(quantized)
         if not done:
             raise ValueError(f"quantize={self.config.kind!r}: {type(model).__name__} has no "
                              "frozen nn.Linear layer to quantize (freeze the base first, or "
@@ -102,6 +98,28 @@ class QuantizedBase:
             f"quantized base: {done} frozen linear layers held by bitsandbytes ({how}), "
             f"{saved / 2**20:.1f} MiB less than their float weights; their outputs change "
             "(numerics)",))
+
+    def layers(self, model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+        """(parent, name, layer) of every linear layer ``apply`` would quantize were its weight
+        frozen (Note 1)."""
+        keep = _kept(model) | set(self.config.keep)
+        out = []
+        for parent_name, parent in model.named_modules():
+            for name, child in parent.named_children():
+                full = f"{parent_name}.{name}" if parent_name else name
+                if _is_linear(child) and full not in keep and name not in keep:
+                    out.append((parent, name, child))
+        return out
+
+    def layout_bytes(self, n: int, k: int) -> int:
+        """The bytes an n x k weight takes quantized, by the layouts of Note 2."""
+        c = self.config
+        if c.kind == "int8":
+            return n * k + 4 * n
+        blocks = math.ceil(n * k / c.blocksize)
+        scales = blocks + 4 + 4 * math.ceil(blocks / 256) + 4 * 256 if c.double_quant else \
+            4 * blocks
+        return (n * k + 1) // 2 + scales + 4 * 16
 
     def _quantized(self, bnb, linear: nn.Module) -> nn.Module:
         c, w = self.config, linear.weight
