@@ -28,6 +28,7 @@ from memfit.trace.allocator import AllocatorConfig
 from memfit.trace.card import card_breakdown
 from memfit.trace.cuda import CudaModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
+from memfit.trace.packed_attention import check_attention_device, packing_note
 from memfit.trace.scaler import TraceGradScaler, warm_up_scaled
 from memfit.units import parse_bytes
 from memfit.units import format_bytes
@@ -48,6 +49,53 @@ def _described(e: Exception, model, batch, loss_fn) -> Exception:
         return e
     err.__cause__ = e
     return err
+
+
+def _checked_step(model, batch, loss_fn, k: Knobs, step, scheduler):
+    """(the user's step or None, the knobs it leaves, the batch as the step takes it), each
+    checked before any trace."""
+    user = as_user_step(step)
+    if scheduler is not None and (hasattr(scheduler, "step") or not callable(scheduler)):
+        raise ValueError("estimate traces on a fake optimizer, so a scheduler built on the real "
+                         "one cannot be used: pass scheduler=a factory, e.g. "
+                         "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
+    if user is not None:
+        k = check_step_knobs(k, batch_size_of(batch), loss_fn)
+    if k.precision == "auto":
+        raise ValueError("estimate needs a fixed precision (fp32, fp16, bf16, bf16-pure); "
+                         "'auto' is for memfit.plan and memfit.fit")
+    if user is None:               # a user step takes the batch as given (_user_step)
+        batch = prepare_batch(batch)
+        check_batch(model, batch, loss_fn)
+    batch_size_of(batch)
+    return user, k, batch
+
+
+def _on_the_card(cuda: CudaModel, tracker, prof, runner, spec):
+    """A GPU target's figures from the caching allocator's replay: (allocated peak, reserved
+    peak, breakdown, bytes outside the allocator, the card, notes)."""
+    mem = cuda.replay(tracker)
+    card = card_breakdown(spec, mem.reserved_peak_bytes, prof.op_log, mem.workspace_bytes)
+    where = f"measured in {spec.profile_path}" if spec.profile_path else \
+        "from public measurements"
+    notes = [f"CUDA model of the {spec.display_name}: attention ran "
+             f"{_describe_calls(cuda.sdpa_calls)}; optimizer "
+             f"{cuda.optimizer_impl(runner.optimizer)}; caching-allocator "
+             f"replay; context and library kernels {where}. Unvalidated until "
+             "benchmarks/gpu_check.py (or memfit calibrate) has run on this GPU"]
+    notes += [cuda.bnb_note] if cuda.bnb_note else []
+    notes += [cuda.flash_note] if cuda.flash_note else []
+    notes += _int8_note(runner.model, spec)
+    notes += list(card.notes)
+    return (mem.allocated_peak_bytes, mem.reserved_peak_bytes, mem.breakdown,
+            card.outside_allocator_bytes, card, notes)
+
+
+def _remat_note(sim, limit: int) -> str:
+    return (f"remat: DTR simulated under {format_bytes(limit)}: peak "
+            f"{format_bytes(sim.peak_bytes)}, {sim.evictions} evictions, "
+            f"{sim.recompute_flops:,} recompute FLOPs, floor {format_bytes(sim.floor_bytes)}"
+            + ("" if sim.feasible else " (the budget is below it)"))
 
 
 def _int8_note(model, spec) -> list[str]:
@@ -137,17 +185,8 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
     layout = layout or RankLayout.of(k)
     if layout is not None:
         layout.refuse(k, step=step, scheduler=scheduler, allocator=allocator)
-    user = as_user_step(step)
-    if scheduler is not None and (hasattr(scheduler, "step") or not callable(scheduler)):
-        raise ValueError("estimate traces on a fake optimizer, so a scheduler built on the real "
-                         "one cannot be used: pass scheduler=a factory, e.g. "
-                         "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
-    if user is not None:
-        k = check_step_knobs(k, batch_size_of(batch), loss_fn)
-    if k.precision == "auto":
-        raise ValueError("estimate needs a fixed precision (fp32, fp16, bf16, bf16-pure); "
-                         "'auto' is for memfit.plan and memfit.fit")
-    spec = resolve_device(model, device, cuda_version)
+    spec = resolve_device(model, device, cuda_version)        # checks the model first
+    user, k, batch = _checked_step(model, batch, loss_fn, k, step, scheduler)
     k = k.replace(precision=resolve_precision(k.precision, spec))
     if layout is not None:
         layout.check_precision(k.precision)
@@ -156,13 +195,10 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
     recipe.check_impl(trainable)
-    if user is None:               # a user step takes the batch as given (_user_step)
-        batch = prepare_batch(batch)
-        check_batch(model, batch, loss_fn)
-    batch_size_of(batch)
 
     # memfit's CUDA models are not applied to a sharded rank yet (api._rank_layout says why)
     cuda = CudaModel(spec, allocator) if spec.kind == "cuda" and layout is None else None
+    check_attention_device(model, spec.kind, sharded=layout is not None)
     replay = cuda is not None and allocator_replay
     with contextlib.ExitStack() as stack:     # a rank's fake process group, until counted
         fake_model = copier.module(model)
@@ -222,31 +258,16 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
     if layout is not None:      # the card around the allocator, as for one device
         reserved, context, card, notes = layout.card(peak, prof.op_log, spec)
     if replay:
-        mem = cuda.replay(tracker)
-        peak, reserved, breakdown = mem.allocated_peak_bytes, mem.reserved_peak_bytes, mem.breakdown
-        card = card_breakdown(spec, reserved, prof.op_log, mem.workspace_bytes)
-        context = card.outside_allocator_bytes
-        where = f"measured in {spec.profile_path}" if spec.profile_path else \
-            "from public measurements"
-        notes.append(f"CUDA model of the {spec.display_name}: attention ran "
-                     f"{_describe_calls(cuda.sdpa_calls)}; optimizer "
-                     f"{cuda.optimizer_impl(runner.optimizer)}; caching-allocator "
-                     f"replay; context and library kernels {where}. Unvalidated until "
-                     "benchmarks/gpu_check.py (or memfit calibrate) has run on this GPU")
-        notes += [cuda.bnb_note] if cuda.bnb_note else []
-        notes += _int8_note(runner.model, spec)
-        notes += list(card.notes)
+        peak, reserved, breakdown, context, card, notes = _on_the_card(cuda, tracker, prof,
+                                                                       runner, spec)
+    packed = packing_note(runner.model, batch, cuda and cuda.sdpa_calls, cuda and spec.display_name)
+    notes += [packed] if packed else []
     if user is not None:
         notes += step_notes(user, batch)
     sim = None
     if k.remat and budget is not None:      # DTR replayed on the traced timeline
         sim = simulate_dtr(prof.timeline, spans_from_modules(prof.modules, prof.blocks), limit)
-
-        notes.append(f"remat: DTR simulated under {format_bytes(limit)}: peak "
-                     f"{format_bytes(sim.peak_bytes)}, {sim.evictions} evictions, "
-                     f"{sim.recompute_flops:,} recompute FLOPs, floor "
-                     f"{format_bytes(sim.floor_bytes)}"
-                     + ("" if sim.feasible else " (the budget is below it)"))
+        notes.append(_remat_note(sim, limit))
     est = Estimate(
         remat_peak_bytes=sim and sim.peak_bytes, remat_floor_bytes=sim and sim.floor_bytes,
         remat_recompute_flops=sim and sim.recompute_flops,
