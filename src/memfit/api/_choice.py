@@ -29,7 +29,8 @@ def knob_values(choice: Choice, blocks: list[str], k: Knobs | None = None) -> di
                offload=policy(offload), offload_optimizer=choice.offload_optimizer,
                optimizer_impl=choice.optimizer_impl,
                optimizer_state=choice.optimizer_state or (k.optimizer_state if k else None),
-               offload_params=choice.offload_params or (k.offload_params if k else None))
+               offload_params=choice.offload_params or (k.offload_params if k else None),
+               chunked_loss=choice.chunked_loss or (k.chunked_loss if k else None))
     if k is not None and k.checkpoint is not None:
         out["checkpoint"] = k.checkpoint
     if k is not None and k.offload is not None:
@@ -46,6 +47,8 @@ def describe(choice: Choice, b: int) -> str:
         parts.append(f"{choice.optimizer_state} optimizer state")
     if choice.offload_params is not None:
         parts.append(f"block weights on the host ({choice.offload_params})")
+    if choice.chunked_loss is not None:
+        parts.append(f"loss in {choice.chunked_loss} pieces")
     if choice.offload_optimizer:
         parts.append("optimizer state on the host")
     elif choice.optimizer_impl is not None:

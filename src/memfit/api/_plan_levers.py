@@ -1,6 +1,6 @@
 """The planner's levers beyond the per-block modes, weighed once the plain step does not fit:
-low-bit optimizer states where the numerics may change, and parameter offload, each modelled on
-demand, once.
+low-bit optimizer states where the numerics may change, the loss in pieces (a causal LM's chunked
+cross-entropy), and parameter offload, each modelled on demand, once.
 """
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from __future__ import annotations
 from memfit.api._floor import first_samples
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
-from memfit.planner.variants import add_low_bit, add_param_offload
+from memfit.planner.variants import add_chunked_loss, add_low_bit, add_param_offload
+from memfit.techniques.chunked_loss import chunkable
 
 __all__ = ["Levers", "numerics_allowed", "state_knobs"]
 
@@ -22,9 +23,9 @@ def numerics_allowed(allow: bool | None, k: Knobs) -> bool:
 
 
 def state_knobs(k: Knobs) -> dict:
-    """The caller's fixed optimizer_state / offload_params, for every trace (parameter offload
-    needs the optimizer state on the host)."""
-    out = {}
+    """The caller's fixed optimizer_state / offload_params / chunked_loss, for every trace
+    (parameter offload needs the optimizer state on the host)."""
+    out = {"chunked_loss": k.chunked_loss} if k.chunked_loss else {}
     if k.optimizer_state is not None:
         out["optimizer_state"] = k.optimizer_state
     if k.offload_params not in (None, "none"):
@@ -35,7 +36,9 @@ def state_knobs(k: Knobs) -> dict:
 
 class Levers:
     """Adds the planner's lever models on demand, once each: low-bit states only where the
-    numerics may change (Adam/AdamW, the library installed), parameter offload as a last resort."""
+    numerics may change (Adam/AdamW, the library installed), the chunked loss where the step's
+    loss is a causal LM's own, parameter offload as a last resort. A chunked_loss the caller
+    fixed is in every trace."""
 
     def __init__(self, model, batch, models, traces, common, spec, b, k: Knobs,
                  numerics: bool, user_step: bool, say):
@@ -43,11 +46,13 @@ class Levers:
         self.k, self.numerics, self.user_step = k, numerics, user_step
         self.low_bit: list[str] = []
         self._done: set[str] = set()
+        self._chunkable = common.get("loss_fn") is None and not user_step and chunkable(model)
+        fixed = {"chunked_loss": k.chunked_loss} if k.chunked_loss else {}
 
         def trace(precision, samples, **knobs):
             part = batch if samples is None else first_samples(batch, samples)
             return estimate(model, part, precision=precision, allocator_replay=False,
-                            **knobs, **common)
+                            **{**fixed, **knobs}, **common)
         self.trace = trace
 
     def add_low_bit(self) -> None:
@@ -58,6 +63,17 @@ class Levers:
         if self.numerics and k.optimizer_state is None and k.optimizer_impl is None and \
                 not self.user_step and k.offload_params in (None, "none"):
             self.low_bit = add_low_bit(self.models, self.traces, self.trace, self.say)
+
+    def add_chunked_loss(self) -> None:
+        """The loss in pieces beside the plain model the search prefers (the precision auto
+        prefers, the optimizer as given), unless the caller fixed chunked_loss."""
+        if "chunked" in self._done:
+            return
+        self._done.add("chunked")
+        if self.k.chunked_loss is None and self._chunkable:
+            first = next(iter(self.traces))         # the precision auto prefers
+            add_chunked_loss(self.models, self.trace, self.spec, self.b, self.say,
+                             (first, self.k.optimizer_impl))
 
     def add_param_offload(self) -> bool:
         """Whether models were added now (False: done before, or not allowed)."""

@@ -13,12 +13,12 @@ that offloads nothing needs none, whatever the trace counted on the host (a CUDA
 
 Note 3 (what is beyond memfit). The floor counts every lever memfit has that the caller's
 settings leave free: precision (under "auto"), micro-batches, per-block recompute / selective /
-offload, the optimizer state on the host, low-bit optimizer states (when numerics may change)
-and the block weights on the host. ``BudgetTooSmall`` then names only what is truly beyond
-them: freezing or LoRA (a different training job), a smaller model, shorter sequences (with
-the longest that fits, traced), and sharding over several GPUs (the plan is for one); and,
-apart, memfit's own levers the caller's settings kept out, so that the floor is not mistaken
-for memfit's least.
+offload, the optimizer state on the host, low-bit optimizer states (when numerics may change),
+the loss in pieces (a causal LM's) and the block weights on the host. ``BudgetTooSmall``
+then names only what is truly beyond them: freezing or LoRA (a different training job), a
+smaller model, shorter sequences (with the longest that fits, traced), and sharding over
+several GPUs (the plan is for one); and, apart, memfit's own levers the caller's settings kept
+out, so that the floor is not mistaken for memfit's least.
 
 Note 4 (lines a person reads). ``BudgetTooSmall``'s text is one line for the verdict (the
 floor in one unit, what it was traced at), one for the levers the floor counts, then one line
@@ -32,6 +32,7 @@ from memfit.modes import Mode
 from memfit.optimizers import IMPL_FLAGS
 from memfit.planner._explain import ratio_words
 from memfit.techniques.low_bit_optimizer import LIBRARY, NUMERICS_NOTE
+from memfit.techniques.quantized_base import QuantizedBase
 from memfit.units import MiB, format_bytes
 
 __all__ = ["global_reasons", "host_bytes", "too_small", "excluded_levers", "counted_levers",
@@ -109,7 +110,8 @@ _PRECISION_WORDS = {   # why auto chose it, and which numerics change (docs/plan
 
 
 def lever_reasons(k, choice, memory, ctx) -> list[str]:
-    """Why a low-bit optimizer state or parameter offload (planner.variants), in words."""
+    """Why a low-bit optimizer state, the loss in pieces or parameter offload
+    (planner.variants), in words."""
     out = []
     state = choice.optimizer_state
     if state is not None and state != k.optimizer_state:
@@ -122,6 +124,14 @@ def lever_reasons(k, choice, memory, ctx) -> list[str]:
                    f"{why}. It saves {format_bytes(max(saved, 0))} of device memory against "
                    "fp32 state, for a step predicted faster than any plan without it; fit "
                    f"rebuilds the optimizer as {lib}'s low-bit Adam/AdamW")
+    chunks = choice.chunked_loss
+    if chunks is not None and chunks != k.chunked_loss:
+        out.append(f"loss in {chunks} pieces (chunked_loss={chunks}): the head and the "
+                   f"cross-entropy run over 1/{chunks} of the tokens at a time and each piece's "
+                   "logits are recomputed in backward (one more forward of the head per step), "
+                   "so the tokens x vocabulary logits never exist whole; predicted faster than "
+                   "any plan that fits with the model's own loss. The numerics do not change "
+                   "beyond the order of one sum")
     if choice.offload_params is not None and choice.offload_params != k.offload_params:
         out.append(f"block weights on the host (offload_params={choice.offload_params!r}): no "
                    "plan that keeps the weights on the device fits; each block's weights are "
@@ -162,14 +172,14 @@ def _optimizer_reasons(k, choice, memory, ctx) -> list[str]:
 def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
               excluded: list[str] = (), seq: tuple[int | None, int] | None = None,
               gpus: int = 1, counted: list[str] = (), bound: bool = False,
-              layout=None) -> BudgetTooSmall:
+              layout=None, model=None) -> BudgetTooSmall:
     """The floor (re-traced over every lever memfit has) and what is beyond it
     (Note 3): ``excluded``, memfit's levers the caller's settings left out; ``seq``, (the
     longest sequence the floor's configuration fits, or None if none does; the batch's).
     ``bound``: ``floor_bytes`` is the floor's lower bound from the parameters alone (what every
     configuration holds), found before any trace: the floor is at least that. ``layout``: the
     fewest GPUs the layout search finds (``api._compare_gpus.fewest_gpus``'s row), for the
-    sharding line. One line per lever
+    sharding line. ``model``: for the QLoRA line. One line per lever
     (Note 4)."""
     params, grads = memory.params_bytes, memory.grads_bytes
     state = memory.optimizer_state_bytes
@@ -184,6 +194,8 @@ def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
             f"weights alone need {format_bytes(params)}; a frozen parameter has no gradient and "
             f"no optimizer state, which here take {format_bytes(train)} "
             f"({format_bytes(grads)} + {format_bytes(state)})")
+    if model is not None and (line := _qlora_line(model)):
+        levers.append(line)
     if params > budget_bytes:
         levers.append(f"the weights alone ({format_bytes(params)}) exceed the budget: a smaller "
                       "model")
@@ -220,8 +232,27 @@ def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
                           floor_is_bound=bound)
 
 
-def counted_levers(k, numerics: bool, user_step: bool, precisions) -> list[str]:
-    """The levers the floor weighed (Note 3), in words."""
+def _qlora_line(model) -> str | None:
+    """QLoRA in numbers: the float linear weights and what bitsandbytes' NF4 layout holds them
+    in (``techniques.quantized_base``), where they are float."""
+    tech = QuantizedBase(QuantizedBase.Config("nf4"))
+    weights = [layer.weight for _, _, layer in tech.layers(model)
+               if layer.weight.is_floating_point()]
+    if not weights:
+        return None
+    now = sum(w.numel() * w.element_size() for w in weights)
+    nf4 = sum(tech.layout_bytes(*w.shape) for w in weights)
+    return (f"QLoRA (memfit.techniques.QuantizedBase, then peft's LoRA): the "
+            f"{len(weights)} linear layers' weights take {format_bytes(now)}; held in NF4 with "
+            f"double quantization (bitsandbytes' layout) they take {format_bytes(nf4)}, frozen, "
+            "with no gradient or optimizer state (LoRA trains small adapters beside them); it "
+            "changes the numerics")
+
+
+def counted_levers(k, numerics: bool, user_step: bool, precisions,
+                   chunked: bool = False) -> list[str]:
+    """The levers the floor weighed (Note 3), in words; ``chunked``: the loss in pieces was
+    modelled."""
     out = [f"precision {'/'.join(precisions)}"]
     if not user_step and k.micro_batch_size is None:
         out.append("micro-batches")
@@ -230,6 +261,8 @@ def counted_levers(k, numerics: bool, user_step: bool, precisions) -> list[str]:
         out.append("the optimizer state on the host")
     if numerics and k.optimizer_state is None and not user_step:
         out.append("a bf16, 4-bit (torchao) or 8-bit (bitsandbytes) optimizer state")
+    if chunked:
+        out.append("the loss in pieces (chunked_loss)")
     if k.offload_params is None and k.offload_optimizer is not False and not user_step:
         out.append("the block weights on the host")
     return out
@@ -244,6 +277,9 @@ def excluded_levers(k, numerics: bool, user_step: bool) -> list[str]:
     if k.precision not in (None, "auto") or (k.precision is None and not user_step):
         out.append("16-bit precision (bf16 / fp16 autocast, bf16-pure weights): "
                    "precision='auto' lets the planner weigh it")
+    if k.chunked_loss == 0:
+        out.append("the loss in pieces (chunked_loss=0), which keeps a causal LM's tokens x "
+                   "vocabulary logits from existing whole")
     if k.offload_optimizer is False:
         out.append("the optimizer state on the host (offload_optimizer=False)")
     if k.offload_params == "none" or (k.offload_params is None and k.offload_optimizer is False):

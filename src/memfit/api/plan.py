@@ -300,6 +300,7 @@ class _Planner:
             job = self.job
             self.add_precisions()
             self.levers.add_low_bit()
+            self.levers.add_chunked_loss()
             self.levers.add_param_offload()
             self.traced_floor = least_memory(job.model, job.batch, self.models, job.fixed, job.k,
                                              job.common, self.held, job.b, job.say,
@@ -342,6 +343,7 @@ class _Planner:
         job = self.job
         self.add_precisions()
         self.levers.add_low_bit()
+        self.levers.add_chunked_loss()
 
         def propose(margins: Margins):
             for q in self.models:
@@ -412,9 +414,10 @@ class _Planner:
         user_step = job.user_step is not None
         return too_small(self.ctx.floor_bytes, on_device[0], describe(choice, job.b),
                          job.budget_bytes, excluded_levers(k, job.numerics, user_step), seq,
-                         layout=layout,
+                         layout=layout, model=job.model,
                          counted=counted_levers(k, job.numerics, user_step,
-                                                sorted({q[0] for q in self.models})))
+                                                sorted({q[0] for q in self.models}),
+                                                chunked=any(len(q) == 5 for q in self.models)))
 
 
 def _refuse_below_bound(model, spec, k: Knobs, recipe, trainable, budget_bytes: int,
@@ -435,7 +438,7 @@ def _refuse_below_bound(model, spec, k: Knobs, recipe, trainable, budget_bytes: 
                     "checked before tracing", budget_bytes,
                     excluded_levers(k, numerics, user_step),
                     counted=counted_levers(k, numerics, user_step, sorted(precisions)),
-                    bound=True)
+                    bound=True, model=model)
 
 
 @dataclass

@@ -83,6 +83,8 @@ def _globals(plan: "Plan") -> list[str]:
         out.append(f"{k.optimizer_state} optimizer state (changes the numerics)")
     if k.offload_params not in (None, "none"):
         out.append(f"block weights on the host ({k.offload_params})")
+    if getattr(k, "chunked_loss", None):
+        out.append(f"loss in {k.chunked_loss} pieces (chunked_loss)")
     impl = getattr(k, "optimizer_impl", None)
     if impl and not k.offload_optimizer:
         out.append(f"{impl} optimizer")

@@ -112,12 +112,17 @@ def _exported(plan: "Plan", b: "_Batching", acts: "_Activations", *, precision: 
     return plan.knobs.replace(precision=precision, micro_batch_size=b.micro, checkpoint=ckpt,
                               offload=ckpt if acts.offload else "none",
                               offload_optimizer=offload_optimizer, max_grad_norm=clip,
-                              optimizer_impl=optimizer_impl, remat=None, offload_params=None)
+                              optimizer_impl=optimizer_impl, remat=None, offload_params=None,
+                              chunked_loss=None)
 
 
 def _common_notes(plan: "Plan", notes: list[str]) -> None:
     if plan.knobs.remat:
         notes.append("remat (DTR) has no counterpart: the export leaves it out")
+    if plan.knobs.chunked_loss:
+        notes.append("chunked_loss (the loss in pieces) has no counterpart here: the export "
+                     "keeps the model's own loss (Liger's fused linear cross-entropy, "
+                     "use_liger_kernel, is the nearest)")
     if plan.knobs.offload_params not in (None, "none"):
         notes.append("offload_params (block weights on the host) has no counterpart here: the "
                      "export keeps the weights on the device (DeepSpeed ZeRO-3's offload_param "

@@ -40,7 +40,8 @@ least, so the caller re-traces them all and takes the least traced.
 Note 6 (levers beyond the per-block modes). A key may be longer: ``(precision, impl,
 optimizer_state, offload_params)`` (``variant_key``), one model per low-bit optimizer state
 (it changes only the optimizer's bytes) and per parameter offload (read off a trace with the
-block weights on the host). A model says where its
+block weights on the host), and ``(precision, impl, None, None, chunked_loss)`` for the loss
+taken in pieces (read off a trace with it). A model says where its
 optimizer state may live (``MemoryModel.placements``: bf16-pure and parameter offload each allow
 one) and which block modes it refuses (``excluded_modes``: parameter offload refuses activation
 offload on the same blocks); the search and the floor respect both.
@@ -94,6 +95,7 @@ class Choice:
     optimizer_impl: str | None = None  # the optimizer implementation (None: as given)
     optimizer_state: str | None = None   # a low-bit state memfit chose (None: as given)
     offload_params: str | None = None    # block weights on the host (None: as given)
+    chunked_loss: int | None = None      # the loss in this many pieces (None: as given)
 
     def __post_init__(self):
         object.__setattr__(self, "modes", tuple(Mode.parse(m) for m in self.modes))
@@ -102,19 +104,21 @@ class Choice:
     def key(self) -> tuple:
         """The ``models`` key this choice was predicted with (Notes 4 and 6)."""
         return variant_key(self.precision, self.optimizer_impl, self.optimizer_state,
-                           self.offload_params)
+                           self.offload_params, self.chunked_loss)
 
 
 def variant_key(precision: str, impl: str | None = None, state: str | None = None,
-                params: str | None = None) -> tuple:
+                params: str | None = None, chunked: int | None = None) -> tuple:
     """A ``models`` key (Note 6): ``(precision, impl)``, longer only where a lever is set."""
+    if chunked is not None:
+        return precision, impl, state, params, chunked
     if state is None and params is None:
         return precision, impl
     return precision, impl, state, params
 
 
 def _unkey(key: tuple) -> tuple:
-    return tuple(key) + (None,) * (4 - len(key))
+    return tuple(key) + (None,) * (5 - len(key))
 
 
 @dataclass(frozen=True)
@@ -241,9 +245,9 @@ def _lower_bound(rows, hi: np.ndarray, nblocks: int) -> float:
 
 
 def _choice(memory, time, key, m, b, oo, allocated, modes) -> Choice:
-    precision, impl, state, params = _unkey(key)
+    precision, impl, state, params, chunked = _unkey(key)
     return Choice(precision, m, modes, oo, int(allocated), memory.device_bytes(allocated),
-                  time.step_s(m, b, modes, oo), impl, state, params)
+                  time.step_s(m, b, modes, oo), impl, state, params, chunked)
 
 
 def _host_stepped_variant(models, key, oo: bool) -> bool:

@@ -18,12 +18,23 @@ the first ``samples`` of it) so that this layer imports nothing above it.
   (``placements``, ``excluded_modes``), and its time model pays the host link for every
   offloaded weight twice per micro-batch (``with_fetches``: the copies are synchronous).
 
+- The loss in pieces (``chunked_loss=CHUNKED_LOSS``, a causal LM's cross-entropy over pieces
+  of the tokens, each piece's logits recomputed in backward) costs two traces (the whole batch
+  and half of it), at the precision "auto" prefers with the optimizer as given: it changes
+  the points of the step where the logits live (the loss, the start of backward) and adds a
+  second forward of the head, both read off the trace; the model allows what the plain
+  model allows (``placements``, ``excluded_modes``, the card's ratio and context).
+
 Note 2 (when). Low-bit states change the numerics: they are weighed only when the caller
 allows it (``allow_numerics_change``, implied by ``precision="auto"``), only for Adam/AdamW
 (bitsandbytes' 8-bit, torchao's 4-bit and bf16), and a state whose library is missing or
 that the optimizer refuses is skipped. Parameter offload is a
 last resort (synchronous copies of every weight, twice per micro-batch): it is weighed when
-nothing else fits, and by the floor.
+nothing else fits, and by the floor. The chunked loss keeps the numerics (the same sum in
+another order) and is weighed with the low-bit states, once the plain step does not fit, where
+the step's loss is the model's own (no ``loss_fn``, no ``step=fn``) and the model is a causal
+LM the technique takes (``techniques.chunked_loss``); the search weighs its recompute against
+every other lever's cost by the time model.
 
 Note 3 (precisions under "auto"). On a GPU: the 16-bit autocast the card has (bf16 where it supports
 it: fp32's range, no loss scaling; else fp16 with a GradScaler), bf16-pure where bf16 is supported
@@ -44,11 +55,12 @@ from memfit.planner.memory_model import MemoryModel
 from memfit.planner.search import variant_key
 from memfit.planner.time_model import TimeModel, flop_rate
 
-__all__ = ["LOW_BIT_STATES", "PARAM_OFFLOAD", "add_low_bit", "add_param_offload",
-           "auto_precisions"]
+__all__ = ["LOW_BIT_STATES", "PARAM_OFFLOAD", "CHUNKED_LOSS", "add_low_bit",
+           "add_param_offload", "add_chunked_loss", "auto_precisions"]
 
 LOW_BIT_STATES = ("bf16", "8bit", "4bit")
 PARAM_OFFLOAD = "all"
+CHUNKED_LOSS = 8          # pieces of the tokens (torchtune's num_output_chunks default)
 
 
 def add_low_bit(models: dict, traces: dict, trace: Callable, say: Callable[[str], None],
@@ -105,6 +117,28 @@ def add_param_offload(models: dict, traces: dict, trace: Callable, spec, b: int,
             pmem, ptime.with_fetches(fetched))
         added = True
     return added
+
+
+def add_chunked_loss(models: dict, trace: Callable, spec, b: int, say: Callable[[str], None],
+                     key: tuple, chunks: int = CHUNKED_LOSS) -> bool:
+    """Add a model of the loss in ``chunks`` pieces beside the plain model at ``key``
+    (``(precision, impl)``, Note 1). Returns whether it was added (False: the model or its
+    loss is not one the technique takes)."""
+    precision, impl = key
+    memory = models[key][0]
+    knobs = dict(chunked_loss=chunks, optimizer_impl=impl)
+    say(f"tracing the plain step with the loss in {chunks} pieces ({precision})")
+    try:
+        est = trace(precision, None, **knobs)
+        half = trace(precision, b // 2, **knobs) if b > 1 else None
+    except ValueError:
+        return False
+    cmem = MemoryModel(est, b, half).limited(placements=memory.placements,
+                                             excluded_modes=memory.excluded_modes)
+    cmem.device_ratio, cmem.context_bytes = memory.device_ratio, memory.context_bytes
+    models[variant_key(precision, impl, None, None, chunks)] = (
+        cmem, TimeModel(est, spec, precision, b, cmem, half))
+    return True
 
 
 def auto_precisions(spec) -> list[str]:

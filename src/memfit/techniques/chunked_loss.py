@@ -60,7 +60,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memfit.techniques._protocol import Change
 
-__all__ = ["ChunkedLoss", "chunked_causal_lm_loss", "IGNORE_INDEX"]
+__all__ = ["ChunkedLoss", "chunked_causal_lm_loss", "chunkable", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100        # transformers' default, what a label to leave out is set to
 # config attributes that change the logits after the head (Note 4): name -> values that don't
@@ -166,6 +166,19 @@ def _with_loss(output, loss: torch.Tensor):
     raise TypeError(f"chunked_loss: cannot put the loss into a {type(output).__name__} output")
 
 
+def chunkable(model: nn.Module) -> bool:
+    """Whether ``apply`` takes ``model`` (Note 4): what a planner asks before weighing it."""
+    try:
+        _head_of(_unwrap(model))
+    except ValueError:
+        return False
+    return True
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
 def _head_of(model: nn.Module) -> nn.Module:
     """The model's LM head, after refusing what the chunked loss would not equal (Note 4)."""
     name = type(model).__name__
@@ -213,8 +226,7 @@ class ChunkedLoss:
     def apply(self, model: nn.Module) -> Change:
         """Hook ``model`` and its head (Note 3); refuses a model whose loss it would not
         equal (Note 4). The ``Change``'s ``remove()`` takes the three hooks off."""
-        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        head = _head_of(inner)
+        head = _head_of(_unwrap(model))
         hooks = _LossHooks(head, self.config.chunks, self.autocast_factory)
         handles = (model.register_forward_pre_hook(hooks.model_pre, with_kwargs=True),
                    head.register_forward_pre_hook(hooks.head_pre),
