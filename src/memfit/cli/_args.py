@@ -22,11 +22,13 @@ from memfit.units import UNITS_HELP, parse_bytes
 
 __all__ = ["add_switch", "reshard_value", "budget_bytes", "reserve_bytes", "cuda_version", "positive_int", "positive_float", "int_or_auto",
            "join_dash_values", "check_output_path", "progressive_spec", "add_zero_grad_arg",
+           "add_chunked_loss_arg", "chunk_count",
            "VALUE_FLAGS", "BYTES_HELP"]
 
 # flags whose value may start with '-' (Note 1)
 VALUE_FLAGS = ("--budget", "--reserve", "--cuda-version", "--micro-batch-size", "--max-grad-norm", "--batch-size",
-               "--seq-len", "--max-seq-len", "--image-size", "--lora-rank", "--progressive")
+               "--seq-len", "--max-seq-len", "--image-size", "--lora-rank", "--progressive",
+               "--chunked-loss")
 
 BYTES_HELP = f"a number and a unit: {UNITS_HELP}"
 
@@ -123,6 +125,29 @@ def progressive_spec(text: str) -> tuple[int, float]:
     if not 0 < f < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: FRACTION must be between 0 and 1, e.g. 0.9")
     return n, f
+
+
+def add_chunked_loss_arg(g, *, plan: bool = False) -> None:
+    """--chunked-loss N: ``Knobs.chunked_loss`` (techniques.chunked_loss)."""
+    unset = "0: the model's own loss; default: memfit picks (8 pieces, where the plain step " \
+        "does not fit)" if plan else "0 or unset: the model's own loss"
+    g.add_argument("--chunked-loss", type=chunk_count, default=None, metavar="N",
+                   help="a causal LM's loss over N pieces of the tokens (torchtune's way: the "
+                        "head, the fp32 upcast and the cross-entropy per piece, each piece's "
+                        "logits recomputed in backward), so the tokens x vocabulary logits never "
+                        f"exist whole; {unset}")
+
+
+def chunk_count(text: str) -> int:
+    """--chunked-loss's value: pieces >= 1, or 0 (off)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of pieces") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: give N >= 1 pieces, or 0 for the model's "
+                                         "own loss")
+    return value
 
 
 def add_zero_grad_arg(g) -> None:

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from memfit.cli._args import (add_switch, add_zero_grad_arg, positive_float, positive_int,
-                              reshard_value)
+from memfit.cli._args import (add_chunked_loss_arg, add_switch, add_zero_grad_arg,
+                              positive_float, positive_int, reshard_value)
 from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, hf_trainer
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model_and_batch, check_paths,
@@ -32,6 +32,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="optimizer whose state is counted (default: adamw)")
     add_optimizer_impl_arg(g)
     add_zero_grad_arg(g)
+    add_chunked_loss_arg(g)
     add_hf_args_arg(g)
     g = p.add_argument_group("target and output")
     add_target_args(g, budget_help="check against this many device bytes instead of the "
@@ -130,7 +131,7 @@ def run(args) -> int:
                     gpus=args.gpus, sharding=args.sharding,
                     reshard_after_forward=args.reshard_after_forward,
                     fsdp_offload=args.fsdp_offload, mp_policy=args.mp_policy,
-                    **impl,
+                    chunked_loss=args.chunked_loss, **impl,
                     allocator=allocator)
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch)
@@ -149,6 +150,7 @@ def run(args) -> int:
         out = {"model": spec.name, "task": args.task or spec.default_task, "batch": shapes,
                "optimizer": args.optimizer, "reserve_bytes": target.reserve_bytes,
                **({"hf_args": args.hf_args} if args.hf_args else {}),
+               **({"chunked_loss": est.knobs.chunked_loss} if est.knobs.chunked_loss else {}),
                "trainable_parameters": _trainable(model), **spare_and_short(est.to_dict())}
         if args.plot:
             out["plot"] = args.plot
@@ -224,6 +226,9 @@ def _print_human(console, spec, model, est, described, args, target) -> None:
         console.print(trainable_line(model, args))
     if args.zero_grad:
         console.print(f"loop style: zero_grad {args.zero_grad}")
+    if est.knobs.chunked_loss:
+        console.print(f"loss: chunked over {est.knobs.chunked_loss} pieces of the tokens, each "
+                      "piece's logits recomputed in backward")
     title = "Memory at the peak of one steady-state step"
     if est.basis == "cuda-model":
         title += f" (CUDA model, {est.device.display_name})"

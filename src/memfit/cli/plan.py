@@ -7,8 +7,8 @@ import json
 import sys
 import time
 
-from memfit.cli._args import (add_switch, add_zero_grad_arg, positive_float, positive_int,
-                              progressive_spec)
+from memfit.cli._args import (add_chunked_loss_arg, add_switch, add_zero_grad_arg,
+                              positive_float, positive_int, progressive_spec)
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model, check_paths, make_batch,
                                 optimizer_impl_knob, resolve_target)
@@ -39,6 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="optimizer whose state is counted (default: adamw)")
     add_optimizer_impl_arg(g)
     add_zero_grad_arg(g)
+    add_chunked_loss_arg(g, plan=True)
     g.add_argument("--micro-batch-size", type=positive_int, default=None, metavar="N",
                    help="fix the micro-batch size (default: memfit picks)")
     g.add_argument("--checkpoint", default=None, metavar="POLICY",
@@ -96,7 +97,8 @@ def _knobs(args) -> dict:
                 checkpoint=args.checkpoint, offload=args.offload,
                 offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
                 optimizer_state=args.optimizer_state, max_grad_norm=args.max_grad_norm,
-                zero_grad=args.zero_grad, **optimizer_impl_knob(args))
+                zero_grad=args.zero_grad, chunked_loss=args.chunked_loss,
+                **optimizer_impl_knob(args))
 
 
 def _check(args) -> None:
