@@ -33,7 +33,8 @@ import warnings
 import torch
 import transformers
 
-__all__ = ["TASKS", "make_batch", "position_limit", "table_limit", "token_id_range"]
+__all__ = ["TASKS", "make_batch", "position_limit", "table_limit", "token_id_range", "resolve_seq_len",
+           "check_positive_int"]
 
 TASKS = ("sequence-classification", "token-classification", "masked-lm", "causal-lm", "seq2seq-lm",
          "image-classification", "speech-seq2seq", "contrastive")
@@ -54,7 +55,7 @@ def make_batch(config: transformers.PretrainedConfig, task: str, batch_size: int
     """A deterministic (given ``seed``) batch for ``task`` on a model built from ``config``."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: valid tasks are {list(TASKS)}")
-    _check_positive_int("batch_size", batch_size)
+    check_positive_int("batch_size", batch_size)
     gen = torch.Generator().manual_seed(seed)
     if task == "image-classification":
         if seq_len is not None or padded:
@@ -130,7 +131,7 @@ def token_id_range(config: transformers.PretrainedConfig) -> tuple[int, int]:
 
 
 def _text_batch(config, task, batch_size, seq_len, padded, gen) -> dict[str, torch.Tensor]:
-    seq_len = _resolve_seq_len(config, task, seq_len)
+    seq_len = resolve_seq_len(config, task, seq_len)
     input_ids, attention_mask = _token_rows(config, batch_size, seq_len, padded, gen)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask}
     if getattr(config, "type_vocab_size", 1) > 1:
@@ -158,7 +159,7 @@ def _speech_batch(config, batch_size, seq_len, padded, gen) -> dict[str, torch.T
     features = torch.randn((batch_size, config.num_mel_bins, frames), generator=gen)
     limit = config.max_target_positions
     seq_len = min(DEFAULT_SEQ_LEN // 4, limit) if seq_len is None else seq_len
-    _check_positive_int("seq_len", seq_len)
+    check_positive_int("seq_len", seq_len)
     if seq_len > limit:
         raise ValueError(f"seq_len {seq_len} (target tokens) exceeds this {config.model_type} model's "
                          f"max_target_positions {limit}: use seq_len <= {limit}")
@@ -188,11 +189,11 @@ def _class_labels(config, shape, gen) -> torch.Tensor:
     return torch.randint(0, config.num_labels, shape, generator=gen)
 
 
-def _resolve_seq_len(config, task, seq_len) -> int:
+def resolve_seq_len(config, task, seq_len) -> int:
     limit, why = position_limit(config)
     if seq_len is None:
         seq_len = DEFAULT_SEQ_LEN if limit is None else min(DEFAULT_SEQ_LEN, limit)
-    _check_positive_int("seq_len", seq_len)
+    check_positive_int("seq_len", seq_len)
     if limit is not None and seq_len > limit:
         field = why.split()[0]
         raise ValueError(
@@ -208,7 +209,7 @@ def _resolve_seq_len(config, task, seq_len) -> int:
 def _image_batch(config, batch_size, image_size, gen) -> dict[str, torch.Tensor]:
     configured = getattr(config, "image_size", None)
     size = image_size if image_size is not None else (configured or DEFAULT_IMAGE_SIZE)
-    _check_positive_int("image_size", size)
+    check_positive_int("image_size", size)
     patch = getattr(config, "patch_size", None)
     if configured is not None and patch is not None and configured % patch:
         raise ValueError(f"this {config.model_type} config has image_size {configured}, not a multiple of "
@@ -228,6 +229,6 @@ def _image_batch(config, batch_size, image_size, gen) -> dict[str, torch.Tensor]
     return {"pixel_values": pixel_values, "labels": _class_labels(config, (batch_size,), gen)}
 
 
-def _check_positive_int(name: str, value) -> None:
+def check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")

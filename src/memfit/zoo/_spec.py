@@ -7,6 +7,10 @@ Note 1 (how models are built). ``build`` instantiates the head class from a conf
 device, so the same ``seed`` gives the same weights. ``dtype=None`` means torch's default
 (float32), whatever ``torch_dtype`` a config file carries: memfit changes precision only when
 asked. Attention is ``"sdpa"`` wherever the class supports it, and the model is in train mode.
+``attn_implementation="flash_attention_2"`` builds the same model and then names flash-attn 2 in
+its config, which transformers reads at each forward: transformers refuses to build it where
+flash-attn is not installed (a CPU machine), and memfit models its kernels for a GPU target
+(``memfit.trace.cuda_flash_attn``).
 
 Note 2 (tiny twins). ``tiny_overrides`` shrink widths, depths, vocabulary and positions but keep
 the architecture class and every structural switch (tied embeddings, RoPE type, GQA, pre/post
@@ -27,8 +31,9 @@ from torch import nn
 
 from memfit.zoo import _batches
 from memfit.zoo._config_errors import CONFIG_ERRORS, check_sizes, invalid_config
+from memfit.zoo._packing import check_packable, packed_batch
 
-__all__ = ["ModelSpec", "count_parameters", "FAMILIES", "TASKS"]
+__all__ = ["ModelSpec", "count_parameters", "FAMILIES", "TASKS", "ATTENTION"]
 
 FAMILIES = ("encoder", "causal-lm", "seq2seq", "vision", "multimodal")
 TASKS = _batches.TASKS
@@ -104,17 +109,20 @@ class ModelSpec:
         return config
 
     def build(self, task: str | None = None, *, tiny: bool = False, device: str | torch.device = "cpu",
-              dtype: torch.dtype | None = None, seed: int = 0, **overrides: Any) -> nn.Module:
+              dtype: torch.dtype | None = None, seed: int = 0, attn_implementation: str | None = None,
+              **overrides: Any) -> nn.Module:
         """Build the model for ``task`` with random weights, in train mode (Note 1).
 
         ``device="meta"`` allocates nothing; any other device gets real weights seeded by ``seed``.
-        ``overrides`` are config fields (e.g. ``num_hidden_layers=2``).
+        ``attn_implementation``: "sdpa" (the default where the class has it), "eager" or
+        "flash_attention_2" (Note 1). ``overrides`` are config fields (e.g. ``num_hidden_layers=2``).
         """
         cls = self.model_class(task)
+        attn = _check_attention(cls, attn_implementation)
         config = self.config(tiny=tiny, **overrides)
         kwargs: dict[str, Any] = {"dtype": dtype or torch.get_default_dtype()}
-        if getattr(cls, "_supports_sdpa", False):
-            kwargs["attn_implementation"] = "sdpa"
+        if getattr(cls, "_supports_sdpa", False) or attn == "eager":
+            kwargs["attn_implementation"] = "eager" if attn == "eager" else "sdpa"
         device = torch.device(device)
         try:
             if device.type == "meta":
@@ -129,16 +137,21 @@ class ModelSpec:
         except CONFIG_ERRORS as err:         # a constructor's own check (BERT: heads vs hidden size)
             raise invalid_config(f"{self.source or self.name} ({cls.__name__})", sorted(vars(config)),
                                  err) from err
+        if attn == "flash_attention_2":
+            model.config._attn_implementation = attn
         return model.train()
 
     def make_batch(self, config_or_model: transformers.PretrainedConfig | nn.Module, batch_size: int = 8, *,
                    seq_len: int | None = None, image_size: int | None = None, padded: bool = False,
-                   task: str | None = None, seed: int = 0,
-                   device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+                   task: str | None = None, seed: int = 0, device: str | torch.device = "cpu",
+                   packing: bool = False) -> dict[str, torch.Tensor]:
         """A training batch for ``config_or_model`` such that ``model(**batch).loss`` is defined.
 
         The task defaults to the one whose class the given model is, else ``default_task``. See
-        ``memfit.zoo._batches`` for the layout of each task's batch.
+        ``memfit.zoo._batches`` for the layout of each task's batch. ``packing=True`` (a causal
+        LM): ``batch_size`` sequences of ``seq_len`` tokens flattened into one row of
+        ``batch_size * seq_len`` tokens, as ``DataCollatorWithFlattening`` makes it
+        (``memfit.zoo._packing``).
         """
         if isinstance(config_or_model, transformers.PretrainedConfig):
             config = config_or_model
@@ -152,8 +165,23 @@ class ModelSpec:
                 f"make_batch needs a transformers config or a model with a .config, got "
                 f"{type(config_or_model).__name__}: pass spec.config(...) or the model spec.build(...) returned"
             )
+        if packing:
+            return self._packed_batch(config_or_model, config, self.check_task(task), batch_size,
+                                      seq_len, padded, seed, device)
         return _batches.make_batch(config, self.check_task(task), batch_size, seq_len=seq_len,
                                    image_size=image_size, padded=padded, seed=seed, device=device)
+
+    def _packed_batch(self, config_or_model, config, task, batch_size, seq_len, padded, seed,
+                      device) -> dict[str, torch.Tensor]:
+        """``batch_size`` sequences of ``seq_len`` tokens in one row (docs/packing.md)."""
+        if padded:
+            raise ValueError("packing removes the padding: ask for packing or for padded rows, "
+                             "not both")
+        model = config_or_model if isinstance(config_or_model, nn.Module) else None
+        check_packable(model if model is not None else self.model_class(task), task)
+        _batches.check_positive_int("batch_size", batch_size)
+        seq_len = _batches.resolve_seq_len(config, task, seq_len)
+        return packed_batch(config, [seq_len] * batch_size, seed=seed, device=device)
 
     def _task_of(self, model: nn.Module) -> str | None:
         cls_name = type(model).__name__
@@ -169,6 +197,22 @@ class ModelSpec:
                 close = difflib.get_close_matches(key, sorted(known), n=3)
                 hint = f"; did you mean {', '.join(close)}?" if close else ""
                 raise ValueError(f"unknown config field {key!r} for {self.config_class.__name__} ({self.name}){hint}")
+
+
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+
+
+def _check_attention(cls, attn: str | None) -> str | None:
+    """``attn`` if ``cls`` has it (transformers' ``_supports_sdpa``, ``_supports_flash_attn``)."""
+    if attn is None:
+        return None
+    if attn not in ATTENTION:
+        raise ValueError(f"unknown attn_implementation {attn!r}: use one of {list(ATTENTION)}")
+    flag = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}.get(attn)
+    if flag and not getattr(cls, flag, False):
+        raise ValueError(f"{cls.__name__} has no {attn} attention in this transformers: use "
+                         f"eager{'' if attn == 'sdpa' else ' or sdpa'}")
+    return attn
 
 
 def count_parameters(model: nn.Module) -> int:
