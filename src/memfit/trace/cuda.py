@@ -3,7 +3,9 @@
 Note 1 (the pieces). A fake trace runs CPU kernels' meta functions. For a CUDA target:
 autocast follows CUDA's op lists (``CudaAutocastMode``); SDPA runs the kernel the GPU would
 pick, with that kernel's saved tensors and workspaces (``CudaSdpaMode``); bitsandbytes' 4-bit
-matmul makes the dequantized weight its CUDA fallback makes (``CudaBnbMode``); optimizers take
+matmul makes the dequantized weight its CUDA fallback makes (``CudaBnbMode``); a model configured
+with ``flash_attention_2`` runs flash-attn 2's padded, packed (varlen) or dense kernels as
+modelled in ``cuda_flash_attn`` (``FlashAttn``); optimizers take
 their CUDA default, ``foreach`` (its temporaries span all parameters at once), and keep the
 ``step`` counter of non-capturable Adam-style optimizers in host memory; every storage goes
 through a replay of the caching allocator (512-byte rounding, segments, splitting), after
@@ -28,6 +30,7 @@ from memfit.optimizers import impl_of
 from memfit.trace.allocator import AllocatorConfig, CachingAllocator
 from memfit.trace.cuda_autocast import CudaAutocastMode
 from memfit.trace.cuda_bnb import CudaBnbMode
+from memfit.trace.cuda_flash_attn import FlashAttn
 from memfit.trace.cuda_sdpa import CudaSdpaMode
 
 __all__ = ["CudaModel", "CudaMemory"]
@@ -59,19 +62,22 @@ class CudaModel:
         self.allocator = allocator or AllocatorConfig()
         self.sdpa_calls: list[str] = []
         self.bnb_note: str | None = None       # bitsandbytes' 4-bit matmuls (cuda_bnb)
+        self.flash_note: str | None = None     # flash_attention_2's calls (cuda_flash_attn)
 
     def autocast(self, dtype: torch.dtype):
         return CudaAutocastMode(dtype)
 
     @contextlib.contextmanager
     def kernels(self):
-        """Active around the whole traced step: SDPA and bitsandbytes' 4-bit matmul as the
-        GPU would run them."""
+        """Active around the whole traced step: SDPA, flash-attn 2 and bitsandbytes' 4-bit
+        matmul as the GPU would run them."""
         mode, bnb = CudaSdpaMode(self.spec.compute_capability), CudaBnbMode()
-        with mode, bnb:
+        flash = FlashAttn(self.spec.compute_capability, self.spec.display_name)
+        with mode, bnb, flash:
             yield
         self.sdpa_calls = list(mode.calls)          # the last (steady-state) step's calls
         self.bnb_note = bnb.note()
+        self.flash_note = flash.note()
 
     @contextlib.contextmanager
     def recompute(self, dtype: torch.dtype | None):
