@@ -15,7 +15,8 @@ from memfit.cli._args import (BYTES_HELP, budget_bytes, check_output_path, cuda_
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_GPU", "OPTIMIZER_NAMES", "add_model_args",
            "add_target_args", "add_optimizer_impl_arg", "optimizer_impl_knob", "Target",
-           "resolve_target", "resolve_device", "check_paths", "build_model", "make_batch", "build_model_and_batch"]
+           "resolve_target", "resolve_device", "check_paths", "build_model", "make_batch", "build_model_and_batch",
+           "packing_fields", "packing_words"]
 
 DEFAULT_MODEL = "xlm-roberta-large"
 DEFAULT_GPU = "gtx-1080-ti"
@@ -24,6 +25,8 @@ OPTIMIZER_NAMES = ("adagrad", "adam", "adamw", "momentum", "rmsprop", "sgd")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 # techniques.quantized_base.KINDS, named here so --help needs no torch (tests/cli/test_adapt.py)
 QUANTIZE_KINDS = ("nf4", "fp4", "int8")
+# zoo._spec.ATTENTION, named here so --help needs no torch (tests/cli/test_packing_cli.py)
+ATTENTION_NAMES = ("sdpa", "eager", "flash_attention_2")
 
 
 def add_model_args(p: argparse.ArgumentParser, batch_size: int = 8,
@@ -56,6 +59,19 @@ def add_model_args(p: argparse.ArgumentParser, batch_size: int = 8,
                    help="image side in pixels for vision models (default: the model's, e.g. 224)")
     g.add_argument("--padded", action="store_true",
                    help="rows of varying length with right padding instead of full rows")
+    g.add_argument("--packing", action="store_true",
+                   help="padding-free packed sequences, as TRL's packing=True (padding-free) "
+                        "and transformers' DataCollatorWithFlattening give a causal LM: "
+                        "--batch-size sequences of --seq-len tokens each, flattened into one row "
+                        "of batch-size x seq-len tokens (the tokens per batch) whose position_ids "
+                        "restart with each sequence; the model's use_cache is off, as the Trainer "
+                        "sets it. Attention follows --attn-implementation")
+    g.add_argument("--attn-implementation", default=None, choices=ATTENTION_NAMES,
+                   help="the model's attention as transformers runs it: sdpa (default where the "
+                        "model has it; a packed batch gets a tokens x tokens block-diagonal "
+                        "mask), eager, or flash_attention_2 (flash-attn 2, modelled for a GPU "
+                        "target: a packed batch runs its variable-length kernel; sm80+, "
+                        "fp16/bf16)")
     g.add_argument("--freeze", action="append", default=[], metavar="PATTERN",
                    help="do not train the parameters whose names match: a name, a module "
                         "prefix (roberta.embeddings), a glob ('roberta.embeddings.*') or a regex; "
@@ -218,7 +234,12 @@ def build_model(args):
     spec = zoo.from_config_file(args.config, task=args.task) if args.config else \
         zoo.resolve(args.model or DEFAULT_MODEL, revision=revision, task=args.task)
     spec.check_task(args.task)
-    model = spec.build(args.task, device="meta")
+    _check_attention(args)
+    model = spec.build(args.task, device="meta",
+                       attn_implementation=getattr(args, "attn_implementation", None))
+    if getattr(args, "packing", False):
+        _check_packing(args, spec, model)
+        model.config.use_cache = False      # as the Trainer sets it (trace.packed_attention)
     lora, freeze = getattr(args, "lora_rank", None), getattr(args, "freeze", None)
     if getattr(args, "quantize", None):
         if lora:
@@ -241,11 +262,60 @@ def build_model(args):
     return spec, model
 
 
+def _check_attention(args) -> None:
+    """flash-attn 2 runs fp16/bf16 only: an fp32 step (estimate's default; plan's plain step
+    under auto) would be refused after a trace, so it is refused now."""
+    if getattr(args, "attn_implementation", None) == "flash_attention_2" and \
+            getattr(args, "precision", None) in (None, "fp32", "auto"):
+        raise ValueError("--attn-implementation flash_attention_2 runs in fp16 or bf16 only: "
+                         "give --precision bf16 (or fp16, bf16-pure); under auto memfit also "
+                         "traces the fp32 step as written, which flash-attn cannot run")
+
+
+def _check_packing(args, spec, model) -> None:
+    """--packing's refusals, before any trace."""
+    from memfit.zoo._packing import check_packable
+
+    if args.padded:
+        raise ValueError("--packing removes the padding: give --packing or --padded, not both")
+    for flag in ("batch_size", "seq_len"):
+        if getattr(args, flag, None) == "auto":
+            raise ValueError(f"--{flag.replace('_', '-')} auto is not searched with --packing "
+                             "yet: give the sequences (--batch-size) and their tokens (--seq-len)")
+    if getattr(args, "hf_args", None):
+        raise ValueError("--packing describes memfit's own batch; with --hf-args the Trainer's "
+                         "collator makes it: drop one of them")
+    check_packable(model, args.task or spec.default_task)
+
+
+def packing_fields(args, model, batch) -> dict:
+    """``{"packing": {...}}`` for --json under --packing (else ``{}``): the sequences, their
+    tokens, the tokens per batch and the attention."""
+    if not getattr(args, "packing", False):
+        return {}
+    from memfit.trace.packed_attention import packed_sequences
+
+    sequences, tokens = packed_sequences(batch) or (1, batch["input_ids"].numel())
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return {"packing": {"sequences": sequences, "sequence_tokens": tokens // sequences,
+                        "tokens_per_batch": tokens, "attn_implementation": attn}}
+
+
+def packing_words(args, model, batch) -> str:
+    """What follows "batch 1 x N" in the human output under --packing (else "")."""
+    fields = packing_fields(args, model, batch).get("packing")
+    if fields is None:
+        return ""
+    return (f" (packed: {fields['sequences']} sequences x {fields['sequence_tokens']} tokens, "
+            f"{fields['attn_implementation']})")
+
+
 def make_batch(spec, model, args, batch_size: int, seq_len: int | None):
     from memfit.cli._adapt import base_model
 
     return spec.make_batch(base_model(model), batch_size, seq_len=seq_len,
-                           image_size=args.image_size, padded=args.padded, task=args.task)
+                           image_size=args.image_size, padded=args.padded, task=args.task,
+                           packing=getattr(args, "packing", False))
 
 
 def build_model_and_batch(args):

@@ -11,7 +11,8 @@ from memfit.cli._args import (add_chunked_loss_arg, add_switch, add_zero_grad_ar
 from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, hf_trainer
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model_and_batch, check_paths,
-                                optimizer_impl_knob, resolve_target)
+                                optimizer_impl_knob, packing_fields, packing_words,
+                                resolve_target)
 from memfit.cli._json import byte_counts_checked, spare_and_short
 from memfit.cli import _report_args, _static_plan
 from memfit.knobs import OPTIMIZER_STATES, PRECISIONS, SHARDINGS
@@ -134,7 +135,7 @@ def run(args) -> int:
                     chunked_loss=args.chunked_loss, **impl,
                     allocator=allocator)
     shapes = {k: list(v.shape) for k, v in batch.items()}
-    described = describe_batch(batch)
+    described = describe_batch(batch) + packing_words(args, model, batch)
     tracker = record.tracker if hf is None and record is not None else None
     if args.plot:
         from memfit.report import plot_timeline
@@ -151,6 +152,7 @@ def run(args) -> int:
                "optimizer": args.optimizer, "reserve_bytes": target.reserve_bytes,
                **({"hf_args": args.hf_args} if args.hf_args else {}),
                **({"chunked_loss": est.knobs.chunked_loss} if est.knobs.chunked_loss else {}),
+               **packing_fields(args, model, batch),
                "trainable_parameters": _trainable(model), **spare_and_short(est.to_dict())}
         if args.plot:
             out["plot"] = args.plot

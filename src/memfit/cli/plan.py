@@ -11,7 +11,8 @@ from memfit.cli._args import (add_chunked_loss_arg, add_switch, add_zero_grad_ar
                               positive_float, positive_int, progressive_spec)
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model, check_paths, make_batch,
-                                optimizer_impl_knob, resolve_target)
+                                optimizer_impl_knob, packing_fields, packing_words,
+                                resolve_target)
 from memfit.cli import _plan_sharding
 from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, export_path, hf_trainer
 from memfit.cli._json import byte_counts_checked
@@ -144,7 +145,7 @@ def run(args) -> int:
                                   **_knobs(args))
         extras = _extras(spec, model, batch, args, target, status, planned.plan, out)
     p, seconds = planned.plan, time.perf_counter() - start
-    described = describe_batch(batch)
+    described = describe_batch(batch) + packing_words(args, model, batch)
     from memfit.cli import _report_args        # --report, --snapshot: plain beside planned
     if args.plot:
         from memfit.report import plot_before_after
@@ -165,6 +166,7 @@ def run(args) -> int:
     if args.json:
         out.update({"model": spec.name, "task": args.task or spec.default_task,
                     "batch": {k: list(v.shape) for k, v in batch.items()},
+                    **packing_fields(args, model, batch),
                     "optimizer": args.optimizer, "reserve_bytes": target.reserve_bytes,
                     "trainable_parameters": sum(t.numel() for t in model.parameters()
                                                 if t.requires_grad),
