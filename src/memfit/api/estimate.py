@@ -78,8 +78,9 @@ def _on_the_card(cuda: CudaModel, tracker, prof, runner, spec):
     card = card_breakdown(spec, mem.reserved_peak_bytes, prof.op_log, mem.workspace_bytes)
     where = f"measured in {spec.profile_path}" if spec.profile_path else \
         "from public measurements"
-    notes = [f"CUDA model of the {spec.display_name}: attention ran "
-             f"{_describe_calls(cuda.sdpa_calls)}; optimizer "
+    attention = _describe_calls(cuda.sdpa_calls) if cuda.sdpa_calls or not cuda.flash_note \
+        else "flash-attn 2 (its note follows)"
+    notes = [f"CUDA model of the {spec.display_name}: attention ran {attention}; optimizer "
              f"{cuda.optimizer_impl(runner.optimizer)}; caching-allocator "
              f"replay; context and library kernels {where}. Unvalidated until "
              "benchmarks/gpu_check.py (or memfit calibrate) has run on this GPU"]

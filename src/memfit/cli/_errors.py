@@ -53,6 +53,7 @@ _FLAGS = {
     "batch_size": "--batch-size", "seq_len": "--seq-len", "max_seq_len": "--seq-len",
     "image_size": "--image-size", "short_seq_len": "--progressive LEN",
     "short_fraction": "--progressive LEN:FRACTION", "budget_bytes": "--budget",
+    "attn_implementation": "--attn-implementation",
 }
 # keywords that are also plain English words: rewritten only as ``name=value``
 _PLAIN_WORDS = {"precision": "--precision", "checkpoint": "--checkpoint", "offload": "--offload",
