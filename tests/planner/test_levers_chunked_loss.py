@@ -66,6 +66,28 @@ def test_a_fixed_chunked_loss_is_in_every_trace():
     assert off.knobs.chunked_loss == 0 and off.predicted_peak_bytes > est.peak_bytes
 
 
+@pytest.mark.slow      # a plan over every lever and three steps of 8-bit AdamW (~40 s)
+@pytest.mark.filterwarnings("ignore::UserWarning")    # bitsandbytes on a CPU
+def test_with_a_low_bit_state_beside_it():
+    """The loss in pieces with 8-bit AdamW state (bitsandbytes), a model built from the two
+    (planner.variants): at 83 MB only the pair fits (the loss in pieces alone with every
+    block's activations offloaded needs 83,425,180 B, 8-bit state alone far more), and the
+    run is what the plan predicts, to the byte."""
+    before = alive_storages()
+    model, batch = _big()
+    runner = memfit.fit(memfit.Job(model, batch, optimizer=torch.optim.AdamW(model.parameters())),
+                        budget=83_000_000, device="cpu", offload_optimizer=False,
+                        allow_numerics_change=True)
+    k = runner.plan.knobs
+    assert (k.chunked_loss, k.optimizer_state) == (8, "8bit")
+    for _ in range(2):
+        runner.step(batch)
+    with LiveBytes(device_tensors=job_tensors(before)) as live:
+        runner.step(batch)
+    runner.close()
+    assert live.peak_bytes == runner.plan.predicted_peak_bytes == 82_881_092
+
+
 @pytest.mark.slow      # the floor without the lever, traced (~20 s on 2 cores)
 def test_nothing_with_the_models_own_loss_fits():
     model, batch = _big()

@@ -310,6 +310,19 @@ class MemoryModel:
         out._opt_rise = optimizer_rise_bytes(est)
         return out
 
+    def with_optimizer_of(self, plain: "MemoryModel", variant: "MemoryModel") -> "MemoryModel":
+        """This model with the optimizer of ``variant``, a model of ``plain``'s step with another
+        implementation or state (Notes 7 and 9), for a step whose forward and backward are
+        this model's: every point shifts by the state ``variant`` holds beyond ``plain``'s,
+        and the optimizer step rises as ``variant``'s does."""
+        out = copy.copy(self)
+        shift = variant.optimizer_state_bytes - plain.optimizer_state_bytes
+        out._fixed, out._opt, out._total = self._fixed + shift, self._opt + shift, \
+            self._total + shift
+        out.optimizer_state_bytes = self.optimizer_state_bytes + shift
+        out._opt_rise = variant._opt_rise
+        return out
+
     def peak_phase(self) -> str:
         """Where the traced plain step peaks: "forward/backward" or "optimizer"."""
         return "optimizer" if int(np.argmax(self._total)) >= self.opt_start else "forward/backward"

@@ -40,8 +40,9 @@ least, so the caller re-traces them all and takes the least traced.
 Note 6 (levers beyond the per-block modes). A key may be longer: ``(precision, impl,
 optimizer_state, offload_params)`` (``variant_key``), one model per low-bit optimizer state
 (it changes only the optimizer's bytes) and per parameter offload (read off a trace with the
-block weights on the host), and ``(precision, impl, None, None, chunked_loss)`` for the loss
-taken in pieces (read off a trace with it). A model says where its
+block weights on the host), and ``(precision, impl, optimizer_state, None, chunked_loss)`` for
+the loss taken in pieces (read off a trace with it, beside each optimizer variant). A model
+says where its
 optimizer state may live (``MemoryModel.placements``: bf16-pure and parameter offload each allow
 one) and which block modes it refuses (``excluded_modes``: parameter offload refuses activation
 offload on the same blocks); the search and the floor respect both.

@@ -124,6 +124,13 @@ class TimeModel:
         out._opt_touched = float(costs[:, 1].sum())
         return out
 
+    def with_optimizer_of(self, variant: "TimeModel") -> "TimeModel":
+        """This model with the optimizer step of ``variant`` (another implementation or state
+        of the same optimizer, Notes 6 and 8); the forward and backward are this model's."""
+        out = copy.copy(self)
+        out.optimizer_s, out._opt_touched = variant.optimizer_s, variant._opt_touched
+        return out
+
     def _cost(self, sl: slice, n: int, b: int, mask=None) -> float:
         fixed, per = self._fixed[sl], self._per[sl]
         if mask is not None:

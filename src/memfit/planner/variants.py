@@ -23,7 +23,12 @@ the first ``samples`` of it) so that this layer imports nothing above it.
   and half of it), at the precision "auto" prefers with the optimizer as given: it changes
   the points of the step where the logits live (the loss, the start of backward) and adds a
   second forward of the head, both read off the trace; the model allows what the plain
-  model allows (``placements``, ``excluded_modes``, the card's ratio and context).
+  model allows (``placements``, ``excluded_modes``, the card's ratio and context). Beside
+  each model of that precision with another optimizer implementation or a low-bit state, the
+  same optimizer with the loss in pieces is a model too, without a trace: the chunked step's
+  forward and backward, that model's optimizer (its state's bytes beyond the plain one's, its
+  step's rise and time: ``with_optimizer_of``); the optimizer does not see how the loss was
+  taken.
 
 Note 2 (when). Low-bit states change the numerics: they are weighed only when the caller
 allows it (``allow_numerics_change``, implied by ``precision="auto"``), only for Adam/AdamW
@@ -136,8 +141,14 @@ def add_chunked_loss(models: dict, trace: Callable, spec, b: int, say: Callable[
     cmem = MemoryModel(est, b, half).limited(placements=memory.placements,
                                              excluded_modes=memory.excluded_modes)
     cmem.device_ratio, cmem.context_bytes = memory.device_ratio, memory.context_bytes
-    models[variant_key(precision, impl, None, None, chunks)] = (
-        cmem, TimeModel(est, spec, precision, b, cmem, half))
+    ctime = TimeModel(est, spec, precision, b, cmem, half)
+    for other in [q for q in models if q[0] == precision and len(q) <= 4 and q != key and
+                  (len(q) == 2 or q[3] is None)]:       # other optimizers, not param offload
+        vmem, vtime = models[other]
+        state = other[2] if len(other) > 2 else None
+        models[variant_key(precision, other[1], state, None, chunks)] = (
+            cmem.with_optimizer_of(memory, vmem), ctime.with_optimizer_of(vtime))
+    models[variant_key(precision, impl, None, None, chunks)] = (cmem, ctime)
     return True
 
 
