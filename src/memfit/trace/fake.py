@@ -3,10 +3,12 @@
 Note 1 (the copy). The model is deep-copied with its parameters and buffers pre-seeded in the
 deepcopy memo by their fake counterparts, so the copy shares nothing with the user's model,
 tied parameters stay tied (one object, one fake), hooks and config come along, and no real
-tensor data is duplicated. Real tensors become fakes with ``from_tensor`` (sharing kept), each
-fake storage then grown to the real storage's size: ``from_tensor`` sizes a storage by the
-extent the tensor reaches, and a tensor may sit in a larger one (torchao's ``NF4Tensor`` keeps
-its ``quantization_factor``, one value, in a storage of 256); ``meta`` tensors become fakes on ``device`` with the same shape and strides.
+tensor data is duplicated. Real tensors become fakes with ``from_tensor`` (sharing kept); the
+model's own (parameters, buffers, the state they hold) then have each fake storage grown to the
+real storage's size: ``from_tensor`` sizes a storage by the extent the tensor reaches, and a
+weight may sit in a larger one, which it keeps alive (torchao's ``NF4Tensor`` keeps its
+``quantization_factor``, one value, in a storage of 256). A batch is not grown: a slice of a
+larger tensor is what reaches the device (``.to`` copies the slice); ``meta`` tensors become fakes on ``device`` with the same shape and strides.
 The real values of the model's parameters and buffers are kept for the scalar reads an
 optimizer makes of them (``DataValues.link_weight``: scalar reads only, never written).
 
@@ -42,7 +44,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map
 
 import memfit.trace.fake_kernels  # noqa: F401  (registers fake kernels for ops without one)
-from memfit.measure.attached import attached, module_tensors
+from memfit.measure.attached import attached, attached_tensors, module_tensors
 from memfit.trace.data_dependent import DataValues
 
 __all__ = ["FakeCopier", "FakeDeepcopyMode"]
@@ -78,9 +80,7 @@ class FakeCopier:
         return fake
 
     def _from_real(self, t: torch.Tensor) -> torch.Tensor:
-        fake = self.mode.from_tensor(t)
-        _whole_storages(fake, t)
-        return fake
+        return self.mode.from_tensor(t)
 
     def tree(self, obj):
         """Fake every tensor in a pytree (dicts, lists, tuples); leave other leaves alone."""
@@ -98,6 +98,13 @@ class FakeCopier:
             for t in module_tensors(m):
                 if id(t) not in memo:
                     memo[id(t)] = self.tensor(t)
+        for m in model.modules():             # the model's storages whole (Note 1)
+            for t in [*m._parameters.values(), *m._buffers.values(), *module_tensors(m)]:
+                if t is not None and t.device.type != "meta":
+                    _whole_storages(memo[id(t)], t)
+                    for inner in attached_tensors(t):
+                        if inner.device.type != "meta":
+                            _whole_storages(self._memo[id(inner)], inner)
         return copy.deepcopy(model, memo)
 
 
