@@ -53,6 +53,7 @@ def test_estimate_on_a_job_equals_the_old_form(gpt2, device):
     assert new.breakdown == old.breakdown and new.knobs == old.knobs
 
 
+@pytest.mark.slow      # 9 s: two plans; the estimate and fit forms stay in the default tier
 def test_plan_on_a_job_equals_the_old_form(gpt2):
     model, batch = gpt2
     plain = memfit.estimate(memfit.Job(model, batch), device="cpu")

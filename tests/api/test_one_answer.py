@@ -17,13 +17,17 @@ from memfit.api.plan import plan
 from tests.helpers import tiny
 
 GPU = "gtx-1080-ti"
+# one precision, fixed: the floor and the plans weigh the same levers (precision "auto" adds its
+# candidates to both and doubles the traces); at fp32 the old floor (74fce95) was 673,189,896 B
+# and a plan 673,187,840 B
+PRECISION = "fp32"
 
 
 @pytest.fixture(scope="module")
 def job():
     model, batch = tiny("gpt2", batch_size=4, seq_len=64)
-    floor = plan(model, batch, device=GPU, precision="auto", floor=True).floor_bytes
-    plain = estimate(model, batch, device=GPU).device_bytes
+    floor = plan(model, batch, device=GPU, precision=PRECISION, floor=True).floor_bytes
+    plain = estimate(model, batch, device=GPU, precision=PRECISION).device_bytes
     assert floor < plain
     return model, batch, floor, plain
 
@@ -31,7 +35,7 @@ def job():
 def test_no_plan_is_under_the_floor(job):
     model, batch, floor, plain = job
     budget = floor + (plain - floor) // 5
-    found = plan(model, batch, device=GPU, precision="auto", budget=budget)
+    found = plan(model, batch, device=GPU, precision=PRECISION, budget=budget)
     assert floor <= found.predicted_device_bytes <= budget
 
 
@@ -39,10 +43,10 @@ def test_no_plan_is_under_the_floor(job):
 def test_the_floor_plans_and_one_byte_less_refuses_with_the_same_floor(job):
     model, batch, floor, plain = job
     for budget in (floor, int(floor * 1.01), floor + 3 * (plain - floor) // 5):
-        found = plan(model, batch, device=GPU, precision="auto", budget=budget)
+        found = plan(model, batch, device=GPU, precision=PRECISION, budget=budget)
         assert floor <= found.predicted_device_bytes <= budget, budget
     with pytest.raises(memfit.BudgetTooSmall) as info:
-        plan(model, batch, device=GPU, precision="auto", budget=floor - 1)
+        plan(model, batch, device=GPU, precision=PRECISION, budget=floor - 1)
     assert info.value.floor_bytes == floor
 
 
@@ -51,8 +55,8 @@ def test_the_refusals_sharding_line_is_the_layout_searchs_answer(job):
     model, batch, floor, plain = job
     budget = floor - 2 ** 20
     with pytest.raises(memfit.BudgetTooSmall) as info:
-        plan(model, batch, device=GPU, precision="auto", budget=budget)
-    row = fewest_gpus(model, batch, "adamw", memfit.get_device(GPU), budget, precision="auto")
+        plan(model, batch, device=GPU, precision=PRECISION, budget=budget)
+    row = fewest_gpus(model, batch, "adamw", memfit.get_device(GPU), budget, precision=PRECISION)
     line = next(s for s in str(info.value).splitlines() if "sharding" in s)
     assert "layout search" in line
     assert (f"finds that {row.layout} fits" in line) if row.gpus else ("no layout" in line)

@@ -26,6 +26,7 @@ def _job(model, batch):
     return memfit.Job(model, batch, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
 
 
+@pytest.mark.slow      # 15 s: a plan and a real run (the fixed-knob test stays in the default)
 def test_plan_takes_the_chunked_loss_where_only_it_fits_and_the_run_stays_under():
     model, batch = _big()
     # the levers without it do not fit: the plain step, and micro-batch 1 with every block

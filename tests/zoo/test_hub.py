@@ -302,6 +302,7 @@ def test_cli_estimates_a_hub_id_from_the_cache(cache):
     assert out["peak_bytes"] == memfit.estimate(direct, batch, device="cpu").peak_bytes
 
 
+@pytest.mark.slow      # 8 s: a CLI subprocess (the message tests stay in the default tier)
 def test_cli_missing_id_offline_is_one_line_without_a_traceback(cache):
     done = _memfit(cache, "estimate", "--model", "meta-llama/Llama-3.1-70B", "--gpu", "cpu")
     assert done.returncode == 2
