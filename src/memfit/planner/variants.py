@@ -104,18 +104,14 @@ def add_param_offload(models: dict, traces: dict, trace: Callable, spec, b: int,
         memory = models[key][0]
         if True not in memory.placements or not memory.blocks:
             continue
-        knobs = dict(offload_params=PARAM_OFFLOAD, offload_optimizer=True)
         say(f"tracing the plain step with the block weights on the host ({precision})")
-        try:
-            est = trace(precision, None, **knobs)
-            half = trace(precision, b // 2, **knobs) if b > 1 else None
-        except ValueError:
+        traced = _two_point_models(trace, spec, precision, b, memory, placements=(True,),
+                                   excluded_modes=(Mode.OFFLOAD,),
+                                   offload_params=PARAM_OFFLOAD, offload_optimizer=True)
+        if traced is None:
             continue
-        pmem = MemoryModel(est, b, half).limited(placements=(True,),
-                                                 excluded_modes=(Mode.OFFLOAD,))
-        pmem.device_ratio, pmem.context_bytes = memory.device_ratio, memory.context_bytes
+        pmem, ptime = traced
         pmem.optimizer_state_bytes = memory.optimizer_state_bytes   # the host's, as given
-        ptime = TimeModel(est, spec, precision, b, pmem, half)
         base = traces[precision]
         fetched = 2 * sum(base.modules[n].param_bytes for n in base.blocks if n in base.modules)
         models[variant_key(precision, None, None, PARAM_OFFLOAD)] = (
@@ -131,17 +127,14 @@ def add_chunked_loss(models: dict, trace: Callable, spec, b: int, say: Callable[
     loss is not one the technique takes)."""
     precision, impl = key
     memory = models[key][0]
-    knobs = dict(chunked_loss=chunks, optimizer_impl=impl)
     say(f"tracing the plain step with the loss in {chunks} pieces ({precision})")
-    try:
-        est = trace(precision, None, **knobs)
-        half = trace(precision, b // 2, **knobs) if b > 1 else None
-    except ValueError:
+    traced = _two_point_models(trace, spec, precision, b, memory,
+                               placements=memory.placements,
+                               excluded_modes=memory.excluded_modes,
+                               chunked_loss=chunks, optimizer_impl=impl)
+    if traced is None:
         return False
-    cmem = MemoryModel(est, b, half).limited(placements=memory.placements,
-                                             excluded_modes=memory.excluded_modes)
-    cmem.device_ratio, cmem.context_bytes = memory.device_ratio, memory.context_bytes
-    ctime = TimeModel(est, spec, precision, b, cmem, half)
+    cmem, ctime = traced
     for other in [q for q in models if q[0] == precision and len(q) <= 4 and q != key and
                   (len(q) == 2 or q[3] is None)]:       # other optimizers, not param offload
         vmem, vtime = models[other]
@@ -150,6 +143,22 @@ def add_chunked_loss(models: dict, trace: Callable, spec, b: int, say: Callable[
             cmem.with_optimizer_of(memory, vmem), ctime.with_optimizer_of(vtime))
     models[variant_key(precision, impl, None, None, chunks)] = (cmem, ctime)
     return True
+
+
+def _two_point_models(trace: Callable, spec, precision: str, b: int, plain: MemoryModel, *,
+                      placements, excluded_modes, **knobs):
+    """(memory, time) models of the step with ``knobs``, from two traces (the whole batch and
+    half of it, Note 1), holding the plain model's card ratio and context; None where the step
+    cannot be traced with them (a ``ValueError``)."""
+    try:
+        est = trace(precision, None, **knobs)
+        half = trace(precision, b // 2, **knobs) if b > 1 else None
+    except ValueError:
+        return None
+    memory = MemoryModel(est, b, half).limited(placements=placements,
+                                               excluded_modes=excluded_modes)
+    memory.device_ratio, memory.context_bytes = plain.device_ratio, plain.context_bytes
+    return memory, TimeModel(est, spec, precision, b, memory, half)
 
 
 def auto_precisions(spec) -> list[str]:
