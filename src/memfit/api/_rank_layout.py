@@ -69,9 +69,17 @@ from memfit.trace.card import card_breakdown, step_workspace_bytes
 from memfit.trace.fsdp_offload import OffloadPlacement
 from memfit.trace.sharded import fake_process_group, trace_ddp_hook
 
-__all__ = ["RankLayout", "is_sharded", "LAYOUT_KNOBS"]
+__all__ = ["RankLayout", "is_sharded", "refuse_fsdp_knobs_with_ddp", "LAYOUT_KNOBS"]
 
 LAYOUT_KNOBS = ("gpus", "sharding", "reshard_after_forward", "fsdp_offload", "mp_policy")
+
+
+def refuse_fsdp_knobs_with_ddp(k: Knobs) -> None:
+    """FSDP2's own knobs given with ``sharding="ddp"``: a ``ValueError`` naming them."""
+    if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload
+                                or k.mp_policy):
+        raise ValueError("reshard_after_forward, fsdp_offload and mp_policy are FSDP2's: use "
+                         "sharding='fsdp', or leave them unset with 'ddp'")
 
 
 def is_sharded(k: Knobs) -> bool:
@@ -100,10 +108,7 @@ class RankLayout:
             raise ValueError(f"{', '.join(given)}: one rank of a "
                              "data-parallel job needs both gpus=N (N >= 2 ranks; 'auto' is for "
                              "memfit.plan) and sharding='fsdp' or sharding='ddp'")
-        if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload
-                                    or k.mp_policy):
-            raise ValueError("reshard_after_forward, fsdp_offload and mp_policy are FSDP2's: use "
-                             "sharding='fsdp', or leave them unset with 'ddp'")
+        refuse_fsdp_knobs_with_ddp(k)
         raf = True if k.reshard_after_forward is None else k.reshard_after_forward
         config = Sharding.Config(kind=k.sharding, reshard_after_forward=raf,
                                  mp_policy=k.mp_policy, offload=bool(k.fsdp_offload),

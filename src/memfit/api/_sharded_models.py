@@ -10,6 +10,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
+from memfit.api._rank_layout import refuse_fsdp_knobs_with_ddp
 from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._validate import check_batch
 from memfit.api.estimate import estimate
@@ -48,10 +49,7 @@ def _setup(model, batch, optimizer, device, loss_fn, knobs: dict, step, schedule
                          "optimizer_state are not weighed with sharding yet (estimate_sharded "
                          "refuses them): plan without them")
     spec = resolve_device(model, device)
-    if k.sharding == "ddp" and (k.reshard_after_forward is not None or k.fsdp_offload
-                                or k.mp_policy):
-        raise ValueError("reshard_after_forward, fsdp_offload and mp_policy are FSDP2's: use "
-                         "sharding='fsdp', or leave them unset with 'ddp'")
+    refuse_fsdp_knobs_with_ddp(k)
     if k.mp_policy and k.precision == "bf16":
         raise ValueError("precision='bf16' (autocast) and mp_policy='bf16' both cast the "
                          "compute: pick one (mp_policy='bf16' is FSDP2's; leave precision "

@@ -92,20 +92,25 @@ class FakeCopier:
         for m in model.modules():
             for t in list(m._parameters.values()) + list(m._buffers.values()):
                 if t is not None:
-                    memo[id(t)] = self.tensor(t)
+                    memo[id(t)] = self._model_tensor(t)
                     self.data.link_weight(memo[id(t)], t.detach())
         for m in model.modules():             # after the weights: CB may share one (Note 3)
             for t in module_tensors(m):
                 if id(t) not in memo:
-                    memo[id(t)] = self.tensor(t)
-        for m in model.modules():             # the model's storages whole (Note 1)
-            for t in [*m._parameters.values(), *m._buffers.values(), *module_tensors(m)]:
-                if t is not None and t.device.type != "meta":
-                    _whole_storages(memo[id(t)], t)
-                    for inner in attached_tensors(t):
-                        if inner.device.type != "meta":
-                            _whole_storages(self._memo[id(inner)], inner)
+                    memo[id(t)] = self._model_tensor(t)
         return copy.deepcopy(model, memo)
+
+
+    def _model_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The fake of one of the model's own tensors, its storage and those of the state it
+        holds grown to their real size (Note 1)."""
+        fake = self.tensor(t)
+        if t.device.type != "meta":
+            _whole_storages(fake, t)
+            for inner in attached_tensors(t):
+                if inner.device.type != "meta":
+                    _whole_storages(self._memo[id(inner)], inner)
+        return fake
 
 
 class FakeDeepcopyMode(TorchFunctionMode):
