@@ -38,17 +38,19 @@ def _batch():
     return (torch.randint(0, 100, (8, 5)), torch.randn(8, 64))
 
 
-def _hand_state(params, min_8bit=4096, fp32=()):
-    """Note 3 of low_bit_optimizer, by hand."""
+def _hand_state(params, min_8bit=4096, fp32=(), moments=2, bits=8):
+    """Note 3 of low_bit_optimizer, by hand: per moment, one uint8 code per value and an fp32
+    absmax per 256 values, and one 256-value fp32 map per moment for the optimizer; fp32
+    moments below ``min_8bit`` values, overridden, or with 32 bits (Adam: 2 moments, Lion 1)."""
     total, any8 = 0, False
     for p in params:
         n = p.numel()
-        if n < min_8bit or any(p is q for q in fp32):
-            total += 2 * 4 * n
+        if bits == 32 or n < min_8bit or any(p is q for q in fp32):
+            total += moments * 4 * n
         else:
-            total += 2 * (n + 4 * math.ceil(n / 256))
+            total += moments * (n + 4 * math.ceil(n / 256))
             any8 = True
-    return total + (2 * 256 * 4 if any8 else 0)
+    return total + (moments * 256 * 4 if any8 else 0)
 
 
 OPTIMS = {
@@ -61,6 +63,13 @@ OPTIMS = {
                                                                     min_8bit_size=10000),
 }
 MIN = {"AdamW8bit(min_8bit_size=10000)": 10000}
+# Lion keeps one moment; bitsandbytes' 32-bit classes keep fp32 moments through the same op
+OPTIMS |= {"Lion8bit": lambda ps: bnb.optim.Lion8bit(ps, lr=1e-4),
+           "PagedLion8bit": lambda ps: bnb.optim.PagedLion8bit(ps, lr=1e-4),
+           "PagedAdamW": lambda ps: bnb.optim.PagedAdamW(ps, lr=1e-3),
+           "Lion32bit": lambda ps: bnb.optim.Lion32bit(ps, lr=1e-4)}
+SHAPE = {"Lion8bit": {"moments": 1}, "PagedLion8bit": {"moments": 1},
+         "PagedAdamW": {"bits": 32}, "Lion32bit": {"moments": 1, "bits": 32}}
 
 
 def _allocator_checked(model, opt, batch, tmp_path):
@@ -93,11 +102,12 @@ def test_estimate_of_a_users_bnb_optimizer_equals_the_allocator(name, tmp_path):
     opt = OPTIMS[name](model.parameters())
     est = memfit.estimate(model, batch, optimizer=opt, loss_fn=LOSS)
     params = list(model.parameters())
-    assert est.breakdown["optimizer"] == _hand_state(params, MIN.get(name, 4096))
+    assert est.breakdown["optimizer"] == _hand_state(params, MIN.get(name, 4096),
+                                                     **SHAPE.get(name, {}))
     t = _allocator_checked(model, opt, batch, tmp_path)
     assert est.peak_bytes == t.peak_bytes
     assert t.breakdown["optimizer"] == est.breakdown["optimizer"]
-    if name not in MIN:
+    if name not in MIN and SHAPE.get(name, {}).get("bits") != 32:
         assert t.breakdown["temporaries"] >= 20 * 256 * 64      # the CPU kernel's fp32 copies
 
 
@@ -169,3 +179,44 @@ def test_an_offloaded_users_bnb_optimizer_keeps_its_args():
     dtypes = {tuple(p.shape): inner.state[p]["state1"].dtype
               for g in inner.param_groups for p in g["params"]}
     assert dtypes[(100, 64)] == torch.float32 and dtypes[(256, 64)] == torch.uint8
+
+
+class Wide(nn.Module):
+    """One weight above bitsandbytes' paging threshold (262,144 values >= 100,000), the rest
+    below it (512, 8,192, 16)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(512, 512), nn.Linear(512, 16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("paged, plain", [("PagedAdamW8bit", "AdamW8bit"),
+                                          ("PagedAdamW", "AdamW"),
+                                          ("PagedLion8bit", "Lion8bit")])
+def test_paged_state_is_unified_memory_on_a_gpu(paged, plain):
+    """_bnb_optimizer Note 3, trace.card Note 5: on a GPU the moments of ``a.weight`` live in
+    cudaMallocManaged memory, outside the caching allocator. Oracle, by hand from bitsandbytes'
+    rule (get_state_buffer: 1e5 values or more) and layout: the unified line is those moments'
+    bytes; with the allocator's own state it makes the non-paged optimizer's state; the device
+    bytes count it once, on its own line. Before, a paged optimizer's state was counted inside
+    the allocator as any other tensor's."""
+    model, batch = Wide(), (torch.randn(8, 512), torch.randn(8, 16))
+    shape = {"PagedAdamW": {"bits": 32}, "PagedLion8bit": {"moments": 1}}.get(paged, {})
+    est = {name: memfit.estimate(model, batch, optimizer=getattr(bnb.optim, name)(
+        model.parameters(), lr=1e-4), loss_fn=LOSS, device="rtx-4090") for name in (paged, plain)}
+    moments, bits = shape.get("moments", 2), shape.get("bits", 8)
+    unified = moments * 512 * 512 * bits // 8
+    card = est[paged].card
+    assert card.unified_memory_bytes == unified
+    assert est[plain].card.unified_memory_bytes == 0
+    whole = _hand_state(list(model.parameters()), **shape)
+    assert est[plain].breakdown["optimizer"] == whole
+    assert est[paged].breakdown["optimizer"] == whole - unified
+    assert card.device_bytes == sum(card.lines.values())
+    assert est[paged].device_bytes == card.reserved_bytes + card.outside_allocator_bytes
+    assert card.reserved_bytes <= est[plain].card.reserved_bytes
+    assert any("unified memory" in n for n in est[paged].notes)

@@ -75,7 +75,8 @@ def _on_the_card(cuda: CudaModel, tracker, prof, runner, spec):
     """A GPU target's figures from the caching allocator's replay: (allocated peak, reserved
     peak, breakdown, bytes outside the allocator, the card, notes)."""
     mem = cuda.replay(tracker)
-    card = card_breakdown(spec, mem.reserved_peak_bytes, prof.op_log, mem.workspace_bytes)
+    card = card_breakdown(spec, mem.reserved_peak_bytes, prof.op_log, mem.workspace_bytes,
+                          cuda.unified_bytes(runner.optimizer))
     where = f"measured in {spec.profile_path}" if spec.profile_path else \
         "from public measurements"
     attention = _describe_calls(cuda.sdpa_calls) if cuda.sdpa_calls or not cuda.flash_note \
@@ -230,6 +231,8 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
         def host_state(tracker):
             for t in cuda.host_tensors(runner.optimizer):
                 tracker.mark_host(t)
+            for t in cuda.unified_tensors(runner.optimizer):
+                tracker.mark_unified(t)
 
         # steady state: optimizer state exists (and, under fp16, the scaler's scale: a warm-up
         # without a step, scaler); for a GPU, two whole steps for the allocator's history

@@ -174,7 +174,7 @@ def card_line(card) -> str:
 
     names = {"allocator": "tensors and cache", "cublas_workspace": "cuBLAS workspace",
              "cuda_context": "CUDA context", "library_kernels": "kernels loaded",
-             "cudnn": "cuDNN", "nccl": "NCCL"}
+             "cudnn": "cuDNN", "nccl": "NCCL", "unified_memory": "paged optimizer state"}
     parts = " + ".join(f"{names[k]} {format_bytes(v)}" for k, v in card.lines.items() if v)
     return (f"on the card: {parts} = {format_bytes(card.device_bytes)}; with the driver's "
             f"{format_bytes(card.driver_reserved_bytes)}, nvidia-smi would show "

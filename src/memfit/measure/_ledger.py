@@ -26,7 +26,9 @@ marked host (``set_host``, or ``add(host=True)``) is host memory over its whole 
 id, the same storage) that lives until the storage dies (FSDP2's gradients under CPU offload:
 reduce-scattered on the device, then copied to the host); ``transient`` / ``end_transient``
 record a device buffer that no tensor of the trace stands for (the device copy of a host
-shard a GPU makes before the all-gather, which on the CPU is the shard itself).
+shard a GPU makes before the all-gather, which on the CPU is the shard itself). A storage marked
+unified (``set_unified``: bitsandbytes' paged optimizer state, ``cudaMallocManaged``) is off the
+device's allocator and out of the host figure alike: the caller counts it on the card apart.
 
 Note 5 (symbolic sizes). In a trace shared by several batch shapes (``api._shared_shapes``) a
 storage's size is a ``SymInt``. The ledger counts its value in the traced shape, as any trace
@@ -117,7 +119,8 @@ class Ledger:
         self._entry: dict[int, int] = {}    # storage id alive before the region -> its bytes then
         self._ev_sid: list[int] = []        # event log: storage id
         self._ev_delta: list[int] = []      # event log: +bytes at birth, -bytes at death
-        self._host: set[int] = set()        # storage ids that live in host memory
+        self._host: set[int] = set()        # storage ids that live off the device's allocator
+        self._unified: set[int] = set()     # ...of which unified memory, not host (Note 4)
         self._resizes: set[int] = set()     # event indices that are in-place resizes
         self._moved: dict[int, int] = {}    # storage id -> its id after a move to the host
         # symbolic sizes (Note 5): storage id -> its size's expression now, and at entry; event
@@ -257,6 +260,13 @@ class Ledger:
             self._host.add(sid)
             self.current_bytes -= self._nbytes[sid]
 
+    def set_unified(self, storage) -> None:
+        """``storage`` lives in unified memory over its whole life (Note 4)."""
+        sid = self._sid_of.get(storage._cdata)
+        if sid is not None:
+            self.set_host(storage)
+            self._unified.add(sid)
+
     def move_to_host(self, storage) -> None:
         """``storage`` leaves the device now and lives on the host from here on (Note 4)."""
         key = storage._cdata
@@ -332,10 +342,12 @@ class Ledger:
         cats = np.asarray(self._category, dtype=np.int64)
         host = np.zeros(len(self._nbytes), dtype=bool)
         host[list(self._host)] = True
+        pool = host.copy()                         # host memory, unified memory left out
+        pool[list(self._unified)] = False
         base_by_cat = np.zeros(ncat, dtype=np.int64)
         host_base = 0
         for sid, nbytes in self._entry.items():
-            if host[sid]:
+            if pool[sid]:
                 host_base += nbytes
             else:
                 base_by_cat[cats[sid]] += nbytes
@@ -349,7 +361,8 @@ class Ledger:
         by_cat = base_by_cat + np.cumsum(per_cat, axis=0)
         base = int(base_by_cat.sum())
         series = base + np.cumsum(dev)
-        host_series = host_base + np.cumsum(np.where(on_host, deltas, 0))
+        in_pool = pool[sids] if len(sids) else np.zeros(0, dtype=bool)
+        host_series = host_base + np.cumsum(np.where(in_pool, deltas, 0))
         host_peak = max([host_base] + ([int(host_series.max())] if len(host_series) else []))
         before = base if window_start <= 0 else int(series[window_start - 1])
         window = series[window_start:]

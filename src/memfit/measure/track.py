@@ -166,6 +166,11 @@ class Tracker:
         for st in self.ledger.storages(t):
             self.ledger.set_host(st)
 
+    def mark_unified(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage as unified memory, off the allocator and the host alike."""
+        for st in self.ledger.storages(t):
+            self.ledger.set_unified(st)
+
     @property
     def resolved(self) -> L.Resolved:
         if self._resolved is None or self.ledger.open:

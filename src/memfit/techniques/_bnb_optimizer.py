@@ -36,6 +36,16 @@ manager of its own instead of the process-wide one: that one keys overrides by `
 *position* ``(group, index)`` and is never cleared, so after a Trainer with ``adamw_bnb_8bit``
 any later optimizer's first parameter took fp32 moments (the lever's state then disagreed with
 ``low_bit_optimizer.state_bytes``), and a fake's ``id`` written there could be inherited by a later tensor.
+
+Note 3 (paged optimizers: ``PagedAdamW``, ``PagedAdamW8bit``, ``PagedLion8bit``, ...). On a GPU,
+bitsandbytes' ``get_state_buffer`` allocates the moments of a parameter of at least 100,000
+values with ``cudaMallocManaged`` (``F.get_paged``), outside PyTorch's caching allocator; the
+smaller ones, and the 8-bit absmax, are ordinary device tensors. On CPU tensors it warns and
+falls back to ordinary buffers, which is what a CPU run holds. For a GPU target the trace's
+buffers are fake CPU tensors, so the override below makes them without that warning and keeps
+the paged ones in ``paged_state``: the trace counts them in unified memory, on the card beside
+the allocator (``trace.cuda.CudaModel.unified_tensors``; docs/measurement.md, "Paged optimizer
+state").
 """
 
 from __future__ import annotations
@@ -49,6 +59,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.measure._bnb_kernels import CpuKernels
 from memfit.optimizers import OptimizerRecipe, rebuild_optimizer
+
+_PAGED_MIN_NUMEL = 100_000     # bitsandbytes' get_state_buffer pages tensors of 1e5 values or more
 
 __all__ = ["BnbStep", "BnbRecipe", "bnb_classes", "bnb_modules", "is_bnb", "may_make_bnb",
            "rebuild_bnb"]
@@ -114,6 +126,18 @@ class BnbStep:
     def use_cuda_kernel(self) -> None:
         """Step as on a GPU: the op itself, whose fused kernel (and fake) allocates nothing."""
         self.cuda_kernel = True
+        self.paged_state = []
+
+    def get_state_buffer(self, p, dtype=torch.float32):
+        """bitsandbytes' state buffer; for a GPU target, a paged optimizer's buffer of a
+        parameter of at least 100,000 values is kept in ``paged_state``: on the card it is
+        unified memory, outside the caching allocator (Note 3)."""
+        if not self.cuda_kernel:
+            return super().get_state_buffer(p, dtype)
+        buff = torch.zeros_like(p, dtype=dtype)
+        if self.is_paged and p.numel() >= _PAGED_MIN_NUMEL:
+            self.paged_state.append(buff)
+        return buff
 
     @torch.no_grad()
     def update_step(self, group, p, gindex, pindex):

@@ -23,6 +23,13 @@ Note 3 (convolutions). The trace knows whether a convolution ran (an ``aten.conv
 Note 4 (NCCL). memfit estimates one process (no sharding knob yet): the NCCL line is 0, kept so
 that its place is visible (``memfit._cuda_overhead`` holds the measured figures of each NCCL
 communicator's buffers).
+
+Note 5 (unified memory). bitsandbytes' paged optimizers allocate their state (each moment of a
+parameter of at least 100,000 values) with ``cudaMallocManaged``, outside the caching allocator.
+While it fits, the driver keeps it resident on the card, so nvidia-smi counts it and so does
+``device_bytes``, on its own line (``unified_memory``); the allocator's peak and breakdown leave
+it out. Under pressure the driver may page it to the host at a cost per step: memfit counts it
+resident and does not plan on that.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from dataclasses import dataclass
 
 __all__ = ["CardBreakdown", "card_breakdown", "ran_convolution", "LINES"]
 
-LINES = ("allocator", "cublas_workspace", "cuda_context", "library_kernels", "cudnn", "nccl")
+LINES = ("allocator", "cublas_workspace", "cuda_context", "library_kernels", "cudnn", "nccl",
+         "unified_memory")
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class CardBreakdown:
     driver_reserved_bytes: int   # what the driver and ECC keep of the card (Note 2)
     card_total_bytes: int        # the card's memory as NVML reports it (Note 2)
     notes: tuple[str, ...] = ()  # where the non-allocator figures come from
+    unified_memory_bytes: int = 0  # paged optimizer state, resident on the card (Note 5)
 
     @property
     def lines(self) -> dict[str, int]:
@@ -54,7 +63,7 @@ class CardBreakdown:
         return {"allocator": self.allocator_bytes, "cublas_workspace": self.cublas_workspace_bytes,
                 "cuda_context": self.cuda_context_bytes,
                 "library_kernels": self.library_kernels_bytes, "cudnn": self.cudnn_bytes,
-                "nccl": self.nccl_bytes}
+                "nccl": self.nccl_bytes, "unified_memory": self.unified_memory_bytes}
 
     @property
     def reserved_bytes(self) -> int:
@@ -64,7 +73,7 @@ class CardBreakdown:
     def outside_allocator_bytes(self) -> int:
         """Bytes outside the caching allocator: ``Estimate.context_bytes``."""
         return self.cuda_context_bytes + self.library_kernels_bytes + self.cudnn_bytes + \
-            self.nccl_bytes
+            self.nccl_bytes + self.unified_memory_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -95,10 +104,11 @@ def ran_convolution(op_log) -> bool:
     return any(op.startswith(("aten.convolution", "aten.cudnn_convolution")) for op in op_log)
 
 
-def card_breakdown(spec, reserved_bytes: int, op_log,
-                   workspace_bytes: int | None = None) -> CardBreakdown:
-    """The card lines of a step on ``spec`` that reserves ``reserved_bytes`` (Notes 1-4), of
-    which ``workspace_bytes`` are cuBLAS workspaces (default: one handle's)."""
+def card_breakdown(spec, reserved_bytes: int, op_log, workspace_bytes: int | None = None,
+                   unified_memory_bytes: int = 0) -> CardBreakdown:
+    """The card lines of a step on ``spec`` that reserves ``reserved_bytes`` (Notes 1-5), of
+    which ``workspace_bytes`` are cuBLAS workspaces (default: one handle's), with
+    ``unified_memory_bytes`` of paged optimizer state beside the allocator."""
     assert spec.kind == "cuda", spec.name
     if workspace_bytes is None:
         workspace_bytes = spec.cublas_workspace_bytes
@@ -107,10 +117,16 @@ def card_breakdown(spec, reserved_bytes: int, op_log,
     notes = list(spec.figure_notes)
     if conv and spec.cudnn_bytes:
         notes.append(f"a convolution ran: cuDNN's kernels {spec.cudnn_bytes} B added")
+    if unified_memory_bytes:
+        notes.append(f"paged optimizer state: {unified_memory_bytes:,} B in unified memory "
+                     "(bitsandbytes' cudaMallocManaged), resident on the card beside the "
+                     "allocator: in the device bytes, not in the allocated peak or its "
+                     "breakdown; under memory pressure the driver may page it to the host")
     return CardBreakdown(
         allocator_bytes=reserved_bytes - workspace, cublas_workspace_bytes=workspace,
         cuda_context_bytes=spec.cuda_context_bytes - spec.library_kernels_bytes,
         library_kernels_bytes=spec.library_kernels_bytes,
         cudnn_bytes=spec.cudnn_bytes if conv else 0, nccl_bytes=0,
         driver_reserved_bytes=(spec.nvml_total_bytes or spec.memory_bytes) - spec.usable_bytes,
-        card_total_bytes=spec.nvml_total_bytes or spec.memory_bytes, notes=tuple(notes))
+        card_total_bytes=spec.nvml_total_bytes or spec.memory_bytes, notes=tuple(notes),
+        unified_memory_bytes=unified_memory_bytes)

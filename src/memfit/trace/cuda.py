@@ -124,6 +124,22 @@ class CudaModel:
                 out.append(step)
         return out
 
+    @staticmethod
+    def unified_tensors(optimizer) -> list[torch.Tensor]:
+        """Optimizer state a GPU keeps in unified memory, off the caching allocator: the paged
+        state a bitsandbytes optimizer made for this target (``paged_state``; docs/measurement.md,
+        "Paged optimizer state"). None for an optimizer stepping on the host."""
+        if hasattr(optimizer, "host_tensors"):
+            return []
+        return list(getattr(getattr(optimizer, "inner", optimizer), "paged_state", ()))
+
+    @classmethod
+    def unified_bytes(cls, optimizer) -> int:
+        """The bytes of ``unified_tensors``, each storage once."""
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for t in cls.unified_tensors(optimizer)}
+        return sum(storages.values())
+
     def replay(self, tracker) -> CudaMemory:
         """Replay the ledger through the caching allocator (Note 2)."""
         resolved = tracker.resolved
