@@ -19,6 +19,16 @@ def tiny_gpt2_config(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache_folder(tmp_path_factory):
+    """memfit's on-disk cache (docs/cache.md) in a folder of this session's, never the user's:
+    a test reads only what this run computed, and leaves nothing in ~/.cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEMFIT_CACHE_DIR", str(tmp_path_factory.mktemp("memfit-cache")))
+        mp.delenv("MEMFIT_CACHE_LIMIT", raising=False)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_bnb_overrides():
     """bitsandbytes keeps per-parameter overrides in a process-wide manager, keyed by ``id`` and

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memfit import devices
+from memfit import _device_table
 from memfit.devices import ALIASES, GPUS, DeviceSpec, cpu_spec, get_device, list_devices
 from memfit.units import GiB, MiB
 
@@ -65,7 +65,7 @@ def test_entry_is_self_consistent(name):
     # no public CUDA total: the documented fallback off nvidia-smi's total, else off memory_bytes
     if not spec.usable_measured:
         total = spec.nvml_total_bytes or spec.memory_bytes
-        assert spec.usable_bytes == int(total * (1 - devices._DRIVER_RESERVE_FRACTION)) // MiB * MiB
+        assert spec.usable_bytes == int(total * (1 - _device_table._DRIVER_RESERVE_FRACTION)) // MiB * MiB
 
 
 def test_datasheet_figures():
@@ -125,7 +125,7 @@ def test_every_alias_targets_a_table_entry_and_keys_do_not_collide():
     keys = [(k, v) for k, v in ALIASES.items()] + [(n, n) for n in GPUS]
     keys += [(s.display_name, n) for n, s in GPUS.items()]
     for key, target in keys:
-        norm = devices._normalize(key)
+        norm = _device_table._normalize(key)
         assert seen.setdefault(norm, target) == target, f"{key!r} is ambiguous"
 
 

@@ -38,15 +38,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import torch
-
 from memfit._cuda_overhead import (ASSUMED_CUDA_VERSION, MAX_CUDA, MIN_CUDA, context_figure,
                                    cudnn_figure, lazy_loading, parse_cuda_version,
                                    step_kernels_figure)
+from memfit._versions import torch_build
 from memfit.units import MiB
 
 if TYPE_CHECKING:
-    from memfit.devices import DeviceSpec
+    from memfit._device_table import DeviceSpec
 
 __all__ = ["CUBLASLT_WORKSPACE_BYTES", "cublas_workspace_bytes_for", "with_cuda"]
 
@@ -60,11 +59,13 @@ def cublas_workspace_bytes_for(cc: tuple[int, int]) -> int:
 
 
 def _default_cuda() -> tuple[tuple[int, int], str | None]:
-    """The CUDA the installed torch was built for, and a note when it is assumed (Note 2)."""
-    if torch.version.cuda:
-        return parse_cuda_version(torch.version.cuda), None
+    """The CUDA the installed torch was built for, and a note when it is assumed (Note 2);
+    read without importing torch (``memfit._versions``)."""
+    torch = torch_build()
+    if torch.cuda:
+        return parse_cuda_version(torch.cuda), None
     major, minor = ASSUMED_CUDA_VERSION
-    return ASSUMED_CUDA_VERSION, (f"this torch ({torch.__version__}) has no CUDA: the figures "
+    return ASSUMED_CUDA_VERSION, (f"this torch ({torch.version}) has no CUDA: the figures "
                                   f"assume CUDA {major}.{minor}; pass --cuda-version / "
                                   "cuda_version= for yours")
 

@@ -1,9 +1,9 @@
 """The GPU table's rows: what each card's datasheet says, with the source in a comment.
 
-Plain data (no imports from memfit), built into ``DeviceSpec``s by ``memfit.devices``. The
+Plain data (no imports from memfit), built into ``DeviceSpec``s by ``memfit._device_table``. The
 columns: ``mem`` the memory as sold, NVIDIA's "GB" read as GiB; ``usable`` the MiB torch
 reports as ``total_memory`` where a public log gives it, else None (then ``smi``, the nvidia-smi
-total in MiB where known, else ``mem``, less devices' ``_DRIVER_RESERVE_FRACTION``); ``fp32`` /
+total in MiB where known, else ``mem``, less ``_device_table._DRIVER_RESERVE_FRACTION``); ``fp32`` /
 ``fp16`` / ``bf16`` in FLOP/s, dense (a datasheet's 2:4 sparse rate halved), fp32 accumulate;
 ``bw`` in B/s; ``link`` the host link, one of "pcie3", "pcie4", "pcie4x8", "pcie5", "c2c"; ``cc``
 the compute capability.

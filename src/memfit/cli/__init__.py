@@ -15,6 +15,7 @@ import os
 import sys
 
 from memfit.cli import bench as _bench
+from memfit.cli import cache as _cache
 from memfit.cli import calibrate as _calibrate
 from memfit.cli import estimate as _estimate
 from memfit.cli import gpus as _gpus
@@ -27,7 +28,7 @@ from memfit.cli._errors import cli_warnings, error_json, format_error, is_user_e
 __all__ = ["main", "build_parser"]
 
 _COMMANDS = {"plan": _plan, "estimate": _estimate, "train": _train, "bench": _bench,
-             "gpus": _gpus, "models": _models, "calibrate": _calibrate}
+             "gpus": _gpus, "models": _models, "calibrate": _calibrate, "cache": _cache}
 # Libraries' import-time chatter that says nothing about the user's job: torchao (imported by
 # transformers when installed) logs each CUDA kernel library a CPU-only build cannot load, and
 # torch logs torchao's deprecated pytree registrations. Raised to errors for the CLI only.

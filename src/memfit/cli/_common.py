@@ -1,8 +1,9 @@
 """Model, batch, device and budget flags shared by subcommands, and their checks before tracing.
 
-Nothing here imports torch at import time: ``memfit --help`` stays fast. ``prepare`` runs every
-check that needs no trace (the model's name and config, the task, the GPU, the batch's shape,
-output paths) so bad input is refused in seconds, not after a trace.
+Nothing here imports torch at import time: ``memfit --help`` stays fast. ``check_model_arg``
+(the model's name or config file, the task) and ``resolve_target`` (the GPU, the budget) check
+what needs no trace without importing torch or transformers either, so bad input is refused
+in under a second, not after seconds of imports and a trace.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from memfit.cli._args import (BYTES_HELP, budget_bytes, check_output_path, cuda_
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_GPU", "OPTIMIZER_NAMES", "add_model_args",
            "add_target_args", "add_optimizer_impl_arg", "optimizer_impl_knob", "Target",
-           "resolve_target", "resolve_device", "check_paths", "build_model", "make_batch", "build_model_and_batch",
+           "resolve_target", "resolve_device", "check_paths", "check_model_arg", "build_model",
+           "make_batch", "build_model_and_batch",
            "packing_fields", "packing_words"]
 
 DEFAULT_MODEL = "xlm-roberta-large"
@@ -183,10 +185,11 @@ def resolve_target(args) -> Target:
 
 
 def resolve_device(args):
-    """The DeviceSpec of --gpu or --device, with --cuda-version and --module-loading applied."""
+    """The DeviceSpec of --gpu or --device, with --cuda-version and --module-loading applied;
+    torch is imported only for --gpu cuda (the GPU in this machine)."""
     import os
 
-    from memfit.devices import DeviceSpec, get_device, with_cuda
+    from memfit._device_table import DeviceSpec, resolve_name, with_cuda
 
     gpu, profile = getattr(args, "gpu", None), getattr(args, "device", None)
     if gpu is not None and profile is not None:
@@ -195,7 +198,11 @@ def resolve_device(args):
     if profile is not None:
         spec = DeviceSpec.load(profile)
     else:
-        spec = get_device(gpu or DEFAULT_GPU)
+        spec = resolve_name(gpu or DEFAULT_GPU)
+        if spec is None:                    # cuda, cuda:N: only torch can describe it
+            from memfit.devices import get_device
+
+            spec = get_device(gpu)
     version = getattr(args, "cuda_version", None)
     loading = getattr(args, "module_loading", None)
     if spec.kind != "cuda":
@@ -220,17 +227,34 @@ def _quiet_transformers() -> None:
     logging.set_verbosity_error()
 
 
+def check_model_arg(args) -> None:
+    """--model (a built-in name, a path or a hub id), --config (a file), --revision and, for a
+    built-in model, --task, checked without torch (``memfit._zoo_names``): refused at once."""
+    from memfit._zoo_names import check_task, config_file, find_row, model_source
+
+    revision = getattr(args, "revision", None)
+    if args.config:
+        if revision is not None:
+            raise ValueError(f"--revision {revision} picks a commit of a hub repo; --config "
+                             "reads a local file as it is: drop --revision, or give the hub id "
+                             "as --model")
+        config_file(args.config)
+        return
+    model = args.model or DEFAULT_MODEL
+    if model_source(model, revision) == "builtin" and args.task is not None:
+        row = find_row(model)
+        check_task(row.name, row.architectures, args.task)
+
+
 def build_model(args):
     """The model spec and the model on the meta device (no memory), with --freeze,
     --quantize and --lora-rank applied (cli._adapt)."""
     from memfit import zoo
     from memfit.cli._adapt import apply_freeze, apply_lora, apply_quantize
 
+    check_model_arg(args)
     _quiet_transformers()
     revision = getattr(args, "revision", None)
-    if args.config and revision is not None:
-        raise ValueError(f"--revision {revision} picks a commit of a hub repo; --config reads "
-                         "a local file as it is: drop --revision, or give the hub id as --model")
     spec = zoo.from_config_file(args.config, task=args.task) if args.config else \
         zoo.resolve(args.model or DEFAULT_MODEL, revision=revision, task=args.task)
     spec.check_task(args.task)

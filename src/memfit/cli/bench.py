@@ -107,14 +107,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     check_output_path(args.plot, "--plot")
     from memfit.cli._common import resolve_device
+
+    # a GPU named by --gpu is checked before torch is imported (refused at once)
+    named = resolve_device(argparse.Namespace(gpu=args.gpu, device=None)) if args.gpu else None
     from memfit.train._seed_pool import default_jobs, trace_rows
     from memfit.train.seed_table import seed_rows
 
     import torch
 
     here = torch.cuda.is_available()
-    device = resolve_device(argparse.Namespace(gpu=args.gpu or ("cuda" if here else
-                                                                  DEFAULT_BENCH_GPU), device=None))
+    device = named or resolve_device(argparse.Namespace(
+        gpu="cuda" if here else DEFAULT_BENCH_GPU, device=None))
     if device.kind != "cuda":
         raise ValueError(f"--gpu {args.gpu}: the seed's table is for a GPU; name one of "
                          "`memfit gpus`")

@@ -15,7 +15,7 @@ def add_parser(sub):
 
 
 def rows() -> list[dict]:
-    from memfit.devices import ALIASES, list_devices
+    from memfit._device_table import ALIASES, list_devices     # the table without torch
 
     aliases: dict[str, list[str]] = {}
     for alias, name in ALIASES.items():

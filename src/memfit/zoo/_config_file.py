@@ -25,6 +25,7 @@ import transformers
 from transformers import AutoConfig
 from transformers.models.auto import configuration_auto, modeling_auto
 
+from memfit._zoo_names import config_file
 from memfit.zoo._config_errors import CONFIG_ERRORS, check_sizes, invalid_config
 from memfit.zoo._spec import ModelSpec
 
@@ -84,10 +85,7 @@ def from_config_file(path: str | Path, task: str | None = None) -> ModelSpec:
 
 
 def _read_json(path: Path) -> tuple[Path, dict]:
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise ValueError(f"no config file at {file}: pass the path of a Hugging Face config.json or of a "
-                         "directory that holds one")
+    file = config_file(path)
     try:
         fields = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

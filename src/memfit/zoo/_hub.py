@@ -19,14 +19,8 @@ login`` or ``HF_TOKEN``), a repo that does not exist (or that this token cannot 
 revision it does not have, a repo without a ``config.json``. huggingface_hub's exception is
 kept as the ``__cause__``.
 
-Note 3 (which model a string names). ``resolve`` reads ``--model``'s string in this order: a
-built-in name or alias first (``gpt2``, ``openai-community/gpt2``: memfit's own copy of the
-config, no hub); then an existing file or folder (``from_config_file``); then a hub id, one
-``/`` between two valid names (``meta-llama/Llama-3.1-8B``). A string that is none of these
-gets the zoo's error, which lists the built-in names. A name ending in ``.json`` is a path,
-never a hub id: a missing file is said to be missing. A ``revision`` asks for the hub, so a
-hub id that is also a built-in alias (``openai-community/gpt2``) is then read from the hub;
-with a built-in short name or a path it is refused (it would have no effect).
+Which model a string names (a built-in name first, then a path, then a hub id) is
+``memfit._zoo_names.model_source``'s answer, which ``resolve`` follows.
 """
 
 from __future__ import annotations
@@ -36,14 +30,13 @@ from pathlib import Path
 
 import huggingface_hub
 from huggingface_hub import constants as hub_constants
-from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError,
-                                    LocalEntryNotFoundError, OfflineModeIsEnabled,
-                                    RemoteEntryNotFoundError, RepositoryNotFoundError,
-                                    RevisionNotFoundError)
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                    OfflineModeIsEnabled, RemoteEntryNotFoundError,
+                                    RepositoryNotFoundError, RevisionNotFoundError)
 
+from memfit._zoo_names import is_hub_id, model_source
 from memfit.zoo._config_file import from_config_file
-from memfit.zoo._registry import find, get
+from memfit.zoo._registry import get
 from memfit.zoo._spec import ModelSpec
 
 __all__ = ["HubConfigError", "from_pretrained_config", "hub_error_message", "is_hub_id", "resolve"]
@@ -54,17 +47,6 @@ _CONFIG = "config.json"
 class HubConfigError(OSError):
     """A hub model's ``config.json`` could not be read (Note 2): the message names the id, the
     revision and the next step; huggingface_hub's own error is the ``__cause__``."""
-
-
-def is_hub_id(text: str) -> bool:
-    """``"org/name"``: one ``/`` between two names the hub accepts, and not a ``.json`` path."""
-    if text.count("/") != 1 or text.lower().endswith(".json"):
-        return False
-    try:
-        validate_repo_id(text)
-    except HFValidationError:
-        return False
-    return True
 
 
 def from_pretrained_config(repo_id: str, revision: str | None = None, *, task: str | None = None,
@@ -90,27 +72,15 @@ def from_pretrained_config(repo_id: str, revision: str | None = None, *, task: s
 
 def resolve(model: str, *, revision: str | None = None, task: str | None = None,
             cache_dir: str | Path | None = None) -> ModelSpec:
-    """The spec ``model`` names: a built-in name, a config.json path, or a hub id (Note 3).
-    ``revision`` applies to a hub id only and is refused with the others."""
-    spec = find(model)
-    path = Path(model).expanduser()
-    hub = is_hub_id(model) and not path.exists()
-    if revision is not None and not hub:
-        source = f" ({spec.source})" if spec is not None and is_hub_id(spec.source) else ""
-        kind = "a built-in model" if spec is not None else "a local path" if path.exists() \
-            else "not a hub id"
-        raise ValueError(f"revision {revision!r} picks a commit of a hub repo, and {model!r} is "
-                         f"{kind}: drop the revision, or give the hub id{source} with it")
-    if spec is not None and revision is None:
-        return spec
-    if path.exists():
-        return from_config_file(path, task=task)
-    if hub:
-        return from_pretrained_config(model, revision, task=task, cache_dir=cache_dir)
-    if model.lower().endswith(".json") or "/" in model or "\\" in model:
-        raise ValueError(f"no file or folder at {model!r}, and it is not a built-in model's name "
-                         "or a hub id (organisation/name): check the path")
-    return get(model)                    # raises the zoo's error, which lists the names
+    """The spec ``model`` names: a built-in name, a config.json path, or a hub id, read in
+    that order (``memfit._zoo_names.model_source``). ``revision`` applies to a hub id only and
+    is refused with the others."""
+    source = model_source(model, revision)
+    if source == "builtin":
+        return get(model)
+    if source == "path":
+        return from_config_file(Path(model).expanduser(), task=task)
+    return from_pretrained_config(model, revision, task=task, cache_dir=cache_dir)
 
 
 def _config_path(repo_id: str, revision: str | None, cache_dir, local_files_only: bool) -> str:

@@ -29,6 +29,7 @@ import torch
 import transformers
 from torch import nn
 
+from memfit._zoo_names import check_task
 from memfit.zoo import _batches
 from memfit.zoo._config_errors import CONFIG_ERRORS, check_sizes, invalid_config
 from memfit.zoo._packing import check_packable, packed_batch
@@ -80,8 +81,7 @@ class ModelSpec:
         """Return ``task`` (or the default task when ``None``); raise ``ValueError`` if invalid."""
         if task is None:
             return self.default_task
-        if task not in self.architectures:
-            raise ValueError(f"unknown task {task!r} for {self.name}: valid tasks are {list(self.tasks)}")
+        check_task(self.name, self.tasks, task)
         return task
 
     def model_class(self, task: str | None = None) -> type[nn.Module]:
