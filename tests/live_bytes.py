@@ -4,7 +4,8 @@ A dispatch mode written for the tests: every CPU storage an op reads or returns 
 the first time it is seen until it dies (a weak finalizer); the peak is over the region. A
 tensor subclass that wraps others (torchao's ``NF4Tensor``) is counted by the tensors it wraps. Storages
 memfit puts in host memory (born inside ``host_allocations``, or given as ``host_tensors``) are
-kept apart. ``device_tensors`` are counted from the start, as alive before the region opens.
+kept apart (``host_bytes``, ``host_peak_bytes``). ``device_tensors`` are counted from the start,
+as alive before the region opens.
 
 ``job_tensors(before)`` finds what a job holds between steps without asking memfit: every CPU
 tensor the garbage collector can reach whose storage was not alive at ``before``
@@ -30,6 +31,7 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live: dict[int, tuple[int, bool]] = {}
         self.device_bytes = self.peak_bytes = 0
+        self.host_bytes = self.host_peak_bytes = 0
         for t in host_tensors:
             self._see(t.untyped_storage(), host=True)
         for t in device_tensors:
@@ -43,12 +45,17 @@ class LiveBytes(TorchDispatchMode):
         if not host:
             self.device_bytes += st.nbytes()
             self.peak_bytes = max(self.peak_bytes, self.device_bytes)
+        else:
+            self.host_bytes += st.nbytes()
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
         weakref.finalize(st, self._gone, key)
 
     def _gone(self, key: int) -> None:
         nbytes, host = self.live.pop(key)
         if not host:
             self.device_bytes -= nbytes
+        else:
+            self.host_bytes -= nbytes
 
     def _count(self, tree) -> None:
         for x in tree_leaves(tree):

@@ -4,15 +4,16 @@ A keyword fixes a choice, ``None`` leaves it to memfit, and "off" is always expl
 ("none", ``False``). An unknown keyword is an error that names the valid ones.
 
 Note 1 (knobs by concern). ``Knobs`` stays one flat frozen dataclass (every front and
-``dataclasses.fields(Knobs)`` read it so); its fields fall into six concerns, each readable as
-one value: ``precision`` and ``remat`` are single fields, and four groups are frozen
-dataclasses of the same fields, with the same defaults and checks: ``k.batching``
+``dataclasses.fields(Knobs)`` read it so); its fields fall into seven concerns, each readable
+as one value: ``precision``, ``quantize_base`` and ``remat`` are single fields, and four groups
+are frozen dataclasses of the same fields, with the same defaults and checks: ``k.batching``
 (``Batching``: micro_batch_size, zero_grad, max_grad_norm, chunked_loss), ``k.block_policy``
 (``BlockPolicy``: checkpoint, offload, offload_params), ``k.optimizer_setup``
-(``OptimizerSetup``: offload_optimizer, optimizer_impl, optimizer_state) and ``k.parallel``
+(``OptimizerSetup``: offload_optimizer, optimizer_impl, optimizer_state,
+optimizer_in_backward, offload_gradients) and ``k.parallel``
 (``ParallelLayout``: gpus, sharding, reshard_after_forward, fsdp_offload, mp_policy).
 ``Knobs.from_groups(precision=, batching=, block_policy=, optimizer_setup=, parallel=,
-remat=)`` builds one from them, and ``expand_groups`` turns group keywords among flat ones
+remat=, quantize_base=)`` builds one from them, and ``expand_groups`` turns group keywords among flat ones
 into flat ones (what ``memfit.estimate(job, batching=Batching(...))`` does); a field given
 both ways is an error. The groups are views: a Knobs holds only its flat fields.
 """
@@ -33,6 +34,7 @@ ZERO_GRADS = ("before-forward", "after-forward", "keep-buffers")
 SHARDINGS = ("none", "ddp", "fsdp")
 MP_POLICIES = ("bf16",)
 OPTIMIZER_STATES = ("fp32", "bf16", "8bit", "4bit")
+QUANTIZE_KINDS = ("none", "nf4", "fp4", "int8")    # techniques.quantized_base.KINDS, and off
 _POLICY = re.compile(r"^(none|all|selective|every:[1-9][0-9]*)$")
 
 # Knobs this version accepts but cannot apply yet, with the issue that brings them.
@@ -102,6 +104,19 @@ class Knobs:
         piece's logits made from the head, upcast and recomputed in backward one piece at a
         time, so the (tokens x vocab) logits never exist whole (``techniques.chunked_loss``);
         0: the model's own loss (off).
+    quantize_base: hold the frozen linear weights in 4 or 8 bits with bitsandbytes, as QLoRA
+        and LLM.int8 load a base model: "nf4" (with double quantization, bf16 compute), "fp4"
+        or "int8" (``techniques.quantized_base``); "none" or None: as they are. Changes the
+        numerics; applied to the model in place when a plan is run.
+    optimizer_in_backward: step each parameter, and free its gradient, as soon as backward
+        has accumulated it (one optimizer per parameter, run by a post-accumulate-grad hook,
+        as torchtune does; ``techniques.optimizer_in_backward``): the whole set of gradients
+        never exists. Same numerics; refused with accumulation, clipping, fp16 and several GPUs.
+    offload_gradients: with ``offload_optimizer``, copy each gradient to the optimizer's host
+        copy as backward produces it and free it on the device (torchao's
+        ``CPUOffloadOptimizer(offload_gradients=True)``): the gradients never accumulate on the
+        device; micro-batches accumulate on the host. Same numerics; refused with fp16 and
+        ``step=fn`` (their GradScaler or clipping read the device gradients).
     """
 
     precision: str | None = None
@@ -121,6 +136,9 @@ class Knobs:
     offload_params: str | tuple[str, ...] | None = None
     mp_policy: str | None = None
     chunked_loss: int | None = None
+    quantize_base: str | None = None
+    optimizer_in_backward: bool | None = None
+    offload_gradients: bool | None = None
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -135,6 +153,7 @@ class Knobs:
             raise ValueError(f"zero_grad={self.zero_grad!r} is not one of {', '.join(ZERO_GRADS)} "
                              "(or None: before-forward, memfit's default)")
         _check_choice("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
+        _check_choice("quantize_base", self.quantize_base, QUANTIZE_KINDS)
         _check_choice("sharding", self.sharding, SHARDINGS)
         _check_choice("mp_policy", self.mp_policy, MP_POLICIES)
         g = self.gpus
@@ -148,7 +167,8 @@ class Knobs:
         _check_policy("checkpoint", self.checkpoint)
         _check_policy("offload", self.offload)
         _check_policy("offload_params", self.offload_params)
-        for name in ("offload_optimizer", "remat", "fsdp_offload"):
+        for name in ("offload_optimizer", "remat", "fsdp_offload", "optimizer_in_backward",
+                     "offload_gradients"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be True or False, got {v!r}")
@@ -209,18 +229,19 @@ class Knobs:
 
     def groups(self) -> dict:
         """The knobs by concern (Note 1): precision, batching, block_policy, optimizer_setup,
-        parallel, remat."""
+        parallel, remat, quantize_base."""
         return {"precision": self.precision, **{n: getattr(self, n) for n in GROUPS},
-                "remat": self.remat}
+                "remat": self.remat, "quantize_base": self.quantize_base}
 
     @classmethod
     def from_groups(cls, *, precision: str | None = None, batching: "Batching | None" = None,
                     block_policy: "BlockPolicy | None" = None,
                     optimizer_setup: "OptimizerSetup | None" = None,
                     parallel: "ParallelLayout | None" = None,
-                    remat: bool | None = None) -> "Knobs":
+                    remat: bool | None = None, quantize_base: str | None = None) -> "Knobs":
         """A Knobs from its concerns (Note 1); a group left None leaves its knobs unset."""
-        return cls(**expand_groups(dict(precision=precision, remat=remat, batching=batching,
+        return cls(**expand_groups(dict(precision=precision, remat=remat,
+                                        quantize_base=quantize_base, batching=batching,
                                         block_policy=block_policy,
                                         optimizer_setup=optimizer_setup, parallel=parallel)))
 
@@ -260,11 +281,15 @@ class BlockPolicy(_Group):
 @dataclass(frozen=True)
 class OptimizerSetup(_Group):
     """Where and how the optimizer steps: ``offload_optimizer`` (its state on the host),
-    ``optimizer_impl`` (foreach, fused, for-loop), ``optimizer_state`` (its state's dtype)."""
+    ``optimizer_impl`` (foreach, fused, for-loop), ``optimizer_state`` (its state's dtype),
+    ``optimizer_in_backward`` (each parameter stepped in backward), ``offload_gradients``
+    (gradients to the host as backward produces them)."""
 
     offload_optimizer: bool | None = None
     optimizer_impl: str | None = None
     optimizer_state: str | None = None
+    optimizer_in_backward: bool | None = None
+    offload_gradients: bool | None = None
 
 
 @dataclass(frozen=True)

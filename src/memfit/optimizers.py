@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -135,6 +136,15 @@ class OptimizerRecipe:
         """An instance must optimize only the model's parameters (else: a clear error)."""
         if self.instance is None:
             return
+        offload = sys.modules.get("torchao.optim.cpu_offload")
+        if offload is not None and isinstance(self.instance, offload.CPUOffloadOptimizer):
+            raise ValueError(
+                "torchao's CPUOffloadOptimizer steps its own host copies, which memfit does not "
+                "rebuild: pass its optimizer_class and keyword arguments as the optimizer (e.g. "
+                "lambda ps: torch.optim.AdamW(ps, lr=1e-4)) with offload_optimizer=True, and "
+                "offload_gradients=True if you set it there: memfit's optimizer offload does "
+                "the same (every parameter on the host, where torchao keeps those under "
+                "minimal_size on the device)")
         known = {id(p) for p in model_params}
         stray = sum(id(p) not in known for g in self.instance.param_groups for p in g["params"])
         if stray:

@@ -133,7 +133,13 @@ def test_the_bound_with_levers_fixed_counts_weights_gradients_and_adam_state(mon
     n = len(list(model.parameters()))
     need = 4 * numel + 4 * numel + 8 * numel + 4 * n
     _no_trace(monkeypatch)
+    # the optimizer in backward left open, one gradient (the largest) is all it must hold
+    in_backward = need - 4 * numel + 4 * max(p.numel() for p in model.parameters())
     fixed = dict(offload_optimizer=False, offload_params="none", loss_fn=loss)
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        memfit.plan(model, batch, budget=in_backward - 1, **fixed)
+    assert info.value.floor_bytes == in_backward
+    fixed["optimizer_in_backward"] = False
     with pytest.raises(memfit.BudgetTooSmall) as info:
         memfit.plan(model, batch, budget=need - 1, **fixed)
     assert info.value.floor_bytes == need

@@ -60,6 +60,10 @@ APPLY = {
     "Offload": lambda m: Offload(Offload.Config("all", min_bytes=0)).apply(m),
     "ParamOffload": lambda m: ParamOffload(ParamOffload.Config("all")).apply(m, _adamw(m)),
     "OptimizerOffload": lambda m: OptimizerOffload(OptimizerOffload.Config()).apply(m, _adamw(m)),
+    # SGD at lr 0: the hooks step every weight in backward and leave it as it was (p - 0 * g),
+    # so the forward after remove() is the one before
+    "OptimizerInBackward": lambda m: techniques.OptimizerInBackward(
+        techniques.OptimizerInBackward.Config()).apply(m, torch.optim.SGD(m.parameters(), lr=0.0)),
     "Precision": lambda m: Precision(Precision.Config("bf16")).apply(m,
                                                                      OptimizerRecipe(_adamw(m))),
     "LowBitOptimizer": lambda m: LowBitOptimizer(LowBitOptimizer.Config("8bit")).apply(

@@ -30,7 +30,11 @@ def knob_values(choice: Choice, blocks: list[str], k: Knobs | None = None) -> di
                optimizer_impl=choice.optimizer_impl,
                optimizer_state=choice.optimizer_state or (k.optimizer_state if k else None),
                offload_params=choice.offload_params or (k.offload_params if k else None),
-               chunked_loss=choice.chunked_loss or (k.chunked_loss if k else None))
+               chunked_loss=choice.chunked_loss or (k.chunked_loss if k else None),
+               optimizer_in_backward=choice.optimizer_in_backward or
+               (k.optimizer_in_backward if k else None),
+               offload_gradients=choice.offload_gradients or
+               (k.offload_gradients if k else None))
     if k is not None and k.checkpoint is not None:
         out["checkpoint"] = k.checkpoint
     if k is not None and k.offload is not None:
@@ -49,8 +53,11 @@ def describe(choice: Choice, b: int) -> str:
         parts.append(f"block weights on the host ({choice.offload_params})")
     if choice.chunked_loss is not None:
         parts.append(f"loss in {choice.chunked_loss} pieces")
+    if choice.optimizer_in_backward:
+        parts.append("optimizer in backward")
     if choice.offload_optimizer:
-        parts.append("optimizer state on the host")
+        parts.append("optimizer state" + (" and gradients" if choice.offload_gradients else "")
+                     + " on the host")
     elif choice.optimizer_impl is not None:
         parts.append(f"{choice.optimizer_impl} optimizer")
     return ", ".join(parts)

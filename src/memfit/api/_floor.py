@@ -43,7 +43,12 @@ and, on a GPU, the CUDA context. Each precision the search weighs gets its own s
 is part of what the traced floor counts, so the bound is at most the floor and a budget under it is
 refused at once (``plan``) with the floor's own message. One assumption: every trainable parameter
 gets a gradient; one the loss never reaches (an unused pooler) has none, and the bound is then high
-by its bytes, less than what one sample's activations add to the floor on any model seen.
+by its bytes, less than what one sample's activations add to the floor on any model seen. Where
+the search may step the optimizer in backward (fp32 or bf16, ``optimizer_in_backward``), the
+gradients are never all alive: only the largest one is certain, and the bound counts that one
+(with the weights and the optimizer state on the device: that lever moves neither to the host);
+so where it may move each gradient to the host as backward makes it (``offload_gradients``,
+the weights on the device: it does not combine with parameter offload).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from torch.utils._pytree import tree_map
 from memfit.api._choice import describe, knob_values
 from memfit.api.estimate import estimate
 from memfit.planner.search import floor_candidates
+from memfit.planner.variants import GRAD_OFFLOAD_PRECISIONS, IN_BACKWARD_PRECISIONS
 from memfit.planner.verify import FLOOR_PRUNE, least_traced
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.low_bit_optimizer import STATES, state_bytes
@@ -169,11 +175,13 @@ class Bound:
 
 def lower_bound(params, *, precisions, optimizer_class, context_bytes: int,
                 state_on_host: bool, params_on_host: bool, state: str | None,
-                low_bit: bool) -> Bound:
+                low_bit: bool, in_backward: bool = False, grads_to_host: bool = False) -> Bound:
     """Note 5. ``params``: the model's parameters (``requires_grad`` says which train);
     ``precisions``: those the search weighs; ``state_on_host`` / ``params_on_host``: whether
     the search may move the optimizer state / the block weights to the host; ``state``: a fixed
-    ``optimizer_state`` (None: fp32, or a low-bit one where ``low_bit``)."""
+    ``optimizer_state`` (None: fp32, or a low-bit one where ``low_bit``); ``in_backward``: the
+    search may step the optimizer in backward, ``grads_to_host``: move the gradients to the
+    host in backward (fp32 and bf16 then hold one gradient at least)."""
     trainable = [p for p in params if p.requires_grad]
     frozen_bytes = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
     train_bytes = sum(p.numel() * p.element_size() for p in trainable)
@@ -191,5 +199,10 @@ def lower_bound(params, *, precisions, optimizer_class, context_bytes: int,
         else:
             sums[q] = frozen_bytes + (0 if params_on_host else train_bytes) + train_bytes + \
                 (0 if state_on_host else state_least)
+            largest = max((p.numel() * p.element_size() for p in trainable), default=0)
+            if in_backward and q in IN_BACKWARD_PRECISIONS:    # weights, state on the device
+                sums[q] = min(sums[q], frozen_bytes + train_bytes + largest + state_least)
+            if grads_to_host and q in GRAD_OFFLOAD_PRECISIONS:  # weights on the device
+                sums[q] = min(sums[q], frozen_bytes + train_bytes + largest)
     q = min(sums, key=sums.get)
     return Bound(sums[q] + context_bytes, q, frozen_bytes + train_bytes, train_bytes, fp32_state)

@@ -1,6 +1,7 @@
 """The planner's levers beyond the per-block modes, weighed once the plain step does not fit:
 low-bit optimizer states where the numerics may change, the loss in pieces (a causal LM's chunked
-cross-entropy), and parameter offload, each modelled on demand, once.
+cross-entropy), the optimizer stepped in backward, and the gradients then the block weights on
+the host, each modelled on demand, once.
 """
 
 from __future__ import annotations
@@ -8,10 +9,13 @@ from __future__ import annotations
 from memfit.api._floor import first_samples
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
-from memfit.planner.variants import add_chunked_loss, add_low_bit, add_param_offload
+from memfit.planner.variants import (GRAD_OFFLOAD_PRECISIONS, IN_BACKWARD_PRECISIONS,
+                                     add_chunked_loss, add_gradient_offload, add_low_bit,
+                                     add_optimizer_in_backward, add_param_offload)
 from memfit.techniques.chunked_loss import chunkable
 
-__all__ = ["Levers", "numerics_allowed", "state_knobs"]
+__all__ = ["Levers", "numerics_allowed", "state_knobs", "in_backward_open",
+           "grads_offload_open"]
 
 
 def numerics_allowed(allow: bool | None, k: Knobs) -> bool:
@@ -23,22 +27,53 @@ def numerics_allowed(allow: bool | None, k: Knobs) -> bool:
 
 
 def state_knobs(k: Knobs) -> dict:
-    """The caller's fixed optimizer_state / offload_params / chunked_loss, for every trace
-    (parameter offload needs the optimizer state on the host)."""
-    out = {"chunked_loss": k.chunked_loss} if k.chunked_loss else {}
+    """The caller's fixed optimizer_state / offload_params / chunked_loss /
+    optimizer_in_backward, for every trace (parameter offload needs the optimizer state on the
+    host)."""
+    out = _fixed_levers(k)
     if k.optimizer_state is not None:
         out["optimizer_state"] = k.optimizer_state
     if k.offload_params not in (None, "none"):
         out["offload_params"] = k.offload_params
         out["offload_optimizer"] = True if k.offload_optimizer is None else k.offload_optimizer
+    if k.offload_gradients:          # it needs the optimizer state on the host too
+        out["offload_gradients"] = True
+        out["offload_optimizer"] = True if k.offload_optimizer is None else k.offload_optimizer
+    return out
+
+
+def grads_offload_open(k: Knobs, user_step: bool) -> bool:
+    """Whether the search may move the gradients to the host in backward: the caller left it
+    unset and fixed nothing it refuses (the state on the device, the block weights on the host,
+    the optimizer in backward, a user step: techniques.optimizer_offload)."""
+    return k.offload_gradients is None and not user_step and k.offload_optimizer is not False \
+        and k.offload_params in (None, "none") and not k.optimizer_in_backward
+
+
+def in_backward_open(k: Knobs, user_step: bool, b: int) -> bool:
+    """Whether the search may step the optimizer in backward: the caller left it unset and
+    fixed nothing it refuses (accumulation, clipping, a keep-buffers loop, the state or weights
+    on the host, a user step: docs/techniques/optimizer-in-backward.md)."""
+    return k.optimizer_in_backward is None and not user_step and k.max_grad_norm is None and \
+        k.zero_grad != "keep-buffers" and k.micro_batch_size in (None, b) and \
+        not k.offload_gradients and \
+        not k.offload_optimizer and k.offload_params in (None, "none")
+
+
+def _fixed_levers(k: Knobs) -> dict:
+    """The levers the caller switched on that every lever's trace keeps too."""
+    out = {"chunked_loss": k.chunked_loss} if k.chunked_loss else {}
+    if k.optimizer_in_backward:
+        out["optimizer_in_backward"] = True
     return out
 
 
 class Levers:
     """Adds the planner's lever models on demand, once each: low-bit states only where the
     numerics may change (Adam/AdamW, the library installed), the chunked loss where the step's
-    loss is a causal LM's own, parameter offload as a last resort. A chunked_loss the caller
-    fixed is in every trace."""
+    loss is a causal LM's own, the optimizer in backward where nothing fixed needs every
+    gradient after backward, parameter offload as a last resort. A chunked_loss or
+    optimizer_in_backward the caller fixed is in every trace."""
 
     def __init__(self, model, batch, models, traces, common, spec, b, k: Knobs,
                  numerics: bool, user_step: bool, say):
@@ -47,7 +82,7 @@ class Levers:
         self.low_bit: list[str] = []
         self._done: set[str] = set()
         self._chunkable = common.get("loss_fn") is None and not user_step and chunkable(model)
-        fixed = {"chunked_loss": k.chunked_loss} if k.chunked_loss else {}
+        fixed = _fixed_levers(k)
 
         def trace(precision, samples, **knobs):
             part = batch if samples is None else first_samples(batch, samples)
@@ -74,6 +109,33 @@ class Levers:
             first = next(iter(self.traces))         # the precision auto prefers
             add_chunked_loss(self.models, self.trace, self.spec, self.b, self.say,
                              (first, self.k.optimizer_impl))
+
+    def add_optimizer_in_backward(self) -> None:
+        """The optimizer in backward beside the plain model of the first precision it runs
+        with (fp32 or bf16), where ``in_backward_open``."""
+        k = self.k
+        if "in_backward" in self._done:
+            return
+        self._done.add("in_backward")
+        if not in_backward_open(k, self.user_step, self.b):
+            return
+        first = next((q for q in self.traces if q in IN_BACKWARD_PRECISIONS), None)
+        if first is not None:
+            add_optimizer_in_backward(self.models, self.trace, self.spec, self.b, self.say,
+                                      (first, k.optimizer_impl))
+
+    def add_gradient_offload(self) -> bool:
+        """The gradients moved to the host in backward beside the plain model the search
+        prefers, weighed when nothing else fits (planner.variants). Whether models were added
+        now (False: done before, or not allowed)."""
+        if "grads" in self._done:
+            return False
+        self._done.add("grads")
+        if not grads_offload_open(self.k, self.user_step):
+            return False
+        first = next((q for q in self.traces if q in GRAD_OFFLOAD_PRECISIONS), None)
+        return first is not None and add_gradient_offload(
+            self.models, self.trace, self.spec, self.b, self.say, (first, self.k.optimizer_impl))
 
     def add_param_offload(self) -> bool:
         """Whether models were added now (False: done before, or not allowed)."""

@@ -14,7 +14,8 @@ that offloads nothing needs none, whatever the trace counted on the host (a CUDA
 Note 3 (what is beyond memfit). The floor counts every lever memfit has that the caller's
 settings leave free: precision (under "auto"), micro-batches, per-block recompute / selective /
 offload, the optimizer state on the host, low-bit optimizer states (when numerics may change),
-the loss in pieces (a causal LM's) and the block weights on the host. ``BudgetTooSmall``
+the loss in pieces (a causal LM's), the optimizer in backward and the block weights on the
+host. ``BudgetTooSmall``
 then names only what is truly beyond them: freezing or LoRA (a different training job), a
 smaller model, shorter sequences (with the longest that fits, traced), and sharding over
 several GPUs (the plan is for one); and, apart, memfit's own levers the caller's settings kept
@@ -132,6 +133,19 @@ def lever_reasons(k, choice, memory, ctx) -> list[str]:
                    "so the tokens x vocabulary logits never exist whole; predicted faster than "
                    "any plan that fits with the model's own loss. The numerics do not change "
                    "beyond the order of one sum")
+    if choice.optimizer_in_backward and not k.optimizer_in_backward:
+        out.append("optimizer in backward (optimizer_in_backward=True): each parameter is "
+                   "stepped by its own optimizer as soon as backward has made its gradient, "
+                   "which is then freed, so the whole set of gradients never exists (as "
+                   "torchtune's optimizer_in_bwd); predicted faster than any plan that fits "
+                   "without it. The numerics do not change; there is no accumulation, no "
+                   "clipping and no re-plan on out-of-memory with it")
+    if choice.offload_gradients and not k.offload_gradients:
+        out.append("gradients on the host (offload_gradients=True): no plan that keeps them on "
+                   "the device fits; each is copied to the host as backward makes it and freed "
+                   "on the device (as torchao's CPUOffloadOptimizer(offload_gradients=True)), "
+                   "every micro-batch over the host link, accumulated on the host, where the "
+                   "optimizer steps. The numerics do not change")
     if choice.offload_params is not None and choice.offload_params != k.offload_params:
         out.append(f"block weights on the host (offload_params={choice.offload_params!r}): no "
                    "plan that keeps the weights on the device fits; each block's weights are "
@@ -238,6 +252,8 @@ def _qlora_line(model) -> str | None:
     tech = QuantizedBase(QuantizedBase.Config("nf4"))
     weights = [layer.weight for _, _, layer in tech.layers(model)
                if layer.weight.is_floating_point()]
+    frozen = [w for w in weights if not w.requires_grad]    # a LoRA job: its base, not adapters
+    weights = frozen or weights
     if not weights:
         return None
     now = sum(w.numel() * w.element_size() for w in weights)
@@ -250,9 +266,9 @@ def _qlora_line(model) -> str | None:
 
 
 def counted_levers(k, numerics: bool, user_step: bool, precisions,
-                   chunked: bool = False) -> list[str]:
+                   chunked: bool = False, in_backward: bool = False) -> list[str]:
     """The levers the floor weighed (Note 3), in words; ``chunked``: the loss in pieces was
-    modelled."""
+    modelled; ``in_backward``: the optimizer in backward was."""
     out = [f"precision {'/'.join(precisions)}"]
     if not user_step and k.micro_batch_size is None:
         out.append("micro-batches")
@@ -263,6 +279,12 @@ def counted_levers(k, numerics: bool, user_step: bool, precisions,
         out.append("a bf16, 4-bit (torchao) or 8-bit (bitsandbytes) optimizer state")
     if chunked:
         out.append("the loss in pieces (chunked_loss)")
+    if in_backward:
+        out.append("the optimizer in backward (optimizer_in_backward)")
+    if k.offload_gradients is None and k.offload_optimizer is not False and not user_step \
+            and k.offload_params in (None, "none") and not k.optimizer_in_backward and \
+            k.precision != "fp16":
+        out.append("the gradients on the host (offload_gradients)")
     if k.offload_params is None and k.offload_optimizer is not False and not user_step:
         out.append("the block weights on the host")
     return out
@@ -280,8 +302,15 @@ def excluded_levers(k, numerics: bool, user_step: bool) -> list[str]:
     if k.chunked_loss == 0:
         out.append("the loss in pieces (chunked_loss=0), which keeps a causal LM's tokens x "
                    "vocabulary logits from existing whole")
+    if k.optimizer_in_backward is False:
+        out.append("the optimizer in backward (optimizer_in_backward=False), which frees each "
+                   "gradient as soon as it is stepped")
     if k.offload_optimizer is False:
         out.append("the optimizer state on the host (offload_optimizer=False)")
+    if k.offload_gradients is False or (k.offload_gradients is None and
+                                        k.offload_optimizer is False):
+        out.append("the gradients on the host as backward makes them (offload_gradients; it "
+                   "needs offload_optimizer)")
     if k.offload_params == "none" or (k.offload_params is None and k.offload_optimizer is False):
         out.append("the block weights on the host (offload_params; it needs "
                    "offload_optimizer)")

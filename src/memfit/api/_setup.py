@@ -18,14 +18,17 @@ from memfit.runtime import Applied, Runner
 from memfit.runtime.batch_shape import BatchShapes
 from memfit.techniques import Change
 from memfit.techniques._bnb_optimizer import BnbRecipe, is_bnb, may_make_bnb
+from memfit.techniques._torchao_optimizer import TorchaoRecipe, is_torchao, may_make_torchao
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
 from memfit.techniques.chunked_loss import ChunkedLoss
 from memfit.techniques.low_bit_optimizer import LowBitOptimizer
 from memfit.techniques.offload import Offload
+from memfit.techniques.optimizer_in_backward import OptimizerInBackward, check_knobs
 from memfit.techniques.optimizer_offload import OptimizerOffload
 from memfit.techniques.param_offload import ParamOffload
 from memfit.techniques.precision import MasterWeightsOptimizer, Precision
+from memfit.techniques.quantized_base import QuantizedBase
 from memfit.techniques.remat import Remat
 
 __all__ = ["resolve_device", "resolve_precision", "build_runner"]
@@ -85,7 +88,8 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     Each technique's ``apply`` returns a ``Change`` (``techniques._protocol``): the optimizer,
     ``applied``'s notes and rebuilt flag, the hooks the Runner removes and the contexts it
     enters are read off them, in the order they were applied."""
-    _refuse(knobs)
+    _refuse(knobs, user_step)
+    check_knobs(knobs, plan.batch_size)         # optimizer_in_backward's refusals
     # refused before the model is touched (expandable_segments is read when CUDA starts)
     pools, allocator_note = apply_allocator(plan, device_type)
     low_bit = None
@@ -93,11 +97,18 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
         low_bit = LowBitOptimizer(LowBitOptimizer.Config(knobs.optimizer_state)) \
             .apply(model, recipe)
         recipe = low_bit.recipe
+    elif is_torchao(recipe.instance) or may_make_torchao(recipe):   # stepped eagerly
+        other = BnbRecipe(recipe.spec, recipe.impl) if may_make_bnb(recipe) else None
+        recipe = TorchaoRecipe(recipe.spec, recipe.impl, other)
     elif is_bnb(recipe.instance) or may_make_bnb(recipe):   # its args, overrides kept
         recipe = BnbRecipe(recipe.spec, recipe.impl)
     tech = Precision(Precision.Config(knobs.precision or "fp32"), autocast_impl)
     blocks, changes = dict(plan.blocks), []
     try:
+        if knobs.quantize_base not in (None, "none"):     # in place; a trace's twin already is
+            quantize = QuantizedBase(QuantizedBase.Config(kind=knobs.quantize_base))
+            if quantize.pending(model):
+                changes.append(quantize.apply(model))
         if knobs.checkpoint not in (None, "none"):
             changes.append(Checkpoint(Checkpoint.Config(knobs.checkpoint),
                                       autocast_factory=_recompute_factory(tech, recompute_context))
@@ -118,6 +129,9 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
         built = tech.apply(model, recipe, origin)
         changes += [built, *_impl_rebuilt(model, knobs, recipe, built.optimizer)]
         changes += [low_bit] if low_bit is not None else []
+        if knobs.optimizer_in_backward:    # split per parameter, each stepped by a grad hook
+            changes.append(OptimizerInBackward(OptimizerInBackward.Config())
+                           .apply(model, built.optimizer))
         if knobs.offload_optimizer:
             changes.append(_offload_optimizer(model, built.optimizer, knobs))
     except BaseException:
@@ -150,8 +164,10 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
                   user_step=user_step, on_phase=None if pools is None else pools.on_phase)
 
 
-def _refuse(knobs: Knobs) -> None:
+def _refuse(knobs: Knobs, user_step=None) -> None:
     """The combinations no technique runs yet, refused before anything is applied."""
+    if knobs.offload_gradients:
+        _refuse_offload_gradients(knobs, user_step)
     if knobs.offload_optimizer and knobs.precision == "bf16-pure":
         raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
                          "master weights would be kept twice; use bf16 autocast instead")
@@ -163,6 +179,27 @@ def _refuse(knobs: Knobs) -> None:
                                knobs.gpus not in (None, 1)):
         raise ValueError(f"chunked_loss={knobs.chunked_loss} with several GPUs (gpus, "
                          "sharding) is not supported yet: leave chunked_loss unset there")
+
+
+def _refuse_offload_gradients(knobs: Knobs, user_step) -> None:
+    """What cannot run with the gradients moved to the host in backward
+    (techniques.optimizer_offload), with the fix."""
+    refused = (
+        (not knobs.offload_optimizer, "needs offload_optimizer=True (the gradients go to the "
+         "optimizer's fp32 host copies, which only the offloaded optimizer has); set "
+         "offload_optimizer=True"),
+        (knobs.precision == "fp16", "with precision='fp16' is not supported: the GradScaler "
+         "unscales and checks the device gradients, which the hooks have moved; use "
+         "precision='bf16' (no loss scaling)"),
+        (knobs.offload_params not in (None, "none"), "with offload_params is not supported "
+         "yet: both move tensors in the same post-accumulate-grad hooks; leave one unset"),
+        (user_step is not None, "with step=fn is not supported: the step's own clipping or "
+         "GradScaler would read the device gradients, which the hooks have moved; use memfit's "
+         "step (max_grad_norm clips the host gradients)"),
+    )
+    for bad, why in refused:
+        if bad:
+            raise ValueError(f"offload_gradients=True {why}, or leave offload_gradients unset")
 
 
 def _recompute_factory(tech: Precision, recompute_context) -> Callable | None:
@@ -192,7 +229,8 @@ def _offload_optimizer(model: nn.Module, optimizer, knobs: Knobs) -> Change:
     twins are the offloaded weights)."""
     if knobs.offload_params not in (None, "none"):
         return ParamOffload(ParamOffload.Config(knobs.offload_params)).apply(model, optimizer)
-    return OptimizerOffload(OptimizerOffload.Config()).apply(model, optimizer)
+    return OptimizerOffload(OptimizerOffload.Config(
+        offload_gradients=bool(knobs.offload_gradients))).apply(model, optimizer)
 
 
 def _merge_offload(blocks: dict[str, Mode], modes: dict[str, Mode]) -> None:

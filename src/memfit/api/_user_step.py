@@ -4,7 +4,8 @@ Note 1 (what the step fixes). ``fn(model, batch, optimizer)`` is the user's trai
 (``memfit.step.UserStep`` calls it, rewriting nothing): its precision (autocast, a GradScaler), its
 micro-batches, its clipping and where it calls ``zero_grad`` are its own, so the knobs that would
 change them (``precision`` other than "fp32", which means "nothing added", ``micro_batch_size``
-other than the whole batch, ``max_grad_norm``, ``zero_grad``, ``remat``) are refused with the fix,
+other than the whole batch, ``max_grad_norm``, ``zero_grad``, ``remat``, ``optimizer_in_backward``:
+the step calls ``optimizer.step()`` itself) are refused with the fix,
 and a ``loss_fn`` has nothing to do. What memfit can still apply reaches the step through the model
 and the optimizer it is handed: per-block ``checkpoint`` / ``offload`` (block hooks),
 ``offload_optimizer`` and ``optimizer_impl`` (the optimizer is rebuilt, and ``fn`` gets that one).
@@ -71,7 +72,10 @@ def check_step_knobs(k: Knobs, batch_size: int, loss_fn=None) -> Knobs:
                          "or leave micro_batch_size unset")
     for name, why in (("max_grad_norm", "clip inside the step (torch.nn.utils.clip_grad_norm_)"),
                       ("zero_grad", "the step's own zero_grad call decides"),
-                      ("remat", "DTR is not applied to a user step yet")):
+                      ("remat", "DTR is not applied to a user step yet"),
+                      ("optimizer_in_backward", "the step calls optimizer.step() itself; to "
+                       "step in backward, register the per-parameter hooks in it (torchtune's "
+                       "register_optim_in_bwd_hooks)")):
         if getattr(k, name) not in (None, False):
             raise ValueError(f"{name}={getattr(k, name)!r} with step=fn: {why}; leave {name} "
                              "unset")

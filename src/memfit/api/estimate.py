@@ -22,7 +22,10 @@ from memfit.memplan import storage_log
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
 from memfit.step import prepare_batch
+from memfit.techniques._torchao_optimizer import compiled_step_note
 from memfit.techniques.accumulation import batch_size_of
+from memfit.techniques.quantized_base import QuantizedBase
+from memfit.techniques.optimizer_in_backward import check_knobs as check_in_backward
 from memfit.trace import FakeCopier, profile_step
 from memfit.trace.allocator import AllocatorConfig
 from memfit.trace.card import card_breakdown
@@ -67,7 +70,7 @@ def _checked_step(model, batch, loss_fn, k: Knobs, step, scheduler):
     if user is None:               # a user step takes the batch as given (_user_step)
         batch = prepare_batch(batch)
         check_batch(model, batch, loss_fn)
-    batch_size_of(batch)
+    check_in_backward(k, batch_size_of(batch))      # optimizer_in_backward's refusals
     return user, k, batch
 
 
@@ -137,7 +140,9 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     ("8bit": bitsandbytes', "bf16", "4bit": torchao's low-bit Adam/AdamW,
     ``techniques.low_bit_optimizer``),
     ``offload_params`` (block weights on the host, with ``offload_optimizer``,
-    ``techniques.param_offload``); ``count_fn`` as in ``fit``.
+    ``techniques.param_offload``), ``optimizer_in_backward`` (each parameter stepped, and its
+    gradient freed, in backward: ``techniques.optimizer_in_backward``); ``count_fn`` as in
+    ``fit``.
     For a GPU the CPU trace is run through models of CUDA's autocast, attention kernels,
     optimizer defaults and caching allocator (``allocator``: its settings, e.g.
     ``AllocatorConfig(expandable_segments=True)``), see ``memfit.trace.cuda``.
@@ -197,6 +202,15 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
     recipe.check_impl(trainable)
+    # quantize_base: a trace quantizes a meta twin, a run the model itself
+    # (docs/techniques/quantized-base.md)
+    quantized = None
+    if k.quantize_base not in (None, "none"):
+        if layout is not None:
+            raise ValueError(f"quantize_base={k.quantize_base!r} with several GPUs (gpus, "
+                             "sharding) is not supported yet: quantize on one device, or "
+                             "leave quantize_base unset")
+        model, quantized = QuantizedBase(QuantizedBase.Config(kind=k.quantize_base)).twin(model)
 
     # memfit's CUDA models are not applied to a sharded rank yet (api._rank_layout says why)
     cuda = CudaModel(spec, allocator) if spec.kind == "cuda" and layout is None else None
@@ -266,6 +280,9 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
                                                                        runner, spec)
     packed = packing_note(runner.model, batch, cuda and cuda.sdpa_calls, cuda and spec.display_name)
     notes += [packed] if packed else []
+    notes += list(quantized.notes) if quantized else []
+    compiled = compiled_step_note(runner.optimizer)      # torchao's step, traced eagerly
+    notes += [compiled] if compiled else []
     if user is not None:
         notes += step_notes(user, batch)
     sim = None

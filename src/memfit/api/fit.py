@@ -48,7 +48,9 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     the default, "after-forward" or "keep-buffers"), ``optimizer_state`` (bitsandbytes' 8-bit,
     torchao's 4-bit and bf16 Adam/AdamW: changes the numerics), ``offload_params`` (block
     weights on the host, with ``offload_optimizer``; ``runner.close()`` takes its hooks off:
-    until then the model's offloaded weights are placeholders). Everything is checked before the model is touched.
+    until then the model's offloaded weights are placeholders), ``optimizer_in_backward`` (one
+    optimizer per parameter stepped by its gradient hook: ``runner.optimizer`` is the wrapper;
+    no re-plan on out-of-memory). Everything is checked before the model is touched.
     ``gpus``, ``sharding``, ``reshard_after_forward``, ``fsdp_offload``: inside each rank of
     a job (``init_process_group`` first), the plan applied with FSDP2 or DDP over the job's
     ranks; ``batch`` is this rank's (``memfit.api._fit_sharded``).
@@ -90,10 +92,11 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     spec = resolve_device(model, device)
     k = knobs_in.replace(precision=resolve_precision(knobs_in.precision, spec))
     low_bit = k.optimizer_state not in (None, "fp32")
-    if (k.precision == "bf16-pure" or k.offload_optimizer or low_bit) and \
-            hasattr(scheduler, "step"):
+    if (k.precision == "bf16-pure" or k.offload_optimizer or low_bit or
+            k.optimizer_in_backward) and hasattr(scheduler, "step"):
         raise ValueError(
-            "bf16-pure, offload_optimizer and a low-bit optimizer_state rebuild the optimizer, "
+            "bf16-pure, offload_optimizer, optimizer_in_backward and a low-bit optimizer_state "
+            "rebuild the optimizer, "
             "so a scheduler built on the one passed in would drive nothing: pass scheduler=a "
             "factory, e.g. "
             "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
@@ -117,21 +120,26 @@ def fit(model: nn.Module, optimizer, batch, budget=None, device=None,
     plan = Plan(k, device=spec.name, batch_size=batch_size_of(example),
                 budget_bytes=parse_bytes(budget) if budget is not None and k.remat else None)
     if budget is not None and not k.remat:    # DTR keeps the budget at run time: nothing to plan
-        if hasattr(scheduler, "step") and knobs_in.offload_optimizer is None:
-            knobs_in = knobs_in.replace(offload_optimizer=False)    # it would orphan the scheduler
+        if hasattr(scheduler, "step"):          # a rebuilt optimizer would orphan the scheduler
+            knobs_in = knobs_in.replace(
+                offload_optimizer=knobs_in.offload_optimizer or False,
+                optimizer_in_backward=knobs_in.optimizer_in_backward or False)
         k, plan = _fit_budget(model, optimizer, planned, spec, loss_fn, count_fn, knobs_in,
                               parse_bytes(budget), user, scheduler, planning)
     if user is None:
         Accumulation(Accumulation.Config(k.micro_batch_size)).warn_if_inexact(model, example)
     device_type = next((p.device.type for p in model.parameters()), "cpu")
     replan = None
-    if budget is not None and not k.remat and user is None:
+    if budget is not None and not k.remat and user is None and not k.optimizer_in_backward:
         replan = _replanner(model, recipe, optimizer, planned, spec, loss_fn, count_fn,
                             knobs_in.replace(precision=k.precision,
                                              offload_optimizer=k.offload_optimizer,
                                              optimizer_impl=k.optimizer_impl),
                             parse_bytes(budget), device_type, planning)
     notes = []
+    if budget is not None and k.optimizer_in_backward:
+        notes.append("optimizer_in_backward: no re-plan on out-of-memory (a batch that runs out "
+                     "in backward has already stepped some parameters)")
     if user is not None:
         notes.append(f"step=fn: runner.step calls {user.name}(runner.model, batch, "
                      "runner.optimizer) as written; " + STEP_FIXED_NOTE.split(": ", 1)[1] +

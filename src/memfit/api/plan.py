@@ -60,10 +60,12 @@ and its reasons say so.
 Note 8 (every lever, issue 15). Once the plain step does not fit, "auto" also traces the other
 precisions it weighs (planner.variants: fp32 where 16-bit gains nothing, bf16-pure where
 bf16 is supported); where numerics may change (``allow_numerics_change=True``, implied by
-precision "auto") each low-bit optimizer state gets a model; when nothing fits, the block
-weights on the host (parameter offload) get one and the search runs again (variants).
+precision "auto") each low-bit optimizer state gets a model; when nothing fits, the gradients
+moved to the host in backward (``offload_gradients``) get one and the search runs again, then,
+if still nothing fits, the block weights on the host (parameter offload) (variants).
 The floor counts them all; ``BudgetTooSmall`` names what is beyond them (_plan_words).
-A caller's fixed ``optimizer_state`` / ``offload_params`` is in every trace.
+A caller's fixed ``optimizer_state`` / ``offload_params`` / ``offload_gradients`` is in every
+trace.
 
 Note 9 (DTR). ``remat=True`` plans DTR alone on the whole batch (planner.remat_choice;
 with ``BudgetTooSmall`` at DTR's floor). With ``remat`` unset, a static plan that was found is
@@ -72,10 +74,21 @@ largest) and DTR taken where it is predicted faster (remat_choice). Where every 
 has the same shapes (or none are given) DTR is not weighed: on one batch the static search
 already spans what DTR does (whole-block recomputes, remat_choice), so a DTR advantage
 there would be the two models' disagreement, not a gain. ``remat=False`` never weighs it.
+
+Note 10 (QLoRA). Where numerics may change and the model has frozen float linear layers (a LoRA
+or frozen-base job), holding them in NF4 (``quantize_base="nf4"``: QLoRA's bitsandbytes layout,
+double quantization, bf16 compute) is the last lever: when no plan fits the float base, the
+whole plan is made again with it fixed. Every trace then quantizes a meta twin of the model
+(docs/techniques/quantized-base.md), the bound before tracing counts the twin's weights, and
+the plan says so first among its reasons. A run of the plan quantizes the model in place. Only
+NF4 is weighed (the usual choice, and the smallest with FP4); a caller's own
+``quantize_base`` is kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,7 +99,8 @@ from memfit.api._choice import describe, knob_values
 from memfit.api._compare_gpus import fewest_gpus
 from memfit.api._floor import first_samples, least_memory, longest_sequence, lower_bound
 from memfit.api._plan_allocator import AllocatorChoice
-from memfit.api._plan_levers import Levers, numerics_allowed, state_knobs
+from memfit.api._plan_levers import (Levers, grads_offload_open, in_backward_open,
+                                     numerics_allowed, state_knobs)
 from memfit.api._plan_remat import Planned, RematWeigh, check_remat, held_bytes, weigh
 from memfit.api._plan_sharded import is_sharded, plan_sharded
 from memfit.api._plan_words import (counted_levers, excluded_levers, global_reasons,
@@ -95,6 +109,7 @@ from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._user_step import STEP_FIXED_NOTE, as_user_step, check_step_knobs
 from memfit.api._validate import check_batch, check_order
 from memfit.api.estimate import estimate
+from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe, impl_of, supports_impl
 from memfit.planner import Plan
@@ -103,9 +118,10 @@ from memfit.planner.search import Choice, Constraints, search
 from memfit.planner.build import block_costs, build_plan
 from memfit.planner.time_model import TimeModel
 from memfit.planner.verify import Margins, verify_loop
-from memfit.planner.variants import auto_precisions
+from memfit.planner.variants import IN_BACKWARD_PRECISIONS, auto_precisions
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
+from memfit.techniques.quantized_base import QuantizedBase
 from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["plan", "plan_traced", "Planned"]
@@ -152,15 +168,53 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     sequence the floor holds (``api.levers`` asks that question itself)."""
     if is_sharded(knobs):
         raise ValueError("gpus/sharding: use memfit.plan (plan_traced plans one device)")
-    job = _PlanCall.checked(model, batch, budget, optimizer, device, loss_fn, count_fn,
-                            allocator, on_progress, step, scheduler, floor,
-                            allow_numerics_change, knobs)
-    planner = _Planner(job, batches, on_floor, suggest_shorter)
-    if planner.remat is not None and job.k.remat:   # DTR fixed by the caller: its plan or floor
-        return planner.remat.fixed(planner.plain)
-    if floor:
-        planner.least()
-    return planner.plain_fits() or planner.searched() or planner.floor_plan()
+    try:
+        job = _PlanCall.checked(model, batch, budget, optimizer, device, loss_fn, count_fn,
+                                allocator, on_progress, step, scheduler, floor,
+                                allow_numerics_change, knobs)
+        planner = _Planner(job, batches, on_floor, suggest_shorter)
+        if planner.remat is not None and job.k.remat:   # DTR fixed by the caller
+            return planner.remat.fixed(planner.plain)
+        if floor:
+            planner.least()
+        return planner.plain_fits() or planner.searched() or planner.floor_plan()
+    except BudgetTooSmall:
+        if not _weighs_qlora(model, Knobs.from_kwargs(**knobs), allow_numerics_change):
+            raise
+    if on_progress is not None:
+        on_progress("nothing fits with the frozen base in float: planning again with it in "
+                    f"{QLORA.upper()} (QLoRA)")
+    planned = plan_traced(model, batch, budget, optimizer, device, loss_fn, count_fn=count_fn,
+                          allocator=allocator, on_progress=on_progress, step=step,
+                          scheduler=scheduler, floor=floor,
+                          allow_numerics_change=allow_numerics_change, batches=batches,
+                          on_floor=on_floor, suggest_shorter=suggest_shorter,
+                          **{**knobs, "quantize_base": QLORA})
+    why = (f"QLoRA: nothing fits with the frozen base weights in float, so they are held in "
+           f"{QLORA.upper()} by bitsandbytes (double quantization, bf16 compute; quantized in "
+           "place when the plan runs). This changes the numerics (allowed)")
+    return dataclasses.replace(planned, plan=dataclasses.replace(
+        planned.plan, reasons=(why, *planned.plan.reasons)))
+
+
+QLORA = "nf4"       # the base's quantization the planner weighs (QLoRA's)
+
+
+def _weighs_qlora(model, k: Knobs, allow_numerics_change) -> bool:
+    """Quantizing the base is weighed (Note 10): numerics may change, the caller left
+    ``quantize_base`` unset, and the model has a frozen float linear layer (a LoRA job)."""
+    if not numerics_allowed(allow_numerics_change, k) or k.quantize_base is not None or \
+            k.remat:
+        return False
+    try:
+        return QuantizedBase(QuantizedBase.Config(kind=QLORA)).pending(model) and \
+            _bitsandbytes_installed()
+    except ValueError:
+        return False
+
+
+def _bitsandbytes_installed() -> bool:
+    return importlib.util.find_spec("bitsandbytes") is not None
 
 
 @dataclass
@@ -216,12 +270,23 @@ class _PlanCall:
         user = "fp32" if k.precision in (None, "auto") else p
         others = [q for q in auto_precisions(spec) if q != p] \
             if k.precision == "auto" and user_step is None else []
+        if k.optimizer_in_backward and k.precision == "auto":   # no fp16 scaler, no masters
+            p = p if p in IN_BACKWARD_PRECISIONS else "fp32"
+            others = [q for q in others if q in IN_BACKWARD_PRECISIONS and q != p]
         if not floor and not k.remat:     # Note 5: no trace (asked for the floor: traced)
-            _refuse_below_bound(model, spec, k, recipe, trainable, budget_bytes, numerics,
-                                user_step is not None, {p, user, *others})
+            bounded = model if k.quantize_base in (None, "none") else QuantizedBase(
+                QuantizedBase.Config(kind=k.quantize_base)).twin(model)[0]     # Note 10
+            _refuse_below_bound(bounded, spec, k, recipe, trainable, budget_bytes, numerics,
+                                user_step is not None, {p, user, *others},
+                                bool(k.optimizer_in_backward) or
+                                in_backward_open(k, user_step is not None, b),
+                                bool(k.offload_gradients) or
+                                grads_offload_open(k, user_step is not None))
         common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
                       allocator=allocator, max_grad_norm=k.max_grad_norm,
                       zero_grad=k.zero_grad, step=user_step, scheduler=scheduler)
+        if k.quantize_base is not None:         # in every trace (Note 10)
+            common["quantize_base"] = k.quantize_base
         return cls(model, batch, original, b, k, spec, budget_bytes, user_step, recipe,
                    trainable, p, user, others, numerics, Constraints.of(model, k, b), common,
                    state_knobs(k), on_progress or (lambda message: None))
@@ -301,6 +366,8 @@ class _Planner:
             self.add_precisions()
             self.levers.add_low_bit()
             self.levers.add_chunked_loss()
+            self.levers.add_optimizer_in_backward()
+            self.levers.add_gradient_offload()
             self.levers.add_param_offload()
             self.traced_floor = least_memory(job.model, job.batch, self.models, job.fixed, job.k,
                                              job.common, self.held, job.b, job.say,
@@ -344,15 +411,19 @@ class _Planner:
         self.add_precisions()
         self.levers.add_low_bit()
         self.levers.add_chunked_loss()
+        self.levers.add_optimizer_in_backward()
 
         def propose(margins: Margins):
             for q in self.models:
                 margins.start(q, self.held[q[0]])
             choice = search(self.models, job.b, job.budget_bytes, job.fixed, margins.bytes)
-            if choice is None and self.levers.add_param_offload():   # a last resort (Note 8)
-                for q in self.models:
-                    margins.start(q, self.held[q[0]])
-                choice = search(self.models, job.b, job.budget_bytes, job.fixed, margins.bytes)
+            for last_resort in (self.levers.add_gradient_offload,      # Note 8
+                                self.levers.add_param_offload):
+                if choice is None and last_resort():
+                    for q in self.models:
+                        margins.start(q, self.held[q[0]])
+                    choice = search(self.models, job.b, job.budget_bytes, job.fixed,
+                                    margins.bytes)
             return choice
 
         def verify(choice: Choice):
@@ -417,13 +488,18 @@ class _Planner:
                          layout=layout, model=job.model,
                          counted=counted_levers(k, job.numerics, user_step,
                                                 sorted({q[0] for q in self.models}),
-                                                chunked=any(len(q) == 5 for q in self.models)))
+                                                chunked=any(len(q) == 5 for q in self.models),
+                                                in_backward=any(len(q) == 6
+                                                                for q in self.models)))
 
 
 def _refuse_below_bound(model, spec, k: Knobs, recipe, trainable, budget_bytes: int,
-                        numerics: bool, user_step: bool, precisions) -> None:
+                        numerics: bool, user_step: bool, precisions,
+                        in_backward: bool = False, grads_to_host: bool = False) -> None:
     """``BudgetTooSmall`` before any trace where the floor's lower bound from the parameters
-    alone (_floor) is over the budget: the same words as the traced floor's."""
+    alone (_floor) is over the budget: the same words as the traced floor's. ``in_backward``:
+    the optimizer may step in backward; ``grads_to_host``: the gradients may go to the host in
+    backward (each fixed, or open to the search)."""
     bound = lower_bound(
         list(model.parameters()), precisions=sorted(precisions),
         optimizer_class=recipe.optimizer_class(trainable),
@@ -431,13 +507,16 @@ def _refuse_below_bound(model, spec, k: Knobs, recipe, trainable, budget_bytes: 
         state_on_host=k.offload_optimizer is not False,
         params_on_host=k.offload_params not in (None, "none") or (
             k.offload_params is None and k.offload_optimizer is not False and not user_step),
-        state=k.optimizer_state, low_bit=numerics and not user_step)
+        state=k.optimizer_state, low_bit=numerics and not user_step, in_backward=in_backward,
+        grads_to_host=grads_to_host)
     if bound.bytes <= budget_bytes:
         return
     raise too_small(bound.bytes, bound, f"a bound from the parameters alone at {bound.precision}, "
                     "checked before tracing", budget_bytes,
                     excluded_levers(k, numerics, user_step),
-                    counted=counted_levers(k, numerics, user_step, sorted(precisions)),
+                    counted=counted_levers(k, numerics, user_step, sorted(precisions),
+                                           in_backward=in_backward and
+                                           not k.optimizer_in_backward),
                     bound=True, model=model)
 
 

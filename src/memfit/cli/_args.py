@@ -22,7 +22,8 @@ from memfit.units import UNITS_HELP, parse_bytes
 
 __all__ = ["add_switch", "reshard_value", "budget_bytes", "reserve_bytes", "cuda_version", "positive_int", "positive_float", "int_or_auto",
            "join_dash_values", "check_output_path", "progressive_spec", "add_zero_grad_arg",
-           "add_chunked_loss_arg", "chunk_count",
+           "add_chunked_loss_arg", "chunk_count", "add_optimizer_in_backward_arg",
+           "add_offload_gradients_arg",
            "VALUE_FLAGS", "BYTES_HELP"]
 
 # flags whose value may start with '-' (Note 1)
@@ -136,6 +137,30 @@ def add_chunked_loss_arg(g, *, plan: bool = False) -> None:
                         "head, the fp32 upcast and the cross-entropy per piece, each piece's "
                         "logits recomputed in backward), so the tokens x vocabulary logits never "
                         f"exist whole; {unset}")
+
+
+def add_optimizer_in_backward_arg(g, *, plan: bool = False) -> None:
+    """--optimizer-in-backward [on|off]: ``Knobs.optimizer_in_backward``
+    (techniques.optimizer_in_backward)."""
+    unset = "default: memfit picks it where the plain step does not fit" if plan else \
+        "default: off"
+    add_switch(g, "--optimizer-in-backward",
+               "step each parameter, and free its gradient, as soon as backward has made it "
+               "(one optimizer per parameter, run by a post-accumulate-grad hook, as torchtune "
+               "does), so the whole set of gradients never exists; same numerics; not with "
+               "accumulation (--micro-batch-size below the batch), --max-grad-norm, fp16, "
+               f"--offload-optimizer or several GPUs; {unset}")
+
+
+def add_offload_gradients_arg(g, *, plan: bool = False) -> None:
+    """--offload-gradients [on|off]: ``Knobs.offload_gradients`` (techniques.optimizer_offload)."""
+    unset = "default: memfit picks it where the optimizer state on the host is not enough" \
+        if plan else "default: off"
+    add_switch(g, "--offload-gradients",
+               "with --offload-optimizer: copy each gradient to the host as backward makes it and "
+               "free it on the device (torchao's CPUOffloadOptimizer(offload_gradients=True)), "
+               "so the gradients never accumulate on the device; micro-batches add up on the "
+               f"host; same numerics; not with fp16 or --offload-params; {unset}")
 
 
 def chunk_count(text: str) -> int:

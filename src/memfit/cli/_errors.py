@@ -47,6 +47,7 @@ _FLAGS = {
     "max_grad_norm": "--max-grad-norm", "optimizer_impl": "--optimizer-impl",
     "zero_grad": "--zero-grad", "optimizer_state": "--optimizer-state",
     "offload_params": "--offload-params", "chunked_loss": "--chunked-loss",
+    "optimizer_in_backward": "--optimizer-in-backward", "offload_gradients": "--offload-gradients",
     "reshard_after_forward": "--reshard-after-forward", "fsdp_offload": "--fsdp-offload",
     "mp_policy": "--mp-policy",
     "allocator": "--expandable-segments",
@@ -69,7 +70,8 @@ def _flag(name: str) -> str:
     return _FLAGS.get(name) or _PLAIN_WORDS[name]
 
 
-_SWITCHES = {"offload_optimizer", "fsdp_offload", "reshard_after_forward"}   # flags of on|off
+_SWITCHES = {"offload_optimizer", "fsdp_offload", "reshard_after_forward", "offload_gradients",
+             "optimizer_in_backward"}   # flags of on|off
 
 
 def _assignment(m: re.Match) -> str:

@@ -6,12 +6,13 @@ import argparse
 import json
 import sys
 
-from memfit.cli._args import (add_chunked_loss_arg, add_switch, add_zero_grad_arg,
-                              positive_float, positive_int, reshard_value)
+from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
+                              add_optimizer_in_backward_arg, add_switch,
+                              add_zero_grad_arg, positive_float, positive_int, reshard_value)
 from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, hf_trainer
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
-                                add_target_args, build_model_and_batch, check_paths,
-                                optimizer_impl_knob, packing_fields, packing_words,
+                                add_target_args, build_model_and_batch, check_model_arg,
+                                check_paths, optimizer_impl_knob, packing_fields, packing_words,
                                 resolve_target)
 from memfit.cli._json import byte_counts_checked, spare_and_short
 from memfit.cli import _report_args, _static_plan
@@ -34,6 +35,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_optimizer_impl_arg(g)
     add_zero_grad_arg(g)
     add_chunked_loss_arg(g)
+    add_optimizer_in_backward_arg(g)
     add_hf_args_arg(g)
     g = p.add_argument_group("target and output")
     add_target_args(g, budget_help="check against this many device bytes instead of the "
@@ -54,6 +56,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_switch(g, "--offload-optimizer",
                "keep the optimizer's state (and its step) in host memory: on or off (default: "
                "off)")
+    add_offload_gradients_arg(g)
     g.add_argument("--offload-params", default=None, metavar="POLICY",
                    help="keep blocks' weights in host memory, fetched before each block runs: "
                         "all, every:K (needs --offload-optimizer; default: none)")
@@ -90,9 +93,28 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _knobs(args) -> dict:
+    """The knobs the flags fix (``memfit.Knobs``' fields)."""
+    return dict(precision=args.precision, micro_batch_size=args.micro_batch_size,
+                checkpoint=args.checkpoint, offload=args.offload,
+                offload_optimizer=args.offload_optimizer, remat=args.remat or None,
+                zero_grad=args.zero_grad, max_grad_norm=args.max_grad_norm,
+                optimizer_state=args.optimizer_state, offload_params=args.offload_params,
+                gpus=args.gpus, sharding=args.sharding,
+                reshard_after_forward=args.reshard_after_forward,
+                fsdp_offload=args.fsdp_offload, mp_policy=args.mp_policy,
+                chunked_loss=args.chunked_loss,
+                optimizer_in_backward=args.optimizer_in_backward,
+                offload_gradients=args.offload_gradients, **optimizer_impl_knob(args))
+
+
 def _check(args) -> None:
-    """Everything that needs no trace, before the trace."""
+    """Everything that needs no trace, before the trace (and without torch: at once)."""
+    from memfit.knobs import Knobs
+
     check_paths(args, "--plot")
+    check_model_arg(args)
+    Knobs.from_kwargs(**_knobs(args))        # policy strings etc.: ValueError naming the flag
     _report_args.check(args)
     if _static_plan.wanted(args) and (args.gpus or 1) > 1:
         raise ValueError("--static-plan needs the storages of one traced step, which an "
@@ -107,7 +129,6 @@ def run(args) -> int:
     _check(args)                  # before the imports: bad input is refused at once
     hf = check_hf_args(args, precision_default="fp32")
     target = resolve_target(args)
-    impl = optimizer_impl_knob(args)
     from rich.console import Console
 
     from memfit.api.estimate import estimate
@@ -121,19 +142,8 @@ def run(args) -> int:
             spec, model, batch = build_model_and_batch(args)
             allocator = AllocatorConfig(expandable_segments=args.expandable_segments)
             with _report_args.recording(args, model) as record:
-                est = estimate(
-                    model, batch, optimizer=args.optimizer, device=target.device,
-                    budget=target.budget_bytes, precision=args.precision,
-                    micro_batch_size=args.micro_batch_size, checkpoint=args.checkpoint,
-                    offload=args.offload, offload_optimizer=args.offload_optimizer,
-                    remat=args.remat or None, zero_grad=args.zero_grad,
-                    max_grad_norm=args.max_grad_norm,
-                    optimizer_state=args.optimizer_state, offload_params=args.offload_params,
-                    gpus=args.gpus, sharding=args.sharding,
-                    reshard_after_forward=args.reshard_after_forward,
-                    fsdp_offload=args.fsdp_offload, mp_policy=args.mp_policy,
-                    chunked_loss=args.chunked_loss, **impl,
-                    allocator=allocator)
+                est = estimate(model, batch, optimizer=args.optimizer, device=target.device,
+                               budget=target.budget_bytes, allocator=allocator, **_knobs(args))
     shapes = {k: list(v.shape) for k, v in batch.items()}
     described = describe_batch(batch) + packing_words(args, model, batch)
     tracker = record.tracker if hf is None and record is not None else None
@@ -152,6 +162,8 @@ def run(args) -> int:
                "optimizer": args.optimizer, "reserve_bytes": target.reserve_bytes,
                **({"hf_args": args.hf_args} if args.hf_args else {}),
                **({"chunked_loss": est.knobs.chunked_loss} if est.knobs.chunked_loss else {}),
+               **({"optimizer_in_backward": True} if est.knobs.optimizer_in_backward else {}),
+               **({"offload_gradients": True} if est.knobs.offload_gradients else {}),
                **packing_fields(args, model, batch),
                "trainable_parameters": _trainable(model), **spare_and_short(est.to_dict())}
         if args.plot:
@@ -231,6 +243,12 @@ def _print_human(console, spec, model, est, described, args, target) -> None:
     if est.knobs.chunked_loss:
         console.print(f"loss: chunked over {est.knobs.chunked_loss} pieces of the tokens, each "
                       "piece's logits recomputed in backward")
+    if est.knobs.optimizer_in_backward:
+        console.print("optimizer: stepped in backward, one parameter at a time, each gradient "
+                      "freed as soon as it is stepped")
+    if est.knobs.offload_gradients:
+        console.print("gradients: each copied to the host as backward makes it, and freed on "
+                      "the device")
     title = "Memory at the peak of one steady-state step"
     if est.basis == "cuda-model":
         title += f" (CUDA model, {est.device.display_name})"

@@ -7,11 +7,12 @@ import json
 import sys
 import time
 
-from memfit.cli._args import (add_chunked_loss_arg, add_switch, add_zero_grad_arg,
-                              positive_float, positive_int, progressive_spec)
+from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
+                              add_optimizer_in_backward_arg, add_switch,
+                              add_zero_grad_arg, positive_float, positive_int, progressive_spec)
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
-                                add_target_args, build_model, check_paths, make_batch,
-                                optimizer_impl_knob, packing_fields, packing_words,
+                                add_target_args, build_model, check_model_arg, check_paths,
+                                make_batch, optimizer_impl_knob, packing_fields, packing_words,
                                 resolve_target)
 from memfit.cli import _plan_sharding
 from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, export_path, hf_trainer
@@ -41,6 +42,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_optimizer_impl_arg(g)
     add_zero_grad_arg(g)
     add_chunked_loss_arg(g, plan=True)
+    add_optimizer_in_backward_arg(g, plan=True)
     g.add_argument("--micro-batch-size", type=positive_int, default=None, metavar="N",
                    help="fix the micro-batch size (default: memfit picks)")
     g.add_argument("--checkpoint", default=None, metavar="POLICY",
@@ -51,6 +53,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_switch(g, "--offload-optimizer",
                "fix where the optimizer state lives: on (host memory) or off (the device); "
                "default: memfit picks")
+    add_offload_gradients_arg(g, plan=True)
     g.add_argument("--offload-params", default=None, metavar="POLICY",
                    help="fix which blocks' weights live in host memory, fetched before each "
                         "block runs: none, all, every:K (needs the optimizer state on the host; "
@@ -62,8 +65,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="X",
                    help="clip the global gradient norm at X (counted in the optimizer step)")
     g.add_argument("--no-numerics-change", action="store_true",
-                   help="never weigh levers that change the optimizer's numerics (low-bit "
-                        "8-bit/4-bit/bf16 optimizer states), which precision auto allows")
+                   help="never weigh levers that change the numerics (low-bit "
+                        "8-bit/4-bit/bf16 optimizer states; a LoRA job's frozen base in NF4, "
+                        "QLoRA), which precision auto allows")
     g = p.add_argument_group("target and output")
     add_target_args(g, budget_help="device bytes to fit, e.g. 10GiB (default: the GPU's usable "
                                    "memory)")
@@ -99,7 +103,8 @@ def _knobs(args) -> dict:
                 offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
                 optimizer_state=args.optimizer_state, max_grad_norm=args.max_grad_norm,
                 zero_grad=args.zero_grad, chunked_loss=args.chunked_loss,
-                **optimizer_impl_knob(args))
+                optimizer_in_backward=args.optimizer_in_backward,
+                offload_gradients=args.offload_gradients, **optimizer_impl_knob(args))
 
 
 def _check(args) -> None:
@@ -107,6 +112,7 @@ def _check(args) -> None:
     from memfit.knobs import Knobs
 
     check_paths(args, "--plot")
+    check_model_arg(args)                      # without torch: refused in under a second
     from memfit.cli import _report_args
 
     _report_args.check(args)                   # --report, --snapshot: as --plot, before a trace

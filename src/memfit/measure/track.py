@@ -41,7 +41,7 @@ from memfit.measure._modules import ModuleRecord, ModuleWatch
 from memfit.units import parse_bytes
 from memfit.zoo._model_arg import check_model
 
-__all__ = ["Tracker", "track", "host_allocations", "active_tracker"]
+__all__ = ["Tracker", "track", "host_allocations", "active_tracker", "gradient_ready"]
 
 _running: list["Tracker"] = []     # trackers inside their ``with`` block, innermost last
 
@@ -50,6 +50,13 @@ def active_tracker() -> "Tracker | None":
     """The innermost ``track`` region running now, or None (the Runner's optimizer-step
     check reads its live bytes on the CPU)."""
     return _running[-1] if _running else None
+
+
+def gradient_ready(p: torch.Tensor) -> None:
+    """Count ``p.grad`` as a gradient in every running ``track`` region: for a hook that steps
+    and frees it before their own post-accumulate-grad hooks run (the optimizer in backward)."""
+    for t in _running:
+        t._grad_ready(p)
 
 
 class Tracker:
@@ -96,13 +103,13 @@ class Tracker:
     # -- context ----------------------------------------------------------------------------
     def __enter__(self) -> "Tracker":
         host_of = getattr(self.optimizer, "host_tensors", None)   # e.g. an offloaded optimizer
-        if callable(host_of):
-            self._host_tensors += list(host_of())
+        # not kept: one freed inside the region (last step's host gradients) must be freed
+        host = self._host_tensors + (list(host_of()) if callable(host_of) else [])
         # memfit's host memory born before the region, host at its first read (its owners
         # register themselves, ``register_host_owner``)
         self.host_before = {st._cdata for t in registered_host_tensors(self.fake)
                             for st in self.ledger.storages(t)}
-        for t in self._host_tensors:
+        for t in host:
             for st in self.ledger.storages(t):
                 if self.ledger.sid(st) is None:
                     self.ledger.add(st, L.OPTIMIZER, entry=True, host=True)

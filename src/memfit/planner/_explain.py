@@ -85,6 +85,13 @@ def _globals(plan: "Plan") -> list[str]:
         out.append(f"block weights on the host ({k.offload_params})")
     if getattr(k, "chunked_loss", None):
         out.append(f"loss in {k.chunked_loss} pieces (chunked_loss)")
+    if getattr(k, "quantize_base", None) not in (None, "none"):
+        out.append(f"frozen linear weights in {k.quantize_base} by bitsandbytes (quantize_base; "
+                   "changes the numerics)")
+    if getattr(k, "optimizer_in_backward", None):
+        out.append("optimizer stepped in backward, one parameter at a time (optimizer_in_backward)")
+    if getattr(k, "offload_gradients", None):
+        out.append("gradients to the host as backward makes them (offload_gradients)")
     impl = getattr(k, "optimizer_impl", None)
     if impl and not k.offload_optimizer:
         out.append(f"{impl} optimizer")

@@ -113,16 +113,33 @@ def _exported(plan: "Plan", b: "_Batching", acts: "_Activations", *, precision: 
                               offload=ckpt if acts.offload else "none",
                               offload_optimizer=offload_optimizer, max_grad_norm=clip,
                               optimizer_impl=optimizer_impl, remat=None, offload_params=None,
-                              chunked_loss=None)
+                              chunked_loss=None, optimizer_in_backward=None)
 
 
 def _common_notes(plan: "Plan", notes: list[str]) -> None:
     if plan.knobs.remat:
         notes.append("remat (DTR) has no counterpart: the export leaves it out")
+    if plan.knobs.optimizer_in_backward:
+        notes.append("optimizer_in_backward (the optimizer stepped in backward) has no "
+                     "counterpart here: the export steps it after backward (torchtune's "
+                     "optimizer_in_bwd=True is the nearest), so the gradients all exist at once")
+    if getattr(plan.knobs, "offload_gradients", None):
+        notes.append("offload_gradients (each gradient to the host as backward makes it) has no "
+                     "counterpart here: the export keeps the gradients on the device until the "
+                     "step (torchao's CPUOffloadOptimizer(offload_gradients=True) is the nearest, "
+                     "without accumulation)")
     if plan.knobs.chunked_loss:
         notes.append("chunked_loss (the loss in pieces) has no counterpart here: the export "
                      "keeps the model's own loss (Liger's fused linear cross-entropy, "
                      "use_liger_kernel, is the nearest)")
+    q = getattr(plan.knobs, "quantize_base", None)
+    if q not in (None, "none"):
+        how = "load_in_8bit=True" if q == "int8" else \
+            f"load_in_4bit=True, bnb_4bit_quant_type='{q}', bnb_4bit_use_double_quant=True, " \
+            "bnb_4bit_compute_dtype=torch.bfloat16"
+        notes.append(f"quantize_base={q!r}: these arguments do not quantize; load the model "
+                     f"with transformers' BitsAndBytesConfig({how}) as quantization_config, "
+                     "then add LoRA with peft (memfit.fit quantizes it in place)")
     if plan.knobs.offload_params not in (None, "none"):
         notes.append("offload_params (block weights on the host) has no counterpart here: the "
                      "export keeps the weights on the device (DeepSpeed ZeRO-3's offload_param "

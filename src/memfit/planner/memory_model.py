@@ -31,7 +31,9 @@ the block running there``: linear in the one-hot choice of modes, so a MILP row 
 
 Note 5 (accumulation and optimizer offload). With more than one micro-batch, every micro-batch
 after the first runs with all gradients alive: each forward/backward point gains the gradients
-it did not yet have. With the optimizer state on the host, each point loses the optimizer bytes
+it did not yet have, unless the model was read off a trace that moves each gradient to the host
+as backward makes it (``grads_on_host``: they accumulate there, so every micro-batch is the
+first). With the optimizer state on the host, each point loses the optimizer bytes
 it held, and the optimizer step on the device holds parameters and gradients only.
 
 Note 6 (allocated vs device bytes). The rows are allocated bytes; on CUDA the traced ratio of
@@ -64,7 +66,9 @@ weights on the host, fetched per block) is a model like any other, with two limi
 respects (it asks ``placements`` and ``excluded_modes``): the optimizer state must be on the host
 (``placements``: parameter offload needs optimizer offload), and no block may offload its
 activations too (``excluded_modes``; the technique refuses it). bf16-pure has one placement too (on
-the device: its fp32 master weights would be kept twice).
+the device: its fp32 master weights would be kept twice). A model read off a trace with the
+optimizer stepped in backward holds for the whole batch only (``whole_batch``: its hooks step
+each gradient as it is made, so micro-batches cannot accumulate), with the state on the device.
 """
 
 from __future__ import annotations
@@ -108,6 +112,8 @@ class MemoryModel:
 
     placements: tuple[bool, ...] = (False, True)    # where the optimizer state may be (Note 10)
     excluded_modes: tuple[Mode, ...] = ()            # block modes this step refuses (Note 10)
+    whole_batch: bool = False                  # the micro-batch must be the batch (Note 10)
+    grads_on_host: bool = False                # gradients accumulate on the host (Note 5)
 
     def __init__(self, est, batch_size: int, half=None):
         """``est``: the plain trace at ``batch_size``; ``half``: the same at ``batch_size // 2``
@@ -168,9 +174,12 @@ class MemoryModel:
         return tuple(m for m in MODES if m not in self.excluded_modes)
 
     def limited(self, placements: tuple[bool, ...] | None = None,
-                excluded_modes: tuple[Mode, ...] | None = None) -> "MemoryModel":
-        """This model with fewer placements or block modes allowed (Note 10)."""
+                excluded_modes: tuple[Mode, ...] | None = None,
+                whole_batch: bool | None = None) -> "MemoryModel":
+        """This model with fewer placements, block modes or micro-batches allowed (Note 10)."""
         out = copy.copy(self)
+        if whole_batch is not None:
+            out.whole_batch = whole_batch
         if placements is not None:
             out.placements = placements
         if excluded_modes is not None:
@@ -266,7 +275,8 @@ class MemoryModel:
             else:
                 idx = np.array([where[1]])              # (level before, peak) of the block
             v = self._at(idx, m, b)
-            if accumulate:     # all gradients alive, and each new one a temporary first (Note 5)
+            if accumulate and not self.grads_on_host:   # all gradients alive, each new one a
+                # temporary first (Note 5)
                 v = v + (self.grads_bytes - self._grads[idx]) + self._new_grads[idx]
             if offload_optimizer:
                 v = v - self._opt[idx]

@@ -70,7 +70,8 @@ class Plan:
                              "reason each), e.g. reasons=['the plain step fits']")
         freeze = object.__setattr__                   # Note 1: read-only copies
         if self.knobs.offload_optimizer or self.knobs.precision == "bf16-pure" or \
-                self.knobs.optimizer_state not in (None, "fp32"):
+                self.knobs.optimizer_state not in (None, "fp32") or \
+                self.knobs.optimizer_in_backward:
             freeze(self, "optimizer_rebuilt", True)   # these knobs always need a new one
         freeze(self, "blocks", MappingProxyType({n: Mode.parse(m) for n, m in self.blocks.items()}))
         freeze(self, "reasons", tuple(self.reasons))

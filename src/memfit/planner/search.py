@@ -41,11 +41,17 @@ Note 6 (levers beyond the per-block modes). A key may be longer: ``(precision, i
 optimizer_state, offload_params)`` (``variant_key``), one model per low-bit optimizer state
 (it changes only the optimizer's bytes) and per parameter offload (read off a trace with the
 block weights on the host), and ``(precision, impl, optimizer_state, None, chunked_loss)`` for
-the loss taken in pieces (read off a trace with it, beside each optimizer variant). A model
-says where its
+the loss taken in pieces (read off a trace with it, beside each optimizer variant), and
+``(precision, impl, None, None, None, True)`` for the optimizer stepped in backward (read off a
+trace with it), and ``(precision, impl, None, None, None, None, True)`` for the gradients moved
+to the host as backward makes them (``offload_gradients``, read off traces with it; the optimizer
+state on the host only). A model says where its
 optimizer state may live (``MemoryModel.placements``: bf16-pure and parameter offload each allow
-one) and which block modes it refuses (``excluded_modes``: parameter offload refuses activation
-offload on the same blocks); the search and the floor respect both.
+one), which block modes it refuses (``excluded_modes``: parameter offload refuses activation
+offload on the same blocks) and whether it runs the whole batch only (``whole_batch``: the
+optimizer in backward steps as each gradient is made, so it cannot accumulate micro-batches);
+the search and the floor respect all three. A caller's fixed ``optimizer_in_backward`` fixes
+the micro-batch to the whole batch and the optimizer state to the device (``Constraints``).
 
 Note 7 (a bound before the MILP). One mode per block makes each peak point separable: its least
 value over every allowed ``x`` is its constant plus, per block, the least of its allowed
@@ -97,6 +103,8 @@ class Choice:
     optimizer_state: str | None = None   # a low-bit state memfit chose (None: as given)
     offload_params: str | None = None    # block weights on the host (None: as given)
     chunked_loss: int | None = None      # the loss in this many pieces (None: as given)
+    optimizer_in_backward: bool | None = None   # stepped in backward (None: as given)
+    offload_gradients: bool | None = None   # gradients to the host in backward (None: as given)
 
     def __post_init__(self):
         object.__setattr__(self, "modes", tuple(Mode.parse(m) for m in self.modes))
@@ -105,12 +113,18 @@ class Choice:
     def key(self) -> tuple:
         """The ``models`` key this choice was predicted with (Notes 4 and 6)."""
         return variant_key(self.precision, self.optimizer_impl, self.optimizer_state,
-                           self.offload_params, self.chunked_loss)
+                           self.offload_params, self.chunked_loss, self.optimizer_in_backward,
+                           self.offload_gradients)
 
 
 def variant_key(precision: str, impl: str | None = None, state: str | None = None,
-                params: str | None = None, chunked: int | None = None) -> tuple:
+                params: str | None = None, chunked: int | None = None,
+                in_backward: bool | None = None, grads: bool | None = None) -> tuple:
     """A ``models`` key (Note 6): ``(precision, impl)``, longer only where a lever is set."""
+    if grads:
+        return precision, impl, state, params, chunked, in_backward, True
+    if in_backward:
+        return precision, impl, state, params, chunked, True
     if chunked is not None:
         return precision, impl, state, params, chunked
     if state is None and params is None:
@@ -119,7 +133,7 @@ def variant_key(precision: str, impl: str | None = None, state: str | None = Non
 
 
 def _unkey(key: tuple) -> tuple:
-    return tuple(key) + (None,) * (5 - len(key))
+    return tuple(key) + (None,) * (7 - len(key))
 
 
 @dataclass(frozen=True)
@@ -152,8 +166,11 @@ class Constraints:
                     modes[name] = (Mode.KEEP, Mode.RECOMPUTE, Mode.SELECTIVE)
         m = k.micro_batch_size
         oo = k.offload_optimizer
-        if oo is None and k.offload_params not in (None, "none"):
-            oo = True       # parameter offload needs it: the host copy is the optimizer's twin
+        if oo is None and (k.offload_params not in (None, "none") or
+                           getattr(k, "offload_gradients", None)):
+            oo = True       # parameter / gradient offload need it: the host copy is its twin
+        if getattr(k, "optimizer_in_backward", None):     # no accumulation, state on the device
+            m, oo = b if m is None else m, False if oo is None else oo
         return cls(None if m is None else min(m, b), modes, oo)
 
     def allowed(self, name: str) -> tuple[Mode, ...]:
@@ -246,9 +263,9 @@ def _lower_bound(rows, hi: np.ndarray, nblocks: int) -> float:
 
 
 def _choice(memory, time, key, m, b, oo, allocated, modes) -> Choice:
-    precision, impl, state, params, chunked = _unkey(key)
+    precision, impl, state, params, chunked, in_backward, grads = _unkey(key)
     return Choice(precision, m, modes, oo, int(allocated), memory.device_bytes(allocated),
-                  time.step_s(m, b, modes, oo), impl, state, params, chunked)
+                  time.step_s(m, b, modes, oo), impl, state, params, chunked, in_backward, grads)
 
 
 def _host_stepped_variant(models, key, oo: bool) -> bool:
@@ -277,6 +294,7 @@ def search(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int, budget_by
         cap = cap_device / memory.device_ratio
         sizes = [min(fixed.micro_batch_size, b)] if fixed.micro_batch_size \
             else list(range(1, b + 1))
+        sizes = _sizes_of(memory, sizes, b)
         for oo in _placements(memory, fixed):
             if _host_stepped_variant(models, key, oo):
                 continue
@@ -291,6 +309,11 @@ def search(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int, budget_by
                 if found.micro_batch_size == b:
                     break
     return best
+
+
+def _sizes_of(memory: MemoryModel, sizes: list[int], b: int) -> list[int]:
+    """The micro-batch sizes this model may take (Note 6: the whole batch only, or any)."""
+    return [m for m in sizes if m == b] if getattr(memory, "whole_batch", False) else sizes
 
 
 def _sizes_for_floor(b: int, fixed: Constraints) -> list[int]:
@@ -349,6 +372,8 @@ def floor_candidates(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
     for m in _sizes_for_floor(b, fixed):
         least = None
         for key, (memory, time) in models.items():
+            if not _sizes_of(memory, [m], b):
+                continue
             for oo in reversed(_placements(memory, fixed)):
                 if _host_stepped_variant(models, key, oo):
                     continue

@@ -43,6 +43,13 @@ micro-batch, and the copies are synchronous (no side stream yet): nothing hides 
 
 Note 8 (low-bit optimizer state). Its step (dequantize, Adam, quantize: the library's ops) is
 timed from the ops of a trace with that state (``with_optimizer_step``, as Note 6).
+
+Note 9 (gradients to the host as they are made). A model read off a trace with
+``offload_gradients`` has no gradients on the device at its optimizer step, so the bytes the
+link carries come from the plain model (``with_gradient_offload(bytes)``): the gradients go down
+in every micro-batch's backward, on the compute stream (nothing hides them), a micro-batch after
+the first adds its gradients to the host's (a pass over both at the host's bandwidth), and the
+step sends the parameters up, with the host's pass over the state as in Note 4.
 """
 
 from __future__ import annotations
@@ -107,6 +114,22 @@ class TimeModel:
                         for i in range(len(memory.blocks))]
 
     fetch_s: float = 0.0           # host-link seconds per micro-batch (Note 7)
+    grads_to_host_bytes: float = 0.0   # gradients sent down in each backward (Note 9)
+
+    def with_gradient_offload(self, grads_bytes: float) -> "TimeModel":
+        """This model with ``grads_bytes`` of gradients moved to the host in each micro-batch's
+        backward (Note 9)."""
+        out = copy.copy(self)
+        out.grads_to_host_bytes = float(grads_bytes)
+        return out
+
+    def gradients_down_s(self, n: int) -> float:
+        """What moving the gradients to the host adds to ``n`` micro-batches (Note 9)."""
+        if not self.grads_to_host_bytes:
+            return 0.0
+        host = cpu_spec().memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY
+        g = self.grads_to_host_bytes
+        return n * g / self.spec.host_link_bytes_per_s + (n - 1) * 3 * g / host
 
     def with_fetches(self, bytes_per_micro_batch: float) -> "TimeModel":
         """This model with ``bytes_per_micro_batch`` fetched over the host link (Note 7)."""
@@ -164,13 +187,14 @@ class TimeModel:
         if not offload_optimizer:
             return self.optimizer_s
         host = cpu_spec().memory_bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY
-        moved = self.memory.grads_bytes * 2          # gradients down, parameters up (same size)
+        # gradients down, parameters up (same size); gradients already down: parameters (Note 9)
+        moved = self.grads_to_host_bytes or self.memory.grads_bytes * 2
         on_host = moved / self.spec.host_link_bytes_per_s + self._opt_touched / host
         return max(on_host, self.optimizer_s)        # never faster than on the device (Note 4)
 
     def step_s(self, m: int, b: int, modes, offload_optimizer: bool) -> float:
         n = -(-b // m)
-        return (self.forward_backward_s(n, b) + n * self.fetch_s
+        return (self.forward_backward_s(n, b) + n * self.fetch_s + self.gradients_down_s(n)
                 + sum(self.mode_s(i, mode, m, n, b) for i, mode in enumerate(modes))
                 + self.optimizer_step_s(offload_optimizer))
 

@@ -29,17 +29,41 @@ the first ``samples`` of it) so that this layer imports nothing above it.
   forward and backward, that model's optimizer (its state's bytes beyond the plain one's, its
   step's rise and time: ``with_optimizer_of``); the optimizer does not see how the loss was
   taken.
+- The optimizer stepped in backward (``optimizer_in_backward``: one optimizer per parameter,
+  run by its gradient hook, which frees the gradient) costs one trace of the whole batch, at the
+  first precision it runs with (fp32 or bf16: fp16's GradScaler and bf16-pure's masters need
+  every gradient after backward), with the optimizer as given: every point of backward changes
+  (gradients freed as they come, each step's temporaries inside backward). Its model holds for
+  the whole batch only (``whole_batch``: no accumulation) with the state on the device
+  (``placements``), and keeps the plain model's block modes, card ratio and context.
+- The gradients moved to the host as backward makes them (``offload_gradients``, with the
+  optimizer state there: it needs it) cost two traces (the whole batch and half of it), at the
+  precision "auto" prefers where it runs (fp32 or bf16: fp16's GradScaler reads the device
+  gradients, bf16-pure keeps no state on the host), with the optimizer as given: every point of
+  backward and the step changes (no gradient lives on past its hook). Its model allows the
+  state on the host only (``placements``), keeps the plain model's block modes, card ratio and
+  context, and accumulates micro-batches on the host (``grads_on_host``: each one is the
+  first on the device); its time model pays the link for the plain model's gradient bytes in
+  every micro-batch (``with_gradient_offload``).
 
 Note 2 (when). Low-bit states change the numerics: they are weighed only when the caller
 allows it (``allow_numerics_change``, implied by ``precision="auto"``), only for Adam/AdamW
 (bitsandbytes' 8-bit, torchao's 4-bit and bf16), and a state whose library is missing or
 that the optimizer refuses is skipped. Parameter offload is a
 last resort (synchronous copies of every weight, twice per micro-batch): it is weighed when
-nothing else fits, and by the floor. The chunked loss keeps the numerics (the same sum in
+nothing else fits, and by the floor. The gradients on the host come before it, on the same
+terms (when nothing else fits, and by the floor): their copies, every gradient once per
+micro-batch, cost less than the weights' twice, and a plan that fits without them is never
+traced with them. The chunked loss keeps the numerics (the same sum in
 another order) and is weighed with the low-bit states, once the plain step does not fit, where
 the step's loss is the model's own (no ``loss_fn``, no ``step=fn``) and the model is a causal
 LM the technique takes (``techniques.chunked_loss``); the search weighs its recompute against
-every other lever's cost by the time model.
+every other lever's cost by the time model. The optimizer in backward keeps the numerics (the
+same per-parameter update) and is weighed with them, once the plain step does not fit, where
+nothing the caller fixed needs every gradient after backward (accumulation, clipping, the
+state on the host, a ``step=fn``); whether it lowers the peak is the trace's answer (it does
+where the optimizer step or the end of backward peaks; where the activations peak early in
+backward, the steps' temporaries can raise it).
 
 Note 3 (precisions under "auto"). On a GPU: the 16-bit autocast the card has (bf16 where it supports
 it: fp32's range, no loss scaling; else fp16 with a GradScaler), bf16-pure where bf16 is supported
@@ -60,12 +84,15 @@ from memfit.planner.memory_model import MemoryModel
 from memfit.planner.search import variant_key
 from memfit.planner.time_model import TimeModel, flop_rate
 
-__all__ = ["LOW_BIT_STATES", "PARAM_OFFLOAD", "CHUNKED_LOSS", "add_low_bit",
-           "add_param_offload", "add_chunked_loss", "auto_precisions"]
+__all__ = ["LOW_BIT_STATES", "PARAM_OFFLOAD", "CHUNKED_LOSS", "IN_BACKWARD_PRECISIONS",
+           "GRAD_OFFLOAD_PRECISIONS", "add_low_bit", "add_param_offload", "add_chunked_loss",
+           "add_optimizer_in_backward", "add_gradient_offload", "auto_precisions"]
 
 LOW_BIT_STATES = ("bf16", "8bit", "4bit")
 PARAM_OFFLOAD = "all"
 CHUNKED_LOSS = 8          # pieces of the tokens (torchtune's num_output_chunks default)
+IN_BACKWARD_PRECISIONS = ("fp32", "bf16")     # those the optimizer in backward runs with
+GRAD_OFFLOAD_PRECISIONS = ("fp32", "bf16")     # those offload_gradients runs with (Note 1)
 
 
 def add_low_bit(models: dict, traces: dict, trace: Callable, say: Callable[[str], None],
@@ -142,6 +169,50 @@ def add_chunked_loss(models: dict, trace: Callable, spec, b: int, say: Callable[
         models[variant_key(precision, other[1], state, None, chunks)] = (
             cmem.with_optimizer_of(memory, vmem), ctime.with_optimizer_of(vtime))
     models[variant_key(precision, impl, None, None, chunks)] = (cmem, ctime)
+    return True
+
+
+def add_optimizer_in_backward(models: dict, trace: Callable, spec, b: int,
+                              say: Callable[[str], None], key: tuple) -> bool:
+    """Add a model of the optimizer stepped in backward beside the plain model at ``key``
+    (``(precision, impl)``, Note 1). Returns whether it was added (False: the step refuses it)."""
+    precision, impl = key
+    memory = models[key][0]
+    if False not in memory.placements:
+        return False
+    say(f"tracing the plain step with the optimizer in backward ({precision})")
+    try:
+        est = trace(precision, None, optimizer_in_backward=True, optimizer_impl=impl)
+    except ValueError:
+        return False
+    fmem = MemoryModel(est, b).limited(placements=(False,), excluded_modes=memory.excluded_modes,
+                                       whole_batch=True)
+    fmem.device_ratio, fmem.context_bytes = memory.device_ratio, memory.context_bytes
+    models[variant_key(precision, impl, in_backward=True)] = (
+        fmem, TimeModel(est, spec, precision, b, fmem))
+    return True
+
+
+def add_gradient_offload(models: dict, trace: Callable, spec, b: int,
+                         say: Callable[[str], None], key: tuple) -> bool:
+    """Add a model of the gradients moved to the host in backward beside the plain model at
+    ``key`` (``(precision, impl)``, Note 1). Returns whether it was added (False: the model
+    keeps its state on the device only, or the step refuses it)."""
+    precision, impl = key
+    memory = models[key][0]
+    if True not in memory.placements or precision not in GRAD_OFFLOAD_PRECISIONS:
+        return False
+    say(f"tracing the plain step with the gradients moved to the host in backward ({precision})")
+    traced = _two_point_models(trace, spec, precision, b, memory, placements=(True,),
+                               excluded_modes=memory.excluded_modes, offload_optimizer=True,
+                               offload_gradients=True, optimizer_impl=impl)
+    if traced is None:
+        return False
+    gmem, gtime = traced
+    gmem.grads_on_host = True
+    gmem.optimizer_state_bytes = memory.optimizer_state_bytes   # the host's, as given
+    models[variant_key(precision, impl, grads=True)] = (
+        gmem, gtime.with_gradient_offload(memory.grads_bytes))
     return True
 
 

@@ -234,6 +234,8 @@ class Runner:
             return None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)   # clip true gradients, not scaled ones
+        if hasattr(self.optimizer, "clip_grad_norm_"):   # it knows where its gradients are
+            return self.optimizer.clip_grad_norm_(max_norm)   # (offload_gradients: the host)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if hasattr(self.optimizer, "masters"):     # bf16-pure: the model's bf16 grads
             params = self.optimizer.params

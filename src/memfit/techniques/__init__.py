@@ -7,6 +7,7 @@ from memfit.techniques.checkpoint import Checkpoint
 from memfit.techniques.chunked_loss import ChunkedLoss
 from memfit.techniques.low_bit_optimizer import LowBitOptimizer
 from memfit.techniques.offload import Offload
+from memfit.techniques.optimizer_in_backward import OptimizerInBackward
 from memfit.techniques.optimizer_offload import OptimizerOffload
 from memfit.techniques.param_offload import ParamOffload
 from memfit.techniques.precision import Precision
@@ -15,4 +16,4 @@ from memfit.techniques.remat import Remat
 from memfit.techniques.sharding import Sharding
 
 __all__ = ["Change", "Accumulation", "Checkpoint", "ChunkedLoss", "LowBitOptimizer", "Offload",
-           "OptimizerOffload", "ParamOffload", "Precision", "QuantizedBase", "Remat", "Sharding"]
+           "OptimizerInBackward", "OptimizerOffload", "ParamOffload", "Precision", "QuantizedBase", "Remat", "Sharding"]

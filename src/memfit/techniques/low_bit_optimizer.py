@@ -17,25 +17,12 @@ Only Adam and AdamW have low-bit versions; anything else is refused, as are ``am
 Adam with ``weight_decay > 0`` (bitsandbytes' Adam kernels decay decoupled, AdamW's way). The
 numerics change: the plan must say so (``NUMERICS_NOTE``).
 
-Note 2 (torchao's step: eager, every op at the top). torchao's ``step`` runs
-``single_param_adam`` under ``torch.compile(fullgraph=True)``. That cannot be traced or
-measured: torch.compile refuses to run under a (non-infra) ``TorchDispatchMode`` ("non-infra
-torch dispatch mode present", and with ``fullgraph=True`` it raises), which is what
-``memfit.track`` and the fake trace are; and on CPU inductor builds C++ (gcc, here about two
-minutes for a 2-layer MLP). Calling torchao's function eagerly is no better for accounting:
-its state subclasses (``OptimState4bit``) quantize inside their ``__torch_dispatch__`` of
-``copy_``, and a dispatch mode sees only that outer op, so a counter would miss the
-quantization's temporaries (int64 codes, parameter-sized, per state). So ``step`` here is
-torchao's ``single_param_adam`` with the subclass ops unrolled: dequantize is the subclass's
-own Python ``dequantize()`` and the store is its ``copy_`` body (``scale_tensor``, then
-``quantize_4bit_with_qmap`` and the 4-bit packing), all torchao functions called at the top,
-so every temporary is an op the counter sees, in the estimate as in a real run. It is bitwise
-equal to torchao's eager step (a test holds it to that); the compiled step fuses these ops and
-allocates less, so on a GPU the estimate is an upper bound for a user who compiles. ``lr``
-stays a float (torchao turns it into a tensor, which LR schedulers then must ``fill_``); a
-tensor ``lr`` also works. The eager step's temporaries (several fp32 and int64 copies of the
-largest parameter) can exceed what 4-bit state saves on a model dominated by one tensor (an
-embedding): the planner weighs a state by its trace (planner.variants), so it then does not
+Note 2 (torchao's step). torchao's own step runs compiled, which neither the fake trace nor
+``memfit.track`` can run; the classes built here step it eagerly, with every op of its state
+subclasses at the top (``_torchao_optimizer``, which says why and holds it bitwise to torchao's
+eager step). ``lr`` stays a float. The eager step's temporaries (several fp32 and int64 copies
+of the largest parameter) can exceed what 4-bit state saves on a model dominated by one tensor
+(an embedding): the planner weighs a state by its trace (planner.variants), so it then does not
 pick it.
 
 Note 3 (accounting). torchao's states are wrapper subclasses; ``memfit.track`` counts their
@@ -45,10 +32,6 @@ block of 256, a Python int step) with two 256-value fp32 maps shared by every pa
 optimizer. ``state_bytes`` gives the exact state bytes of a parameter list, what a planner
 should weigh (bytes per parameter of state: fp32 8, bf16 4, 8bit 2 + 8/256, 4bit 1 + 8/128,
 plus a 4-byte step tensor per torch/torchao tensor).
-
-Note 4 (torchao's caches). torchao builds its quantization maps once per process
-(``functools.lru_cache`` over ``tensor.tolist()``); built first under a fake trace they would
-fail (a fake has no values), so they are built here, outside every mode, before any state.
 """
 
 from __future__ import annotations
@@ -59,11 +42,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.optimizers import OptimizerRecipe
 from memfit.techniques._bnb_optimizer import BnbStep, bnb_classes, bnb_modules
 from memfit.techniques._protocol import Change
+from memfit.techniques._torchao_optimizer import (EagerStep, eager_class, is_torchao,
+                                                   torchao_modules)
 
 __all__ = ["LowBitOptimizer", "LowBitRecipe", "STATES", "LOW_BIT_CLASSES", "NUMERICS_NOTE",
            "state_bytes", "is_low_bit"]
@@ -85,14 +69,7 @@ _BNB_QMAP_BYTES = 2 * 256 * 4     # bitsandbytes' signed and unsigned maps, one 
 
 
 def _torchao(state: str):
-    try:
-        import torchao.optim as ao_optim
-        from torchao.optim import quant_utils, subclass_4bit, subclass_8bit
-    except ImportError as e:
-        raise ValueError(f"optimizer_state={state!r} needs torchao (>= 0.18), which is not "
-                         "installed: pip install torchao, or leave optimizer_state unset "
-                         "(fp32)") from e
-    return ao_optim, quant_utils, subclass_8bit, subclass_4bit
+    return torchao_modules(f"optimizer_state={state!r}")
 
 
 def _class_for(state: str, adamw: bool) -> type:
@@ -103,50 +80,15 @@ def _class_for(state: str, adamw: bool) -> type:
 @functools.cache
 def _torchao_classes() -> dict[tuple[str, bool], type]:
     """(state, is_adamw) -> an eager-stepping subclass of torchao's optimizer (Note 2)."""
-    ao, _, _, s4 = _torchao("4bit")
-    with _disable_current_modes():       # Note 4
-        s4.get_qmap_signed()
-        s4.get_qmap_unsigned()
+    ao = _torchao("4bit")[0]
     out = {}
     for adamw in (True, False):
         prefix = "AdamW" if adamw else "Adam"
-        base = getattr(ao, prefix + "4bit")
-        out["4bit", adamw] = type(f"Eager{base.__name__}", (_EagerStep, base), {})
-        out["bf16", adamw] = type(f"{prefix}Bf16State", (_EagerStep, ao._AdamW),
+        out["4bit", adamw] = eager_class(getattr(ao, prefix + "4bit"))
+        out["bf16", adamw] = type(f"{prefix}Bf16State", (EagerStep, ao._AdamW),
                                   {"_decoupled": adamw, "__init__": _bf16_init,
                                    "_new_buffer": _bf16_new_buffer})
     return out
-
-
-class _EagerStep:
-    """torchao's step, eager and unrolled (Note 2); mixed in before a torchao class."""
-
-    state_name = "low-bit"
-
-    def add_param_group(self, param_group: dict) -> None:
-        torch.optim.Optimizer.add_param_group(self, param_group)    # lr stays a float (Note 2)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("low-bit Adam does not support sparse gradients")
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = self._new_buffer(p, True)
-                    state["exp_avg_sq"] = self._new_buffer(p, False)
-                state["step"] += 1
-                _adam(p.detach(), p.grad, state, group, self.is_adamw,
-                      self.bf16_stochastic_round and p.dtype is torch.bfloat16)
-        return loss
 
 
 def _bf16_init(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -161,49 +103,8 @@ def _bf16_new_buffer(self, p, signed):
     return torch.zeros_like(p, dtype=torch.bfloat16)     # moments as plain bf16 (Note 1)
 
 
-def _load(x: torch.Tensor) -> torch.Tensor:
-    """A state as fp32: a subclass's own ``dequantize()`` (top-level ops), else ``.float()``."""
-    return x.dequantize() if hasattr(x, "dequantize") and hasattr(x, "qmap") else x.float()
-
-
-def _store(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, with torchao's subclass ``copy_`` body unrolled (Note 2)."""
-    _, q, _, s4 = _torchao("4bit")
-    if isinstance(dst, s4.OptimState4bit):
-        scaled, scale = q.scale_tensor(src.view(-1), dst.block_size)
-        codes = q.quantize_4bit_with_qmap(scaled, dst.qmap)
-        dst.codes.copy_((codes[::2] << 4) | codes[1::2])
-        dst.scale.copy_(scale)
-    else:
-        dst.copy_(src)
-
-
-def _adam(p, grad, state, group, is_adamw: bool, stochastic_round: bool) -> None:
-    """torchao's ``single_param_adam`` (0.18), op for op (Note 2)."""
-    lr, (beta1, beta2) = group["lr"], group["betas"]
-    weight_decay, eps, step = group["weight_decay"], group["eps"], state["step"]
-    p_f32 = p.float()
-    grad_f32 = grad.float()
-    if is_adamw:
-        p_f32 = p_f32 - lr * weight_decay * p_f32
-    else:
-        grad_f32 = grad_f32 + weight_decay * p_f32
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    exp_avg_f32 = _load(state["exp_avg"]).lerp(grad_f32, 1 - beta1)
-    exp_avg_sq_f32 = _load(state["exp_avg_sq"]).lerp(grad_f32.square(), 1 - beta2)
-    _store(state["exp_avg"], exp_avg_f32)
-    _store(state["exp_avg_sq"], exp_avg_sq_f32)
-    denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
-    p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
-    if stochastic_round:
-        p.copy_(_torchao("bf16")[1]._fp32_to_bf16_sr(p_f32))
-    else:
-        p.copy_(p_f32)
-
-
 def is_low_bit(optimizer) -> bool:
-    return isinstance(optimizer, (_EagerStep, BnbStep))
+    return isinstance(optimizer, (EagerStep, BnbStep))
 
 
 def state_bytes(params, state: str) -> int:
@@ -233,7 +134,7 @@ def state_bytes(params, state: str) -> int:
 
 
 class LowBitOptimizer:
-    """Rebuild the user's Adam/AdamW with low-bit states (bitsandbytes, torchao; Notes 1-4)."""
+    """Rebuild the user's Adam/AdamW with low-bit states (bitsandbytes, torchao; Notes 1-3)."""
 
     @dataclass(frozen=True)
     class Config:
@@ -298,6 +199,11 @@ def _check_class(optimizer, state: str) -> bool:
     if is_low_bit(optimizer):
         return optimizer.is_adamw
     cls = type(optimizer)
+    if is_torchao(optimizer):
+        raise ValueError(f"optimizer_state={state!r}: the optimizer is already torchao's "
+                         f"{cls.__name__}, a low-bit Adam, estimated as it is; leave "
+                         "optimizer_state unset, or pass torch.optim.AdamW to have memfit "
+                         "build the low-bit one")
     if not isinstance(optimizer, torch.optim.Adam):    # torch's AdamW subclasses Adam
         have = "; ".join(f"{k} -> {', '.join(v)}" for k, v in LOW_BIT_CLASSES.items())
         raise ValueError(f"optimizer_state={state!r}: {cls.__name__} has no low-bit version; "

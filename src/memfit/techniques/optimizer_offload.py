@@ -31,11 +31,34 @@ Note 4 (copies). On CUDA the twins and host gradients are pinned and copies are
 Copies back to the device stay in flight: the next step's synchronise (or ``load_state_dict``'s)
 orders them before the twins are written again. On the CPU nothing can be pinned (and nothing
 is saved physically): a warning says so once per process. Fake tensors are never pinned.
+
+Note 5 (gradients offloaded as they are produced, ``offload_gradients``). torchao's
+``CPUOffloadOptimizer(offload_gradients=True)``: a post-accumulate-grad hook on each device
+parameter copies its gradient into the twin's host gradient as soon as backward has
+accumulated it and sets the device ``.grad`` to None, so the gradients never exist together on
+the device. torchao copies (``copy_``) at every backward, so a second micro-batch overwrites the
+first ("not compatible with gradient accumulation"); here the host gradient is the gradient:
+the first backward after ``zero_grad`` copies into a fresh one, each later one adds the new
+gradient to it (copied to a host buffer, then ``add_`` on the host: with fp32 gradients the same
+sum the device's accumulation makes, so bitwise equal), and ``zero_grad`` frees (or zeroes)
+the host gradients, as it would the device ones; ``host_tensors()`` names them (Note 3).
+``step()`` steps the twins that have a host gradient (a device gradient set by hand, not by
+backward, is moved first), in one inner step (chunks bound the host gradients the step makes;
+these exist from backward on, so ``chunk_bytes`` is refused with them). What reads device
+gradients reads None: ``clip_grad_norm_(max_norm)`` clips the host gradients (the same norm,
+computed on the host), and ``GradScaler`` cannot unscale them (fp16 is refused by the caller).
+The copy runs on the current stream (torchao uses a side stream): the device gradient is freed
+after it in stream order, and an accumulation waits for its copy before adding. The hooks are
+the ``Change``'s (``remove()`` takes them off and the optimizer copies device gradients at
+``step()`` again); they hold the optimizer weakly (a strong hold would keep the parameters alive
+through C++, out of the garbage collector's sight).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -45,14 +68,19 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.measure import host_allocations
 from memfit.measure._counting import register_host_owner
+from memfit.measure.track import gradient_ready
 from memfit.optimizers import rebuild_optimizer
 from memfit.techniques._bnb_optimizer import is_bnb, rebuild_bnb
 from memfit.techniques._protocol import Change
+from memfit.techniques._torchao_optimizer import is_torchao, rebuild_torchao
 
 __all__ = ["OptimizerOffload", "OffloadedOptimizer"]
 
 _NOTE = ("offload_optimizer: the optimizer was rebuilt over fp32 host copies of the "
          "parameters (runner.optimizer); its state and step live in host memory")
+
+_GRADS_NOTE = ("offload_gradients: each gradient is copied to its host copy as backward "
+               "produces it and freed on the device; micro-batches accumulate on the host")
 
 Copy = Callable[[torch.Tensor, torch.Tensor], None]    # (dst, src) -> None, in place
 _warned_unpinned = False
@@ -73,6 +101,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                  copy_to_device: Copy | None = None):
         params = list(params)
         self.chunk_bytes = chunk_bytes
+        self.offload_gradients = False      # gradients to the host in backward (Note 5)
         self._pinned = any(p.device.type == "cuda" and not isinstance(p, FakeTensor)
                            for p in params)
         self._copy_to_host = copy_to_host or self._copy
@@ -98,21 +127,77 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pairs = [(p, h) for p, h in zip(self.params, self.host_params) if p.grad is not None]
+        on_host = self.offload_gradients          # the host gradients are there (Note 5)
+        for p, h in zip(self.params, self.host_params) if on_host else ():
+            if p.grad is not None:       # set, not made by backward: moved as a hook would
+                self._grad_to_host(p, h)
+        pairs = [(p, h) for p, h in zip(self.params, self.host_params)
+                 if (h if on_host else p).grad is not None]
         self._sync_hyperparameters(to_inner=True)
         for chunk in self._chunks(pairs):
             with host_allocations():
-                for p, h in chunk:
+                for p, h in chunk if not on_host else ():
                     h.grad = self._empty_host(h)
                     self._copy_to_host(h.grad, p.grad)
                 self._synchronize()
                 self.inner.step()
                 self._sync_hyperparameters(to_inner=False)
-                for _, h in chunk:
+                for _, h in chunk if not on_host else ():
                     h.grad = None
             for p, h in chunk:
                 self._copy_to_device(p, h)
         return loss
+
+    # -- gradients offloaded as they are produced (Note 5) ----------------------------------
+    def gradients_to_host(self) -> list:
+        """Register the hooks that move each gradient to the host in backward; their handles."""
+        if self.chunk_bytes is not None:
+            raise ValueError("offload_gradients with chunk_bytes: the host gradients exist from "
+                             "backward on, all of them; leave chunk_bytes None")
+        self.offload_gradients = True
+        me = weakref.ref(self)       # held weakly (Note 5)
+
+        def hook(p, h):
+            if (opt := me()) is not None:
+                opt._grad_to_host(p, h)
+        return [p.register_post_accumulate_grad_hook(functools.partial(hook, h=h))
+                for p, h in zip(self.params, self.host_params) if p.requires_grad]
+
+    def gradients_on_device(self) -> None:
+        """After the hooks are removed: ``step()`` copies device gradients again."""
+        self.offload_gradients = False
+
+    @torch.no_grad()
+    def _grad_to_host(self, p: torch.Tensor, h: torch.Tensor) -> None:
+        gradient_ready(p)       # a tracker counts it as a gradient before it is freed here
+        with host_allocations():
+            if h.grad is None:
+                h.grad = self._empty_host(h)
+                self._copy_to_host(h.grad, p.grad)
+            else:                                   # a later micro-batch: add on the host
+                part = torch.empty_like(h, pin_memory=self._pinned)
+                self._copy_to_host(part, p.grad)
+                self._synchronize()
+                h.grad.add_(part)
+                del part
+        p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for h in self.host_params if self.offload_gradients else ():
+            if h.grad is not None and set_to_none:
+                h.grad = None
+            elif h.grad is not None:
+                h.grad.zero_()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the gradients this optimizer steps: the
+        device ones, or the host ones (Note 5)."""
+        if not self.offload_gradients:
+            return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        self._synchronize()
+        with host_allocations():
+            return torch.nn.utils.clip_grad_norm_(self.host_params, max_norm)
 
     def _chunks(self, pairs: list) -> list[list]:
         if self.chunk_bytes is None:
@@ -172,8 +257,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     # -- the rest of the Optimizer surface ---------------------------------------------------
     def host_tensors(self) -> list[torch.Tensor]:
-        """Every tensor held in host memory: the twins and the inner optimizer's state."""
-        out = list(self.host_params)
+        """Every tensor held in host memory: the twins, their gradients (Note 5) and the inner
+        optimizer's state."""
+        out = list(self.host_params) + [h.grad for h in self.host_params if h.grad is not None]
         for state in self.inner.state.values():
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return out
@@ -237,6 +323,7 @@ class OptimizerOffload:
     class Config:
         enabled: bool = True
         chunk_bytes: int | None = None   # host-gradient bytes in flight per inner step; None: all
+        offload_gradients: bool = False  # each gradient to the host as backward makes it (Note 5)
 
         def __post_init__(self):
             if self.chunk_bytes is not None and (isinstance(self.chunk_bytes, bool)
@@ -244,6 +331,10 @@ class OptimizerOffload:
                                                  or self.chunk_bytes <= 0):
                 raise ValueError(f"OptimizerOffload.Config.chunk_bytes={self.chunk_bytes!r} must "
                                  "be a positive int (bytes) or None")
+            if self.offload_gradients and self.chunk_bytes is not None:
+                raise ValueError("OptimizerOffload.Config: offload_gradients keeps every host "
+                                 "gradient from backward on, so chunk_bytes bounds nothing; "
+                                 "leave chunk_bytes None")
 
     def __init__(self, config: "OptimizerOffload.Config", *, copy_to_host: Copy | None = None,
                  copy_to_device: Copy | None = None):
@@ -276,15 +367,30 @@ class OptimizerOffload:
         wrapped = OffloadedOptimizer(params, build, chunk_bytes=self.config.chunk_bytes,
                                      copy_to_host=self.copy_to_host,
                                      copy_to_device=self.copy_to_device)
-        return Change(model, optimizer=wrapped, optimizer_rebuilt=True, notes=(_NOTE,))
+        return self._change(model, wrapped)
+
+    def _change(self, model: nn.Module, wrapped: OffloadedOptimizer) -> Change:
+        """The ``Change`` of ``wrapped``, with the hooks of Note 5 if asked (reapplied by
+        registering them again)."""
+        if not self.config.offload_gradients:
+            return Change(model, optimizer=wrapped, optimizer_rebuilt=True, notes=(_NOTE,))
+        return Change(model, optimizer=wrapped, optimizer_rebuilt=True,
+                      notes=(_NOTE, _GRADS_NOTE), hooks=wrapped.gradients_to_host(),
+                      on_remove=wrapped.gradients_on_device,
+                      redo=lambda: self._change(model, wrapped))
 
 
 def _rebuild(optimizer: torch.optim.Optimizer, params: list, twins: list) -> torch.optim.Optimizer:
     """``optimizer``'s class and groups over ``twins``, with a copy of its state (if any)."""
     new_of = {id(p): h for p, h in zip(params, twins)}
-    # a bitsandbytes optimizer keeps args and per-parameter overrides outside its defaults
-    inner = rebuild_bnb(optimizer, new_of) if is_bnb(optimizer) else \
-        rebuild_optimizer(optimizer, new_of)
+    # a bitsandbytes optimizer keeps args and per-parameter overrides outside its defaults,
+    # torchao's its block size (and its own step compiles)
+    if is_bnb(optimizer):
+        inner = rebuild_bnb(optimizer, new_of)
+    elif is_torchao(optimizer):
+        inner = rebuild_torchao(optimizer, new_of)
+    else:
+        inner = rebuild_optimizer(optimizer, new_of)
     if optimizer.state:
         saved = optimizer.state_dict()
         # copies: torch's load_state_dict keeps tensors already on the right device as they are,

@@ -28,10 +28,19 @@ estimate of the same model quantized for real (tests/techniques/test_quantized_b
 Note 3 (numerics). The forward and backward run on dequantized weights: outputs differ from the
 float model's (NF4's error is about 1e-2 relative); the planner offers it only under
 ``allow_numerics_change``.
+
+Note 4 (the knob ``quantize_base``). A trace cannot quantize fakes (bitsandbytes' ``Params4bit``
+wraps a plain tensor, and a fake already has its Python object), so ``twin`` quantizes a copy of
+the model whose float tensors are on meta (Note 2's layouts), leaving the user's model as it is;
+the trace fakes that copy. A run applies the technique to the model itself, in place, where a
+frozen linear layer is still float (``pending``): the same modules, so the run holds what the
+trace counted. Weights that already hold a quantization (a subclass, or state attached) are
+shared with the copy, not moved to meta.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -98,6 +107,26 @@ class QuantizedBase:
             f"quantized base: {done} frozen linear layers held by bitsandbytes ({how}), "
             f"{saved / 2**20:.1f} MiB less than their float weights; their outputs change "
             "(numerics)",))
+
+    def pending(self, model: nn.Module) -> bool:
+        """Whether ``apply`` would quantize a layer of ``model`` (a frozen float linear)."""
+        return any(not child.weight.requires_grad for _, _, child in self.layers(model))
+
+    def twin(self, model: nn.Module) -> tuple[nn.Module, Change]:
+        """A copy of ``model`` with its float tensors on meta, quantized (Note 4), and the
+        ``Change`` that says so; ``model`` is not touched."""
+        memo = {}
+        for t in [*model.parameters(), *model.buffers()]:
+            if id(t) in memo:
+                continue
+            if type(t) not in (torch.Tensor, nn.Parameter) or attached_tensors(t):
+                memo[id(t)] = t                      # already quantized: shared (Note 4)
+                continue
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) \
+                if isinstance(t, nn.Parameter) else meta
+        twin = copy.deepcopy(model, memo)
+        return twin, self.apply(twin)
 
     def layers(self, model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
         """(parent, name, layer) of every linear layer ``apply`` would quantize were its weight

@@ -4,7 +4,10 @@ Note 1 (steady state). Peak is defined over a steady-state step (step >= 2): the
 state exists and the previous step's gradients are still alive when the step begins (the
 step's first act, ``zero_grad(set_to_none=True)``, frees them). Before the counted step we
 therefore give every trainable parameter a gradient and run one untracked ``optimizer.step``,
-which creates the state exactly as the real first step does.
+which creates the state exactly as the real first step does. An optimizer stepped in backward
+(``steps_in_backward``: one per parameter, run by gradient hooks) frees each gradient as it
+steps it, so its steady state starts with no gradient alive; an optimizer that moves each
+gradient to the host (``offload_gradients``) starts it with them alive on the host only.
 
 Note 2 (mode order). The fake mode is entered first, ``FidelityMode`` (fake outputs made to match
 real kernels) next, and the counting mode on top, so the counter sees each op once, as the real run
@@ -81,6 +84,10 @@ def warm_up_optimizer(model: nn.Module, optimizer) -> None:
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
+    if getattr(optimizer, "steps_in_backward", False):
+        return                 # its step freed them, as its hooks do in every backward
+    if getattr(optimizer, "offload_gradients", False):
+        return                 # its step moved them to the host, where they stay alive
     for p in params:           # the previous step's gradients, alive at the next step's start
         p.grad = torch.zeros_like(p)
 
