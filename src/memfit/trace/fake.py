@@ -8,7 +8,10 @@ model's own (parameters, buffers, the state they hold) then have each fake stora
 real storage's size: ``from_tensor`` sizes a storage by the extent the tensor reaches, and a
 weight may sit in a larger one, which it keeps alive (torchao's ``NF4Tensor`` keeps its
 ``quantization_factor``, one value, in a storage of 256). A batch is not grown: a slice of a
-larger tensor is what reaches the device (``.to`` copies the slice); ``meta`` tensors become fakes on ``device`` with the same shape and strides.
+larger tensor is what reaches the device (``.to`` copies the slice). ``meta`` tensors become
+fakes on ``device`` with the same shape, strides and offset, over a fake storage of the meta
+storage's size, one per meta storage: views that share a storage on meta share one in the
+copy, as ``from_tensor`` keeps real ones (gptqmodel's two shift tables are views of one).
 The real values of the model's parameters and buffers are kept for the scalar reads an
 optimizer makes of them (``DataValues.link_weight``: scalar reads only, never written).
 
@@ -57,6 +60,8 @@ class FakeCopier:
         self.device = torch.device(device)
         self.mode = FakeTensorMode(allow_non_fake_inputs=False)
         self._memo: dict[int, torch.Tensor] = {}
+        # meta storage -> (it, kept alive so that its address names it, its fake) (Note 1)
+        self._meta_storages: dict[int, tuple] = {}
         # the real values of the integer/bool tensors faked (ids, labels, masks), for the
         # data-dependent ops of a trace, which ``DataValues`` resolves from them
         self.data = DataValues()
@@ -65,8 +70,7 @@ class FakeCopier:
         if id(t) in self._memo:
             return self._memo[id(t)]
         if t.device.type == "meta":
-            with self.mode:
-                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+            fake = self._from_meta(t)
         else:
             fake = self._from_real(t.detach())
         if isinstance(t, nn.Parameter):
@@ -78,6 +82,18 @@ class FakeCopier:
         for name, value in attached(t, self.tensor).items():      # Note 3
             setattr(fake, name, value)
         return fake
+
+    def _from_meta(self, t: torch.Tensor) -> torch.Tensor:
+        """A fake of a meta tensor over the fake of its storage (Note 1)."""
+        meta = t.untyped_storage()
+        with self.mode:
+            _, storage = self._meta_storages.get(meta._cdata, (None, None))
+            if storage is None:
+                storage = torch.empty(meta.nbytes(), dtype=torch.uint8,
+                                      device=self.device).untyped_storage()
+                self._meta_storages[meta._cdata] = (meta, storage)
+            return torch.empty(0, dtype=t.dtype, device=self.device).set_(
+                storage, t.storage_offset(), t.shape, t.stride())
 
     def _from_real(self, t: torch.Tensor) -> torch.Tensor:
         return self.mode.from_tensor(t)
