@@ -1,5 +1,5 @@
 """Fine-tuning an 8B-class LLM on one card: memfit's predicted device bytes for full fine-tuning,
-LoRA, QLoRA, and QLoRA with the loss in pieces and an 8-bit AdamW, beside what
+LoRA, QLoRA, and QLoRA with the loss in pieces and a paged 8-bit AdamW, beside what
 ``accelerate estimate-memory``'s formula gives for the same model (issue 28).
 
     python benchmarks/llm_finetune.py [--models llama-3.1-8b,qwen2.5-7b]
@@ -14,8 +14,10 @@ row is the weights' load size). memfit's are whole-step predictions (weights, qu
 state, adapters, optimizer state, activations, temporaries, the allocator, the CUDA context),
 unvalidated on a GPU until benchmarks/gpu_check.py runs there. The float weights are fp32 (as
 memfit builds a config; a base loaded in bf16 holds half), the 4-bit base's other weights too (as
-peft's ``prepare_model_for_kbit_training`` leaves them). The 8-bit AdamW is bitsandbytes'
-(``optimizer_state="8bit"``); its paged variant is not modelled yet.
+peft's ``prepare_model_for_kbit_training`` leaves them). "qlora+chunked+8bit" is bitsandbytes'
+8-bit AdamW (``optimizer_state="8bit"``), "qlora+chunked+paged8bit" the user's own
+``bnb.optim.PagedAdamW8bit``, whose large moments live in unified memory: counted on the card,
+on a line of their own (``unified_memory_bytes`` in the record), outside the allocator.
 """
 
 from __future__ import annotations
@@ -36,14 +38,13 @@ from rich.table import Table  # noqa: E402
 
 import memfit  # noqa: E402
 from memfit import zoo  # noqa: E402
-from memfit.knobs import Knobs  # noqa: E402
 from memfit.techniques import QuantizedBase  # noqa: E402
 from memfit.units import format_bytes  # noqa: E402
 
 import _record  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "configs"
-RUNS = ("full", "lora", "qlora", "qlora+chunked+8bit")
+RUNS = ("full", "lora", "qlora", "qlora+chunked+8bit", "qlora+chunked+paged8bit")
 
 
 def build(name: str, run: str):
@@ -62,11 +63,19 @@ def build(name: str, run: str):
 
 def knobs(run: str) -> dict:
     out = {"precision": "bf16", "checkpoint": "all"}
+    if run.startswith("qlora+chunked"):
+        out["chunked_loss"] = 8
     if run == "qlora+chunked+8bit":
         out["optimizer_state"] = "8bit"
-        if "chunked_loss" in Knobs.__dataclass_fields__:
-            out["chunked_loss"] = 8
     return out
+
+
+def optimizer(run: str):
+    """The run's optimizer: bitsandbytes' paged 8-bit AdamW as a user builds it, else AdamW."""
+    if run.endswith("paged8bit"):
+        import bitsandbytes as bnb
+        return lambda params: bnb.optim.PagedAdamW8bit(params, lr=2e-4)
+    return "adamw"
 
 
 def accelerate_figures(float_model) -> dict:
@@ -93,11 +102,13 @@ def main() -> None:
                                     seq_len=args.seq_len)
             for card in args.cards.split(","):
                 start = time.perf_counter()
-                est = memfit.estimate(memfit.Job(model, batch), device=card, **knobs(run))
+                est = memfit.estimate(memfit.Job(model, batch, optimizer=optimizer(run)),
+                                      device=card, **knobs(run))
                 rows.append({"model": name, "run": run, "card": card,
                              "memfit_device_bytes": est.device_bytes, "fits": est.fits,
                              "usable_bytes": est.device.usable_bytes,
                              "breakdown": est.breakdown, "knobs": knobs(run),
+                             "unified_memory_bytes": est.card.unified_memory_bytes,
                              "trace_seconds": round(time.perf_counter() - start, 1), **acc})
                 print(f"{name} {run} {card}: {format_bytes(est.device_bytes)}", flush=True)
     table = Table(title=f"one sequence of {args.seq_len} tokens, bf16, checkpointing, LoRA r16")

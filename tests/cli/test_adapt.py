@@ -108,7 +108,7 @@ def test_quantize_with_lora_estimates_the_qlora_model(capsys, tiny_gpt2):
 def test_quantize_kinds_are_the_techniques():
     from memfit.cli._common import QUANTIZE_KINDS
     from memfit.techniques.quantized_base import KINDS
-    assert QUANTIZE_KINDS == KINDS
+    assert QUANTIZE_KINDS == KINDS + ("gptq",)       # techniques.packed_int4
 
 
 @pytest.mark.parametrize("flags,needle", [

@@ -25,7 +25,8 @@ import memfit.techniques as techniques
 from memfit.modes import Mode
 from memfit.optimizers import OptimizerRecipe
 from memfit.techniques import (Accumulation, Change, Checkpoint, LowBitOptimizer, Offload,
-                               OptimizerOffload, ParamOffload, Precision, QuantizedBase, Remat,
+                               OptimizerOffload, PackedInt4, ParamOffload, Precision, QuantizedBase,
+                               Remat,
                                Sharding)
 
 
@@ -76,10 +77,12 @@ APPLY = {
         m, init_device_mesh("cpu", (1,))),
     "QuantizedBase": lambda m: QuantizedBase(QuantizedBase.Config(
         "nf4", compute_dtype="fp32")).apply(m.transformer.h.requires_grad_(False) and m),
+    "PackedInt4": lambda m: PackedInt4(PackedInt4.Config(group_size=32)).apply(
+        m.transformer.h.requires_grad_(False) and m),
 }
 # what these change stays changed (techniques._protocol Note 2: the float weights are gone):
 # remove() takes off nothing, and the forward stays the applied one
-IN_PLACE = {"QuantizedBase"}
+IN_PLACE = {"QuantizedBase", "PackedInt4"}
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +129,8 @@ def _hooks(model: nn.Module) -> list:
     return [(name, tuple(m._forward_pre_hooks), tuple(m._forward_hooks),
              tuple(m._backward_pre_hooks), tuple(m._backward_hooks))
             for name, m in model.named_modules()] + \
-        [tuple(getattr(p, "_post_accumulate_grad_hooks", None) or ()) for p in model.parameters()]
+        [(n, tuple(p._post_accumulate_grad_hooks)) for n, p in model.named_parameters()
+         if getattr(p, "_post_accumulate_grad_hooks", None)]    # a packed weight is no parameter
 
 
 def _same(a, b) -> bool:

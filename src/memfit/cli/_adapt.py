@@ -20,7 +20,9 @@ Note 3 (a quantized base). --quantize nf4|fp4|int8 holds the frozen linear layer
 precision left alone), before LoRA, as QLoRA loads a quantized model and then adds adapters:
 with --lora-rank the whole base is frozen first (a quantized weight cannot train; PEFT trains
 the adapters, and a task's head as it always does), with --freeze only what the patterns name.
-The weights stay on ``meta``: a 70B base is described, never quantized for real.
+The weights stay on ``meta``: a 70B base is described, never quantized for real. --quantize gptq
+packs them as GPTQ's int4 layout instead (``techniques.packed_int4``: memfit's own modules, no
+GPTQ library installs on a CPU), and LoRA goes on the packed layers by name.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import difflib
 import fnmatch
 import re
 
+from memfit.techniques.packed_int4 import PackedInt4, PackedInt4Linear
 from memfit.techniques.quantized_base import QuantizedBase
 
 __all__ = ["apply_freeze", "apply_lora", "apply_quantize", "base_model", "LORA_TASK_TYPES"]
@@ -78,7 +81,10 @@ def apply_freeze(model, patterns: list[str]) -> int:
 
 
 def apply_quantize(model, kind: str, double_quant: bool) -> None:
-    """The frozen linear layers held by bitsandbytes (Note 3)."""
+    """The frozen linear layers held by bitsandbytes, or packed as GPTQ's int4 (Note 3)."""
+    if kind == "gptq":
+        PackedInt4(PackedInt4.Config()).apply(model)
+        return
     QuantizedBase(QuantizedBase.Config(kind=kind, double_quant=double_quant)).apply(model)
 
 
@@ -92,12 +98,17 @@ def apply_lora(model, rank: int, task: str | None, targets: str | None = None):
     kwargs = {}
     if task in LORA_TASK_TYPES:
         kwargs["task_type"] = getattr(peft.TaskType, LORA_TASK_TYPES[task])
-    modules = "all-linear" if targets is None else \
+    packed = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                     if isinstance(m, PackedInt4Linear)})
+    modules = (packed or "all-linear") if targets is None else \
         [t.strip() for t in targets.split(",") if t.strip()]
     if not modules:
         raise ValueError(f"--lora-targets {targets!r}: give module names, comma-separated "
                          "(q_proj,v_proj)")
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules, **kwargs)
+    if packed:          # peft's own GPTQ LoRA layer around them (Note 3)
+        from peft.tuners.lora.gptq import GPTQLoraLinear
+        config._register_custom_module({PackedInt4Linear: GPTQLoraLinear})
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:

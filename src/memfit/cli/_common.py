@@ -25,8 +25,9 @@ DEFAULT_GPU = "gtx-1080-ti"
 # memfit.optimizers.OPTIMIZERS' names (kept here so the parser needs no torch; a test holds them equal)
 OPTIMIZER_NAMES = ("adagrad", "adam", "adamw", "momentum", "rmsprop", "sgd")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
-# techniques.quantized_base.KINDS, named here so --help needs no torch (tests/cli/test_adapt.py)
-QUANTIZE_KINDS = ("nf4", "fp4", "int8")
+# techniques.quantized_base.KINDS and packed_int4's "gptq", named here so --help needs no torch
+# (tests/cli/test_adapt.py)
+QUANTIZE_KINDS = ("nf4", "fp4", "int8", "gptq")
 # zoo._spec.ATTENTION, named here so --help needs no torch (tests/cli/test_packing_cli.py)
 ATTENTION_NAMES = ("sdpa", "eager", "flash_attention_2")
 
@@ -87,7 +88,9 @@ def add_model_args(p: argparse.ArgumentParser, batch_size: int = 8,
     g.add_argument("--quantize", default=None, choices=QUANTIZE_KINDS,
                    help="hold the frozen base weights in 4 bits (nf4, fp4: QLoRA with "
                         "--lora-rank) or 8 bits (int8: LLM.int8) with bitsandbytes, as "
-                        "loading with BitsAndBytesConfig does; needs --lora-rank or --freeze")
+                        "loading with BitsAndBytesConfig does, or packed as GPTQ's int4 (gptq: "
+                        "gptqmodel's layout and torch kernel, modelled by memfit); needs "
+                        "--lora-rank or --freeze")
     g.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=True,
                    help="with --quantize nf4/fp4: quantize the block scales again (QLoRA's "
                         "bnb_4bit_use_double_quant; default on)")

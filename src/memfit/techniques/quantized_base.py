@@ -136,7 +136,7 @@ class QuantizedBase:
         for parent_name, parent in model.named_modules():
             for name, child in parent.named_children():
                 full = f"{parent_name}.{name}" if parent_name else name
-                if _is_linear(child) and full not in keep and name not in keep:
+                if is_linear(child) and full not in keep and name not in keep:
                     out.append((parent, name, child))
         return out
 
@@ -177,7 +177,7 @@ class QuantizedBase:
         return module if meta else module.to(w.device)     # bitsandbytes quantizes here
 
 
-def _is_linear(module: nn.Module) -> bool:
+def is_linear(module: nn.Module) -> bool:
     """``nn.Linear``, or transformers' ``Conv1D`` (GPT-2's linear layers, weight stored
     (in, out)), which transformers quantizes too."""
     return type(module) is nn.Linear or type(module).__name__ == "Conv1D" and \
