@@ -8,6 +8,7 @@ import json
 import sys
 import time
 
+from memfit.cli._progress import status as progress
 from memfit.cli._args import add_switch, reshard_value
 from memfit.knobs import SHARDINGS
 
@@ -97,7 +98,7 @@ def run_if_asked(args, base_knobs: dict) -> int | None:
     console = Console(stderr=args.json)
     start = time.perf_counter()
     knobs = _knobs(args, base_knobs)
-    with console.status("building the model on the meta device...") as status:
+    with progress(console, "building the model on the meta device...") as status:
         spec, model = build_model(args)
         batch = make_batch(spec, model, args, args.batch_size, args.seq_len)
         say = lambda m: status.update(m + "...")            # noqa: E731

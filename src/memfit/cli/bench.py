@@ -14,6 +14,7 @@ import json
 import sys
 import time
 
+from memfit.cli._progress import status as progress
 from memfit.cli._args import check_output_path
 
 __all__ = ["add_parser", "run"]
@@ -135,7 +136,7 @@ def run(args) -> int:
     plan_specs = [] if args.no_plan else [(m, args.plan_seq_len, args.plan_batch, args.tiny)
                                           for m in models]
     jobs = args.jobs or default_jobs()
-    with console.status("tracing...") as status:
+    with progress(console, "tracing...") as status:
         def progress(done: int, total: int) -> None:
             status.update(f"traced {done}/{total} rows and plans ({jobs} worker"
                           f"{'s' if jobs > 1 else ''})...")
@@ -144,7 +145,7 @@ def run(args) -> int:
     if measure:
         from memfit.train.seed_measure import measure_row
 
-        with console.status("measuring...") as status:
+        with progress(console, "measuring...") as status:
             for i, (row, r) in enumerate(zip(rows, row_results)):
                 status.update(f"measuring row {i + 1}/{len(rows)} on the {device.display_name}")
                 r.update(measure_row(row))

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from memfit.cli._progress import status as progress
 from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
                               add_optimizer_in_backward_arg, add_switch,
                               add_zero_grad_arg, positive_float, positive_int, reshard_value)
@@ -135,7 +136,7 @@ def run(args) -> int:
     from memfit.trace.allocator import AllocatorConfig
 
     console = Console(stderr=args.json)
-    with console.status("building the model on the meta device and tracing one step..."):
+    with progress(console, "building the model on the meta device and tracing one step..."):
         if hf is not None:             # the Trainer run of --hf-args, on the meta device
             spec, model, est, batch = _trainer_estimate(args, hf, target)
         else:

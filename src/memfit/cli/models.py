@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from memfit.cli._progress import status as progress
 from memfit.cli._cache_args import add_no_cache_arg, open_cache
 from memfit.cli._listing import add_listing_parser, print_listing
 
@@ -56,7 +57,7 @@ def _parameter_counts(rows, cache) -> dict[str, int]:
     from memfit.cli._common import _quiet_transformers
 
     _quiet_transformers()
-    with Console(stderr=True).status(f"building {len(missing)} models on the meta device to "
+    with progress(Console(stderr=True), f"building {len(missing)} models on the meta device to "
                                      "count their parameters (kept in memfit's cache)..."):
         for row in missing:
             counts[row.name] = zoo.count_parameters(zoo.get(row.name).build(device="meta"))

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from memfit.cli._progress import status as progress
 from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
                               add_optimizer_in_backward_arg, add_switch,
                               add_zero_grad_arg, positive_float, positive_int, progressive_spec)
@@ -138,7 +139,7 @@ def run(args) -> int:
     console = Console(stderr=args.json)
     start = time.perf_counter()
     out: dict = {}
-    with console.status("building the model on the meta device...") as status:
+    with progress(console, "building the model on the meta device...") as status:
         spec, model = build_model(args)
         _check_progressive_limit(spec, model, args)
         batch_size, seq_len, planned = _resolve_levers(spec, model, args, target, status, out)
@@ -212,7 +213,7 @@ def _run_trainer(args, values: dict, target) -> int:
     from memfit.integrations import transformers as mf_hf
 
     console = Console(stderr=args.json)
-    with console.status("building the model on the meta device and planning the Trainer run..."):
+    with progress(console, "building the model on the meta device and planning the Trainer run..."):
         spec, model = build_model(args)
         trainer = hf_trainer(spec, model, args, values)
         changes = mf_hf.fit(trainer, target.budget_bytes, device=target.device, verbose=False)

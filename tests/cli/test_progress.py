@@ -1,0 +1,42 @@
+"""Progress off a terminal (cli._progress Note 1): rich's status draws nothing into a pipe, so
+the stage is a line on stderr once the work has taken QUIET_S, and stdout stays the answer."""
+
+import time
+
+from rich.console import Console
+
+from memfit.cli import _progress
+
+
+def _piped() -> Console:
+    console = Console(stderr=True, force_terminal=False)
+    assert not console.is_terminal
+    return console
+
+
+def test_quick_work_prints_nothing(capsys):
+    with _progress.status(_piped(), "building the model...") as s:
+        s.update("tracing the plain step...")
+    assert capsys.readouterr() == ("", "")
+
+
+def test_slow_work_prints_each_stage_on_stderr(capsys, monkeypatch):
+    monkeypatch.setattr(_progress, "QUIET_S", 0.0)
+    with _progress.status(_piped(), "building the model...") as s:
+        s.update("tracing the plain step (fp32, batch 4)...")
+        s.update("tracing the plain step (fp32, batch 4)...")      # the same stage: once
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 2
+    assert lines[0].startswith("memfit: [") and lines[0].endswith("s] building the model")
+    assert lines[1].endswith("s] tracing the plain step (fp32, batch 4)")
+
+
+def test_a_long_stage_is_printed_again(capsys, monkeypatch):
+    monkeypatch.setattr(_progress, "QUIET_S", 0.0)
+    monkeypatch.setattr(_progress, "REPEAT_S", 0.5)
+    with _progress.status(_piped(), "tracing...") as s:
+        time.sleep(1.6)                         # the thread ticks each second
+        s.update("done")
+    err = capsys.readouterr().err
+    assert err.count("] tracing") >= 2 and err.count("] done") == 1
