@@ -96,6 +96,19 @@ def _on_the_card(cuda: CudaModel, tracker, prof, runner, spec):
             card.outside_allocator_bytes, card, notes)
 
 
+def _quantized_twin(model, k: Knobs, layout):
+    """``(the model to trace, the Change)``: with ``quantize_base``, a quantized copy of the
+    model on meta (a trace quantizes a twin, a run the model itself:
+    docs/techniques/quantized-base.md); else the model and None."""
+    if k.quantize_base in (None, "none"):
+        return model, None
+    if layout is not None:
+        raise ValueError(f"quantize_base={k.quantize_base!r} with several GPUs (gpus, "
+                         "sharding) is not supported yet: quantize on one device, or "
+                         "leave quantize_base unset")
+    return QuantizedBase(QuantizedBase.Config(kind=k.quantize_base)).twin(model)
+
+
 def _remat_note(sim, limit: int) -> str:
     return (f"remat: DTR simulated under {format_bytes(limit)}: peak "
             f"{format_bytes(sim.peak_bytes)}, {sim.evictions} evictions, "
@@ -202,15 +215,7 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
     recipe.check_impl(trainable)
-    # quantize_base: a trace quantizes a meta twin, a run the model itself
-    # (docs/techniques/quantized-base.md)
-    quantized = None
-    if k.quantize_base not in (None, "none"):
-        if layout is not None:
-            raise ValueError(f"quantize_base={k.quantize_base!r} with several GPUs (gpus, "
-                             "sharding) is not supported yet: quantize on one device, or "
-                             "leave quantize_base unset")
-        model, quantized = QuantizedBase(QuantizedBase.Config(kind=k.quantize_base)).twin(model)
+    model, quantized = _quantized_twin(model, k, layout)
 
     # memfit's CUDA models are not applied to a sharded rank yet (api._rank_layout says why)
     cuda = CudaModel(spec, allocator) if spec.kind == "cuda" and layout is None else None
