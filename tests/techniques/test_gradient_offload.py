@@ -125,6 +125,9 @@ def test_estimate_is_a_real_step_on_the_device_and_on_the_host():
     _live(lambda: tiny("gpt2"), True)
 
 
+# 8 s: the CI time limit; micro-batches stay in the default tier, bitwise
+# (test_three_steps_bitwise_equal_to_the_plain_step with halves=2)
+@pytest.mark.slow
 def test_micro_batches_on_the_host_and_the_peak_drop():
     """An MLP whose weights dominate (two 256 x 256 layers, batch 2), to the byte with and
     without the hooks, in one micro-batch and in two. Without them the peak holds every

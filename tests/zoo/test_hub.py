@@ -287,6 +287,9 @@ def _memfit(cache: Path, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+# 11 s: a CLI subprocess; the API's estimate of a hub id and the CLI's --revision and --help
+# stay in the default tier
+@pytest.mark.slow
 def test_cli_estimates_a_hub_id_from_the_cache(cache):
     """A real process that finds the cache by HF_HUB_CACHE, offline; the oracle is the API's
     estimate of the config built directly (the CLI's defaults: AdamW, fp32)."""

@@ -137,11 +137,11 @@ def run(args) -> int:
                                           for m in models]
     jobs = args.jobs or default_jobs()
     with progress(console, "tracing...") as status:
-        def progress(done: int, total: int) -> None:
+        def traced(done: int, total: int) -> None:
             status.update(f"traced {done}/{total} rows and plans ({jobs} worker"
                           f"{'s' if jobs > 1 else ''})...")
         row_results, plan_results = trace_rows(rows, plan_specs, device, not args.no_cache,
-                                               jobs, progress)
+                                               jobs, traced)
     if measure:
         from memfit.train.seed_measure import measure_row
 
