@@ -68,6 +68,9 @@ def test_plan_on_a_job_equals_the_old_form(gpt2):
     assert new.predicted_device_bytes <= budget < plain.device_bytes
 
 
+# 17 s: the CI time limit; fit on a Job runs in the default tier in the levers' tests
+# (tests/planner/test_levers_optimizer_in_backward.py, ..._gradient_offload.py)
+@pytest.mark.slow
 def test_fit_on_a_job_trains_bitwise_as_the_old_form(gpt2):
     model, batch = gpt2
     budget = int(memfit.estimate(memfit.Job(model, batch), device="cpu").device_bytes * 0.8)
