@@ -103,7 +103,9 @@ def test_listings_and_refusals_import_no_torch(two_models, capsys, tmp_path):
                 ["estimate", "--checkpoint", "bogus"], ["plan", "--model", "gpt2", "--task", "x"],
                 ["estimate", "--model", "gpt2", "--revision", "main"],
                 ["plan", "--budget", "3"], ["estimate", "--batch-size", "0"],
-                ["bench", "seed", "--gpu", "nope"]]
+                ["bench", "seed", "--gpu", "nope"],
+                ["estimate", "--offload-params", "all"],        # knob conflicts (Knobs.
+                ["plan", "--offload-gradients"]]                # check_combinations)
     commands = [["gpus", "--json"], ["models", "--json"], ["cache", "--json"], *refusals]
     code = _WITHOUT_TORCH.format(two=_TWO, commands=commands)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -166,40 +166,7 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
 
 def _refuse(knobs: Knobs, user_step=None) -> None:
     """The combinations no technique runs yet, refused before anything is applied."""
-    if knobs.offload_gradients:
-        _refuse_offload_gradients(knobs, user_step)
-    if knobs.offload_optimizer and knobs.precision == "bf16-pure":
-        raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
-                         "master weights would be kept twice; use bf16 autocast instead")
-    if knobs.offload_params not in (None, "none") and not knobs.offload_optimizer:
-        raise ValueError(f"offload_params={knobs.offload_params!r} needs offload_optimizer=True: "
-                         "an offloaded weight's host copy is the optimizer's fp32 host twin, "
-                         "stepped on the host (docs/techniques/parameter-offload.md)")
-    if knobs.chunked_loss and (knobs.sharding not in (None, "none") or
-                               knobs.gpus not in (None, 1)):
-        raise ValueError(f"chunked_loss={knobs.chunked_loss} with several GPUs (gpus, "
-                         "sharding) is not supported yet: leave chunked_loss unset there")
-
-
-def _refuse_offload_gradients(knobs: Knobs, user_step) -> None:
-    """What cannot run with the gradients moved to the host in backward
-    (techniques.optimizer_offload), with the fix."""
-    refused = (
-        (not knobs.offload_optimizer, "needs offload_optimizer=True (the gradients go to the "
-         "optimizer's fp32 host copies, which only the offloaded optimizer has); set "
-         "offload_optimizer=True"),
-        (knobs.precision == "fp16", "with precision='fp16' is not supported: the GradScaler "
-         "unscales and checks the device gradients, which the hooks have moved; use "
-         "precision='bf16' (no loss scaling)"),
-        (knobs.offload_params not in (None, "none"), "with offload_params is not supported "
-         "yet: both move tensors in the same post-accumulate-grad hooks; leave one unset"),
-        (user_step is not None, "with step=fn is not supported: the step's own clipping or "
-         "GradScaler would read the device gradients, which the hooks have moved; use memfit's "
-         "step (max_grad_norm clips the host gradients)"),
-    )
-    for bad, why in refused:
-        if bad:
-            raise ValueError(f"offload_gradients=True {why}, or leave offload_gradients unset")
+    knobs.check_combinations(user_step is not None)
 
 
 def _recompute_factory(tech: Precision, recompute_context) -> Callable | None:

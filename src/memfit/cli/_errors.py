@@ -77,11 +77,13 @@ _SWITCHES = {"offload_optimizer", "fsdp_offload", "reshard_after_forward", "offl
 def _assignment(m: re.Match) -> str:
     """``name=value`` -> ``--flag value``, a Python True/False as the flag says it."""
     name, value = m.group(1), next(g for g in m.groups()[1:] if g is not None)
+    tail = ":" if value.endswith(":") else ""         # "needs offload_optimizer=True: ..."
+    value = value[:len(value) - len(tail)]
     if name in _SWITCHES:
         value = {"True": "on", "False": "off"}.get(value, value)
     elif name == "remat" and value in ("True", "False"):
-        return "--remat" if value == "True" else "no --remat"
-    return f"{_flag(name)} {value}"
+        return ("--remat" if value == "True" else "no --remat") + tail
+    return f"{_flag(name)} {value}{tail}"
 
 
 def to_flags(message: str, flags=None, bare: bool = True) -> str:

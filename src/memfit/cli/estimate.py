@@ -115,7 +115,7 @@ def _check(args) -> None:
 
     check_paths(args, "--plot")
     check_model_arg(args)
-    Knobs.from_kwargs(**_knobs(args))        # policy strings etc.: ValueError naming the flag
+    Knobs.from_kwargs(**_knobs(args)).check_combinations()        # policy strings etc.: ValueError naming the flag
     _report_args.check(args)
     if _static_plan.wanted(args) and (args.gpus or 1) > 1:
         raise ValueError("--static-plan needs the storages of one traced step, which an "

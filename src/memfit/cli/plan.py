@@ -117,7 +117,7 @@ def _check(args) -> None:
     from memfit.cli import _report_args
 
     _report_args.check(args)                   # --report, --snapshot: as --plot, before a trace
-    Knobs.from_kwargs(**_knobs(args))          # policy strings etc.: ValueError naming the flag
+    Knobs.from_kwargs(**_knobs(args)).check_combinations()          # policy strings etc.: ValueError naming the flag
     if args.progressive and args.seq_len != "auto" and args.seq_len is not None and \
             args.progressive[0] >= args.seq_len:
         raise ValueError(f"--progressive {args.progressive[0]}: the short length must be below "
