@@ -2,141 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections import Counter
 from collections.abc import Callable
 
 from torch import nn
 
-from torch.utils.checkpoint import CheckpointError
-
+from memfit.api._blockwise import blockwise_estimate
 from memfit.api._estimate_result import Estimate
-from memfit.api._setup import build_runner, resolve_device, resolve_precision
 from memfit.api._rank_layout import RankLayout
-from memfit.api._user_step import (as_user_step, check_cuda_autocast, check_step_knobs,
-                                   explain_step_error, step_notes, with_backward_phase)
-from memfit.api._validate import check_batch, check_order, describe_batch_mismatch
-from memfit.errors import TraceError
+from memfit.api._traced import figures, trace_step
+from memfit.api._validate import check_order
 from memfit.knobs import Knobs
-from memfit.memplan import storage_log
-from memfit.optimizers import OptimizerRecipe
-from memfit.planner import Plan
-from memfit.step import prepare_batch
-from memfit.techniques._torchao_optimizer import compiled_step_note
-from memfit.techniques.accumulation import batch_size_of
-from memfit.techniques.quantized_base import QuantizedBase
-from memfit.techniques.optimizer_in_backward import check_knobs as check_in_backward
-from memfit.trace import FakeCopier, profile_step
+from memfit.trace import FakeCopier
 from memfit.trace.allocator import AllocatorConfig
-from memfit.trace.card import card_breakdown
-from memfit.trace.cuda import CudaModel
-from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
-from memfit.trace.packed_attention import check_attention_device, packing_note
-from memfit.trace.scaler import TraceGradScaler, warm_up_scaled
-from memfit.units import parse_bytes
-from memfit.units import format_bytes
 
 __all__ = ["Estimate", "estimate"]
-
-
-def _described(e: Exception, model, batch, loss_fn) -> Exception:
-    """A trace's exception as the user's mistake it reveals (the batch does not fit the
-    model's forward), chained to it; else the exception itself."""
-    if isinstance(e, TypeError) and loss_fn is None and (
-            "unexpected keyword argument" in str(e) or "required positional argument" in str(e)):
-        err = ValueError(f"the batch does not match {type(model).__name__}.forward: {e}")
-    elif isinstance(e, RuntimeError) and not isinstance(e, (TraceError, CheckpointError)) and \
-            ("shape" in str(e) or "size" in str(e)):
-        err = describe_batch_mismatch(model, batch, e)
-    else:
-        return e
-    err.__cause__ = e
-    return err
-
-
-def _checked_step(model, batch, loss_fn, k: Knobs, step, scheduler):
-    """(the user's step or None, the knobs it leaves, the batch as the step takes it), each
-    checked before any trace."""
-    user = as_user_step(step)
-    if scheduler is not None and (hasattr(scheduler, "step") or not callable(scheduler)):
-        raise ValueError("estimate traces on a fake optimizer, so a scheduler built on the real "
-                         "one cannot be used: pass scheduler=a factory, e.g. "
-                         "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
-    if user is not None:
-        k = check_step_knobs(k, batch_size_of(batch), loss_fn)
-    if k.precision == "auto":
-        raise ValueError("estimate needs a fixed precision (fp32, fp16, bf16, bf16-pure); "
-                         "'auto' is for memfit.plan and memfit.fit")
-    if user is None:               # a user step takes the batch as given (_user_step)
-        batch = prepare_batch(batch)
-        check_batch(model, batch, loss_fn)
-    check_in_backward(k, batch_size_of(batch))      # optimizer_in_backward's refusals
-    return user, k, batch
-
-
-def _on_the_card(cuda: CudaModel, tracker, prof, runner, spec):
-    """A GPU target's figures from the caching allocator's replay: (allocated peak, reserved
-    peak, breakdown, bytes outside the allocator, the card, notes)."""
-    mem = cuda.replay(tracker)
-    card = card_breakdown(spec, mem.reserved_peak_bytes, prof.op_log, mem.workspace_bytes,
-                          cuda.unified_bytes(runner.optimizer))
-    where = f"measured in {spec.profile_path}" if spec.profile_path else \
-        "from public measurements"
-    attention = _describe_calls(cuda.sdpa_calls) if cuda.sdpa_calls or not cuda.flash_note \
-        else "flash-attn 2 (its note follows)"
-    notes = [f"CUDA model of the {spec.display_name}: attention ran {attention}; optimizer "
-             f"{cuda.optimizer_impl(runner.optimizer)}; caching-allocator "
-             f"replay; context and library kernels {where}. Unvalidated until "
-             "benchmarks/gpu_check.py (or memfit calibrate) has run on this GPU"]
-    notes += [cuda.bnb_note] if cuda.bnb_note else []
-    notes += [cuda.flash_note] if cuda.flash_note else []
-    notes += _int8_note(runner.model, spec)
-    notes += list(card.notes)
-    return (mem.allocated_peak_bytes, mem.reserved_peak_bytes, mem.breakdown,
-            card.outside_allocator_bytes, card, notes)
-
-
-def _quantized_twin(model, k: Knobs, layout):
-    """``(the model to trace, the Change)``: with ``quantize_base``, a quantized copy of the
-    model on meta (a trace quantizes a twin, a run the model itself:
-    docs/techniques/quantized-base.md); else the model and None."""
-    if k.quantize_base in (None, "none"):
-        return model, None
-    if layout is not None:
-        raise ValueError(f"quantize_base={k.quantize_base!r} with several GPUs (gpus, "
-                         "sharding) is not supported yet: quantize on one device, or "
-                         "leave quantize_base unset")
-    return QuantizedBase(QuantizedBase.Config(kind=k.quantize_base)).twin(model)
-
-
-def _remat_note(sim, limit: int) -> str:
-    return (f"remat: DTR simulated under {format_bytes(limit)}: peak "
-            f"{format_bytes(sim.peak_bytes)}, {sim.evictions} evictions, "
-            f"{sim.recompute_flops:,} recompute FLOPs, floor {format_bytes(sim.floor_bytes)}"
-            + ("" if sim.feasible else " (the budget is below it)"))
-
-
-def _int8_note(model, spec) -> list[str]:
-    """LLM.int8 layers on a GPU target are traced through bitsandbytes' CPU branch
-    (``memfit.trace.cuda_bnb`` says why)."""
-    if not any(type(m).__name__ == "Linear8bitLt" for m in model.modules()):
-        return []
-    return [f"LLM.int8 layers: traced as bitsandbytes trains them on the CPU (dequantize, then "
-            f"a float matmul), not its CUDA path on the {spec.display_name} (int8 matmul with "
-            "16-bit outlier columns): their temporaries are the CPU path's"]
-
-
-def _describe_calls(calls: list[str]) -> str:
-    if not calls:
-        return "no SDPA"
-    return ", ".join(f"{n}x {b}" for b, n in sorted(Counter(calls).items()))
 
 
 def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
              loss_fn: Callable | None = None, *, budget=None, count_fn: Callable | None = None,
              allocator: AllocatorConfig | None = None, allocator_replay: bool = True,
              step: Callable | None = None, scheduler: Callable | None = None,
-             cuda_version=None, **knobs) -> Estimate:
+             cuda_version=None, compose_blocks: bool = True, **knobs) -> Estimate:
     """Predict the memory of one steady-state training step of ``model`` on ``batch``.
 
     Traces zero_grad -> forward -> loss -> backward -> optimizer.step on fake tensors (no real
@@ -187,6 +73,17 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     """
     check_order("estimate", optimizer=optimizer)
     k = Knobs.from_kwargs(**knobs)
+    if compose_blocks:
+        try:
+            composed, _ = blockwise_estimate(model, batch, optimizer, device, loss_fn, k,
+                                             budget=budget, count_fn=count_fn,
+                                             allocator=allocator,
+                                             allocator_replay=allocator_replay, step=step,
+                                             scheduler=scheduler, cuda_version=cuda_version)
+        except Exception:       # the whole trace says what is wrong, as it always has
+            composed = None
+        if composed is not None:
+            return figures(composed)
     return traced_estimate(model, batch, optimizer, device, loss_fn, k, FakeCopier("cpu"),
                            budget=budget, count_fn=count_fn, allocator=allocator,
                            allocator_replay=allocator_replay, step=step, scheduler=scheduler,
@@ -198,112 +95,9 @@ def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: 
                     scheduler=None, cuda_version=None, layout: RankLayout | None = None):
     """``estimate`` traced on fakes made by ``copier``: (the Estimate, the tracker that counted
     it, the CudaModel of a GPU target or None). A shared trace (``memfit.api._shared_shapes``)
-    replays the tracker in other shapes. With a data-parallel ``layout`` (default: the one the
-    knobs ``gpus``, ``sharding``... ask for), one rank of it: the same trace on the fake model
-    sharded by ``techniques.sharding`` (``api._rank_layout``)."""
-    k.check_available()
-    layout = layout or RankLayout.of(k)
-    if layout is not None:
-        layout.refuse(k, step=step, scheduler=scheduler, allocator=allocator)
-    spec = resolve_device(model, device, cuda_version)        # checks the model first
-    user, k, batch = _checked_step(model, batch, loss_fn, k, step, scheduler)
-    k = k.replace(precision=resolve_precision(k.precision, spec))
-    if layout is not None:
-        layout.check_precision(k.precision)
-    limit = parse_bytes(budget) if budget is not None else spec.usable_bytes
-    recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    recipe.check_params(trainable)
-    recipe.check_impl(trainable)
-    model, quantized = _quantized_twin(model, k, layout)
-
-    # memfit's CUDA models are not applied to a sharded rank yet (api._rank_layout says why)
-    cuda = CudaModel(spec, allocator) if spec.kind == "cuda" and layout is None else None
-    check_attention_device(model, spec.kind, sharded=layout is not None)
-    replay = cuda is not None and allocator_replay
-    with contextlib.ExitStack() as stack:     # a rank's fake process group, until counted
-        fake_model = copier.module(model)
-        fake_model.train(model.training)
-        fake_batch = copier.tree(batch)
-        if layout is not None:
-            fake_model = layout.shard(stack, fake_model, copier)
-        with copier.mode:
-            runner = build_runner(fake_model, recipe, k, plan=Plan(k), origin=trainable,
-                                  loss_fn=loss_fn, count_fn=count_fn,
-                                  scaler_class=TraceGradScaler,
-                                  autocast_impl=cuda.autocast if cuda else None,
-                                  recompute_context=cuda.recompute if cuda else None,
-                                  scheduler=scheduler, user_step=user)
-            fake_batch = runner.prepare(fake_batch)
-        if cuda:
-            cuda.use_foreach(runner.optimizer)
-        placement = layout.placement(runner, spec) if layout is not None else None
-
-        def run(on_phase):
-            with cuda.kernels() if cuda else contextlib.nullcontext(), \
-                    placement.step(on_phase) if placement else \
-                    contextlib.nullcontext(on_phase) as mark:
-                runner.run(fake_batch, mark)
-                if runner.scheduler is not None:
-                    runner.scheduler.step()
-
-        def host_state(tracker):
-            for t in cuda.host_tensors(runner.optimizer):
-                tracker.mark_host(t)
-            for t in cuda.unified_tensors(runner.optimizer):
-                tracker.mark_unified(t)
-
-        # steady state: optimizer state exists (and, under fp16, the scaler's scale: a warm-up
-        # without a step, scaler); for a GPU, two whole steps for the allocator's history
-        # (cuda); a rank, one micro-batch (RankLayout.warm_up). A user step always
-        # runs twice (_user_step)
-        warm_up = None
-        if layout is not None:
-            warm_up = lambda: layout.warm_up(runner, fake_batch, copier)  # noqa: E731
-        elif runner.scaler is not None:
-            warm_up = lambda: warm_up_scaled(runner.model, runner.optimizer,  # noqa: E731
-                                             runner.scaler)
-        try:
-            prof, tracker = profile_step(run, copier=copier, model=runner.model,
-                                         optimizer=runner.optimizer, warm_up=warm_up,
-                                         two_steps=replay or user is not None,
-                                         after_first=host_state if replay else None)
-        except Exception as e:
-            if user is not None and (clear := explain_step_error(e, user)) is not None:
-                raise clear from e
-            raise _described(e, model, batch, loss_fn)
-    if user is not None:
-        if spec.kind == "cuda":
-            check_cuda_autocast(user, spec.display_name)       # memfit.step
-        prof.phases = with_backward_phase(prof.phases, prof.modules)
-    peak, reserved, breakdown, context = prof.peak_bytes, prof.peak_bytes, prof.breakdown, 0
-    notes, card = [], None
-    if layout is not None:      # the card around the allocator, as for one device
-        reserved, context, card, notes = layout.card(peak, prof.op_log, spec)
-    if replay:
-        peak, reserved, breakdown, context, card, notes = _on_the_card(cuda, tracker, prof,
-                                                                       runner, spec)
-    packed = packing_note(runner.model, batch, cuda and cuda.sdpa_calls, cuda and spec.display_name)
-    notes += [packed] if packed else []
-    notes += list(quantized.notes) if quantized else []
-    compiled = compiled_step_note(runner.optimizer)      # torchao's step, traced eagerly
-    notes += [compiled] if compiled else []
-    if user is not None:
-        notes += step_notes(user, batch)
-    sim = None
-    if k.remat and budget is not None:      # DTR replayed on the traced timeline
-        sim = simulate_dtr(prof.timeline, spans_from_modules(prof.modules, prof.blocks), limit)
-        notes.append(_remat_note(sim, limit))
-    est = Estimate(
-        remat_peak_bytes=sim and sim.peak_bytes, remat_floor_bytes=sim and sim.floor_bytes,
-        remat_recompute_flops=sim and sim.recompute_flops,
-        peak_bytes=peak, reserved_bytes=reserved, breakdown=breakdown, context_bytes=context,
-        host_peak_bytes=prof.host_peak_bytes,
-        timeline=prof.timeline, op_log=prof.op_log, timeline_by_category=prof.timeline_by_category,
-        phases=prof.phases, modules=prof.modules, blocks=prof.blocks, fw_flops=prof.fw_flops,
-        bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=k,
-        trace_seconds=prof.trace_seconds, notes=notes,
-        basis="cuda-model" if cuda else "cpu-trace", knobs_blocks=dict(runner.applied.blocks),
-        op_costs=prof.op_costs, card=card, lifetimes=storage_log(tracker),
-    )
-    return est, tracker, cuda
+    replays the tracker in other shapes. With a data-parallel ``layout``, one rank of it
+    (``api._traced.trace_step``)."""
+    t = trace_step(model, batch, optimizer, device, loss_fn, k, copier, budget=budget,
+                   count_fn=count_fn, allocator=allocator, allocator_replay=allocator_replay,
+                   step=step, scheduler=scheduler, cuda_version=cuda_version, layout=layout)
+    return figures(t), t.tracker, t.cuda

@@ -158,6 +158,8 @@ class CountingMode(TorchDispatchMode):
             ledger.resize(st)
         for st in new:
             ledger.add(st, L.TEMPORARIES, entry=False, host=on_host)
+        if t.labels is not None:
+            t.labels.born(ledger, t.watch.stack, func, args, kwargs, out, new)
         if ledger.current_bytes > t.online_peak_bytes:
             t.online_peak_bytes = ledger.current_bytes
         t.op_events.append(ledger.num_events)

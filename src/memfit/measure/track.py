@@ -18,6 +18,12 @@ ops through uncounted.
 its block a tracker keeps its figures and nothing it was given: the model, the optimizer and
 the host tensors are dropped at exit, and its hooks are removed (``_modules.ModuleWatch``
 removes each autograd hook it registers), so a kept ``Tracker`` keeps no tensor alive.
+
+Note 3 (what a composed step needs). ``marks`` keeps each module entry and exit (and the
+window's start) at its place between the ledger's events and the ops, so that a step made of
+a shallow twin's pieces (``trace.block_reuse``) can place every module's window again; given
+the model's ``blocks``, the tracker also labels each storage and op with its block
+(``measure._labels``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from memfit.measure.attached import attached_tensors, module_tensors
 from memfit.measure._storage_resize import resizes_counted
 from memfit.measure._counting import (CountingMode, allocates_and_writes, host_allocations,
                                       written_args, registered_host_tensors)
+from memfit.measure._labels import StorageLabels
 from memfit.measure._ledger import Ledger
 from memfit.measure._modules import ModuleRecord, ModuleWatch
 from memfit.units import parse_bytes
@@ -69,7 +76,8 @@ class Tracker:
     """
 
     def __init__(self, model: nn.Module | None = None, optimizer=None, budget=None,
-                 device: str | torch.device | None = None, host_tensors=(), fake: bool = False):
+                 device: str | torch.device | None = None, host_tensors=(), fake: bool = False,
+                 blocks: list[str] | None = None):
         self.model = model
         self.optimizer = optimizer
         self.budget_bytes = None if budget is None else parse_bytes(budget)
@@ -99,6 +107,10 @@ class Tracker:
         self._resolved = None
         self.failed_op: str | None = None       # op and module of an exception raised inside
         self.failed_module: str | None = None
+        # Note 3: module entries and exits as (kind, name, phase, events, ops) in order, and
+        # with ``blocks``, the block label of each storage and op
+        self.marks: list[tuple[str, str, str, int, int]] = []
+        self.labels = StorageLabels(blocks) if blocks else None
 
     # -- context ----------------------------------------------------------------------------
     def __enter__(self) -> "Tracker":
@@ -114,6 +126,8 @@ class Tracker:
                 if self.ledger.sid(st) is None:
                     self.ledger.add(st, L.OPTIMIZER, entry=True, host=True)
         self._register_state(entry=True)
+        if self.labels is not None:
+            self.labels.own(self.model, self.optimizer, self.ledger, fill_only=False)
         if self.device_type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -136,6 +150,8 @@ class Tracker:
     def __exit__(self, *exc):
         self._stack.close()
         self._register_state(entry=False)
+        if self.labels is not None:
+            self.labels.own(self.model, self.optimizer, self.ledger, fill_only=True)
         self.ledger.close()
         self._resolved = None       # a figure read inside the region saw only its start
         if self.device_type == "cuda":
@@ -154,6 +170,7 @@ class Tracker:
         before still shapes what is live."""
         self._window_event = self.ledger.num_events
         self._window_op = len(self.op_events)
+        self.marks.append(("window", "", "", self._window_event, self._window_op))
         self._resolved = None
         self.fw_flops = self.bw_flops = 0
         self.watch.reset_counts()
@@ -297,9 +314,11 @@ class Tracker:
         return x
 
     def _module_enter(self, name: str, phase: str) -> None:
+        self.marks.append(("enter", name, phase, self.ledger.num_events, len(self.op_events)))
         self._open.setdefault((name, phase), []).append(self.ledger.num_events)
 
     def _module_exit(self, name: str, phase: str) -> None:
+        self.marks.append(("exit", name, phase, self.ledger.num_events, len(self.op_events)))
         starts = self._open.get((name, phase))
         if starts:
             self._windows.append((name, phase, starts.pop(), self.ledger.num_events - 1))

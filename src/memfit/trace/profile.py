@@ -50,7 +50,7 @@ from memfit.trace.fidelity import FidelityMode
 from memfit.trace.finite_grads import FiniteGradsMode
 from memfit.trace.known_values import known_values_readable
 
-__all__ = ["StepProfile", "profile_step", "warm_up_optimizer", "read_site"]
+__all__ = ["StepProfile", "profile_step", "profile_of", "warm_up_optimizer", "read_site"]
 
 _UNTRACEABLE = (DataDependentOutputException, UnsupportedOperatorException,
                 DynamicOutputShapeException, NotImplementedError)
@@ -94,8 +94,8 @@ def warm_up_optimizer(model: nn.Module, optimizer) -> None:
 
 def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier: FakeCopier,
                  model: nn.Module, optimizer, warm_up: Callable[[], object] | None = None,
-                 two_steps: bool = False, after_first: Callable[[Tracker], None] | None = None
-                 ) -> tuple[StepProfile, Tracker]:
+                 two_steps: bool = False, after_first: Callable[[Tracker], None] | None = None,
+                 blocks: list[str] | None = None) -> tuple[StepProfile, Tracker]:
     """Trace ``run_step(on_phase)`` on fakes made by ``copier`` and count it.
 
     ``model`` and ``optimizer`` are the fake ones the step uses; they are counted from the start
@@ -103,6 +103,8 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
     runs first, uncounted, to reach the steady state (default: ``warm_up_optimizer``, Note 1).
     ``two_steps``: instead, count two whole steps and take the peak over the second (an
     allocator replay needs the first step's history); ``after_first(tracker)`` runs between.
+    ``blocks``: the model's block names, for a tracker that labels storages with them
+    (``trace.block_reuse``).
     """
     with (copier.mode, FidelityMode(copier.data), FiniteGradsMode(copier.data),
           known_values_readable(copier.data), FakeDeepcopyMode(copier.mode), _generators_kept()):
@@ -111,7 +113,8 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
                 (warm_up or (lambda: warm_up_optimizer(model, optimizer)))()
             except _UNTRACEABLE as e:                     # Note 3
                 raise _trace_error(e, None) from e
-        tracker = Tracker(model=model, optimizer=optimizer, device=copier.device, fake=True)
+        tracker = Tracker(model=model, optimizer=optimizer, device=copier.device, fake=True,
+                          blocks=blocks)
         phases: dict[str, int] = {}
         start = time.perf_counter()
         try:
@@ -126,8 +129,13 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
         except _UNTRACEABLE as e:
             raise _trace_error(e, tracker) from e
         seconds = time.perf_counter() - start
+    return profile_of(tracker, phases, seconds), tracker
+
+
+def profile_of(tracker: Tracker, phases: dict[str, int], seconds: float) -> StepProfile:
+    """The ``StepProfile`` of a finished tracker (traced, or composed by ``trace.block_reuse``)."""
     records = sorted((r for r in tracker.modules.values() if r.order >= 0), key=lambda r: r.order)
-    profile = StepProfile(
+    return StepProfile(
         peak_bytes=tracker.peak_bytes,
         breakdown=tracker.breakdown,
         timeline=tracker.timeline,
@@ -143,7 +151,6 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
         blocks=[r.name for r in records if r.is_block],
         op_costs=tracker.window_op_costs,
     )
-    return profile, tracker
 
 
 @contextlib.contextmanager

@@ -1,0 +1,105 @@
+"""``estimate`` of a deep model from two shallow twins (``trace.block_reuse``).
+
+A model of N repeated blocks is traced as twin A (5 blocks) and twin B (4 blocks), labelled by
+block; the N-block step is composed from them and its figures are made by ``api._traced.figures``
+as for a traced step. ``blockwise_estimate`` returns None, with the reason, where the step is
+not composed and must be traced whole:
+
+- fewer than ``MIN_BLOCKS`` blocks, no single list of them, or middle blocks that differ
+  (``trace._block_twin``);
+- several GPUs (a rank's collectives), a shared symbolic trace, a per-block mix of modes (the
+  twins would need one block per mode), a quantized base (its twin is quantized whole);
+- twins whose traces do not compose (``NotComposable``: block 1, 2 and 3 unlike, or A
+  composed for four blocks is not B).
+
+Figures outside the tracker that grow with the blocks (each SDPA call's kernel, paged optimizer
+state) are taken affine in the blocks, as the composed tracker's are.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from memfit.api._traced import Traced, trace_step
+from memfit.api._rank_layout import RankLayout
+from memfit.knobs import Knobs
+from memfit.trace import FakeCopier
+from memfit.trace._block_twin import BlockList
+from memfit.trace.block_reuse import (MIN_BLOCKS, TWIN_A, TWIN_B, NotComposable, StepLog,
+                                      compose)
+from memfit.trace.profile import profile_of
+
+__all__ = ["blockwise_estimate"]
+
+_UNIFORM = (None, "none", "all", "selective")
+
+
+def refusal(model, k: Knobs) -> str | None:
+    """Why this job's step is traced whole, or None (module docstring)."""
+    if RankLayout.of(k) is not None:
+        return "several GPUs are traced whole"
+    if k.quantize_base not in (None, "none"):
+        return "a quantized base is traced whole"
+    for name in ("checkpoint", "offload", "offload_params"):
+        if getattr(k, name) not in _UNIFORM:
+            return f"{name}={getattr(k, name)!r} mixes modes across blocks"
+    blocks = BlockList.of(model)
+    if isinstance(blocks, str):
+        return blocks
+    if blocks.count < MIN_BLOCKS:
+        return f"{blocks.count} blocks are too few to gain from composing"
+    return None
+
+
+def blockwise_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, **kwargs
+                       ) -> tuple[Traced | None, str | None]:
+    """(the composed step as ``figures`` takes it, None), or (None, why it was not composed)."""
+    why = refusal(model, k)
+    if why is not None:
+        return None, why
+    blocks = BlockList.of(model)
+    n = blocks.count
+    logs, traced = [], []
+    for indices in (TWIN_A(n), TWIN_B(n)):
+        twin = blocks.twin(indices)
+        names = blocks.names(len(indices))
+        t = trace_step(twin, batch, optimizer, device, loss_fn, k, FakeCopier("cpu"),
+                       blocks=names, **kwargs)
+        if len(set(t.knobs_blocks.values())) > 1:
+            return None, "the knobs give the blocks different modes"
+        traced.append(t)
+        logs.append(StepLog.of(t.tracker, blocks.path, len(indices)))
+    try:
+        composed = compose(logs[0], logs[1], n)
+    except NotComposable as e:
+        return None, str(e)
+    a, b = traced
+    tracker = composed.tracker
+    window_a = len(a.tracker.op_events) - len(a.tracker.window_op_log)
+    window = len(tracker.op_events) - len(tracker.window_op_log)
+    phases = {}
+    for name, op in a.prof.phases.items():
+        where = composed.op_index.get(window_a + op)
+        if where is None:
+            return None, f"the step's phase {name!r} starts inside a repeated block"
+        phases[name] = where - window
+    prof = profile_of(tracker, phases, a.prof.trace_seconds + b.prof.trace_seconds)
+    extra = n - len(TWIN_A(n))
+    mode = next(iter(a.knobs_blocks.values()), None)
+    return Traced(
+        spec=a.spec, knobs=a.knobs, user=a.user, layout=None, cuda=a.cuda, runner=a.runner,
+        quantized=None, limit=a.limit, budget=a.budget, batch=a.batch, replay=a.replay,
+        prof=prof, tracker=tracker,
+        knobs_blocks={name: mode for name in blocks.names()} if a.knobs_blocks else {},
+        sdpa_calls=_affine_calls(a.sdpa_calls, b.sdpa_calls, extra),
+        unified_bytes=a.unified_bytes + extra * (a.unified_bytes - b.unified_bytes),
+        notes=[f"composed from twins of {len(TWIN_A(n))} and {len(TWIN_B(n))} of the "
+               f"{n} blocks (memfit.trace.block_reuse)"]), None
+
+
+def _affine_calls(a: list[str], b: list[str], extra: int) -> list[str]:
+    ca, cb = Counter(a), Counter(b)
+    out = []
+    for kernel in dict.fromkeys(a):
+        out += [kernel] * (ca[kernel] + extra * (ca[kernel] - cb[kernel]))
+    return out

@@ -1,0 +1,289 @@
+"""One traced step and the figures of an ``Estimate`` made from it (``memfit.estimate``).
+
+``trace_step`` traces one steady-state step on fakes and returns what it traced (``Traced``);
+``figures`` makes the ``Estimate`` from a traced step's profile and tracker, or from a step
+composed of a shallow twin's pieces (``api._blockwise``) with the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch.utils.checkpoint import CheckpointError
+
+from memfit.api._estimate_result import Estimate
+from memfit.api._setup import build_runner, resolve_device, resolve_precision
+from memfit.api._rank_layout import RankLayout
+from memfit.api._user_step import (as_user_step, check_cuda_autocast, check_step_knobs,
+                                   explain_step_error, step_notes, with_backward_phase)
+from memfit.api._validate import check_batch, describe_batch_mismatch
+from memfit.errors import TraceError
+from memfit.knobs import Knobs
+from memfit.memplan import storage_log
+from memfit.optimizers import OptimizerRecipe
+from memfit.planner import Plan
+from memfit.step import prepare_batch
+from memfit.techniques._torchao_optimizer import compiled_step_note
+from memfit.techniques.accumulation import batch_size_of
+from memfit.techniques.quantized_base import QuantizedBase
+from memfit.techniques.optimizer_in_backward import check_knobs as check_in_backward
+from memfit.trace import FakeCopier, profile_step
+from memfit.trace.card import card_breakdown
+from memfit.trace.cuda import CudaModel
+from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
+from memfit.trace.packed_attention import check_attention_device, packing_note
+from memfit.trace.scaler import TraceGradScaler, warm_up_scaled
+from memfit.units import parse_bytes
+from memfit.units import format_bytes
+
+__all__ = ["Traced", "trace_step", "figures"]
+
+
+@dataclass
+class Traced:
+    """What ``trace_step`` traced, and what ``figures`` needs of it."""
+
+    spec: object
+    knobs: Knobs
+    user: object
+    layout: RankLayout | None
+    cuda: CudaModel | None
+    runner: object
+    quantized: object
+    limit: int
+    budget: object
+    batch: object
+    replay: bool
+    prof: object
+    tracker: object
+    knobs_blocks: dict
+    sdpa_calls: list            # the attention kernel of each SDPA call, on a GPU target
+    unified_bytes: int          # paged optimizer state, on a GPU target
+    notes: list = field(default_factory=list)
+
+
+def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier, *,
+               budget=None, count_fn=None, allocator=None, allocator_replay=True, step=None,
+               scheduler=None, cuda_version=None, layout: RankLayout | None = None,
+               blocks: list[str] | None = None) -> Traced:
+    """One step traced on fakes made by ``copier`` (``estimate`` says what each argument
+    does); ``blocks``: label the tracker's storages with these block names
+    (``trace.block_reuse``). With a data-parallel ``layout`` (default: the one the knobs
+    ``gpus``, ``sharding``... ask for), one rank of it: the same trace on the fake model sharded
+    by ``techniques.sharding`` (``api._rank_layout``)."""
+    k.check_available()
+    layout = layout or RankLayout.of(k)
+    if layout is not None:
+        layout.refuse(k, step=step, scheduler=scheduler, allocator=allocator)
+    spec = resolve_device(model, device, cuda_version)        # checks the model first
+    user, k, batch = _checked_step(model, batch, loss_fn, k, step, scheduler)
+    k = k.replace(precision=resolve_precision(k.precision, spec))
+    if layout is not None:
+        layout.check_precision(k.precision)
+    limit = parse_bytes(budget) if budget is not None else spec.usable_bytes
+    recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    recipe.check_params(trainable)
+    recipe.check_impl(trainable)
+    model, quantized = _quantized_twin(model, k, layout)
+
+    # memfit's CUDA models are not applied to a sharded rank yet (api._rank_layout says why)
+    cuda = CudaModel(spec, allocator) if spec.kind == "cuda" and layout is None else None
+    check_attention_device(model, spec.kind, sharded=layout is not None)
+    replay = cuda is not None and allocator_replay
+    with contextlib.ExitStack() as stack:     # a rank's fake process group, until counted
+        fake_model = copier.module(model)
+        fake_model.train(model.training)
+        fake_batch = copier.tree(batch)
+        if layout is not None:
+            fake_model = layout.shard(stack, fake_model, copier)
+        with copier.mode:
+            runner = build_runner(fake_model, recipe, k, plan=Plan(k), origin=trainable,
+                                  loss_fn=loss_fn, count_fn=count_fn,
+                                  scaler_class=TraceGradScaler,
+                                  autocast_impl=cuda.autocast if cuda else None,
+                                  recompute_context=cuda.recompute if cuda else None,
+                                  scheduler=scheduler, user_step=user)
+            fake_batch = runner.prepare(fake_batch)
+        if cuda:
+            cuda.use_foreach(runner.optimizer)
+        placement = layout.placement(runner, spec) if layout is not None else None
+
+        def run(on_phase):
+            with cuda.kernels() if cuda else contextlib.nullcontext(), \
+                    placement.step(on_phase) if placement else \
+                    contextlib.nullcontext(on_phase) as mark:
+                runner.run(fake_batch, mark)
+                if runner.scheduler is not None:
+                    runner.scheduler.step()
+
+        def host_state(tracker):
+            for t in cuda.host_tensors(runner.optimizer):
+                tracker.mark_host(t)
+            for t in cuda.unified_tensors(runner.optimizer):
+                tracker.mark_unified(t)
+
+        # steady state: optimizer state exists (and, under fp16, the scaler's scale: a warm-up
+        # without a step, scaler); for a GPU, two whole steps for the allocator's history
+        # (cuda); a rank, one micro-batch (RankLayout.warm_up). A user step always
+        # runs twice (_user_step)
+        warm_up = None
+        if layout is not None:
+            warm_up = lambda: layout.warm_up(runner, fake_batch, copier)  # noqa: E731
+        elif runner.scaler is not None:
+            warm_up = lambda: warm_up_scaled(runner.model, runner.optimizer,  # noqa: E731
+                                             runner.scaler)
+        try:
+            prof, tracker = profile_step(run, copier=copier, model=runner.model,
+                                         optimizer=runner.optimizer, warm_up=warm_up,
+                                         two_steps=replay or user is not None,
+                                         after_first=host_state if replay else None,
+                                         blocks=blocks)
+        except Exception as e:
+            if user is not None and (clear := explain_step_error(e, user)) is not None:
+                raise clear from e
+            raise _described(e, model, batch, loss_fn)
+    return Traced(spec=spec, knobs=k, user=user, layout=layout, cuda=cuda, runner=runner,
+                  quantized=quantized, limit=limit, budget=budget, batch=batch, replay=replay,
+                  prof=prof, tracker=tracker, knobs_blocks=dict(runner.applied.blocks),
+                  sdpa_calls=list(cuda.sdpa_calls) if cuda else [],
+                  unified_bytes=cuda.unified_bytes(runner.optimizer) if cuda else 0)
+
+
+def figures(t: Traced) -> Estimate:
+    """The ``Estimate`` of a traced (or composed) step."""
+    spec, k, user, layout, cuda, runner = t.spec, t.knobs, t.user, t.layout, t.cuda, t.runner
+    batch, limit, prof, tracker = t.batch, t.limit, t.prof, t.tracker
+    if user is not None:
+        if spec.kind == "cuda":
+            check_cuda_autocast(user, spec.display_name)       # memfit.step
+        prof.phases = with_backward_phase(prof.phases, prof.modules)
+    peak, reserved, breakdown, context = prof.peak_bytes, prof.peak_bytes, prof.breakdown, 0
+    notes, card = [], None
+    if layout is not None:      # the card around the allocator, as for one device
+        reserved, context, card, notes = layout.card(peak, prof.op_log, spec)
+    if t.replay:
+        peak, reserved, breakdown, context, card, notes = _on_the_card(t)
+    packed = packing_note(runner.model, batch, cuda and t.sdpa_calls, cuda and spec.display_name)
+    notes += [packed] if packed else []
+    notes += list(t.quantized.notes) if t.quantized else []
+    notes += list(t.notes)
+    compiled = compiled_step_note(runner.optimizer)      # torchao's step, traced eagerly
+    notes += [compiled] if compiled else []
+    if user is not None:
+        notes += step_notes(user, batch)
+    sim = None
+    if k.remat and t.budget is not None:      # DTR replayed on the traced timeline
+        sim = simulate_dtr(prof.timeline, spans_from_modules(prof.modules, prof.blocks), limit)
+        notes.append(_remat_note(sim, limit))
+    est = Estimate(
+        remat_peak_bytes=sim and sim.peak_bytes, remat_floor_bytes=sim and sim.floor_bytes,
+        remat_recompute_flops=sim and sim.recompute_flops,
+        peak_bytes=peak, reserved_bytes=reserved, breakdown=breakdown, context_bytes=context,
+        host_peak_bytes=prof.host_peak_bytes,
+        timeline=prof.timeline, op_log=prof.op_log, timeline_by_category=prof.timeline_by_category,
+        phases=prof.phases, modules=prof.modules, blocks=prof.blocks, fw_flops=prof.fw_flops,
+        bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=k,
+        trace_seconds=prof.trace_seconds, notes=notes,
+        basis="cuda-model" if cuda else "cpu-trace", knobs_blocks=t.knobs_blocks,
+        op_costs=prof.op_costs, card=card, lifetimes=storage_log(tracker),
+    )
+    return est
+
+
+def _described(e: Exception, model, batch, loss_fn) -> Exception:
+    """A trace's exception as the user's mistake it reveals (the batch does not fit the
+    model's forward), chained to it; else the exception itself."""
+    if isinstance(e, TypeError) and loss_fn is None and (
+            "unexpected keyword argument" in str(e) or "required positional argument" in str(e)):
+        err = ValueError(f"the batch does not match {type(model).__name__}.forward: {e}")
+    elif isinstance(e, RuntimeError) and not isinstance(e, (TraceError, CheckpointError)) and \
+            ("shape" in str(e) or "size" in str(e)):
+        err = describe_batch_mismatch(model, batch, e)
+    else:
+        return e
+    err.__cause__ = e
+    return err
+
+
+def _checked_step(model, batch, loss_fn, k: Knobs, step, scheduler):
+    """(the user's step or None, the knobs it leaves, the batch as the step takes it), each
+    checked before any trace."""
+    user = as_user_step(step)
+    if scheduler is not None and (hasattr(scheduler, "step") or not callable(scheduler)):
+        raise ValueError("estimate traces on a fake optimizer, so a scheduler built on the real "
+                         "one cannot be used: pass scheduler=a factory, e.g. "
+                         "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
+    if user is not None:
+        k = check_step_knobs(k, batch_size_of(batch), loss_fn)
+    if k.precision == "auto":
+        raise ValueError("estimate needs a fixed precision (fp32, fp16, bf16, bf16-pure); "
+                         "'auto' is for memfit.plan and memfit.fit")
+    if user is None:               # a user step takes the batch as given (_user_step)
+        batch = prepare_batch(batch)
+        check_batch(model, batch, loss_fn)
+    check_in_backward(k, batch_size_of(batch))      # optimizer_in_backward's refusals
+    return user, k, batch
+
+
+def _on_the_card(t: "Traced"):
+    """A GPU target's figures from the caching allocator's replay: (allocated peak, reserved
+    peak, breakdown, bytes outside the allocator, the card, notes)."""
+    cuda, spec = t.cuda, t.spec
+    mem = cuda.replay(t.tracker)
+    card = card_breakdown(spec, mem.reserved_peak_bytes, t.prof.op_log, mem.workspace_bytes,
+                          t.unified_bytes)
+    where = f"measured in {spec.profile_path}" if spec.profile_path else \
+        "from public measurements"
+    attention = _describe_calls(t.sdpa_calls) if t.sdpa_calls or not cuda.flash_note \
+        else "flash-attn 2 (its note follows)"
+    notes = [f"CUDA model of the {spec.display_name}: attention ran {attention}; optimizer "
+             f"{cuda.optimizer_impl(t.runner.optimizer)}; caching-allocator "
+             f"replay; context and library kernels {where}. Unvalidated until "
+             "benchmarks/gpu_check.py (or memfit calibrate) has run on this GPU"]
+    notes += [cuda.bnb_note] if cuda.bnb_note else []
+    notes += [cuda.flash_note] if cuda.flash_note else []
+    notes += _int8_note(t.runner.model, spec)
+    notes += list(card.notes)
+    return (mem.allocated_peak_bytes, mem.reserved_peak_bytes, mem.breakdown,
+            card.outside_allocator_bytes, card, notes)
+
+
+def _quantized_twin(model, k: Knobs, layout):
+    """``(the model to trace, the Change)``: with ``quantize_base``, a quantized copy of the
+    model on meta (a trace quantizes a twin, a run the model itself:
+    docs/techniques/quantized-base.md); else the model and None."""
+    if k.quantize_base in (None, "none"):
+        return model, None
+    if layout is not None:
+        raise ValueError(f"quantize_base={k.quantize_base!r} with several GPUs (gpus, "
+                         "sharding) is not supported yet: quantize on one device, or "
+                         "leave quantize_base unset")
+    return QuantizedBase(QuantizedBase.Config(kind=k.quantize_base)).twin(model)
+
+
+def _remat_note(sim, limit: int) -> str:
+    return (f"remat: DTR simulated under {format_bytes(limit)}: peak "
+            f"{format_bytes(sim.peak_bytes)}, {sim.evictions} evictions, "
+            f"{sim.recompute_flops:,} recompute FLOPs, floor {format_bytes(sim.floor_bytes)}"
+            + ("" if sim.feasible else " (the budget is below it)"))
+
+
+def _int8_note(model, spec) -> list[str]:
+    """LLM.int8 layers on a GPU target are traced through bitsandbytes' CPU branch
+    (``memfit.trace.cuda_bnb`` says why)."""
+    if not any(type(m).__name__ == "Linear8bitLt" for m in model.modules()):
+        return []
+    return [f"LLM.int8 layers: traced as bitsandbytes trains them on the CPU (dequantize, then "
+            f"a float matmul), not its CUDA path on the {spec.display_name} (int8 matmul with "
+            "16-bit outlier columns): their temporaries are the CPU path's"]
+
+
+def _describe_calls(calls: list[str]) -> str:
+    if not calls:
+        return "no SDPA"
+    return ", ".join(f"{n}x {b}" for b, n in sorted(Counter(calls).items()))
+
+

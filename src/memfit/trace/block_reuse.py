@@ -1,0 +1,563 @@
+"""One step of a deep model, composed from the traces of two shallow twins of it.
+
+A transformer's step repeats its middle block: the forward runs it N times, the backward N
+times in reverse, the optimizer step and ``zero_grad`` walk its parameters once per block. So
+``compose`` traces two twins of the model (``trace._block_twin``): A with the blocks
+``[0, 1, 2, 3, N-1]`` and B with ``[0, 1, 2, N-1]``, and makes the N-block step's ledger, ops,
+module windows and records from A, its middle block (index 2) repeated N - 4 times. Everything
+downstream (peak, breakdown, timeline, module records, the caching-allocator replay, lifetimes)
+is then computed from the composed tracker by the code that computes it from a traced one.
+
+Note 1 (atoms and contexts). A trace is read as one stream of atoms in the order they happened:
+ledger events (a storage born, dead or resized), ops, and module entries and exits
+(``Tracker.marks``). An atom runs in a block's context from that block's entry to the next
+block's entry in the same pass (what runs between two blocks belongs to the first), else in the
+global context. A block context's atoms are copied with the block; in the global context
+(embeddings, loss, ``zero_grad``, the optimizer step), a run of atoms labelled with the middle
+block (``measure._labels``: its gradients freed, a foreach op's outputs for its parameters, a
+single-tensor optimizer's ops on them) is copied once per middle block. A copy runs forward
+(ascending blocks) unless the atoms around it say the walk goes the other way (backward, a
+list freed from its end).
+
+Note 2 (storages). A storage is named by (block label, entry or born, its rank among its
+label's storages). Block 2's storages are renamed per copy; a block refers to its neighbours'
+storages by offset (the previous block's output, the next one's gradient), so a copy's
+references land on the copies beside it, and block 1 and 3 must be block 2's like (checked).
+A reference two or more blocks away counts as one to the first or last block (a position bias
+block 0 computes for every later block), or the twin is refused.
+
+Note 3 (what B checks and gives). Composing A for four blocks must give B's trace exactly,
+atom by atom, up to the figures that belong to no block (a foreach op's cost, a global
+storage's size, a module's totals): those are affine in the number of blocks, and A - B is
+their slope. Any other difference, or a block-1/2/3 mismatch, is a ``NotComposable`` with the
+reason, and the caller traces the model whole.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field, replace
+
+from memfit.measure import Tracker
+from memfit.measure._labels import GLOBAL
+from memfit.measure._modules import ModuleRecord
+
+__all__ = ["TWIN_A", "TWIN_B", "MIN_BLOCKS", "NotComposable", "StepLog", "Composed", "compose"]
+
+MID = 2                     # twin A's block that is repeated
+MIN_BLOCKS = 6              # below this, the twins cost about as much as the model
+
+
+def TWIN_A(n: int) -> list[int]:
+    return [0, 1, 2, 3, n - 1]
+
+
+def TWIN_B(n: int) -> list[int]:
+    return [0, 1, 2, n - 1]
+
+
+class NotComposable(Exception):
+    """The twins' traces do not compose into the model's (Note 3): trace it whole."""
+
+
+@dataclass
+class StepLog:
+    """A finished labelled tracker, read as atoms (Note 1)."""
+
+    tracker: Tracker
+    prefix: str                # the block list's qualified name
+    depth: int
+    atoms: list[tuple] = field(default_factory=list)   # ("ev", i) | ("op", j) | ("mk", m)
+    context: list[int] = field(default_factory=list)   # per atom
+    label: dict[int, int] = field(default_factory=dict)  # storage id -> block or GLOBAL
+    key: dict[int, tuple] = field(default_factory=dict)  # storage id -> (label, kind, rank)
+    effective: list[int] = field(default_factory=list)  # per atom: the block it is copied with
+
+    @staticmethod
+    def of(tracker: Tracker, prefix: str, depth: int) -> "StepLog":
+        log = StepLog(tracker, prefix, depth)
+        log._atoms()
+        log._contexts()
+        log._keys()
+        log._effective()
+        return log
+
+    # -- reading -----------------------------------------------------------------------------
+    def slot_of_module(self, name: str) -> int:
+        if not name.startswith(self.prefix + "."):
+            return GLOBAL
+        head = name[len(self.prefix) + 1:].split(".", 1)[0]
+        return int(head) if head.isdigit() else GLOBAL
+
+    def _atoms(self) -> None:
+        t = self.tracker
+        led = t.ledger
+        ends = t.op_events
+        keyed = [((bisect.bisect_right(ends, i), i, 1), ("ev", i)) for i in range(led.num_events)]
+        keyed += [((j, ends[j], 2), ("op", j)) for j in range(len(ends))]
+        keyed += [((m[4], m[3], 0), ("mk", m)) for m in t.marks]
+        keyed.sort(key=lambda x: x[0])
+        self.atoms = [a for _, a in keyed]
+
+    def _contexts(self) -> None:
+        """Note 1: each atom's block context."""
+        ctx, current = [], GLOBAL
+        block_marks = [(i, a[1]) for i, a in enumerate(self.atoms)
+                       if a[0] == "mk" and a[1][0] != "window" and
+                       self.slot_of_module(a[1][1]) != GLOBAL and
+                       a[1][1].count(".") == self.prefix.count(".") + 1]
+        entries = {i: m for i, m in block_marks}
+        following = {}                      # index of a block's exit -> the next block mark
+        for (i, m), nxt in zip(block_marks, block_marks[1:] + [(None, None)]):
+            following[i] = nxt
+        opened: list[int] = []
+        for i, a in enumerate(self.atoms):
+            m = entries.get(i)
+            if m is not None:
+                slot = self.slot_of_module(m[1])
+                if m[0] == "enter":
+                    opened.append(slot)
+                    current = slot
+                else:
+                    if slot in opened:
+                        del opened[len(opened) - 1 - opened[::-1].index(slot)]
+                    j, nxt = following[i]
+                    adjacent = nxt is not None and nxt[0] == "enter" and nxt[2] == m[2] and \
+                        abs(self.slot_of_module(nxt[1]) - slot) == 1 and \
+                        not any(self.atoms[x][0] == "mk" and self.atoms[x][1][0] == "window"
+                                for x in range(i, j))
+                    ctx.append(current)       # where it happens: the next block may run
+                    current = opened[-1] if opened else (slot if adjacent else GLOBAL)
+                    continue
+            ctx.append(current)
+        self.context = ctx
+
+    def _keys(self) -> None:
+        """Note 2: each storage's label (its block context at birth, else the tracker's) and
+        name."""
+        t = self.tracker
+        led, labels = t.ledger, t.labels.of_sid
+        ranks: dict[tuple, int] = {}
+
+        def name(sid: int, kind: str, lab: int) -> None:
+            r = ranks.get((lab, kind), 0)
+            ranks[(lab, kind)] = r + 1
+            self.label[sid] = lab
+            self.key[sid] = (lab, kind, r)
+
+        for sid in led._entry:
+            name(sid, "e", labels.get(sid, GLOBAL))
+        for a, c in zip(self.atoms, self.context):
+            if a[0] == "ev":
+                sid = led._ev_sid[a[1]]
+                if sid not in self.key:
+                    name(sid, "b", c if c != GLOBAL else labels.get(sid, GLOBAL))
+
+    def _effective(self) -> None:
+        """Note 1: the block each atom is copied with. In a block's context, that block; in the
+        global context, an op's or a birth's own label, and a death's or a resize's, except
+        one of a neighbour's storage amid the ops on a block's parameters (a single-tensor
+        optimizer frees the previous parameter's temporary while it steps the next)."""
+        led = self.tracker.ledger
+        out, driver = [], GLOBAL
+        for i, (a, c) in enumerate(zip(self.atoms, self.context)):
+            if c != GLOBAL:
+                out.append(c)
+                driver = GLOBAL
+                continue
+            lab = self.atom_label(i)
+            if a[0] == "ev" and (a[1] in led._resizes or led._ev_delta[a[1]] < 0):
+                if driver != GLOBAL and lab != GLOBAL and abs(lab - driver) == 1:
+                    lab = driver
+            elif a[0] != "mk":
+                driver = lab
+            out.append(lab)
+        self.effective = out
+
+    def atom_label(self, i: int) -> int:
+        a = self.atoms[i]
+        if a[0] == "ev":
+            return self.label[self.tracker.ledger._ev_sid[a[1]]]
+        if a[0] == "op":
+            ops = self.tracker.labels.op_slots
+            return ops[a[1]] if a[1] < len(ops) else GLOBAL
+        return GLOBAL if a[1][0] == "window" else self.slot_of_module(a[1][1])
+
+    def check_middles(self) -> None:
+        """Note 2: blocks 1, 2 and 3 of twin A hold and make alike storages."""
+        led = self.tracker.ledger
+        seen = {lab: [] for lab in (1, 2, 3)}
+        for sid, (lab, kind, _) in self.key.items():
+            if lab in seen:
+                seen[lab].append((kind, led._nbytes[sid], led._category[sid],
+                                  sid in led._host, sid in led._unified))
+        if not seen[1] == seen[2] == seen[3]:
+            raise NotComposable("the middle blocks' storages differ between blocks 1, 2 and 3")
+
+
+@dataclass
+class _Out:
+    """A composed stream: atoms as tuples of plain values, each with its source."""
+
+    items: list[tuple] = field(default_factory=list)
+    source: list[int | None] = field(default_factory=list)   # A's atom index, None if copied
+
+
+def _slot_map(log: StepLog, n: int):
+    d = log.depth
+
+    def cs(slot: int, copy: int | None) -> int:
+        if slot == MID and copy is not None:
+            return MID + copy
+        return {0: 0, 1: 1, d - 2: n - 2, d - 1: n - 1}[slot]
+
+    def ref(lab: int, ctx: int, copy: int | None) -> int:
+        """Note 2: the composed block of a storage labelled ``lab`` seen from ``ctx``."""
+        if lab == GLOBAL:
+            return GLOBAL
+        if ctx == GLOBAL:
+            if lab == MID:
+                return MID + copy
+            return cs(lab, None)
+        off = lab - ctx
+        if abs(off) <= 1:
+            if ctx == MID:
+                return MID + copy + off
+            if lab == MID:          # block 1 or 3 looking at the middle: the copy beside it
+                return MID if ctx < MID else n - 3
+            return cs(lab, None)
+        if lab in (0, d - 1):
+            return cs(lab, None)
+        raise NotComposable("a block refers to a storage of a block two or more away")
+    return cs, ref
+
+
+def _runs(log: StepLog) -> list[tuple[int, int]]:
+    """(start, end) of the atom runs copied per middle block (Note 1)."""
+    runs, i, n = [], 0, len(log.atoms)
+    while i < n:
+        if log.effective[i] == MID:
+            j = i
+            while j < n and log.effective[j] == MID:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def _direction(log: StepLog, start: int, end: int) -> int:
+    """+1 when the copies run up the blocks, -1 down (Note 1)."""
+    def nearest(rng):
+        for x in rng:
+            if log.effective[x] not in (GLOBAL, MID):
+                return log.effective[x]
+        return None
+    before = nearest(range(start - 1, -1, -1))
+    if before is not None:
+        return 1 if before < MID else -1
+    after = nearest(range(end, len(log.atoms)))
+    return 1 if after is None or after > MID else -1
+
+
+def _stream(log: StepLog, n: int) -> _Out:
+    """The composed stream for ``n`` blocks: entries, then the atoms (Notes 1 and 2)."""
+    copies = n - log.depth + 1
+    cs, ref = _slot_map(log, n)
+    led = log.tracker.ledger
+    out = _Out()
+
+    def storage(sid: int, ctx: int, copy: int | None) -> tuple:
+        lab, kind, rank = log.key[sid]
+        return (ref(lab, ctx, copy), kind, rank)
+
+    def emit(i: int, ctx: int, copy: int | None) -> None:
+        a = log.atoms[i]
+        if a[0] == "ev":
+            sid = led._ev_sid[a[1]]
+            out.items.append(("ev", storage(sid, ctx, copy), a[1]))
+        elif a[0] == "op":
+            out.items.append(("op", a[1]))
+        else:
+            kind, name, phase, _, _ = a[1]
+            slot = log.slot_of_module(name)
+            if slot != GLOBAL:        # a block's backward ends after the next one's starts
+                rest = name[len(log.prefix) + 1:].partition(".")[2]
+                name = f"{log.prefix}.{ref(slot, ctx, copy)}" + (f".{rest}" if rest else "")
+            out.items.append(("mk", kind, name, phase))
+        out.source.append(i if copy is None else None)
+
+    # entries: a run of block 2's is copied (its parameters, their state)
+    entries = list(led._entry)
+    i = 0
+    while i < len(entries):
+        lab = log.label[entries[i]]
+        if lab == MID:
+            j = i
+            while j < len(entries) and log.label[entries[j]] == MID:
+                j += 1
+            for c in range(copies):
+                for sid in entries[i:j]:
+                    out.items.append(("entry", storage(sid, GLOBAL, c), sid))
+                    out.source.append(None)
+            i = j
+            continue
+        out.items.append(("entry", storage(entries[i], GLOBAL, None), entries[i]))
+        out.source.append(-1 - i)            # entries' sources are negative
+        i += 1
+    runs = dict(_runs(log))
+    i = 0
+    while i < len(log.atoms):
+        if i in runs:
+            end = runs[i]
+            order = range(copies) if _direction(log, i, end) > 0 else \
+                range(copies - 1, -1, -1)
+            for c in order:
+                for x in range(i, end):
+                    emit(x, MID, c)
+            i = end
+            continue
+        emit(i, log.effective[i], None)
+        i += 1
+    return out
+
+
+def _canonical(out: _Out, log: StepLog) -> list[tuple]:
+    """The stream with storages numbered by first appearance and the figures that may change
+    with depth left out (Note 3)."""
+    led, t = log.tracker.ledger, log.tracker
+    names: dict[tuple, int] = {}
+    res = []
+    for it in out.items:
+        if it[0] in ("entry", "ev"):
+            key = it[1]
+            num = names.setdefault(key, len(names))
+            sid = it[2] if it[0] == "entry" else led._ev_sid[it[2]]
+            size = None if key[0] == GLOBAL else \
+                (led._entry[sid] if it[0] == "entry" else led._ev_delta[it[2]])
+            resize = it[0] == "ev" and it[2] in led._resizes
+            res.append((it[0], num, size, resize, led._category[sid], sid in led._host,
+                        sid in led._unified))
+        elif it[0] == "op":
+            res.append(("op", str(t.op_log[it[1]])))
+        else:
+            res.append(it)
+    return res
+
+
+def _b_stream(log: StepLog) -> _Out:
+    """Twin B's own stream, its blocks named as composing for its depth names them."""
+    out = _Out()
+    led = log.tracker.ledger
+    for sid in led._entry:
+        out.items.append(("entry", log.key[sid], sid))
+        out.source.append(None)
+    for a in log.atoms:
+        if a[0] == "ev":
+            out.items.append(("ev", log.key[led._ev_sid[a[1]]], a[1]))
+        elif a[0] == "op":
+            out.items.append(("op", a[1]))
+        else:
+            out.items.append(("mk",) + a[1][:3])
+        out.source.append(None)
+    return out
+
+
+@dataclass
+class _Slopes:
+    """Per A atom (entries negative) and per global module: A's figure minus B's (Note 3)."""
+
+    entry: dict[int, int] = field(default_factory=dict)       # A entry sid -> bytes slope
+    event: dict[int, int] = field(default_factory=dict)       # A event index -> delta slope
+    op: dict[int, tuple] = field(default_factory=dict)        # A op index -> cost slopes
+
+
+def _slopes(a: StepLog, b: StepLog) -> _Slopes:
+    """Compose A for B's depth, check it is B (Note 3), and return the slopes."""
+    short = _stream(a, b.depth)
+    mine, theirs = _canonical(short, a), _canonical(_b_stream(b), b)
+    if len(mine) != len(theirs):
+        raise NotComposable(f"twin A composed for {b.depth} blocks has {len(mine)} atoms, "
+                            f"twin B {len(theirs)}")
+    for x, (p, q) in enumerate(zip(mine, theirs)):
+        if p != q:
+            raise NotComposable(f"twin A composed for {b.depth} blocks differs from twin B at "
+                                f"atom {x}: {p} != {q}")
+    s = _Slopes()
+    la, lb = a.tracker.ledger, b.tracker.ledger
+    for it, src, bit in zip(short.items, short.source, _b_stream(b).items):
+        if it[0] == "entry" and src is not None:
+            s.entry[it[2]] = la._entry[it[2]] - lb._entry[bit[2]]
+        elif it[0] == "ev" and src is not None:
+            s.event[it[2]] = la._ev_delta[it[2]] - lb._ev_delta[bit[2]]
+        elif it[0] == "op" and src is not None:
+            s.op[it[1]] = tuple(x - y for x, y in zip(a.tracker.op_costs[it[1]],
+                                                      b.tracker.op_costs[bit[1]]))
+    return s
+
+
+@dataclass
+class Composed:
+    """The ``n``-block step's tracker, and where each of twin A's ops (those not copied) went."""
+
+    tracker: Tracker
+    op_index: dict[int, int]
+
+
+def compose(a: StepLog, b: StepLog, n: int) -> Composed:
+    """The tracker of the ``n``-block step, from twins A and B (module docstring)."""
+    if n < MIN_BLOCKS - 2:
+        raise NotComposable(f"{n} blocks are fewer than the twins have")
+    a.check_middles()
+    slopes = _slopes(a, b)
+    extra = n - a.depth
+    out = _stream(a, n)
+    ta, la = a.tracker, a.tracker.ledger
+    t = Tracker(device=ta.device_type, fake=ta.fake)
+    led = t.ledger
+    sids: dict[tuple, int] = {}
+    op_of: dict[int, int] = {}           # A op index (not copied) -> composed op index
+    starts: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    op_windows: list[tuple[str, str, int, int]] = []       # name, phase, first op, end op
+
+    def new_sid(key: tuple, a_sid: int, nbytes: int) -> int:
+        if key in sids:
+            raise NotComposable(f"storage {key} is born twice in the composed step")
+        sid = len(led._nbytes)
+        sids[key] = sid
+        led._nbytes.append(nbytes)
+        led._category.append(la._category[a_sid])
+        led._ptr.append(0)
+        led._refs.append(None)
+        if a_sid in la._host:
+            led._host.add(sid)
+        if a_sid in la._unified:
+            led._unified.add(sid)
+        return sid
+
+    for it, src in zip(out.items, out.source):
+        kind = it[0]
+        if kind == "entry":
+            a_sid = it[2]
+            slope = extra * slopes.entry.get(a_sid, 0) if src is not None else 0
+            sid = new_sid(it[1], a_sid, la._nbytes[a_sid] + slope)
+            led._entry[sid] = la._entry[a_sid] + slope
+        elif kind == "ev":
+            i = it[2]
+            a_sid = la._ev_sid[i]
+            slope = extra * slopes.event.get(i, 0) if src is not None else 0
+            delta = la._ev_delta[i] + slope
+            sid = sids.get(it[1])
+            if i in la._resizes or delta < 0:
+                if sid is None:
+                    raise NotComposable(f"storage {it[1]} changes before it is born")
+            else:
+                sid = new_sid(it[1], a_sid, la._nbytes[a_sid] + slope)
+            if i in la._resizes:
+                led._resizes.add(led.num_events)
+            led._log(sid, delta)
+        elif kind == "op":
+            j = it[1]
+            if src is not None:
+                op_of[j] = len(t.op_events)
+            cost = ta.op_costs[j]
+            if src is not None and j in slopes.op:
+                cost = tuple(x + extra * d for x, d in zip(cost, slopes.op[j]))
+            t.op_events.append(led.num_events)
+            t.op_log.append(ta.op_log[j])
+            t.op_costs.append(cost)
+        else:
+            _, mk, name, phase = it
+            t.marks.append((mk, name, phase, led.num_events, len(t.op_events)))
+            if mk == "window":
+                t._window_event, t._window_op = led.num_events, len(t.op_events)
+            elif mk == "enter":
+                starts.setdefault((name, phase), []).append((led.num_events, len(t.op_events)))
+            elif starts.get((name, phase)):
+                ev, op = starts[(name, phase)].pop()
+                t._windows.append((name, phase, ev, led.num_events - 1))
+                op_windows.append((name, phase, op, len(t.op_events)))
+    for (name, phase), s in starts.items():          # still open at the end
+        t._windows += [(name, phase, ev, led.num_events - 1) for ev, _ in s]
+        op_windows += [(name, phase, op, len(t.op_events)) for _, op in s]
+    led.close()
+    t.ops = ta.ops + extra * (ta.ops - b.tracker.ops)
+    t.fw_flops = ta.fw_flops + extra * (ta.fw_flops - b.tracker.fw_flops)
+    t.bw_flops = ta.bw_flops + extra * (ta.bw_flops - b.tracker.bw_flops)
+    t.watch.records = _records(a, b, n, t.marks)
+    _op_totals(t, op_windows)
+    t._finish_modules()
+    t.online_peak_bytes = t.peak_bytes
+    return Composed(t, op_of)
+
+
+_TOTALS = ("calls", "param_bytes", "input_bytes", "saved_bytes")
+
+
+def _op_totals(t: Tracker, op_windows) -> None:
+    """Each module's FLOPs, bytes touched and ops, summed over the window's ops that ran while
+    it did (as ``ModuleWatch`` adds them up op by op): a module's backward may stay open while
+    the blocks below it run theirs, so these are not its block's alone."""
+    flops, touched = [0], [0]
+    for cost in t.op_costs:
+        flops.append(flops[-1] + cost[0])
+        touched.append(touched[-1] + cost[1])
+    for rec in t.watch.records.values():
+        rec.fw_flops = rec.bw_flops = rec.fw_touched_bytes = rec.bw_touched_bytes = 0
+        rec.fw_ops = rec.bw_ops = 0
+    for name, phase, first, end in op_windows:
+        rec = t.watch.records.get(name)
+        first = max(first, t._window_op)
+        if rec is None or end <= first:
+            continue
+        f, b, o = flops[end] - flops[first], touched[end] - touched[first], end - first
+        if phase == "fw":
+            rec.fw_flops += f
+            rec.fw_touched_bytes += b
+            rec.fw_ops += o
+        else:
+            rec.bw_flops += f
+            rec.bw_touched_bytes += b
+            rec.bw_ops += o
+
+
+def _records(a: StepLog, b: StepLog, n: int, marks) -> dict[str, ModuleRecord]:
+    """Each module's record for ``n`` blocks: a block's from its twin block, a global
+    module's totals affine in the blocks (Note 3); spans and peaks are left to the tracker."""
+    extra = n - a.depth
+    cs, _ = _slot_map(a, n)
+    ra, rb = a.tracker.watch.records, b.tracker.watch.records
+    order: dict[str, int] = {}
+    for mk, name, phase, _, _ in marks:
+        if mk == "enter" and phase == "fw" and name not in order:
+            order[name] = len(order)
+    out: dict[str, ModuleRecord] = {}
+
+    def fresh(rec: ModuleRecord, name: str, **totals) -> ModuleRecord:
+        return replace(rec, name=name, order=order.get(name, -1), fw_span=None, bw_span=None,
+                       fw_spans=[], bw_spans=[], fw_peak_bytes=0, bw_peak_bytes=0,
+                       call_saved_bytes=list(totals.pop("call_saved_bytes",
+                                                        rec.call_saved_bytes)),
+                       _saved=set(), _call_saved=set(), **totals)
+
+    for name, rec in ra.items():
+        slot = a.slot_of_module(name)
+        if slot == GLOBAL:
+            other = rb.get(name)
+            if other is None:
+                raise NotComposable(f"module {name!r} is in twin A only")
+            totals = {f: getattr(rec, f) + extra * (getattr(rec, f) - getattr(other, f))
+                      for f in _TOTALS}
+            if len(rec.call_saved_bytes) != len(other.call_saved_bytes):
+                raise NotComposable(f"module {name!r} runs a different number of times")
+            totals["call_saved_bytes"] = [x + extra * (x - y) for x, y in
+                                          zip(rec.call_saved_bytes, other.call_saved_bytes)]
+            out[name] = fresh(rec, name, **totals)
+            continue
+        rest = name[len(a.prefix) + 1:].partition(".")[2]
+        copies = range(n - a.depth + 1) if slot == MID else [None]
+        for c in copies:
+            new = f"{a.prefix}.{cs(slot, c)}" + (f".{rest}" if rest else "")
+            out[new] = fresh(rec, new)
+    return dict(sorted(out.items(), key=lambda kv: (kv[1].order < 0, kv[1].order)))
