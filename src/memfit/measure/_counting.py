@@ -177,6 +177,7 @@ class CountingMode(TorchDispatchMode):
                 t.fw_flops += n
             t.watch.flops(n, backward)
         t.op_costs.append((n, touched, fixed, requested))
+        t.op_backward.append(backward)
 
 
 _STATE = (L.PARAMS, L.GRADS, L.OPTIMIZER, L.OTHER)

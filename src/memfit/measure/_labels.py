@@ -10,9 +10,11 @@ recompute) is that block's. Elsewhere (the embeddings, the loss, the optimizer s
 exactly one (a single-tensor optimizer's temporaries: the parameter's block), and the
 ``GLOBAL`` label otherwise; a ``_foreach_`` op's i-th output takes the label of its first list's
 i-th tensor (a foreach optimizer step over all parameters). Storages that belong to a block's
-parameters (the parameter, its attached state, its gradient, its optimizer state) take that
-block's label at the region's start, and at its end for those born unlabeled in between (a
-per-parameter ``torch.tensor(0.0)`` step counter has no tensor input).
+parameters (the parameter, its attached state, its gradient, its optimizer state, an
+optimizer's own copy of it) take that block's label, found at the region's start and end (a
+per-parameter ``torch.tensor(0.0)`` step counter has no tensor input); so the labels are
+resolved at the end, from what each op read and made. A global birth that one block alone
+reads is that block's (a KV cache's per-layer counters, made before the first block runs).
 """
 
 from __future__ import annotations
@@ -31,13 +33,21 @@ GLOBAL = -1
 
 
 class StorageLabels:
-    """Block labels of a ledger's storages (by storage id) and of a tracker's ops (Note 1)."""
+    """Block labels of a ledger's storages and of a tracker's ops (Note 1): what each op read
+    and made is kept as it runs, and ``resolve`` labels them once the region is over, when
+    every storage's owner is known (a step counter born in the first step is read in the
+    second)."""
 
     def __init__(self, blocks: Sequence[str]):
         self.blocks = list(blocks)
         self.slot_of = {name: i for i, name in enumerate(self.blocks)}
+        self.owned: dict[int, int] = {}      # storage id -> the block whose parameter owns it
+        # per counted op: (running block, input storage ids, foreach (input, output) pairs,
+        # storage ids it made)
+        self.ops: list[tuple[int, tuple, tuple, tuple]] = []
         self.of_sid: dict[int, int] = {}
-        self.op_slots: list[int] = []      # per counted op: its block, or its inputs' label
+        self.op_slots: list[int] = []
+        self.read: set[int] = set()          # storage ids some op read
 
     def slot_running(self, stack: list[str]) -> int:
         """The block whose module is running (innermost), or ``GLOBAL``."""
@@ -47,60 +57,105 @@ class StorageLabels:
                 return slot
         return GLOBAL
 
-    def own(self, model: nn.Module | None, optimizer, ledger, fill_only: bool) -> None:
-        """Label the storages of each block's parameters, gradients, buffers and optimizer
-        state (Note 1); ``fill_only``: only those still unlabeled."""
+    def own(self, model: nn.Module | None, optimizer, ledger) -> None:
+        """Note the storages of each block's parameters, gradients, buffers and optimizer
+        state (Note 1)."""
         if model is None:
             return
+        slot_of_param: dict[int, int] = {}
         for slot, name in enumerate(self.blocks):
-            for t in _owned(model.get_submodule(name), optimizer):
+            block = model.get_submodule(name)
+            for p in block.parameters():
+                slot_of_param[id(p)] = slot
+            self._note(ledger, _owned(block), slot)
+        while optimizer is not None:        # a wrapper's inner optimizer holds host twins
+            for q, slot in _optimizer_params(model, optimizer, slot_of_param):
+                state = optimizer.state.get(q, {}) if hasattr(optimizer, "state") else {}
+                self._note(ledger, [q, q.grad, *tree_flatten(state)[0]], slot)
+            inner = getattr(optimizer, "inner", None)
+            optimizer = inner if hasattr(inner, "param_groups") else None
+
+    def _note(self, ledger, tensors, slot: int) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
                 for st in ledger.storages(t):
                     sid = ledger.sid(st)
-                    if sid is not None and (not fill_only or
-                                            self.of_sid.get(sid, GLOBAL) == GLOBAL):
-                        self.of_sid[sid] = slot
+                    if sid is not None:
+                        self.owned.setdefault(sid, slot)
 
     def born(self, ledger, stack: list[str], func, args, kwargs, out, new) -> None:
-        """Label the storages ``func`` returned (``new``) and the op itself (Note 1)."""
-        slot = self.slot_running(stack)
-        if slot == GLOBAL:
-            slot = self._label_of(ledger, tree_flatten((args, kwargs))[0])
-            if func._overloadpacket.__name__.startswith("_foreach_") and args and \
-                    isinstance(args[0], (list, tuple)) and isinstance(out, (list, tuple)):
-                for x, src in zip(out, args[0]):
-                    lab = self._label_of(ledger, [src])
-                    if isinstance(x, torch.Tensor):
-                        for st in ledger.storages(x):
-                            sid = ledger.sid(st)
-                            if sid is not None and sid not in self.of_sid:
-                                self.of_sid[sid] = lab
-        for st in new:
-            sid = ledger.sid(st)
-            if sid is not None and sid not in self.of_sid:
-                self.of_sid[sid] = slot
-        self.op_slots.append(slot)
+        """Keep what ``func`` read and made (``new``: its new storages)."""
+        pairs = ()
+        if func._overloadpacket.__name__.startswith("_foreach_") and args and \
+                isinstance(args[0], (list, tuple)) and isinstance(out, (list, tuple)):
+            pairs = tuple((_sids(ledger, [src]), _sids(ledger, [x])) for x, src in zip(out, args[0]))
+        self.ops.append((self.slot_running(stack), _sids(ledger, tree_flatten((args, kwargs))[0]),
+                         pairs, tuple(ledger.sid(st) for st in new)))
 
-    def _label_of(self, ledger, tensors) -> int:
-        labels = set()
-        for x in tensors:
-            if isinstance(x, torch.Tensor):
-                for st in ledger.storages(x):
-                    sid = ledger.sid(st)
-                    if sid is not None:
-                        labels.add(self.of_sid.get(sid, GLOBAL))
-        labels.discard(GLOBAL)
-        return labels.pop() if len(labels) == 1 else GLOBAL
+    def resolve(self) -> None:
+        """Label every storage and op (Note 1), in the order the ops ran."""
+        labels = dict(self.owned)
+        slots = []
+        for running, inputs, pairs, new in self.ops:
+            lab = running
+            if running == GLOBAL:
+                found = {labels.get(sid, GLOBAL) for sid in inputs} - {GLOBAL}
+                lab = found.pop() if len(found) == 1 else GLOBAL
+                for src, made in pairs:
+                    src_lab = {labels.get(sid, GLOBAL) for sid in src} - {GLOBAL}
+                    for sid in made:
+                        labels.setdefault(sid, src_lab.pop() if len(src_lab) == 1 else GLOBAL)
+            for sid in new:
+                labels.setdefault(sid, lab)
+            slots.append(lab)
+        readers: dict[int, set[int]] = {}        # a global birth -> the blocks that read it
+        for running, inputs, _, _ in self.ops:
+            self.read.update(inputs)
+            for sid in inputs:
+                if labels.get(sid, GLOBAL) == GLOBAL and sid not in self.owned:
+                    readers.setdefault(sid, set()).add(running)
+        for sid, who in readers.items():
+            if len(who) == 1 and GLOBAL not in who and sid in labels:
+                labels[sid] = who.pop()
+        self.of_sid, self.op_slots = labels, slots
 
 
-def _owned(block: nn.Module, optimizer) -> Iterator[torch.Tensor]:
-    state = getattr(optimizer, "state", {}) if optimizer is not None else {}
+def _sids(ledger, tensors) -> tuple[int, ...]:
+    out = []
+    for x in tensors:
+        if isinstance(x, torch.Tensor):
+            for st in ledger.storages(x):
+                sid = ledger.sid(st)
+                if sid is not None:
+                    out.append(sid)
+    return tuple(out)
+
+
+def _owned(block: nn.Module) -> Iterator[torch.Tensor]:
     for p in block.parameters():
         yield p
         yield from attached_tensors(p)
         if p.grad is not None:
             yield p.grad
-        if p in state:
-            yield from (v for v in tree_flatten(state[p])[0] if isinstance(v, torch.Tensor))
     yield from block.buffers()
     for m in block.modules():
         yield from module_tensors(m)
+
+
+def _optimizer_params(model: nn.Module, optimizer, slot_of_param: dict[int, int]):
+    """(optimizer parameter, its block) for those of a block: a model's parameter, or the
+    optimizer's own copy of one (fp32 master weights, an offloaded optimizer's host twins),
+    paired with the model's trainable parameters in order where the optimizer holds one per
+    parameter."""
+    groups = getattr(optimizer, "param_groups", None) if optimizer is not None else None
+    if not groups:
+        return
+    held = [q for g in groups for q in g["params"]]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    copies = len(held) == len(trainable) and any(id(q) not in slot_of_param for q in held)
+    for i, q in enumerate(held):
+        slot = slot_of_param.get(id(q))
+        if slot is None and copies:
+            slot = slot_of_param.get(id(trainable[i]))
+        if slot is not None:
+            yield q, slot

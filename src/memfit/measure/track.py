@@ -91,6 +91,7 @@ class Tracker:
         # per op: FLOPs, bytes touched, of which training state (``_counting._touched_bytes``),
         # device bytes it allocated
         self.op_costs: list[tuple[int, int, int, int]] = []
+        self.op_backward: list[bool] = []   # whether each op ran in a backward pass
         self.online_peak_bytes = 0
         self.fw_flops = 0
         self.bw_flops = 0
@@ -127,7 +128,7 @@ class Tracker:
                     self.ledger.add(st, L.OPTIMIZER, entry=True, host=True)
         self._register_state(entry=True)
         if self.labels is not None:
-            self.labels.own(self.model, self.optimizer, self.ledger, fill_only=False)
+            self.labels.own(self.model, self.optimizer, self.ledger)
         if self.device_type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -151,7 +152,8 @@ class Tracker:
         self._stack.close()
         self._register_state(entry=False)
         if self.labels is not None:
-            self.labels.own(self.model, self.optimizer, self.ledger, fill_only=True)
+            self.labels.own(self.model, self.optimizer, self.ledger)
+            self.labels.resolve()
         self.ledger.close()
         self._resolved = None       # a figure read inside the region saw only its start
         if self.device_type == "cuda":

@@ -6,7 +6,10 @@ last) are alike: the same classes, parameter and buffer shapes, dtypes and flags
 plain attributes in every submodule (a layer index apart). ``twin(indices)`` is the model with
 that list holding only the blocks at ``indices``: a shallow copy of each module on the path to
 the list (their ``_modules`` dicts copied), so the user's model is not touched and the twin
-shares its blocks, its tied weights and its config.
+shares its blocks and tied weights. Those modules see a copy of the model's config with the
+twin's depth (``num_hidden_layers``, per-layer ``layer_types``), and a block the twin puts at
+another place has its layer index (``layer_idx``) renumbered: a KV cache made from the config
+in forward has a layer per block, as the model's has.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from torch import nn
 from memfit.measure._modules import find_blocks
 
 __all__ = ["BlockList"]
+
+# config fields that give the depth, and those that hold one value per layer
+_DEPTH_NAMES = frozenset({"num_hidden_layers", "n_layer", "num_layers", "n_layers"})
+_PER_LAYER_NAMES = frozenset({"layer_types", "sliding_window_pattern_list", "mlp_only_layers"})
 
 # attributes that number a layer without changing what it computes
 _INDEX_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "idx",
@@ -61,22 +68,59 @@ class BlockList:
     def twin(self, indices: list[int]) -> nn.Module:
         """The model with its list holding the blocks at ``indices`` only (renumbered)."""
         holder = self.model.get_submodule(self.path)
-        short = type(holder)([holder[i] for i in indices]) if isinstance(holder, nn.Sequential) \
-            else nn.ModuleList([holder[i] for i in indices])
-        root = _shallow(self.model)
+        chosen = [_renumbered(holder[i], i, j) for j, i in enumerate(indices)]
+        short = type(holder)(chosen) if isinstance(holder, nn.Sequential) \
+            else nn.ModuleList(chosen)
+        config = self._config(indices)
+        root = _shallow(self.model, config)
         parent = root
         *inner, last = self.path.split(".")
         for part in inner:
-            child = _shallow(parent._modules[part])
+            child = _shallow(parent._modules[part], config)
             parent._modules[part] = child
             parent = child
         parent._modules[last] = short
         return root
 
+    def _config(self, indices: list[int]):
+        """The model's config with its depth as the twin's (a KV cache built from the config
+        has one layer per block): a shallow copy, its depth fields and per-layer lists cut to
+        ``indices``; None where the model has no config that names this depth."""
+        config = getattr(self.model, "config", None)
+        if config is None or not hasattr(config, "__dict__"):
+            return None
+        fields = {k: v for k, v in vars(config).items()
+                  if (k in _DEPTH_NAMES and v == self.count) or
+                  (isinstance(v, list) and len(v) == self.count and k in _PER_LAYER_NAMES)}
+        if not fields:
+            return None
+        twin = copy.copy(config)
+        twin._twin_of = config
+        for k, v in fields.items():
+            setattr(twin, k, [v[i] for i in indices] if isinstance(v, list) else len(indices))
+        return twin
 
-def _shallow(m: nn.Module) -> nn.Module:
+
+def _shallow(m: nn.Module, config) -> nn.Module:
     out = copy.copy(m)
     out._modules = dict(m._modules)
+    if config is not None and getattr(m, "config", None) is getattr(config, "_twin_of", None):
+        out.config = config
+    return out
+
+
+def _renumbered(block: nn.Module, old: int, new: int) -> nn.Module:
+    """``block`` as the twin's block ``new``: where a submodule numbers its layer ``old`` (a
+    cache's index), a shallow copy numbered ``new``, sharing the parameters."""
+    if old == new or not any(getattr(m, k, None) == old for m in block.modules()
+                             for k in _INDEX_NAMES):
+        return block
+    out = copy.copy(block)
+    out._modules = {k: _renumbered(m, old, new) if m is not None else None
+                    for k, m in block._modules.items()}
+    for k in _INDEX_NAMES:
+        if getattr(block, k, None) == old and isinstance(old, int):
+            setattr(out, k, new)
     return out
 
 

@@ -133,44 +133,67 @@ class StepLog:
         self.context = ctx
 
     def _keys(self) -> None:
-        """Note 2: each storage's label (its block context at birth, else the tracker's) and
-        name."""
+        """Note 2: each storage's label (its block context at birth, else the tracker's, else
+        that of the block it dies with) and name."""
         t = self.tracker
         led, labels = t.ledger, t.labels.of_sid
-        ranks: dict[tuple, int] = {}
-
-        def name(sid: int, kind: str, lab: int) -> None:
-            r = ranks.get((lab, kind), 0)
-            ranks[(lab, kind)] = r + 1
-            self.label[sid] = lab
-            self.key[sid] = (lab, kind, r)
-
+        label, kinds = {}, {}
         for sid in led._entry:
-            name(sid, "e", labels.get(sid, GLOBAL))
+            label[sid], kinds[sid] = labels.get(sid, GLOBAL), "e"
         for a, c in zip(self.atoms, self.context):
             if a[0] == "ev":
                 sid = led._ev_sid[a[1]]
-                if sid not in self.key:
-                    name(sid, "b", c if c != GLOBAL else labels.get(sid, GLOBAL))
+                if sid not in label:
+                    label[sid] = c if c != GLOBAL else labels.get(sid, GLOBAL)
+                    kinds[sid] = "b"
+        self._dies_with(label, t.labels.read)
+        ranks: dict[tuple, int] = {}
+        for sid, lab in label.items():
+            r = ranks.get((lab, kinds[sid]), 0)
+            ranks[(lab, kinds[sid])] = r + 1
+            self.label[sid] = lab
+            self.key[sid] = (lab, kinds[sid], r)
+
+    def _dies_with(self, label: dict[int, int], read: set[int]) -> None:
+        """A global birth no op reads takes the block of the storage that died just before it,
+        in the same run of deaths (the per-layer state of a KV cache, freed layer by layer
+        with the keys and values it held)."""
+        led = self.tracker.ledger
+        previous = GLOBAL
+        for a, c in zip(self.atoms, self.context):
+            if a[0] != "ev" or c != GLOBAL or led._ev_delta[a[1]] >= 0:
+                previous = GLOBAL
+                continue
+            sid = led._ev_sid[a[1]]
+            if label[sid] == GLOBAL and sid not in read and previous != GLOBAL:
+                label[sid] = previous
+            elif label[sid] != GLOBAL:
+                previous = label[sid]
 
     def _effective(self) -> None:
         """Note 1: the block each atom is copied with. In a block's context, that block; in the
-        global context, an op's or a birth's own label, and a death's or a resize's, except
-        one of a neighbour's storage amid the ops on a block's parameters (a single-tensor
-        optimizer frees the previous parameter's temporary while it steps the next)."""
+        global context, a birth's own label, an op's own (or, without one, that of what it
+        made), and a death's or a resize's, except one of a neighbour's storage amid the ops
+        on a block's parameters (a single-tensor optimizer frees the previous parameter's
+        temporary while it steps the next)."""
         led = self.tracker.ledger
-        out, driver = [], GLOBAL
+        out, driver, born = [], GLOBAL, set()
         for i, (a, c) in enumerate(zip(self.atoms, self.context)):
             if c != GLOBAL:
                 out.append(c)
-                driver = GLOBAL
+                driver, born = GLOBAL, set()
                 continue
             lab = self.atom_label(i)
             if a[0] == "ev" and (a[1] in led._resizes or led._ev_delta[a[1]] < 0):
                 if driver != GLOBAL and lab != GLOBAL and abs(lab - driver) == 1:
                     lab = driver
-            elif a[0] != "mk":
+            elif a[0] == "ev":
+                born.add(lab)
                 driver = lab
+            elif a[0] == "op":
+                if lab == GLOBAL and len(born) == 1:     # torch.tensor(0.0): no tensor input
+                    lab = next(iter(born))
+                driver, born = lab, set()
             out.append(lab)
         self.effective = out
 
@@ -228,7 +251,7 @@ def _slot_map(log: StepLog, n: int):
             return cs(lab, None)
         if lab in (0, d - 1):
             return cs(lab, None)
-        raise NotComposable("a block refers to a storage of a block two or more away")
+        raise NotComposable(f"block {ctx} refers to a storage of block {lab}, two or more away")
     return cs, ref
 
 
@@ -467,6 +490,7 @@ def compose(a: StepLog, b: StepLog, n: int) -> Composed:
             t.op_events.append(led.num_events)
             t.op_log.append(ta.op_log[j])
             t.op_costs.append(cost)
+            t.op_backward.append(ta.op_backward[j])
         else:
             _, mk, name, phase = it
             t.marks.append((mk, name, phase, led.num_events, len(t.op_events)))
@@ -496,9 +520,10 @@ _TOTALS = ("calls", "param_bytes", "input_bytes", "saved_bytes")
 
 
 def _op_totals(t: Tracker, op_windows) -> None:
-    """Each module's FLOPs, bytes touched and ops, summed over the window's ops that ran while
-    it did (as ``ModuleWatch`` adds them up op by op): a module's backward may stay open while
-    the blocks below it run theirs, so these are not its block's alone."""
+    """Each module's FLOPs, bytes touched and ops, summed over the ops that ran while it did,
+    forward or backward by the op (as ``ModuleWatch`` adds them up op by op): a module's
+    backward may stay open while the blocks below it run theirs, so these are not its block's
+    alone."""
     flops, touched = [0], [0]
     for cost in t.op_costs:
         flops.append(flops[-1] + cost[0])
@@ -506,20 +531,32 @@ def _op_totals(t: Tracker, op_windows) -> None:
     for rec in t.watch.records.values():
         rec.fw_flops = rec.bw_flops = rec.fw_touched_bytes = rec.bw_touched_bytes = 0
         rec.fw_ops = rec.bw_ops = 0
-    for name, phase, first, end in op_windows:
+    back = [0]
+    for b in t.op_backward:
+        back.append(back[-1] + b)
+    for name, _, first, end in op_windows:
         rec = t.watch.records.get(name)
         first = max(first, t._window_op)
         if rec is None or end <= first:
             continue
-        f, b, o = flops[end] - flops[first], touched[end] - touched[first], end - first
-        if phase == "fw":
-            rec.fw_flops += f
-            rec.fw_touched_bytes += b
-            rec.fw_ops += o
-        else:
-            rec.bw_flops += f
-            rec.bw_touched_bytes += b
-            rec.bw_ops += o
+        bw_ops = back[end] - back[first]
+        if bw_ops == 0:
+            rec.fw_flops += flops[end] - flops[first]
+            rec.fw_touched_bytes += touched[end] - touched[first]
+            rec.fw_ops += end - first
+        elif bw_ops == end - first:
+            rec.bw_flops += flops[end] - flops[first]
+            rec.bw_touched_bytes += touched[end] - touched[first]
+            rec.bw_ops += end - first
+        else:                  # a window open across forward and backward: op by op
+            for j in range(first, end):
+                f, b = t.op_costs[j][0], t.op_costs[j][1]
+                if t.op_backward[j]:
+                    rec.bw_flops, rec.bw_touched_bytes, rec.bw_ops = \
+                        rec.bw_flops + f, rec.bw_touched_bytes + b, rec.bw_ops + 1
+                else:
+                    rec.fw_flops, rec.fw_touched_bytes, rec.fw_ops = \
+                        rec.fw_flops + f, rec.fw_touched_bytes + b, rec.fw_ops + 1
 
 
 def _records(a: StepLog, b: StepLog, n: int, marks) -> dict[str, ModuleRecord]:
