@@ -80,8 +80,8 @@ class StorageLabels:
             if isinstance(t, torch.Tensor):
                 for st in ledger.storages(t):
                     sid = ledger.sid(st)
-                    if sid is not None:
-                        self.owned.setdefault(sid, slot)
+                    if sid is not None:       # one several blocks hold (a code book) is global
+                        self.owned[sid] = slot if self.owned.get(sid, slot) == slot else GLOBAL
 
     def born(self, ledger, stack: list[str], func, args, kwargs, out, new) -> None:
         """Keep what ``func`` read and made (``new``: its new storages)."""
@@ -93,14 +93,26 @@ class StorageLabels:
                          pairs, tuple(ledger.sid(st) for st in new)))
 
     def resolve(self) -> None:
-        """Label every storage and op (Note 1), in the order the ops ran."""
-        labels = dict(self.owned)
-        slots = []
+        """Label every storage and op (Note 1), in the order the ops ran; a global birth that
+        the ops of one block alone read is that block's, and its readers' outputs follow."""
+        found: dict[int, int] = {}
+        for _ in range(4):
+            labels, slots, readers = self._pass({**self.owned, **found})
+            more = {sid: next(iter(who)) for sid, who in readers.items()
+                    if len(who) == 1 and GLOBAL not in who and sid not in found}
+            if not more:
+                break
+            found.update(more)
+        self.of_sid, self.op_slots = labels, slots
+
+    def _pass(self, known: dict[int, int]):
+        labels, slots = dict(known), []
+        readers: dict[int, set[int]] = {}        # a global birth -> the labels of its readers
         for running, inputs, pairs, new in self.ops:
             lab = running
             if running == GLOBAL:
-                found = {labels.get(sid, GLOBAL) for sid in inputs} - {GLOBAL}
-                lab = found.pop() if len(found) == 1 else GLOBAL
+                seen = {labels.get(sid, GLOBAL) for sid in inputs} - {GLOBAL}
+                lab = seen.pop() if len(seen) == 1 else GLOBAL
                 for src, made in pairs:
                     src_lab = {labels.get(sid, GLOBAL) for sid in src} - {GLOBAL}
                     for sid in made:
@@ -108,16 +120,11 @@ class StorageLabels:
             for sid in new:
                 labels.setdefault(sid, lab)
             slots.append(lab)
-        readers: dict[int, set[int]] = {}        # a global birth -> the blocks that read it
-        for running, inputs, _, _ in self.ops:
             self.read.update(inputs)
             for sid in inputs:
-                if labels.get(sid, GLOBAL) == GLOBAL and sid not in self.owned:
-                    readers.setdefault(sid, set()).add(running)
-        for sid, who in readers.items():
-            if len(who) == 1 and GLOBAL not in who and sid in labels:
-                labels[sid] = who.pop()
-        self.of_sid, self.op_slots = labels, slots
+                if labels.get(sid, GLOBAL) == GLOBAL and sid not in self.owned and sid in labels:
+                    readers.setdefault(sid, set()).add(lab)
+        return labels, slots, readers
 
 
 def _sids(ledger, tensors) -> tuple[int, ...]:
