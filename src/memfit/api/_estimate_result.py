@@ -49,6 +49,9 @@ class Estimate:
     # for a GPU: device_bytes line by line, and the driver's share of the card (trace.card)
     card: CardBreakdown | None = None
     lifetimes: StorageLog | None = field(default=None, compare=False, repr=False)  # memplan
+    # "whole", "whole: why its blocks were not composed", or "composed from twins of ..."
+    # (api._blockwise): the figures are the same either way
+    traced_as: str = field(default="whole", compare=False)
 
     @property
     def device_bytes(self) -> int:
@@ -104,6 +107,7 @@ class Estimate:
             "validated": self.validated,
             "notes": list(self.notes),
             "trace_seconds": round(self.trace_seconds, 3),
+            "traced_as": self.traced_as,
             "blocks": [self.block_report(n) for n in self.blocks],
             "remat_peak_bytes": self.remat_peak_bytes,
             "remat_recompute_flops": self.remat_recompute_flops,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch.utils.checkpoint import CheckpointError
 
@@ -61,7 +61,7 @@ class Traced:
     knobs_blocks: dict
     sdpa_calls: list            # the attention kernel of each SDPA call, on a GPU target
     unified_bytes: int          # paged optimizer state, on a GPU target
-    notes: list = field(default_factory=list)
+    traced_as: str = "whole"
 
 
 def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier, *,
@@ -169,7 +169,6 @@ def figures(t: Traced) -> Estimate:
     packed = packing_note(runner.model, batch, cuda and t.sdpa_calls, cuda and spec.display_name)
     notes += [packed] if packed else []
     notes += list(t.quantized.notes) if t.quantized else []
-    notes += list(t.notes)
     compiled = compiled_step_note(runner.optimizer)      # torchao's step, traced eagerly
     notes += [compiled] if compiled else []
     if user is not None:
@@ -189,6 +188,7 @@ def figures(t: Traced) -> Estimate:
         trace_seconds=prof.trace_seconds, notes=notes,
         basis="cuda-model" if cuda else "cpu-trace", knobs_blocks=t.knobs_blocks,
         op_costs=prof.op_costs, card=card, lifetimes=storage_log(tracker),
+        traced_as=t.traced_as,
     )
     return est
 

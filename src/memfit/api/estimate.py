@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from memfit.api._blockwise import blockwise_estimate
+from memfit.api._blockwise import TOO_FEW, blockwise_estimate
 from memfit.api._estimate_result import Estimate
 from memfit.api._rank_layout import RankLayout
 from memfit.api._traced import figures, trace_step
@@ -73,9 +73,10 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     """
     check_order("estimate", optimizer=optimizer)
     k = Knobs.from_kwargs(**knobs)
+    why = None
     if compose_blocks:
         try:
-            composed, _ = blockwise_estimate(model, batch, optimizer, device, loss_fn, k,
+            composed, why = blockwise_estimate(model, batch, optimizer, device, loss_fn, k,
                                              budget=budget, count_fn=count_fn,
                                              allocator=allocator,
                                              allocator_replay=allocator_replay, step=step,
@@ -84,10 +85,13 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
             composed = None
         if composed is not None:
             return figures(composed)
-    return traced_estimate(model, batch, optimizer, device, loss_fn, k, FakeCopier("cpu"),
-                           budget=budget, count_fn=count_fn, allocator=allocator,
-                           allocator_replay=allocator_replay, step=step, scheduler=scheduler,
-                           cuda_version=cuda_version)[0]
+    est = traced_estimate(model, batch, optimizer, device, loss_fn, k, FakeCopier("cpu"),
+                          budget=budget, count_fn=count_fn, allocator=allocator,
+                          allocator_replay=allocator_replay, step=step, scheduler=scheduler,
+                          cuda_version=cuda_version)[0]
+    if why is not None and not why.endswith(TOO_FEW):
+        est.traced_as = f"whole: {why}"
+    return est
 
 
 def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier, *,

@@ -271,7 +271,8 @@ def _print_human(console, spec, model, est, described, args, target) -> None:
                       f"{est.remat_recompute_flops / 1e12:.3f} TFLOP, least budget it reaches "
                       f"{format_bytes(est.remat_floor_bytes)}")
     console.print(f"forward {est.fw_flops / 1e12:.2f} TFLOP, backward {est.bw_flops / 1e12:.2f} "
-                  f"TFLOP; traced in {est.trace_seconds:.2f} s")
+                  f"TFLOP; traced in {est.trace_seconds:.2f} s"
+                  + (f" ({est.traced_as})" if est.traced_as != "whole" else ""))
     for note in est.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     if args.plot:

@@ -45,7 +45,7 @@ from memfit.measure._modules import ModuleRecord
 __all__ = ["TWIN_A", "TWIN_B", "MIN_BLOCKS", "NotComposable", "StepLog", "Composed", "compose"]
 
 MID = 2                     # twin A's block that is repeated
-MIN_BLOCKS = 6              # below this, the twins cost about as much as the model
+MIN_BLOCKS = 16             # below this, the twins cost about as much as the model
 
 
 def TWIN_A(n: int) -> list[int]:
@@ -430,8 +430,8 @@ class Composed:
 
 def compose(a: StepLog, b: StepLog, n: int) -> Composed:
     """The tracker of the ``n``-block step, from twins A and B (module docstring)."""
-    if n < MIN_BLOCKS - 2:
-        raise NotComposable(f"{n} blocks are fewer than the twins have")
+    if n < a.depth:
+        raise NotComposable(f"{n} blocks are fewer than the twins need")
     a.check_middles()
     slopes = _slopes(a, b)
     extra = n - a.depth
