@@ -116,10 +116,23 @@ def test_an_architecture_in_no_test_composes_to_the_whole_trace():
     assert_composed_is_whole(*_outside("gpt-neox"), checkpoint="all")
 
 
+# a KV cache built in a training forward (use_cache) under memfit's recompute frees its
+# per-layer state in an order the twins do not show: B refuses A, and the step is traced whole
+WHOLE_IN = {("mistral-7b", "gpu-bf16-checkpoint"), ("phi-3-mini", "gpu-bf16-checkpoint")}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("name", [n for n in zoo.names() if n not in WHOLE])
 def test_every_zoo_model_composes_to_the_whole_trace(name, setting):
+    if (name, setting) in WHOLE_IN:
+        model, batch = _zoo(name)
+        knobs = dict(SETTINGS[setting])
+        device = knobs.pop("device", "cpu")
+        composed, why = blockwise_estimate(model, batch, "adamw", device, None,
+                                           Knobs.from_kwargs(**knobs), min_blocks=5)
+        assert composed is None and "twin A composed for 4 blocks" in why
+        return
     assert_composed_is_whole(*_zoo(name), **SETTINGS[setting])
 
 

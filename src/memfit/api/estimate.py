@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from memfit.api import _trace_cache as trace_cache
 from memfit.api._blockwise import TOO_FEW, blockwise_estimate
 from memfit.api._estimate_result import Estimate
 from memfit.api._rank_layout import RankLayout
@@ -73,6 +74,26 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     """
     check_order("estimate", optimizer=optimizer)
     k = Knobs.from_kwargs(**knobs)
+    key = trace_cache.key_for(model, batch, optimizer, device, dict(
+        knobs=k, budget=budget, allocator=allocator, allocator_replay=allocator_replay,
+        cuda_version=cuda_version, compose_blocks=compose_blocks, loss_fn=loss_fn,
+        count_fn=count_fn, step=step, scheduler=scheduler))
+    kept = trace_cache.lookup(key)
+    if kept is not None:
+        kept.traced_as += "; read from memfit's cache"
+        return kept
+    est = _traced(model, batch, optimizer, device, loss_fn, k, budget=budget, count_fn=count_fn,
+                  allocator=allocator, allocator_replay=allocator_replay, step=step,
+                  scheduler=scheduler, cuda_version=cuda_version, compose_blocks=compose_blocks)
+    trace_cache.store(key, est)
+    return est
+
+
+def _traced(model, batch, optimizer, device, loss_fn, k: Knobs, *, budget, count_fn,
+            allocator, allocator_replay, step, scheduler, cuda_version,
+            compose_blocks) -> Estimate:
+    """``estimate``'s trace: composed from twins where it can be (``api._blockwise``), else
+    whole."""
     why = None
     if compose_blocks:
         try:

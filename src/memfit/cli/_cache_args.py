@@ -4,9 +4,10 @@ at the front, and nowhere below it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
-__all__ = ["add_no_cache_arg", "open_cache", "CACHE_ENV_HELP"]
+__all__ = ["add_no_cache_arg", "open_cache", "traces_cached", "CACHE_ENV_HELP"]
 
 CACHE_ENV_HELP = ("the folder is $MEMFIT_CACHE_DIR, else $XDG_CACHE_HOME/memfit, else "
                   "~/.cache/memfit; $MEMFIT_CACHE_LIMIT caps its size (default 1GiB), the least "
@@ -32,3 +33,17 @@ def open_cache(args):
     except ValueError as e:
         raise ValueError(f"MEMFIT_CACHE_LIMIT={text}: {e}") from None
     return Cache(default_folder(os.environ), limit_bytes=limit)
+
+
+def traces_cached(args):
+    """A context in which ``memfit.estimate`` reads and keeps its answers in the cache
+    (``memfit.api._trace_cache``), for a subcommand that traces (``--no-cache`` on its
+    parser); a null context for the others, which import no torch here."""
+    if not hasattr(args, "no_cache") or args.command not in _TRACING:
+        return contextlib.nullcontext()
+    from memfit.api._trace_cache import using
+
+    return using(open_cache(args))
+
+
+_TRACING = ("estimate", "plan")

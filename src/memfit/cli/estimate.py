@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from memfit.cli._cache_args import add_no_cache_arg
 from memfit.cli._progress import status as progress
 from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
                               add_optimizer_in_backward_arg, add_switch,
@@ -86,6 +87,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="with --budget: simulate DTR (memfit.remat) on the traced step: its peak, "
                         "recompute FLOPs and the least budget it reaches")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_no_cache_arg(g)
     g.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write live bytes over the step, by category, with the limit line")
     _static_plan.add_arguments(g)            # --static-plan, --static-plan-plot

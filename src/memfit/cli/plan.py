@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from memfit.cli._cache_args import add_no_cache_arg
 from memfit.cli._progress import status as progress
 from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
                               add_optimizer_in_backward_arg, add_switch,
@@ -84,6 +85,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "at length LEN (below the full length), the rest at full length, each "
                         "phase planned to fit")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_no_cache_arg(g)
     add_hf_args_arg(g)
     g.add_argument("--floor", action="store_true",
                    help="also trace the floor, the least any configuration needs, when a plan "

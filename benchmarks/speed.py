@@ -1,0 +1,168 @@
+"""memfit's estimate and plan against PyTorch's own estimator, side by side in one run.
+
+    python benchmarks/speed.py [--plan] [--no-memtracker-7b]
+
+PyTorch's estimator is ``torch.distributed._tools.mem_tracker.MemTracker`` under
+``FakeTensorMode``, run as its tutorial runs it: the model built under the fake mode, AdamW
+(foreach), two iterations of forward, backward, ``step`` and ``zero_grad``, the statistics
+reset after the first. memfit traces the same step for a GPU target (its CUDA models and the
+caching-allocator replay included), composed from two shallow twins where the model has 16
+alike blocks or more (docs/block-reuse.md), and traced whole with ``compose_blocks=False``.
+
+Rows (each timed in this process, CPU seconds by ``time.process_time``, as the machine is
+shared):
+
+- XLM-RoBERTa-large, 8 x 256, GTX 1080 Ti (the README's model): MemTracker, memfit composed,
+  memfit whole;
+- Llama-2-7B, 1 x 512, bf16, A100 80GB: the same three;
+- a Llama-2-70B config (80 blocks), 1 x 512, bf16, A100 80GB: memfit composed, beside the 7B;
+- ``--plan``: ``memfit.plan`` of the README default (XLM-R large, batch 32 x 256, GTX 1080 Ti),
+  beside MemTracker's time for one step of that batch.
+
+Issue 29's targets are printed beside each ratio; nothing here is a GPU measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+import transformers
+from rich.console import Console
+from rich.table import Table
+
+import _record
+import memfit
+from memfit import zoo
+
+_LLAMA_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                  num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                  max_position_embeddings=4096)
+
+
+def _cpu_seconds(fn):
+    gc.collect()
+    start = time.process_time()
+    out = fn()
+    return out, time.process_time() - start
+
+
+def memtracker_seconds(build_model, make_batch) -> tuple[float, int]:
+    """(CPU seconds, peak bytes) of MemTracker's two tracked iterations, the model and batch
+    built under the same fake mode first (not timed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with FakeTensorMode():
+        model = build_model()
+        batch = make_batch(model)
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+
+        def run():
+            with tracker:
+                for i in range(2):
+                    model(**batch).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if i == 0:
+                        tracker.reset_mod_stats()
+        _, seconds = _cpu_seconds(run)
+        peak = tracker.get_tracker_snapshot("peak")
+        total = sum(v.get("Total", 0) for v in peak.values())
+    return seconds, total
+
+
+def _zoo_job(name: str, batch: int, seq: int):
+    spec = zoo.get(name)
+    model = spec.build(device="meta")
+    return spec, model, spec.make_batch(model, batch, seq_len=seq)
+
+
+def _estimate_row(label: str, model, batch, device: str, memtracker=None, **knobs) -> dict:
+    composed, c_s = _cpu_seconds(lambda: memfit.estimate(model, batch, device=device, **knobs))
+    whole, w_s = _cpu_seconds(lambda: memfit.estimate(model, batch, device=device,
+                                                      compose_blocks=False, **knobs))
+    row = {"job": label, "traced_as": composed.traced_as,
+           "memfit_composed_cpu_s": round(c_s, 2), "memfit_whole_cpu_s": round(w_s, 2),
+           "composed_equals_whole": all(getattr(composed, f) == getattr(whole, f) for f in
+                                        ("peak_bytes", "reserved_bytes", "device_bytes",
+                                         "breakdown", "timeline")),
+           "device_bytes": composed.device_bytes}
+    if memtracker is not None:
+        mt_s, mt_peak = memtracker()
+        row.update(memtracker_cpu_s=round(mt_s, 2), memtracker_peak_bytes=mt_peak,
+                   composed_over_memtracker=round(c_s / mt_s, 3),
+                   whole_over_memtracker=round(w_s / mt_s, 3))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan", action="store_true",
+                    help="also time memfit.plan of the README default (about 2 minutes)")
+    ap.add_argument("--no-memtracker-7b", action="store_true",
+                    help="skip MemTracker on Llama-2-7B (a few minutes)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    console = Console()
+    rows = []
+
+    spec, model, batch = _zoo_job("xlm-roberta-large", 8, 256)
+    rows.append(_estimate_row(
+        "estimate xlm-roberta-large 8x256 gtx-1080-ti", model, batch, "gtx-1080-ti",
+        memtracker=lambda: memtracker_seconds(lambda: spec.build(device="cpu"),
+                                              lambda m: spec.make_batch(m, 8, seq_len=256))))
+    console.print(rows[-1])
+
+    spec7, model7, batch7 = _zoo_job("llama-7b", 1, 512)
+    mt7 = None if args.no_memtracker_7b else (
+        lambda: memtracker_seconds(lambda: spec7.build(device="cpu"),
+                                   lambda m: spec7.make_batch(m, 1, seq_len=512)))
+    rows.append(_estimate_row("estimate llama-2-7b 1x512 bf16 a100-80gb", model7, batch7,
+                              "a100-80gb", memtracker=mt7, precision="bf16"))
+    console.print(rows[-1])
+
+    with torch.device("meta"):
+        model70 = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA_70B))
+    batch70 = spec7.make_batch(model70, 1, seq_len=512)
+    est70, s70 = _cpu_seconds(lambda: memfit.estimate(model70, batch70, device="a100-80gb",
+                                                      precision="bf16"))
+    rows.append({"job": "estimate llama-2-70b config (80 blocks) 1x512 bf16 a100-80gb",
+                 "traced_as": est70.traced_as, "memfit_composed_cpu_s": round(s70, 2),
+                 "over_7b_composed": round(s70 / rows[1]["memfit_composed_cpu_s"], 2),
+                 "device_bytes": est70.device_bytes})
+    console.print(rows[-1])
+
+    if args.plan:
+        big = spec.make_batch(model, 32, seq_len=256)
+        planned, p_s = _cpu_seconds(lambda: memfit.plan(model, big, device="gtx-1080-ti"))
+        mt_s, _ = memtracker_seconds(lambda: spec.build(device="cpu"),
+                                     lambda m: spec.make_batch(m, 32, seq_len=256))
+        rows.append({"job": "plan README default (xlm-roberta-large 32x256 gtx-1080-ti)",
+                     "memfit_plan_cpu_s": round(p_s, 2), "memtracker_cpu_s": round(mt_s, 2),
+                     "plan_over_memtracker": round(p_s / mt_s, 3),
+                     "device_bytes": planned.predicted_device_bytes})
+        console.print(rows[-1])
+
+    table = Table(title="memfit vs MemTracker (CPU seconds, one process)")
+    for col in ("job", "memfit composed", "memfit whole", "MemTracker", "ratio", "target"):
+        table.add_column(col)
+    targets = {0: "estimate <= 0.1x", 1: "", 2: "about the 7B's time", 3: "plan <= 0.25x"}
+    for i, r in enumerate(rows):
+        ratio = r.get("composed_over_memtracker", r.get("over_7b_composed",
+                                                          r.get("plan_over_memtracker")))
+        table.add_row(r["job"], str(r.get("memfit_composed_cpu_s", r.get("memfit_plan_cpu_s"))),
+                      str(r.get("memfit_whole_cpu_s", "")), str(r.get("memtracker_cpu_s", "")),
+                      f"{ratio}x" if ratio is not None else "", targets.get(i, ""))
+    console.print(table)
+    path = _record.write("speed", {"torch_threads": 1, "plan": args.plan,
+                                   "memtracker_7b": not args.no_memtracker_7b}, rows)
+    console.print(f"recorded in {path}")
+
+
+if __name__ == "__main__":
+    main()
