@@ -30,6 +30,13 @@ inside a user's step, an extra forward) has one span per forward call and per ba
 saved bytes of each call (each storage once per call; ``saved_bytes`` counts each storage once
 in all). ``fw_span`` / ``bw_span`` are the last forward and the first backward, as before.
 Forward calls during a backward (a checkpoint's recompute) are not calls: the hooks skip them.
+
+Note 4 (a module that returns its input). A call that returns its inputs as they came (a
+dropout of ``p=0``, an identity) runs nothing in backward. Watched as the others, its end
+(the gradient of its input) and its start (the gradient of its output: the same tensor) would
+fire together, end first, and leave it on the stack of running modules for the rest of the
+region: every tensor later saved was charged to it, so its totals grew with the model's depth.
+Its backward is not watched.
 """
 
 from __future__ import annotations
@@ -203,21 +210,23 @@ class ModuleWatch:
             key = self._watch_backward(inputs, name, _ended, "all" if len(inputs) > 1 else "any")
         else:
             self._bw_no_inputs.append(name)
-        self._calls.setdefault(id(m), []).append(key)
+        self._calls.setdefault(id(m), []).append((key, {id(a) for a in inputs}))
 
     def _bw_post_fw(self, m, args, output):
         name = self._names.get(id(m))
         if name is None or torch._C._current_graph_task_id() != -1:
             return
         calls = self._calls.get(id(m))
-        key = calls.pop() if calls else None
+        key, inputs = calls.pop() if calls else (None, set())
         outputs = [a for a in tree_flatten(output)[0]
                    if isinstance(a, torch.Tensor) and a.requires_grad]
-        if outputs:
+        if outputs and not all(id(a) in inputs for a in outputs):
             self._watch_backward(outputs, name, _started, "any")
             return
-        # no output needs a gradient (or the forward raised, Note 1): no backward of this
-        # call will start, so nothing is to be watched for its end
+        # no output needs a gradient (or the forward raised, Note 1), or each is an input
+        # returned as it came (a dropout of p=0: its end would fire before its start, and the
+        # module would stay "running" for good, Note 4): no backward of this call will start,
+        # so nothing is to be watched for its end
         if key is not None:
             self._bw_handles.pop(key).remove()
         elif name in self._bw_no_inputs:

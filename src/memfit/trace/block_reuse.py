@@ -216,6 +216,16 @@ class StepLog:
                                   sid in led._host, sid in led._unified))
         if not seen[1] == seen[2] == seen[3]:
             raise NotComposable("the middle blocks' storages differ between blocks 1, 2 and 3")
+        totals = {lab: [] for lab in (1, 2, 3)}    # a module record a block's copies reuse
+        for name, rec in self.tracker.watch.records.items():
+            lab = self.slot_of_module(name)
+            if lab in totals:
+                totals[lab].append((name[len(self.prefix) + 1:].partition(".")[2],
+                                    rec.calls, rec.input_bytes, rec.saved_bytes,
+                                    rec.call_saved_bytes))
+        if not totals[1] == totals[2] == totals[3]:
+            raise NotComposable("a block module's totals differ between blocks 1, 2 and 3 "
+                                "(a module still running while later blocks run)")
 
 
 @dataclass
