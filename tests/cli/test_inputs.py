@@ -67,7 +67,7 @@ def test_units_are_explained_in_the_help(capsys):
 def test_bad_input_is_refused_before_any_trace(capsys, monkeypatch, argv, needle):
     import importlib
 
-    module = importlib.import_module("memfit.api.estimate")
+    module = importlib.import_module("memfit.api._traced")
 
     def traced(*args, **kwargs):
         raise AssertionError("a step was traced before the input was checked")

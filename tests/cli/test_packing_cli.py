@@ -71,7 +71,7 @@ def test_flash_attention_on_a_gpu_runs_the_varlen_kernel(capsys, tiny_gpt2):
     (["estimate", "--model", "gemma-2-2b", "--attn-implementation", "sdpa"], "has no sdpa"),
 ])
 def test_bad_input_is_one_line_before_any_trace(capsys, monkeypatch, argv, needle):
-    module = importlib.import_module("memfit.api.estimate")
+    module = importlib.import_module("memfit.api._traced")
 
     def traced(*args, **kwargs):
         raise AssertionError("a step was traced before the input was checked")

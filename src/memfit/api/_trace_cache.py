@@ -1,7 +1,7 @@
 """Estimates kept across runs: ``memfit.estimate``'s answer stored in memfit's disk cache.
 
 A front that has a cache (the CLI: ``memfit._cache``, docs/cache.md) enters ``using(cache)``
-around its work; inside it, ``estimate`` looks its job up before tracing and stores what it
+(``memfit._trace_cache_scope``, which imports no torch) around its work; inside it, ``estimate`` looks its job up before tracing and stores what it
 traced. A plan traces a dozen steps; run again with the same model, batch and options, every
 one of them is read back.
 
@@ -23,8 +23,6 @@ entry that does not unpickle is a miss.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import hashlib
 import pickle
@@ -33,28 +31,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from memfit._cache import key_of
+from memfit._trace_cache_scope import current, using
 from memfit._versions import code_version, library_version
 from memfit.measure.attached import attached_tensors
 
 __all__ = ["using", "key_for", "lookup", "store"]
 
-_CACHE: contextvars.ContextVar = contextvars.ContextVar("memfit_trace_cache", default=None)
 _LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "torchao", "accelerate")
-
-
-@contextlib.contextmanager
-def using(cache):
-    """Estimates inside read and write ``cache`` (a ``memfit._cache.Cache``; None: none)."""
-    token = _CACHE.set(cache)
-    try:
-        yield
-    finally:
-        _CACHE.reset(token)
 
 
 def key_for(model, batch, optimizer, device, options: dict) -> str | None:
     """The cache key of this job, or None where it is not cached (Note 1)."""
-    cache = _CACHE.get()
+    cache = current()
     if cache is None or not isinstance(optimizer, str) or not isinstance(model, nn.Module):
         return None
     if any(options.get(k) is not None for k in ("loss_fn", "count_fn", "step", "scheduler")):
@@ -63,8 +52,6 @@ def key_for(model, batch, optimizer, device, options: dict) -> str | None:
     batch_part = _batch_part(batch)
     if model_part is None or batch_part is None:
         return None
-    from memfit._cache import key_of
-
     return key_of(figure="estimate", model=model_part, batch=batch_part, optimizer=optimizer,
                   device=_plain(device), options=_plain({k: v for k, v in options.items()
                                                          if k not in ("loss_fn", "count_fn",
@@ -75,7 +62,7 @@ def key_for(model, batch, optimizer, device, options: dict) -> str | None:
 
 def lookup(key: str | None):
     """The stored ``Estimate`` for ``key``, or None."""
-    cache = _CACHE.get()
+    cache = current()
     if key is None or cache is None:
         return None
     data = cache.get(key)
@@ -88,7 +75,7 @@ def lookup(key: str | None):
 
 
 def store(key: str | None, est) -> None:
-    cache = _CACHE.get()
+    cache = current()
     if key is not None and cache is not None:
         cache.put(key, pickle.dumps(est, protocol=pickle.HIGHEST_PROTOCOL))
 

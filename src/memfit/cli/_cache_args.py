@@ -38,10 +38,10 @@ def open_cache(args):
 def traces_cached(args):
     """A context in which ``memfit.estimate`` reads and keeps its answers in the cache
     (``memfit.api._trace_cache``), for a subcommand that traces (``--no-cache`` on its
-    parser); a null context for the others, which import no torch here."""
+    parser); a null context for the others. Neither imports torch."""
     if not hasattr(args, "no_cache") or args.command not in _TRACING:
         return contextlib.nullcontext()
-    from memfit.api._trace_cache import using
+    from memfit._trace_cache_scope import using
 
     return using(open_cache(args))
 
