@@ -19,7 +19,7 @@ def using(cache):
     """Estimates inside read and write ``cache`` (a ``memfit._cache.Cache``; None: none)."""
     token = _CACHE.set(cache)
     try:
-        yield
+        yield cache
     finally:
         _CACHE.reset(token)
 

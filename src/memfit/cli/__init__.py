@@ -23,6 +23,7 @@ from memfit.cli import models as _models
 from memfit.cli import plan as _plan
 from memfit.cli import train as _train
 from memfit.cli._cache_args import traces_cached
+from memfit.cli._replay import run_replayable
 from memfit.cli._args import join_dash_values
 from memfit.cli._errors import cli_warnings, error_json, format_error, is_user_error
 
@@ -79,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     flags = _option_strings(parser, args.command)
     with cli_warnings(flags=flags):
         try:
-            with traces_cached(args):
-                return args.run(args) or 0
+            with traces_cached(args) as cache:
+                return run_replayable(args, argv, cache, lambda: args.run(args) or 0)
         except BrokenPipeError:     # `memfit gpus | head`: the reader left; nothing to say
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0

@@ -38,12 +38,13 @@ def open_cache(args):
 def traces_cached(args):
     """A context in which ``memfit.estimate`` reads and keeps its answers in the cache
     (``memfit.api._trace_cache``), for a subcommand that traces (``--no-cache`` on its
-    parser); a null context for the others. Neither imports torch."""
+    parser), which its ``with`` gives; a null context (None) for the others. Neither imports
+    torch."""
     if not hasattr(args, "no_cache") or args.command not in _TRACING:
         return contextlib.nullcontext()
     from memfit._trace_cache_scope import using
 
-    return using(open_cache(args))
+    return using(open_cache(args))        # entered, it gives the cache (or None)
 
 
 _TRACING = ("estimate", "plan")
