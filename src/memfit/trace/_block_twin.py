@@ -22,7 +22,19 @@ from torch import nn
 
 from memfit.measure._modules import find_blocks
 
-__all__ = ["BlockList"]
+__all__ = ["BlockList", "TWIN_A", "TWIN_B", "MID"]
+
+MID = 2                     # twin A's block that ``trace.block_reuse`` repeats
+
+
+def TWIN_A(n: int) -> list[int]:
+    """The blocks of twin A, for a model of ``n``: the first, three alike, the last."""
+    return [0, 1, 2, 3, n - 1]
+
+
+def TWIN_B(n: int) -> list[int]:
+    """Twin A without its middle block: the check of the composition."""
+    return [0, 1, 2, n - 1]
 
 # config fields that give the depth, and those that hold one value per layer
 _DEPTH_NAMES = frozenset({"num_hidden_layers", "n_layer", "num_layers", "n_layers"})

@@ -2,29 +2,25 @@
 
 A transformer's step repeats its middle block: the forward runs it N times, the backward N
 times in reverse, the optimizer step and ``zero_grad`` walk its parameters once per block. So
-``compose`` traces two twins of the model (``trace._block_twin``): A with the blocks
-``[0, 1, 2, 3, N-1]`` and B with ``[0, 1, 2, N-1]``, and makes the N-block step's ledger, ops,
-module windows and records from A, its middle block (index 2) repeated N - 4 times. Everything
-downstream (peak, breakdown, timeline, module records, the caching-allocator replay, lifetimes)
-is then computed from the composed tracker by the code that computes it from a traced one.
+``compose`` takes the traces of two twins of the model (``trace._block_twin``): A with the
+blocks ``[0, 1, 2, 3, N-1]`` and B with ``[0, 1, 2, N-1]``, each read as a stream of atoms
+(``trace._step_log``), and makes the N-block step's ledger, ops, module windows and records
+from A, its middle block (index 2) repeated N - 4 times. Everything downstream (peak,
+breakdown, timeline, module records, the caching-allocator replay, lifetimes) is then computed
+from the composed tracker by the code that computes it from a traced one (docs/block-reuse.md).
 
-Note 1 (atoms and contexts). A trace is read as one stream of atoms in the order they happened:
-ledger events (a storage born, dead or resized), ops, and module entries and exits
-(``Tracker.marks``). An atom runs in a block's context from that block's entry to the next
-block's entry in the same pass (what runs between two blocks belongs to the first), else in the
-global context. A block context's atoms are copied with the block; in the global context
-(embeddings, loss, ``zero_grad``, the optimizer step), a run of atoms labelled with the middle
-block (``measure._labels``: its gradients freed, a foreach op's outputs for its parameters, a
-single-tensor optimizer's ops on them) is copied once per middle block. A copy runs forward
-(ascending blocks) unless the atoms around it say the walk goes the other way (backward, a
-list freed from its end).
+Note 1 (copies). Each run of A's atoms that goes with block 2 (its context in a pass, or in the
+global part a run labelled 2: its gradients freed, a foreach op's outputs for its parameters, a
+single-tensor optimizer's ops on them) is emitted once per middle block. The copies run up the
+blocks unless the atoms around the run say the walk goes down (backward, a list freed from its
+end).
 
-Note 2 (storages). A storage is named by (block label, entry or born, its rank among its
-label's storages). Block 2's storages are renamed per copy; a block refers to its neighbours'
-storages by offset (the previous block's output, the next one's gradient), so a copy's
-references land on the copies beside it, and block 1 and 3 must be block 2's like (checked).
-A reference two or more blocks away counts as one to the first or last block (a position bias
-block 0 computes for every later block), or the twin is refused.
+Note 2 (references). A storage is named by (block, entry or born, its rank among its block's
+storages). Block 2's storages are renamed per copy; a block refers to its neighbours' storages
+by offset (the previous block's output, the next one's gradient), so a copy's references land
+on the copies beside it, and blocks 1 and 3 must be like block 2 (checked: alike storages,
+alike module totals). A reference two or more blocks away counts as one to the first or last
+block (a position bias block 0 computes for every later block), or the twin is refused.
 
 Note 3 (what B checks and gives). Composing A for four blocks must give B's trace exactly,
 atom by atom, up to the figures that belong to no block (a foreach op's cost, a global
@@ -32,200 +28,19 @@ storage's size, a module's totals): those are affine in the number of blocks, an
 their slope. Any other difference, or a block-1/2/3 mismatch, is a ``NotComposable`` with the
 reason, and the caller traces the model whole.
 """
-
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from memfit.measure import Tracker
 from memfit.measure._labels import GLOBAL
-from memfit.measure._modules import ModuleRecord
+from memfit.trace._block_twin import MID, TWIN_A, TWIN_B
+from memfit.trace._composed_modules import module_records, op_totals
+from memfit.trace._step_log import NotComposable, StepLog
 
 __all__ = ["TWIN_A", "TWIN_B", "MIN_BLOCKS", "NotComposable", "StepLog", "Composed", "compose"]
 
-MID = 2                     # twin A's block that is repeated
 MIN_BLOCKS = 16             # below this, the twins cost about as much as the model
-
-
-def TWIN_A(n: int) -> list[int]:
-    return [0, 1, 2, 3, n - 1]
-
-
-def TWIN_B(n: int) -> list[int]:
-    return [0, 1, 2, n - 1]
-
-
-class NotComposable(Exception):
-    """The twins' traces do not compose into the model's (Note 3): trace it whole."""
-
-
-@dataclass
-class StepLog:
-    """A finished labelled tracker, read as atoms (Note 1)."""
-
-    tracker: Tracker
-    prefix: str                # the block list's qualified name
-    depth: int
-    atoms: list[tuple] = field(default_factory=list)   # ("ev", i) | ("op", j) | ("mk", m)
-    context: list[int] = field(default_factory=list)   # per atom
-    label: dict[int, int] = field(default_factory=dict)  # storage id -> block or GLOBAL
-    key: dict[int, tuple] = field(default_factory=dict)  # storage id -> (label, kind, rank)
-    effective: list[int] = field(default_factory=list)  # per atom: the block it is copied with
-
-    @staticmethod
-    def of(tracker: Tracker, prefix: str, depth: int) -> "StepLog":
-        log = StepLog(tracker, prefix, depth)
-        log._atoms()
-        log._contexts()
-        log._keys()
-        log._effective()
-        return log
-
-    # -- reading -----------------------------------------------------------------------------
-    def slot_of_module(self, name: str) -> int:
-        if not name.startswith(self.prefix + "."):
-            return GLOBAL
-        head = name[len(self.prefix) + 1:].split(".", 1)[0]
-        return int(head) if head.isdigit() else GLOBAL
-
-    def _atoms(self) -> None:
-        t = self.tracker
-        led = t.ledger
-        ends = t.op_events
-        keyed = [((bisect.bisect_right(ends, i), i, 1), ("ev", i)) for i in range(led.num_events)]
-        keyed += [((j, ends[j], 2), ("op", j)) for j in range(len(ends))]
-        keyed += [((m[4], m[3], 0), ("mk", m)) for m in t.marks]
-        keyed.sort(key=lambda x: x[0])
-        self.atoms = [a for _, a in keyed]
-
-    def _contexts(self) -> None:
-        """Note 1: each atom's block context."""
-        ctx, current = [], GLOBAL
-        block_marks = [(i, a[1]) for i, a in enumerate(self.atoms)
-                       if a[0] == "mk" and a[1][0] != "window" and
-                       self.slot_of_module(a[1][1]) != GLOBAL and
-                       a[1][1].count(".") == self.prefix.count(".") + 1]
-        entries = {i: m for i, m in block_marks}
-        following = {}                      # index of a block's exit -> the next block mark
-        for (i, m), nxt in zip(block_marks, block_marks[1:] + [(None, None)]):
-            following[i] = nxt
-        opened: list[int] = []
-        for i, a in enumerate(self.atoms):
-            m = entries.get(i)
-            if m is not None:
-                slot = self.slot_of_module(m[1])
-                if m[0] == "enter":
-                    opened.append(slot)
-                    current = slot
-                else:
-                    if slot in opened:
-                        del opened[len(opened) - 1 - opened[::-1].index(slot)]
-                    j, nxt = following[i]
-                    adjacent = nxt is not None and nxt[0] == "enter" and nxt[2] == m[2] and \
-                        abs(self.slot_of_module(nxt[1]) - slot) == 1 and \
-                        not any(self.atoms[x][0] == "mk" and self.atoms[x][1][0] == "window"
-                                for x in range(i, j))
-                    ctx.append(current)       # where it happens: the next block may run
-                    current = opened[-1] if opened else (slot if adjacent else GLOBAL)
-                    continue
-            ctx.append(current)
-        self.context = ctx
-
-    def _keys(self) -> None:
-        """Note 2: each storage's label (its block context at birth, else the tracker's, else
-        that of the block it dies with) and name."""
-        t = self.tracker
-        led, labels = t.ledger, t.labels.of_sid
-        label, kinds = {}, {}
-        for sid in led._entry:
-            label[sid], kinds[sid] = labels.get(sid, GLOBAL), "e"
-        for a, c in zip(self.atoms, self.context):
-            if a[0] == "ev":
-                sid = led._ev_sid[a[1]]
-                if sid not in label:
-                    label[sid] = c if c != GLOBAL else labels.get(sid, GLOBAL)
-                    kinds[sid] = "b"
-        self._dies_with(label, t.labels.read)
-        ranks: dict[tuple, int] = {}
-        for sid, lab in label.items():
-            r = ranks.get((lab, kinds[sid]), 0)
-            ranks[(lab, kinds[sid])] = r + 1
-            self.label[sid] = lab
-            self.key[sid] = (lab, kinds[sid], r)
-
-    def _dies_with(self, label: dict[int, int], read: set[int]) -> None:
-        """A global birth no op reads takes the block of the storage that died just before it,
-        in the same run of deaths (the per-layer state of a KV cache, freed layer by layer
-        with the keys and values it held)."""
-        led = self.tracker.ledger
-        previous = GLOBAL
-        for a, c in zip(self.atoms, self.context):
-            if a[0] != "ev" or c != GLOBAL or led._ev_delta[a[1]] >= 0:
-                previous = GLOBAL
-                continue
-            sid = led._ev_sid[a[1]]
-            if label[sid] == GLOBAL and sid not in read and previous != GLOBAL:
-                label[sid] = previous
-            elif label[sid] != GLOBAL:
-                previous = label[sid]
-
-    def _effective(self) -> None:
-        """Note 1: the block each atom is copied with. In a block's context, that block; in the
-        global context, a birth's own label, an op's own (or, without one, that of what it
-        made), and a death's or a resize's, except one of a neighbour's storage amid the ops
-        on a block's parameters (a single-tensor optimizer frees the previous parameter's
-        temporary while it steps the next)."""
-        led = self.tracker.ledger
-        out, driver, born = [], GLOBAL, set()
-        for i, (a, c) in enumerate(zip(self.atoms, self.context)):
-            if c != GLOBAL:
-                out.append(c)
-                driver, born = GLOBAL, set()
-                continue
-            lab = self.atom_label(i)
-            if a[0] == "ev" and (a[1] in led._resizes or led._ev_delta[a[1]] < 0):
-                if driver != GLOBAL and lab != GLOBAL and abs(lab - driver) == 1:
-                    lab = driver
-            elif a[0] == "ev":
-                born.add(lab)
-                driver = lab
-            elif a[0] == "op":
-                if lab == GLOBAL and len(born) == 1:     # torch.tensor(0.0): no tensor input
-                    lab = next(iter(born))
-                driver, born = lab, set()
-            out.append(lab)
-        self.effective = out
-
-    def atom_label(self, i: int) -> int:
-        a = self.atoms[i]
-        if a[0] == "ev":
-            return self.label[self.tracker.ledger._ev_sid[a[1]]]
-        if a[0] == "op":
-            ops = self.tracker.labels.op_slots
-            return ops[a[1]] if a[1] < len(ops) else GLOBAL
-        return GLOBAL if a[1][0] == "window" else self.slot_of_module(a[1][1])
-
-    def check_middles(self) -> None:
-        """Note 2: blocks 1, 2 and 3 of twin A hold and make alike storages."""
-        led = self.tracker.ledger
-        seen = {lab: [] for lab in (1, 2, 3)}
-        for sid, (lab, kind, _) in self.key.items():
-            if lab in seen:
-                seen[lab].append((kind, led._nbytes[sid], led._category[sid],
-                                  sid in led._host, sid in led._unified))
-        if not seen[1] == seen[2] == seen[3]:
-            raise NotComposable("the middle blocks' storages differ between blocks 1, 2 and 3")
-        totals = {lab: [] for lab in (1, 2, 3)}    # a module record a block's copies reuse
-        for name, rec in self.tracker.watch.records.items():
-            lab = self.slot_of_module(name)
-            if lab in totals:
-                totals[lab].append((name[len(self.prefix) + 1:].partition(".")[2],
-                                    rec.calls, rec.input_bytes, rec.saved_bytes,
-                                    rec.call_saved_bytes))
-        if not totals[1] == totals[2] == totals[3]:
-            raise NotComposable("a block module's totals differ between blocks 1, 2 and 3 "
-                                "(a module still running while later blocks run)")
 
 
 @dataclass
@@ -234,6 +49,29 @@ class _Out:
 
     items: list[tuple] = field(default_factory=list)
     source: list[int | None] = field(default_factory=list)   # A's atom index, None if copied
+
+
+def _check_middles(log: StepLog) -> None:
+    """Note 2: blocks 1, 2 and 3 of twin A hold and make alike storages, and their modules
+    total alike."""
+    led = log.tracker.ledger
+    seen = {lab: [] for lab in (1, 2, 3)}
+    for sid, (lab, kind, _) in log.key.items():
+        if lab in seen:
+            seen[lab].append((kind, led._nbytes[sid], led._category[sid],
+                              sid in led._host, sid in led._unified))
+    if not seen[1] == seen[2] == seen[3]:
+        raise NotComposable("the middle blocks' storages differ between blocks 1, 2 and 3")
+    totals = {lab: [] for lab in (1, 2, 3)}    # a module record a block's copies reuse
+    for name, rec in log.tracker.watch.records.items():
+        lab = log.slot_of_module(name)
+        if lab in totals:
+            totals[lab].append((name[len(log.prefix) + 1:].partition(".")[2],
+                                rec.calls, rec.input_bytes, rec.saved_bytes,
+                                rec.call_saved_bytes))
+    if not totals[1] == totals[2] == totals[3]:
+        raise NotComposable("a block module's totals differ between blocks 1, 2 and 3 "
+                            "(a module still running while later blocks run)")
 
 
 def _slot_map(log: StepLog, n: int):
@@ -442,7 +280,7 @@ def compose(a: StepLog, b: StepLog, n: int) -> Composed:
     """The tracker of the ``n``-block step, from twins A and B (module docstring)."""
     if n < a.depth:
         raise NotComposable(f"{n} blocks are fewer than the twins need")
-    a.check_middles()
+    _check_middles(a)
     slopes = _slopes(a, b)
     extra = n - a.depth
     out = _stream(a, n)
@@ -519,92 +357,8 @@ def compose(a: StepLog, b: StepLog, n: int) -> Composed:
     t.ops = ta.ops + extra * (ta.ops - b.tracker.ops)
     t.fw_flops = ta.fw_flops + extra * (ta.fw_flops - b.tracker.fw_flops)
     t.bw_flops = ta.bw_flops + extra * (ta.bw_flops - b.tracker.bw_flops)
-    t.watch.records = _records(a, b, n, t.marks)
-    _op_totals(t, op_windows)
+    t.watch.records = module_records(a, b, n, t.marks, _slot_map(a, n)[0])
+    op_totals(t, op_windows)
     t._finish_modules()
     t.online_peak_bytes = t.peak_bytes
     return Composed(t, op_of)
-
-
-_TOTALS = ("calls", "param_bytes", "input_bytes", "saved_bytes")
-
-
-def _op_totals(t: Tracker, op_windows) -> None:
-    """Each module's FLOPs, bytes touched and ops, summed over the ops that ran while it did,
-    forward or backward by the op (as ``ModuleWatch`` adds them up op by op): a module's
-    backward may stay open while the blocks below it run theirs, so these are not its block's
-    alone."""
-    flops, touched = [0], [0]
-    for cost in t.op_costs:
-        flops.append(flops[-1] + cost[0])
-        touched.append(touched[-1] + cost[1])
-    for rec in t.watch.records.values():
-        rec.fw_flops = rec.bw_flops = rec.fw_touched_bytes = rec.bw_touched_bytes = 0
-        rec.fw_ops = rec.bw_ops = 0
-    back = [0]
-    for b in t.op_backward:
-        back.append(back[-1] + b)
-    for name, _, first, end in op_windows:
-        rec = t.watch.records.get(name)
-        first = max(first, t._window_op)
-        if rec is None or end <= first:
-            continue
-        bw_ops = back[end] - back[first]
-        if bw_ops == 0:
-            rec.fw_flops += flops[end] - flops[first]
-            rec.fw_touched_bytes += touched[end] - touched[first]
-            rec.fw_ops += end - first
-        elif bw_ops == end - first:
-            rec.bw_flops += flops[end] - flops[first]
-            rec.bw_touched_bytes += touched[end] - touched[first]
-            rec.bw_ops += end - first
-        else:                  # a window open across forward and backward: op by op
-            for j in range(first, end):
-                f, b = t.op_costs[j][0], t.op_costs[j][1]
-                if t.op_backward[j]:
-                    rec.bw_flops, rec.bw_touched_bytes, rec.bw_ops = \
-                        rec.bw_flops + f, rec.bw_touched_bytes + b, rec.bw_ops + 1
-                else:
-                    rec.fw_flops, rec.fw_touched_bytes, rec.fw_ops = \
-                        rec.fw_flops + f, rec.fw_touched_bytes + b, rec.fw_ops + 1
-
-
-def _records(a: StepLog, b: StepLog, n: int, marks) -> dict[str, ModuleRecord]:
-    """Each module's record for ``n`` blocks: a block's from its twin block, a global
-    module's totals affine in the blocks (Note 3); spans and peaks are left to the tracker."""
-    extra = n - a.depth
-    cs, _ = _slot_map(a, n)
-    ra, rb = a.tracker.watch.records, b.tracker.watch.records
-    order: dict[str, int] = {}
-    for mk, name, phase, _, _ in marks:
-        if mk == "enter" and phase == "fw" and name not in order:
-            order[name] = len(order)
-    out: dict[str, ModuleRecord] = {}
-
-    def fresh(rec: ModuleRecord, name: str, **totals) -> ModuleRecord:
-        return replace(rec, name=name, order=order.get(name, -1), fw_span=None, bw_span=None,
-                       fw_spans=[], bw_spans=[], fw_peak_bytes=0, bw_peak_bytes=0,
-                       call_saved_bytes=list(totals.pop("call_saved_bytes",
-                                                        rec.call_saved_bytes)),
-                       _saved=set(), _call_saved=set(), **totals)
-
-    for name, rec in ra.items():
-        slot = a.slot_of_module(name)
-        if slot == GLOBAL:
-            other = rb.get(name)
-            if other is None:
-                raise NotComposable(f"module {name!r} is in twin A only")
-            totals = {f: getattr(rec, f) + extra * (getattr(rec, f) - getattr(other, f))
-                      for f in _TOTALS}
-            if len(rec.call_saved_bytes) != len(other.call_saved_bytes):
-                raise NotComposable(f"module {name!r} runs a different number of times")
-            totals["call_saved_bytes"] = [x + extra * (x - y) for x, y in
-                                          zip(rec.call_saved_bytes, other.call_saved_bytes)]
-            out[name] = fresh(rec, name, **totals)
-            continue
-        rest = name[len(a.prefix) + 1:].partition(".")[2]
-        copies = range(n - a.depth + 1) if slot == MID else [None]
-        for c in copies:
-            new = f"{a.prefix}.{cs(slot, c)}" + (f".{rest}" if rest else "")
-            out[new] = fresh(rec, new)
-    return dict(sorted(out.items(), key=lambda kv: (kv[1].order < 0, kv[1].order)))

@@ -1,0 +1,183 @@
+"""A finished tracker that labelled its storages by block, read as one stream of atoms.
+
+``StepLog.of(tracker, prefix, depth)`` reads what a tracker given the model's block names kept
+(``Tracker(blocks=...)``: its ledger, ops, module entries and exits, ``measure._labels``) as the
+stream ``trace.block_reuse`` composes a deeper step from.
+
+Note 1 (atoms and contexts). The atoms are the ledger's events (a storage born, dead or
+resized), the ops, and the module entries and exits (``Tracker.marks``), in the order they
+happened. An atom runs in a block's context from that block's entry to the next block's entry
+in the same pass (what runs between two blocks belongs to the first; a block's backward may end
+after the next one's starts), else in the global context (embeddings, loss, ``zero_grad``, the
+optimizer step). Each atom goes with one block, or none: in a block's context, that block; in
+the global context, a birth's label, an op's (or, with no tensor input, that of what it made),
+and a death's or resize's, except one of a neighbour's storage amid the ops on a block's
+parameters (a single-tensor optimizer frees the previous parameter's temporary while it steps
+the next).
+
+Note 2 (storage names). A storage is named by (its block, entry or born, its rank among its
+block's storages of that kind). Its block is its context at birth, else the tracker's label,
+else, for a global birth no op reads, the block of the storage that died just before it in the
+same run of deaths (a KV cache's per-layer state, freed layer by layer with its keys and values).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from memfit.measure import Tracker
+from memfit.measure._labels import GLOBAL
+
+__all__ = ["StepLog", "NotComposable"]
+
+
+class NotComposable(Exception):
+    """Twins whose traces do not compose into the model's step: trace it whole."""
+
+
+@dataclass
+class StepLog:
+    """A finished labelled tracker, read as atoms (Note 1) with named storages (Note 2)."""
+
+    tracker: Tracker
+    prefix: str                # the block list's qualified name
+    depth: int
+    atoms: list[tuple] = field(default_factory=list)   # ("ev", i) | ("op", j) | ("mk", m)
+    context: list[int] = field(default_factory=list)   # per atom
+    label: dict[int, int] = field(default_factory=dict)  # storage id -> block or GLOBAL
+    key: dict[int, tuple] = field(default_factory=dict)  # storage id -> (label, kind, rank)
+    effective: list[int] = field(default_factory=list)  # per atom: the block it is copied with
+
+    @staticmethod
+    def of(tracker: Tracker, prefix: str, depth: int) -> "StepLog":
+        log = StepLog(tracker, prefix, depth)
+        log._atoms()
+        log._contexts()
+        log._keys()
+        log._effective()
+        return log
+
+    # -- reading -----------------------------------------------------------------------------
+    def slot_of_module(self, name: str) -> int:
+        if not name.startswith(self.prefix + "."):
+            return GLOBAL
+        head = name[len(self.prefix) + 1:].split(".", 1)[0]
+        return int(head) if head.isdigit() else GLOBAL
+
+    def _atoms(self) -> None:
+        t = self.tracker
+        led = t.ledger
+        ends = t.op_events
+        keyed = [((bisect.bisect_right(ends, i), i, 1), ("ev", i)) for i in range(led.num_events)]
+        keyed += [((j, ends[j], 2), ("op", j)) for j in range(len(ends))]
+        keyed += [((m[4], m[3], 0), ("mk", m)) for m in t.marks]
+        keyed.sort(key=lambda x: x[0])
+        self.atoms = [a for _, a in keyed]
+
+    def _contexts(self) -> None:
+        """Note 1: each atom's block context."""
+        ctx, current = [], GLOBAL
+        block_marks = [(i, a[1]) for i, a in enumerate(self.atoms)
+                       if a[0] == "mk" and a[1][0] != "window" and
+                       self.slot_of_module(a[1][1]) != GLOBAL and
+                       a[1][1].count(".") == self.prefix.count(".") + 1]
+        entries = {i: m for i, m in block_marks}
+        following = {}                      # index of a block's exit -> the next block mark
+        for (i, m), nxt in zip(block_marks, block_marks[1:] + [(None, None)]):
+            following[i] = nxt
+        opened: list[int] = []
+        for i, a in enumerate(self.atoms):
+            m = entries.get(i)
+            if m is not None:
+                slot = self.slot_of_module(m[1])
+                if m[0] == "enter":
+                    opened.append(slot)
+                    current = slot
+                else:
+                    if slot in opened:
+                        del opened[len(opened) - 1 - opened[::-1].index(slot)]
+                    j, nxt = following[i]
+                    adjacent = nxt is not None and nxt[0] == "enter" and nxt[2] == m[2] and \
+                        abs(self.slot_of_module(nxt[1]) - slot) == 1 and \
+                        not any(self.atoms[x][0] == "mk" and self.atoms[x][1][0] == "window"
+                                for x in range(i, j))
+                    ctx.append(current)       # where it happens: the next block may run
+                    current = opened[-1] if opened else (slot if adjacent else GLOBAL)
+                    continue
+            ctx.append(current)
+        self.context = ctx
+
+    def _keys(self) -> None:
+        """Note 2: each storage's label (its block context at birth, else the tracker's, else
+        that of the block it dies with) and name."""
+        t = self.tracker
+        led, labels = t.ledger, t.labels.of_sid
+        label, kinds = {}, {}
+        for sid in led._entry:
+            label[sid], kinds[sid] = labels.get(sid, GLOBAL), "e"
+        for a, c in zip(self.atoms, self.context):
+            if a[0] == "ev":
+                sid = led._ev_sid[a[1]]
+                if sid not in label:
+                    label[sid] = c if c != GLOBAL else labels.get(sid, GLOBAL)
+                    kinds[sid] = "b"
+        self._dies_with(label, t.labels.read)
+        ranks: dict[tuple, int] = {}
+        for sid, lab in label.items():
+            r = ranks.get((lab, kinds[sid]), 0)
+            ranks[(lab, kinds[sid])] = r + 1
+            self.label[sid] = lab
+            self.key[sid] = (lab, kinds[sid], r)
+
+    def _dies_with(self, label: dict[int, int], read: set[int]) -> None:
+        """A global birth no op reads takes the block of the storage that died just before it,
+        in the same run of deaths (the per-layer state of a KV cache, freed layer by layer
+        with the keys and values it held)."""
+        led = self.tracker.ledger
+        previous = GLOBAL
+        for a, c in zip(self.atoms, self.context):
+            if a[0] != "ev" or c != GLOBAL or led._ev_delta[a[1]] >= 0:
+                previous = GLOBAL
+                continue
+            sid = led._ev_sid[a[1]]
+            if label[sid] == GLOBAL and sid not in read and previous != GLOBAL:
+                label[sid] = previous
+            elif label[sid] != GLOBAL:
+                previous = label[sid]
+
+    def _effective(self) -> None:
+        """Note 1: the block each atom is copied with. In a block's context, that block; in the
+        global context, a birth's own label, an op's own (or, without one, that of what it
+        made), and a death's or a resize's, except one of a neighbour's storage amid the ops
+        on a block's parameters (a single-tensor optimizer frees the previous parameter's
+        temporary while it steps the next)."""
+        led = self.tracker.ledger
+        out, driver, born = [], GLOBAL, set()
+        for i, (a, c) in enumerate(zip(self.atoms, self.context)):
+            if c != GLOBAL:
+                out.append(c)
+                driver, born = GLOBAL, set()
+                continue
+            lab = self.atom_label(i)
+            if a[0] == "ev" and (a[1] in led._resizes or led._ev_delta[a[1]] < 0):
+                if driver != GLOBAL and lab != GLOBAL and abs(lab - driver) == 1:
+                    lab = driver
+            elif a[0] == "ev":
+                born.add(lab)
+                driver = lab
+            elif a[0] == "op":
+                if lab == GLOBAL and len(born) == 1:     # torch.tensor(0.0): no tensor input
+                    lab = next(iter(born))
+                driver, born = lab, set()
+            out.append(lab)
+        self.effective = out
+
+    def atom_label(self, i: int) -> int:
+        a = self.atoms[i]
+        if a[0] == "ev":
+            return self.label[self.tracker.ledger._ev_sid[a[1]]]
+        if a[0] == "op":
+            ops = self.tracker.labels.op_slots
+            return ops[a[1]] if a[1] < len(ops) else GLOBAL
+        return GLOBAL if a[1][0] == "window" else self.slot_of_module(a[1][1])
