@@ -41,6 +41,7 @@ Its backward is not watched.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -337,6 +338,36 @@ def _ended(ref, key: int, name: str, grads) -> None:
     if watch is not None and watch._open:
         watch._fired(key)
         watch._post_bw(name)
+
+
+def finish_records(records: dict[str, ModuleRecord], windows, resolved, ops: list[int],
+                   window_event: int) -> None:
+    """Each record's peaks and spans from its windows ``(name, phase, first event, last
+    event)``: the live-bytes peak over each (``resolved``, the ledger's) and, for a window in
+    the counted step (from ``window_event``), its span in the timeline's ops (``ops``: the
+    ledger's event count after each of them)."""
+    for name, phase, start, stop in windows:
+        rec = records.get(name)
+        if rec is None:
+            continue
+        peak = resolved.max_between(start, stop)
+        span = None
+        if start >= window_event:      # op indices of the timeline (window)
+            span = (bisect.bisect_right(ops, start), bisect.bisect_right(ops, stop + 1) - 1)
+        if phase == "fw":
+            rec.fw_peak_bytes = max(rec.fw_peak_bytes, peak)
+            rec.fw_span = span or rec.fw_span          # the last forward call
+            if span:
+                rec.fw_spans.append(span)
+        else:
+            rec.bw_peak_bytes = max(rec.bw_peak_bytes, peak)
+            if rec.bw_span is None:                    # the first backward
+                rec.bw_span = span
+            if span:
+                rec.bw_spans.append(span)
+    for rec in records.values():   # one span per call of a module run twice
+        rec.fw_spans.sort()
+        rec.bw_spans.sort()
 
 
 def _unique_bytes(items) -> int:

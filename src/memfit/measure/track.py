@@ -28,7 +28,6 @@ the model's ``blocks``, the tracker also labels each storage and op with its blo
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 
 import torch
@@ -44,7 +43,7 @@ from memfit.measure._counting import (CountingMode, allocates_and_writes, host_a
                                       written_args, registered_host_tensors)
 from memfit.measure._labels import StorageLabels
 from memfit.measure._ledger import Ledger
-from memfit.measure._modules import ModuleRecord, ModuleWatch
+from memfit.measure._modules import ModuleRecord, ModuleWatch, finish_records
 from memfit.units import parse_bytes
 from memfit.zoo._model_arg import check_model
 
@@ -331,30 +330,8 @@ class Tracker:
             for s in starts:
                 self._windows.append((name, phase, s, end))
         self._open.clear()
-        r = self.resolved
-        ops = self.op_events[self._window_op:]
-        for name, phase, start, stop in self._windows:
-            rec = self.watch.records.get(name)
-            if rec is None:
-                continue
-            peak = r.max_between(start, stop)
-            span = None
-            if start >= self._window_event:      # op indices of the timeline (window)
-                span = (bisect.bisect_right(ops, start), bisect.bisect_right(ops, stop + 1) - 1)
-            if phase == "fw":
-                rec.fw_peak_bytes = max(rec.fw_peak_bytes, peak)
-                rec.fw_span = span or rec.fw_span          # the last forward call
-                if span:
-                    rec.fw_spans.append(span)
-            else:
-                rec.bw_peak_bytes = max(rec.bw_peak_bytes, peak)
-                if rec.bw_span is None:                    # the first backward
-                    rec.bw_span = span
-                if span:
-                    rec.bw_spans.append(span)
-        for rec in self.watch.records.values():   # one span per call of a module run twice
-            rec.fw_spans.sort()
-            rec.bw_spans.sort()
+        finish_records(self.watch.records, self._windows, self.resolved,
+                       self.op_events[self._window_op:], self._window_event)
 
     @contextlib.contextmanager
     def undo_on_oom(self, func, args):
