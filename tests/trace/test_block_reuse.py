@@ -159,6 +159,8 @@ def test_what_is_traced_whole_says_why():
     model, batch = _zoo("llama-1b")
     for knobs, reason in [(dict(checkpoint=("model.layers.0",)), "mixes modes"),
                           (dict(quantize_base="nf4"), "quantized base"),
+                          (dict(offload="all"), "host pool"),
+                          (dict(offload_optimizer=True, offload_params="all"), "prefetches"),
                           (dict(gpus=2, sharding="ddp"), "several GPUs")]:
         composed, why = blockwise_estimate(model, batch, "adamw", "cpu", None,
                                            Knobs.from_kwargs(**knobs), min_blocks=5)

@@ -6,10 +6,13 @@ as for a traced step. ``blockwise_estimate`` returns None, with the reason, wher
 not composed and must be traced whole:
 
 - fewer than ``MIN_BLOCKS`` blocks (twins of 5 and 4 blocks cost about what 12 blocks
-  traced whole do, measured on gpt2 and BERT-base), no single list of them, or middle blocks that differ
-  (``trace._block_twin``);
+  traced whole do, measured on gpt2 and BERT-base), no single list of them, or middle blocks
+  that differ (``trace._block_twin``);
 - several GPUs (a rank's collectives), a shared symbolic trace, a per-block mix of modes (the
   twins would need one block per mode), a quantized base (its twin is quantized whole);
+- activation offload (its host pool hands a buffer one block freed to another) and parameter
+  offload (a block prefetches the next one's weights): refused before any trace, as their
+  twins never compose;
 - twins whose traces do not compose (``NotComposable``: block 1, 2 and 3 unlike, or A
   composed for four blocks is not B).
 
@@ -44,9 +47,12 @@ def refusal(model, k: Knobs, min_blocks: int | None = None) -> str | None:
         return "several GPUs are traced whole"
     if k.quantize_base not in (None, "none"):
         return "a quantized base is traced whole"
-    for name in ("checkpoint", "offload", "offload_params"):
-        if getattr(k, name) not in _UNIFORM:
-            return f"{name}={getattr(k, name)!r} mixes modes across blocks"
+    if k.checkpoint not in _UNIFORM:
+        return f"checkpoint={k.checkpoint!r} mixes modes across blocks"
+    if k.offload not in (None, "none"):
+        return "activation offload's host pool passes buffers from block to block"
+    if k.offload_params not in (None, "none"):
+        return "parameter offload prefetches the next block's weights"
     blocks = BlockList.of(model)
     if isinstance(blocks, str):
         return blocks
