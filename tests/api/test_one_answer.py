@@ -14,7 +14,9 @@ import memfit
 from memfit.api._compare_gpus import fewest_gpus
 from memfit.api.estimate import estimate
 from memfit.api.plan import plan
-from tests.helpers import tiny
+from memfit import zoo
+from memfit._cache import Cache
+from memfit.api._trace_cache import using
 
 GPU = "gtx-1080-ti"
 # one precision, fixed: the floor and the plans weigh the same levers (precision "auto" adds its
@@ -27,24 +29,31 @@ LEVERS = dict(precision=PRECISION, optimizer_in_backward=False, offload_gradient
 
 
 @pytest.fixture(scope="module")
-def job():
-    model, batch = tiny("gpt2", batch_size=4, seq_len=64)
-    floor = plan(model, batch, device=GPU, floor=True, **LEVERS).floor_bytes
-    plain = estimate(model, batch, device=GPU, **LEVERS).device_bytes
+def job(tmp_path_factory):
+    """The tiny GPT-2 on the meta device, its floor and plain step; the plans of these tests
+    trace the candidates the floor traced, so they read them from a trace cache (exact:
+    tests/api/test_trace_cache.py), for the default tier's time."""
+    spec = zoo.get("gpt2")
+    model = spec.build(tiny=True, device="meta")
+    batch = spec.make_batch(model, 4, seq_len=64)
+    with using(Cache(tmp_path_factory.mktemp("traces"))) as cache:
+        floor = plan(model, batch, device=GPU, floor=True, **LEVERS).floor_bytes
+        plain = estimate(model, batch, device=GPU, **LEVERS).device_bytes
     assert floor < plain
-    return model, batch, floor, plain
+    return model, batch, floor, plain, cache
 
 
 def test_no_plan_is_under_the_floor(job):
-    model, batch, floor, plain = job
+    model, batch, floor, plain, cache = job
     budget = floor + (plain - floor) // 5
-    found = plan(model, batch, device=GPU, budget=budget, **LEVERS)
+    with using(cache):
+        found = plan(model, batch, device=GPU, budget=budget, **LEVERS)
     assert floor <= found.predicted_device_bytes <= budget
 
 
 @pytest.mark.slow      # four plans of the tiny model on a GPU target: about a minute
 def test_the_floor_plans_and_one_byte_less_refuses_with_the_same_floor(job):
-    model, batch, floor, plain = job
+    model, batch, floor, plain, _ = job
     for budget in (floor, int(floor * 1.01), floor + 3 * (plain - floor) // 5):
         found = plan(model, batch, device=GPU, budget=budget, **LEVERS)
         assert floor <= found.predicted_device_bytes <= budget, budget
@@ -55,7 +64,7 @@ def test_the_floor_plans_and_one_byte_less_refuses_with_the_same_floor(job):
 
 @pytest.mark.slow      # a floor and a layout search of the tiny model on a GPU target
 def test_the_refusals_sharding_line_is_the_layout_searchs_answer(job):
-    model, batch, floor, plain = job
+    model, batch, floor, plain, _ = job
     budget = floor - 2 ** 20
     with pytest.raises(memfit.BudgetTooSmall) as info:
         plan(model, batch, device=GPU, budget=budget, **LEVERS)
