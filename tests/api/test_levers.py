@@ -11,6 +11,8 @@ import torch
 
 import memfit
 from memfit import zoo
+from memfit._cache import Cache
+from memfit.api._trace_cache import using
 from memfit.api.levers import Largest, _Prober, largest_fitting
 from memfit.studies import progressive, what_if
 from memfit.api.plan import plan
@@ -52,13 +54,16 @@ def test_largest_seq_len_is_the_longest_plan_fits_and_plan_refuses_one_more():
     assert r.knobs == {n: v for n, v in r.planned.plan.knobs.to_dict().items() if v is not None}
 
 
-def test_largest_seq_len_is_capped_by_positions():
-    # the levers fixed off, for the default tier's time: the cap is the positions' whatever
-    # the plan at each length weighs
-    model = _model()
-    r = largest_fitting(SPEC, model, "seq_len", batch_size=1, seq_len=None, budget="1GiB",
-                        device="cpu", precision="fp32", optimizer_in_backward=False,
-                        offload_gradients=False)
+def test_largest_seq_len_is_capped_by_positions(tmp_path):
+    # for the default tier's time: the levers fixed off (the cap is the positions' whatever
+    # the plan at each length weighs), and the model on the meta device so that the plan at
+    # the answer reads the probes' traces back from a trace cache (exact:
+    # tests/api/test_trace_cache.py)
+    model = _model(device="meta")
+    with using(Cache(tmp_path)):
+        r = largest_fitting(SPEC, model, "seq_len", batch_size=1, seq_len=None, budget="1GiB",
+                            device="cpu", precision="fp32", optimizer_in_backward=False,
+                            offload_gradients=False)
     assert r.value == 128 and "position" in r.capped_by
     assert r.planned.plan.predicted_device_bytes == r.device_bytes
 
