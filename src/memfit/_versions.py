@@ -25,7 +25,10 @@ from pathlib import Path
 
 from memfit import __version__
 
-__all__ = ["TorchBuild", "torch_build", "library_version", "code_version"]
+__all__ = ["TorchBuild", "torch_build", "library_version", "code_version", "TRACED_LIBRARIES"]
+
+# the libraries a trace runs through, beside torch: a cached figure is keyed by their versions
+TRACED_LIBRARIES = ("transformers", "peft", "bitsandbytes", "torchao", "accelerate")
 
 
 @dataclass(frozen=True)

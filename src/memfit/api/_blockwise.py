@@ -40,8 +40,8 @@ TOO_FEW = "blocks are too few to gain from composing"
 _UNIFORM = (None, "none", "all", "selective")
 
 
-def refusal(model, k: Knobs, min_blocks: int | None = None) -> str | None:
-    """Why this job's step is traced whole, or None (module docstring)."""
+def blocks_or_why(model, k: Knobs, min_blocks: int | None = None) -> BlockList | str:
+    """The model's blocks, or why this job's step is traced whole (module docstring)."""
     min_blocks = MIN_BLOCKS if min_blocks is None else min_blocks
     if RankLayout.of(k) is not None:
         return "several GPUs are traced whole"
@@ -54,11 +54,9 @@ def refusal(model, k: Knobs, min_blocks: int | None = None) -> str | None:
     if k.offload_params not in (None, "none"):
         return "parameter offload prefetches the next block's weights"
     blocks = BlockList.of(model)
-    if isinstance(blocks, str):
-        return blocks
-    if blocks.count < max(min_blocks, len(TWIN_A(0))):
+    if not isinstance(blocks, str) and blocks.count < max(min_blocks, len(TWIN_A(0))):
         return f"{blocks.count} {TOO_FEW}"
-    return None
+    return blocks
 
 
 def blockwise_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, *,
@@ -67,10 +65,9 @@ def blockwise_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, *,
     """(the composed step as ``figures`` takes it, None), or (None, why it was not composed).
     ``min_blocks``: fewer blocks are traced whole (default ``MIN_BLOCKS``: the twins would
     cost about as much)."""
-    why = refusal(model, k, min_blocks)
-    if why is not None:
-        return None, why
-    blocks = BlockList.of(model)
+    blocks = blocks_or_why(model, k, min_blocks)
+    if isinstance(blocks, str):
+        return None, blocks
     n = blocks.count
     logs, traced = [], []
     for indices in (TWIN_A(n), TWIN_B(n)):

@@ -1,8 +1,8 @@
 """Estimates kept across runs: ``memfit.estimate``'s answer stored in memfit's disk cache.
 
 A front that has a cache (the CLI: ``memfit._cache``, docs/cache.md) enters ``using(cache)``
-(``memfit._trace_cache_scope``, which imports no torch) around its work; inside it, ``estimate`` looks its job up before tracing and stores what it
-traced. A plan traces a dozen steps; run again with the same model, batch and options, every
+(``memfit._trace_cache_scope``, which imports no torch) around its work; inside it,
+``estimate`` looks its job up before tracing and stores what it traced. A plan traces a dozen steps; run again with the same model, batch and options, every
 one of them is read back.
 
 Note 1 (what is keyed, and what is not cached). The key names everything a trace reads: the
@@ -33,12 +33,12 @@ from torch.utils._pytree import tree_flatten
 
 from memfit._cache import key_of
 from memfit._trace_cache_scope import current, using
-from memfit._versions import code_version, library_version
+from memfit._versions import TRACED_LIBRARIES, code_version, library_version
 from memfit.measure.attached import attached_tensors
 
 __all__ = ["using", "key_for", "lookup", "store"]
 
-_LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "torchao", "accelerate")
+_CALLABLES = ("loss_fn", "count_fn", "step", "scheduler")      # never keyed (Note 1)
 
 
 def key_for(model, batch, optimizer, device, options: dict) -> str | None:
@@ -46,7 +46,7 @@ def key_for(model, batch, optimizer, device, options: dict) -> str | None:
     cache = current()
     if cache is None or not isinstance(optimizer, str) or not isinstance(model, nn.Module):
         return None
-    if any(options.get(k) is not None for k in ("loss_fn", "count_fn", "step", "scheduler")):
+    if any(options.get(k) is not None for k in _CALLABLES):
         return None
     model_part = _model_part(model)
     batch_part = _batch_part(batch)
@@ -54,10 +54,10 @@ def key_for(model, batch, optimizer, device, options: dict) -> str | None:
         return None
     return key_of(figure="estimate", model=model_part, batch=batch_part, optimizer=optimizer,
                   device=_plain(device), options=_plain({k: v for k, v in options.items()
-                                                         if k not in ("loss_fn", "count_fn",
-                                                                      "step", "scheduler")}),
+                                                         if k not in _CALLABLES}),
                   code=code_version(),
-                  libraries={name: library_version(name) for name in _LIBRARIES})
+                  libraries={name: library_version(name)
+                             for name in ("torch", *TRACED_LIBRARIES)})
 
 
 def lookup(key: str | None):

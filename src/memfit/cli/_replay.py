@@ -26,14 +26,13 @@ import sys
 from pathlib import Path
 
 from memfit._cache import key_of
-from memfit._versions import code_version, library_version, torch_build
+from memfit._versions import TRACED_LIBRARIES, code_version, library_version, torch_build
 from memfit._zoo_names import names as zoo_names
 
 __all__ = ["run_replayable"]
 
 _COMMANDS = ("estimate", "plan")
 _WRITES = ("plot", "report", "snapshot", "static_plan_plot", "export", "hf_args")
-_LIBRARIES = ("transformers", "peft", "bitsandbytes", "torchao", "accelerate")
 
 
 def run_replayable(args, argv: list[str], cache, run) -> int:
@@ -81,7 +80,7 @@ def _key(args, argv: list[str]) -> str | None:
     build = torch_build()
     return key_of(figure="cli-answer", argv=list(argv), files=files, code=code_version(),
                   torch=[build.version, build.cuda],
-                  libraries={n: library_version(n) for n in _LIBRARIES},
+                  libraries={n: library_version(n) for n in TRACED_LIBRARIES},
                   environ={k: v for k, v in sorted(os.environ.items())
                            if (k.startswith("MEMFIT_") and not k.startswith("MEMFIT_CACHE"))
                            or k in ("PYTORCH_CUDA_ALLOC_CONF", "COLUMNS", "NO_COLOR",

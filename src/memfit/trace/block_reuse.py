@@ -103,13 +103,14 @@ def _slot_map(log: StepLog, n: int):
     return cs, ref
 
 
-def _runs(log: StepLog) -> list[tuple[int, int]]:
-    """(start, end) of the atom runs copied per middle block (Note 1)."""
-    runs, i, n = [], 0, len(log.atoms)
+def _mid_runs(labels: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each maximal run of ``labels`` that go with block 2: the atoms (or the
+    entries) copied per middle block (Note 1)."""
+    runs, i, n = [], 0, len(labels)
     while i < n:
-        if log.effective[i] == MID:
+        if labels[i] == MID:
             j = i
-            while j < n and log.effective[j] == MID:
+            while j < n and labels[j] == MID:
                 j += 1
             runs.append((i, j))
             i = j
@@ -161,23 +162,21 @@ def _stream(log: StepLog, n: int) -> _Out:
 
     # entries: a run of block 2's is copied (its parameters, their state)
     entries = list(led._entry)
+    entry_runs = dict(_mid_runs([log.label[sid] for sid in entries]))
     i = 0
     while i < len(entries):
-        lab = log.label[entries[i]]
-        if lab == MID:
-            j = i
-            while j < len(entries) and log.label[entries[j]] == MID:
-                j += 1
+        if i in entry_runs:
+            end = entry_runs[i]
             for c in range(copies):
-                for sid in entries[i:j]:
+                for sid in entries[i:end]:
                     out.items.append(("entry", storage(sid, GLOBAL, c), sid))
                     out.source.append(None)
-            i = j
+            i = end
             continue
         out.items.append(("entry", storage(entries[i], GLOBAL, None), entries[i]))
         out.source.append(-1 - i)            # entries' sources are negative
         i += 1
-    runs = dict(_runs(log))
+    runs = dict(_mid_runs(log.effective))
     i = 0
     while i < len(log.atoms):
         if i in runs:
@@ -246,8 +245,8 @@ class _Slopes:
 
 def _slopes(a: StepLog, b: StepLog) -> _Slopes:
     """Compose A for B's depth, check it is B (Note 3), and return the slopes."""
-    short = _stream(a, b.depth)
-    mine, theirs = _canonical(short, a), _canonical(_b_stream(b), b)
+    short, own = _stream(a, b.depth), _b_stream(b)
+    mine, theirs = _canonical(short, a), _canonical(own, b)
     if len(mine) != len(theirs):
         raise NotComposable(f"twin A composed for {b.depth} blocks has {len(mine)} atoms, "
                             f"twin B {len(theirs)}")
@@ -257,7 +256,7 @@ def _slopes(a: StepLog, b: StepLog) -> _Slopes:
                                 f"atom {x}: {p} != {q}")
     s = _Slopes()
     la, lb = a.tracker.ledger, b.tracker.ledger
-    for it, src, bit in zip(short.items, short.source, _b_stream(b).items):
+    for it, src, bit in zip(short.items, short.source, own.items):
         if it[0] == "entry" and src is not None:
             s.entry[it[2]] = la._entry[it[2]] - lb._entry[bit[2]]
         elif it[0] == "ev" and src is not None:
