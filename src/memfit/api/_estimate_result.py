@@ -46,6 +46,8 @@ class Estimate:
     remat_floor_bytes: int | None = None         # the least budget the simulation reaches
     # per op of the timeline: FLOPs, bytes touched, of which training state, bytes allocated
     op_costs: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # category -> live bytes before the timeline's first op (the level it starts from)
+    start_breakdown: dict[str, int] = field(default_factory=dict)
     # for a GPU: device_bytes line by line, and the driver's share of the card (trace.card)
     card: CardBreakdown | None = None
     lifetimes: StorageLog | None = field(default=None, compare=False, repr=False)  # memplan

@@ -3,6 +3,15 @@
 ``trace_step`` traces one steady-state step on fakes and returns what it traced (``Traced``);
 ``figures`` makes the ``Estimate`` from a traced step's profile and tracker, or from a step
 composed of a shallow twin's pieces (``api._blockwise``) with the same code.
+
+Note 1 (the optimizer phase alone). ``optimizer_only`` traces what the step does once its
+gradients are made (``Runner.optimizer_phase``: unscale, clip, the optimizer step, the scale
+update, the scheduler) from the steady state the warm-up leaves: the optimizer state made, every
+gradient alive, as backward leaves them. Its timeline is that phase's alone
+(``phases == {"optimizer": 0}``), starting from ``start_breakdown``. The planner's models of
+another optimizer implementation or state read only that phase (planner.variants), so the
+forward and backward are not traced again; tests/api/test_optimizer_only.py holds it to the
+whole step's phase. There is no allocator replay (it needs the whole step's history).
 """
 
 from __future__ import annotations
@@ -67,16 +76,22 @@ class Traced:
 def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier, *,
                budget=None, count_fn=None, allocator=None, allocator_replay=True, step=None,
                scheduler=None, cuda_version=None, layout: RankLayout | None = None,
-               blocks: list[str] | None = None) -> Traced:
+               blocks: list[str] | None = None, optimizer_only: bool = False) -> Traced:
     """One step traced on fakes made by ``copier`` (``estimate`` says what each argument
     does); ``blocks``: label the tracker's storages with these block names
     (``trace.block_reuse``). With a data-parallel ``layout`` (default: the one the knobs
     ``gpus``, ``sharding``... ask for), one rank of it: the same trace on the fake model sharded
-    by ``techniques.sharding`` (``api._rank_layout``)."""
+    by ``techniques.sharding`` (``api._rank_layout``). ``optimizer_only``: the step's
+    optimizer phase alone (Note 1)."""
     k.check_available()
     layout = layout or RankLayout.of(k)
     if layout is not None:
         layout.refuse(k, step=step, scheduler=scheduler, allocator=allocator)
+    if optimizer_only and (layout is not None or step is not None or
+                           k.optimizer_in_backward or k.offload_gradients):
+        raise ValueError("optimizer_only traces memfit's own step on one device, with the "
+                         "optimizer stepped after backward (no step=fn, gpus, "
+                         "optimizer_in_backward or offload_gradients)")
     spec = resolve_device(model, device, cuda_version)        # checks the model first
     user, k, batch = _checked_step(model, batch, loss_fn, k, step, scheduler)
     k = k.replace(precision=resolve_precision(k.precision, spec))
@@ -92,7 +107,7 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
     # memfit's CUDA models are not applied to a sharded rank yet (api._rank_layout says why)
     cuda = CudaModel(spec, allocator) if spec.kind == "cuda" and layout is None else None
     check_attention_device(model, spec.kind, sharded=layout is not None)
-    replay = cuda is not None and allocator_replay
+    replay = cuda is not None and allocator_replay and not optimizer_only
     with contextlib.ExitStack() as stack:     # a rank's fake process group, until counted
         fake_model = copier.module(model)
         fake_model.train(model.training)
@@ -115,7 +130,11 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
             with cuda.kernels() if cuda else contextlib.nullcontext(), \
                     placement.step(on_phase) if placement else \
                     contextlib.nullcontext(on_phase) as mark:
-                runner.run(fake_batch, mark)
+                if optimizer_only:            # Note 1
+                    mark("optimizer")
+                    runner.optimizer_phase()
+                else:
+                    runner.run(fake_batch, mark)
                 if runner.scheduler is not None:
                     runner.scheduler.step()
 
@@ -139,7 +158,7 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
             prof, tracker = profile_step(run, copier=copier, model=runner.model,
                                          optimizer=runner.optimizer, warm_up=warm_up,
                                          two_steps=replay or user is not None,
-                                         after_first=host_state if replay else None,
+                                         on_state=host_state if cuda else None,
                                          blocks=blocks)
         except Exception as e:
             if user is not None and (clear := explain_step_error(e, user)) is not None:
@@ -187,7 +206,7 @@ def figures(t: Traced) -> Estimate:
         bw_flops=prof.bw_flops, device=spec, limit_bytes=limit, knobs=k,
         trace_seconds=prof.trace_seconds, notes=notes,
         basis="cuda-model" if cuda else "cpu-trace", knobs_blocks=t.knobs_blocks,
-        op_costs=prof.op_costs, card=card, lifetimes=storage_log(tracker),
+        op_costs=prof.op_costs, start_breakdown=prof.start_breakdown, card=card, lifetimes=storage_log(tracker),
         traced_as=t.traced_as,
     )
     return est

@@ -23,7 +23,8 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
              loss_fn: Callable | None = None, *, budget=None, count_fn: Callable | None = None,
              allocator: AllocatorConfig | None = None, allocator_replay: bool = True,
              step: Callable | None = None, scheduler: Callable | None = None,
-             cuda_version=None, compose_blocks: bool = True, **knobs) -> Estimate:
+             cuda_version=None, compose_blocks: bool = True, optimizer_only: bool = False,
+             **knobs) -> Estimate:
     """Predict the memory of one steady-state training step of ``model`` on ``batch``.
 
     Traces zero_grad -> forward -> loss -> backward -> optimizer.step on fake tensors (no real
@@ -53,6 +54,10 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     ``notes``); ``device`` may also be a profile from ``memfit calibrate`` (FILE.json or
     ``DeviceSpec.load``), whose measured figures are then used. ``card`` breaks
     ``device_bytes`` down as NVML counts it (``memfit.trace.card``).
+    ``optimizer_only=True`` traces the step's optimizer phase alone (unscale, clip, step, from
+    the steady state with every gradient alive; ``api._traced`` Note 1): the planner's models
+    of another optimizer implementation or state read no more, and the forward and backward
+    cost the most to trace.
 
     ``step``: the user's own training step ``fn(model, batch, optimizer)`` as written
     (zero_grad wherever it is, clipping, a GradScaler, extra forwards, an EMA copy, a second
@@ -77,21 +82,22 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     key = trace_cache.key_for(model, batch, optimizer, device, dict(
         knobs=k, budget=budget, allocator=allocator, allocator_replay=allocator_replay,
         cuda_version=cuda_version, compose_blocks=compose_blocks, loss_fn=loss_fn,
-        count_fn=count_fn, step=step, scheduler=scheduler))
+        count_fn=count_fn, step=step, scheduler=scheduler, optimizer_only=optimizer_only))
     kept = trace_cache.lookup(key)
     if kept is not None:
         kept.traced_as += "; read from memfit's cache"
         return kept
     est = _traced(model, batch, optimizer, device, loss_fn, k, budget=budget, count_fn=count_fn,
                   allocator=allocator, allocator_replay=allocator_replay, step=step,
-                  scheduler=scheduler, cuda_version=cuda_version, compose_blocks=compose_blocks)
+                  scheduler=scheduler, cuda_version=cuda_version, compose_blocks=compose_blocks,
+                  optimizer_only=optimizer_only)
     trace_cache.store(key, est)
     return est
 
 
 def _traced(model, batch, optimizer, device, loss_fn, k: Knobs, *, budget, count_fn,
             allocator, allocator_replay, step, scheduler, cuda_version,
-            compose_blocks) -> Estimate:
+            compose_blocks, optimizer_only) -> Estimate:
     """``estimate``'s trace: composed from twins where it can be (``api._blockwise``), else
     whole."""
     why = None
@@ -101,7 +107,8 @@ def _traced(model, batch, optimizer, device, loss_fn, k: Knobs, *, budget, count
                                              budget=budget, count_fn=count_fn,
                                              allocator=allocator,
                                              allocator_replay=allocator_replay, step=step,
-                                             scheduler=scheduler, cuda_version=cuda_version)
+                                             scheduler=scheduler, cuda_version=cuda_version,
+                                             optimizer_only=optimizer_only)
         except Exception:       # the whole trace says what is wrong, as it always has
             composed = None
         if composed is not None:
@@ -109,7 +116,7 @@ def _traced(model, batch, optimizer, device, loss_fn, k: Knobs, *, budget, count
     est = traced_estimate(model, batch, optimizer, device, loss_fn, k, FakeCopier("cpu"),
                           budget=budget, count_fn=count_fn, allocator=allocator,
                           allocator_replay=allocator_replay, step=step, scheduler=scheduler,
-                          cuda_version=cuda_version)[0]
+                          cuda_version=cuda_version, optimizer_only=optimizer_only)[0]
     if why is not None and not why.endswith(TOO_FEW):
         est.traced_as = f"whole: {why}"
     return est
@@ -117,12 +124,14 @@ def _traced(model, batch, optimizer, device, loss_fn, k: Knobs, *, budget, count
 
 def traced_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier, *,
                     budget=None, count_fn=None, allocator=None, allocator_replay=True, step=None,
-                    scheduler=None, cuda_version=None, layout: RankLayout | None = None):
+                    scheduler=None, cuda_version=None, layout: RankLayout | None = None,
+                    optimizer_only: bool = False):
     """``estimate`` traced on fakes made by ``copier``: (the Estimate, the tracker that counted
     it, the CudaModel of a GPU target or None). A shared trace (``memfit.api._shared_shapes``)
     replays the tracker in other shapes. With a data-parallel ``layout``, one rank of it
     (``api._traced.trace_step``)."""
     t = trace_step(model, batch, optimizer, device, loss_fn, k, copier, budget=budget,
                    count_fn=count_fn, allocator=allocator, allocator_replay=allocator_replay,
-                   step=step, scheduler=scheduler, cuda_version=cuda_version, layout=layout)
+                   step=step, scheduler=scheduler, cuda_version=cuda_version, layout=layout,
+                   optimizer_only=optimizer_only)
     return figures(t), t.tracker, t.cuda

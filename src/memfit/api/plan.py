@@ -44,7 +44,8 @@ well under a second, with the same words (``BudgetTooSmall.floor_is_bound``). No
 Note 6 (the optimizer implementation). With ``optimizer_impl`` unset and the optimizer given
 by name or factory, the planner may switch the implementation on a GPU target
 (``memfit.optimizers``): each other one the class supports and that may need less than CUDA's
-default foreach (fused, for-loop) is traced once, and the search weighs it like any other knob,
+default foreach (fused, for-loop) is traced once (its optimizer step alone:
+``estimate(optimizer_only=True)``), and the search weighs it like any other knob,
 before the optimizer state leaves the device. An optimizer instance keeps its own unless
 ``optimizer_impl`` is set.
 
@@ -321,7 +322,7 @@ class _Planner:
                                   job.spec)
         for impl in variants:                                   # Note 6
             say(f"tracing the optimizer step with the {impl} implementation")
-            other = job.trace(p, optimizer_impl=impl, allocator_replay=False)
+            other = job.trace(p, optimizer_impl=impl, optimizer_only=True)
             memory, time = self.models[self.key]
             self.models[(p, impl)] = (memory.with_optimizer_step(other),
                                       time.with_optimizer_step(other))

@@ -221,6 +221,11 @@ class Tracker:
         return r.breakdown_at(r.peak_event)
 
     @property
+    def start_breakdown(self) -> dict[str, int]:
+        """Category -> live bytes when the window starts, the level its timeline starts from."""
+        return self.resolved.breakdown_at(self._window_event - 1)
+
+    @property
     def timeline(self) -> list[int]:
         """Live bytes after each op, in order (frees before the next op included)."""
         r = self.resolved

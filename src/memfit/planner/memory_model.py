@@ -41,9 +41,10 @@ reserved to allocated bytes at the peak, and the CUDA context, turn them into de
 
 Note 7 (the optimizer implementation). foreach, fused and for-loop steps differ only in the
 temporaries of the optimizer step (foreach's span all parameters at once).
-``with_optimizer_step(est)`` takes them from a plain trace with the other implementation: the step's
-peak above the level it starts from, which depends on no batch size (state and gradients only); the
-forward and backward points stay this model's. With the optimizer state on the host the step runs
+``with_optimizer_step(est)`` takes them from a trace of the optimizer phase with the other
+implementation (``estimate(optimizer_only=True)``, or a whole step): the step's peak above the
+level it starts from, which depends on no batch size (state and gradients only); the forward and
+backward points stay this model's. With the optimizer state on the host the step runs
 there, so that point does not change.
 
 Note 8 (passes). A user's step may run a block several times (micro-batches accumulated inside
@@ -57,9 +58,10 @@ or a backward without a forward, can only be kept.
 Note 9 (low-bit optimizer state). A low-bit Adam (``optimizer_state``) changes only the
 optimizer's bytes: its state, alive at every point, and its step's temporaries (on CPU
 parameter-sized fp32 copies; none in bitsandbytes' fused CUDA kernel, which updates in place).
-``with_optimizer_state(est)`` reads both off a plain trace with that state:
-the optimizer category's difference at each point before the step (the forward and backward
-run the same ops) shifts every point, and the step's rise replaces this model's (as Note 7).
+``with_optimizer_state(est)`` reads both off a trace of the optimizer phase with that state
+(``estimate(optimizer_only=True)``, or a whole step): the state's bytes when the phase starts
+(made before the step, alive and unchanged through forward and backward) beyond this model's
+shift every point, and the step's rise replaces this model's (as Note 7).
 
 Note 10 (parameter offload, placements). A model read off a trace with ``offload_params`` (block
 weights on the host, fetched per block) is a model like any other, with two limits the search
@@ -304,19 +306,11 @@ class MemoryModel:
         """This model with the optimizer state and step of ``est``, a plain trace of the same
         step with a low-bit optimizer state (Note 9)."""
         out = copy.copy(self)
-        opt = np.asarray(est.timeline_by_category["optimizer"], dtype=np.float64)
-        start = est.phases.get("optimizer", len(opt))
-        n = self.opt_start
-        if start == n:                           # the same forward and backward ops
-            delta = np.zeros_like(self._opt)
-            delta[:n] = opt[:n] - self._opt[:n]
-        else:                                    # a constant shift: the state alone
-            delta = np.full_like(self._opt, float(opt[:start].max(initial=0.0))
-                                 - self.optimizer_state_bytes)
-        out._fixed = self._fixed + delta
-        out._opt = self._opt + delta
-        out._total = self._total + delta
-        out.optimizer_state_bytes = float(out._opt[:n].max(initial=0.0))
+        start = est.phases.get("optimizer", len(est.timeline))
+        shift = level_before(est, start, "optimizer") - self.optimizer_state_bytes
+        out._fixed, out._opt, out._total = self._fixed + shift, self._opt + shift, \
+            self._total + shift
+        out.optimizer_state_bytes = self.optimizer_state_bytes + shift
         out._opt_rise = optimizer_rise_bytes(est)
         return out
 
@@ -365,9 +359,17 @@ class _Fit:
 def optimizer_rise_bytes(est) -> int:
     """What the optimizer step of ``est`` allocates above the level it starts from (>= 0)."""
     start = est.phases.get("optimizer")
-    if start is None or not 0 < start < len(est.timeline):
+    if start is None or not 0 <= start < len(est.timeline):
         return 0
-    return max(max(est.timeline[start:]) - est.timeline[start - 1], 0)
+    return max(max(est.timeline[start:]) - level_before(est, start), 0)
+
+
+def level_before(est, op: int, category: str | None = None) -> int:
+    """Live bytes (of ``category``, else all) just before op ``op`` of ``est``'s timeline."""
+    if op > 0:
+        return (est.timeline_by_category[category] if category else est.timeline)[op - 1]
+    start = est.start_breakdown
+    return start.get(category, 0) if category else sum(start.values())
 
 
 def _at(pair: tuple[float, float], m: int) -> float:

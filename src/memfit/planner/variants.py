@@ -5,12 +5,13 @@ key, ``search.variant_key``).
 Note 1 (what is traced). The caller (``api.plan``) passes ``trace(precision, samples, **knobs)``
 (an ``estimate`` without the allocator replay; ``samples`` ``None`` for the whole batch, else
 the first ``samples`` of it) so that this layer imports nothing above it.
-- A low-bit state ``s`` costs one trace of the whole batch (the first precision's plain step
-  with ``optimizer_state=s``), shared by every precision: the memory and time models read the
-  state's bytes and its step off it (``with_optimizer_state``, ``with_optimizer_step``; the
-  state does not depend on the autocast precision; another precision's forward has other ops,
-  so its points shift by the state's bytes alone); the forward and backward points stay the
-  fp32-state model's.
+- A low-bit state ``s`` costs one trace of the optimizer phase alone (the first precision's
+  step with ``optimizer_state=s``, ``estimate(optimizer_only=True)``: unscale, clip and the
+  step, from the steady state with every gradient alive), shared by every precision: the
+  memory and time models read the state's bytes and its step off it
+  (``with_optimizer_state``, ``with_optimizer_step``; the state does not depend on the autocast
+  precision, and it is made before the step, so every point of forward and backward shifts by
+  its bytes alone); the forward and backward points stay the fp32-state model's.
 - Parameter offload ("all" blocks, with the optimizer state on the host: it needs it) costs two
   traces (the whole batch and half of it: every point a line in the micro-batch), at the
   precision "auto" prefers (the one traced first): fetched weights change every point of the
@@ -107,9 +108,9 @@ def add_low_bit(models: dict, traces: dict, trace: Callable, say: Callable[[str]
         for key in keys:                       # bf16-pure's optimizer steps fp32 masters
             precision = key[0]
             if est is None:                    # one trace per state, shared (Note 1)
-                say(f"tracing the plain step with {state} optimizer state ({precision})")
+                say(f"tracing the optimizer step with {state} optimizer state ({precision})")
                 try:
-                    est = trace(precision, None, optimizer_state=state)
+                    est = trace(precision, None, optimizer_state=state, optimizer_only=True)
                 except (ValueError, ImportError):  # library missing, a class it lacks
                     break
             memory, time = models[key]

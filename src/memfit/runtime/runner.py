@@ -196,20 +196,27 @@ class Runner:
                 loss = torch.where(weights[i] == 0, torch.zeros_like(loss), loss)
             loss_sum = loss if loss_sum is None else loss_sum + loss
         mark("optimizer")
-        check_optimizer_step(self.plan.predicted_optimizer_step_bytes,   # parameters untouched
-                             self.applied.budget_bytes, self.device_type)   # so far
-        grad_norm = self._unscale_and_clip()
-        with committing():
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
+        grad_norm = self.optimizer_phase()
         if world > 1:             # each rank holds world x its share of the global mean
             loss_sum = loss_sum.clone()
             dist.all_reduce(loss_sum)
             loss_sum = loss_sum / world
         return loss_sum, total, grad_norm, len(micro)
+
+    def optimizer_phase(self):
+        """The effective batch's optimizer phase, once its gradients are made: unscale, clip,
+        the optimizer step (under fp16 the scaler's), the scale update. Returns the gradient
+        norm or None. ``estimate(optimizer_only=True)`` traces this alone."""
+        check_optimizer_step(self.plan.predicted_optimizer_step_bytes,   # parameters untouched
+                             self.applied.budget_bytes, self.device_type)   # so far
+        grad_norm = self._unscale_and_clip()
+        with committing():
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        return grad_norm
 
     def _weights(self, micro: list, world: int):
         """Each micro-batch's loss weight ``count_i * world / total``: the sum of the weighted

@@ -99,17 +99,31 @@ class EagerStep:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("low-bit Adam does not support sparse gradients")
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = self._new_buffer(p, True)
-                    state["exp_avg_sq"] = self._new_buffer(p, False)
-                    if group.get("amsgrad"):
-                        state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                state = self._state_of(p, group)
                 state["step"] += 1
                 _adam(p.detach(), p.grad, state, group, self.is_adamw,
                       self.bf16_stochastic_round and p.dtype is torch.bfloat16)
         return loss
+
+    @torch.no_grad()
+    def first_step_state(self) -> None:
+        """The state of each parameter with a gradient, as its first ``step`` makes it, without
+        the update (a trace's warm-up needs the state, not the step's ops:
+        ``trace.profile.warm_up_optimizer``)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._state_of(p, group)
+
+    def _state_of(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = self._new_buffer(p, True)
+            state["exp_avg_sq"] = self._new_buffer(p, False)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = self._new_buffer(p, False)
+        return state
 
 
 def _load(x: torch.Tensor) -> torch.Tensor:

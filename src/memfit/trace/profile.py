@@ -4,7 +4,9 @@ Note 1 (steady state). Peak is defined over a steady-state step (step >= 2): the
 state exists and the previous step's gradients are still alive when the step begins (the
 step's first act, ``zero_grad(set_to_none=True)``, frees them). Before the counted step we
 therefore give every trainable parameter a gradient and run one untracked ``optimizer.step``,
-which creates the state exactly as the real first step does. An optimizer stepped in backward
+which creates the state exactly as the real first step does; an optimizer with
+``first_step_state()`` (memfit's eager torchao step, whose update is about sixty ops a parameter)
+makes that same state without the update. An optimizer stepped in backward
 (``steps_in_backward``: one per parameter, run by gradient hooks) frees each gradient as it
 steps it, so its steady state starts with no gradient alive; an optimizer that moves each
 gradient to the host (``offload_gradients``) starts it with them alive on the host only.
@@ -75,6 +77,7 @@ class StepProfile:
     blocks: list[str] = field(default_factory=list)
     # per op: FLOPs, bytes touched, of which training state, bytes allocated (measure._counting)
     op_costs: list[tuple[int, int, int, int]] = field(default_factory=list)
+    start_breakdown: dict[str, int] = field(default_factory=dict)   # before the first op
 
 
 def warm_up_optimizer(model: nn.Module, optimizer) -> None:
@@ -83,7 +86,8 @@ def warm_up_optimizer(model: nn.Module, optimizer) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer.step()
+    make = getattr(optimizer, "first_step_state", None)   # the state without the update's
+    (make if callable(make) else optimizer.step)()          # ops, where it can (Note 1)
     if getattr(optimizer, "steps_in_backward", False):
         return                 # its step freed them, as its hooks do in every backward
     if getattr(optimizer, "offload_gradients", False):
@@ -94,7 +98,7 @@ def warm_up_optimizer(model: nn.Module, optimizer) -> None:
 
 def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier: FakeCopier,
                  model: nn.Module, optimizer, warm_up: Callable[[], object] | None = None,
-                 two_steps: bool = False, after_first: Callable[[Tracker], None] | None = None,
+                 two_steps: bool = False, on_state: Callable[[Tracker], None] | None = None,
                  blocks: list[str] | None = None) -> tuple[StepProfile, Tracker]:
     """Trace ``run_step(on_phase)`` on fakes made by ``copier`` and count it.
 
@@ -102,7 +106,8 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
     (parameters, gradients, optimizer state) and sort the bytes into categories. ``warm_up``
     runs first, uncounted, to reach the steady state (default: ``warm_up_optimizer``, Note 1).
     ``two_steps``: instead, count two whole steps and take the peak over the second (an
-    allocator replay needs the first step's history); ``after_first(tracker)`` runs between.
+    allocator replay needs the first step's history). ``on_state(tracker)`` runs once the
+    optimizer state exists: before the counted step, or between the two.
     ``blocks``: the model's block names, for a tracker that labels storages with them
     (``trace.block_reuse``).
     """
@@ -121,8 +126,9 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
             with tracker:
                 if two_steps:
                     run_step(lambda name: None)
-                    if after_first is not None:
-                        after_first(tracker)
+                if on_state is not None:
+                    on_state(tracker)
+                if two_steps:
                     tracker.start_window()
                 first_op = tracker.ops
                 run_step(lambda name: phases.setdefault(name, tracker.ops - first_op))
@@ -150,6 +156,7 @@ def profile_of(tracker: Tracker, phases: dict[str, int], seconds: float) -> Step
         host_peak_bytes=tracker.host_peak_bytes,
         blocks=[r.name for r in records if r.is_block],
         op_costs=tracker.window_op_costs,
+        start_breakdown=tracker.start_breakdown,
     )
 
 

@@ -1,0 +1,66 @@
+"""``estimate(optimizer_only=True)``: the step's optimizer phase alone (api._traced Note 1).
+
+The planner models another optimizer implementation or a low-bit state from this trace, not
+the whole step's (planner.variants). The oracle is the whole step traced with the same knobs:
+its optimizer phase must run the same ops with the same costs, rise by the same bytes above
+the level it starts from, and start with the same optimizer state alive.
+"""
+
+import pytest
+
+import memfit
+from memfit import zoo
+from memfit.planner.memory_model import level_before, optimizer_rise_bytes
+
+GPU, A100 = "gtx-1080-ti", "a100-80gb"
+
+
+@pytest.fixture(scope="module")
+def job():
+    """bert-base's widths, one layer, on the meta device, one short sample."""
+    spec = zoo.get("bert-base")
+    model = spec.build(device="meta", num_hidden_layers=1)
+    return model, spec.make_batch(model, 2, seq_len=8)
+
+
+CASES = [
+    pytest.param(GPU, dict(precision="fp32", optimizer_impl="fused"), id="fused"),
+    pytest.param(GPU, dict(precision="fp32", optimizer_impl="for-loop"), id="for-loop"),
+    pytest.param(GPU, dict(precision="fp16", optimizer_state="8bit", max_grad_norm=1.0),
+                 id="fp16-scaler-clip-8bit"),
+    pytest.param("cpu", dict(precision="fp32", optimizer_state="bf16"), id="cpu-bf16-state"),
+    pytest.param(A100, dict(precision="bf16", optimizer_state="4bit", max_grad_norm=1.0),
+                 id="bf16-4bit-clip"),
+]
+
+
+@pytest.mark.parametrize("device,knobs", CASES)
+def test_the_optimizer_phase_alone_is_the_whole_steps(job, device, knobs):
+    if "optimizer_state" in knobs:
+        pytest.importorskip("bitsandbytes" if knobs["optimizer_state"] == "8bit"
+                            else "torchao.optim")
+    model, batch = job
+    whole = memfit.estimate(model, batch, device=device, allocator_replay=False, **knobs)
+    alone = memfit.estimate(model, batch, device=device, optimizer_only=True, **knobs)
+    start = whole.phases["optimizer"]
+    assert alone.phases == {"optimizer": 0}
+    assert alone.op_log == whole.op_log[start:] and len(alone.op_log) > 0
+    assert alone.op_costs == whole.op_costs[start:]
+    rise = [t - level_before(whole, start) for t in whole.timeline[start:]]
+    assert [t - level_before(alone, 0) for t in alone.timeline] == rise
+    assert optimizer_rise_bytes(alone) == optimizer_rise_bytes(whole) == max(max(rise), 0)
+    state = level_before(whole, start, "optimizer")
+    assert level_before(alone, 0, "optimizer") == state > 0
+    assert set(whole.timeline_by_category["optimizer"][:start]) == {state}   # alive throughout
+    if device != "cpu":     # the state as the allocator-replayed step (two steps) starts it
+        replayed = memfit.estimate(model, batch, device=device, **knobs)
+        assert level_before(replayed, replayed.phases["optimizer"], "optimizer") == state
+
+
+def test_refusals(job):
+    model, batch = job
+    with pytest.raises(ValueError, match="optimizer_only"):
+        memfit.estimate(model, batch, optimizer_only=True, optimizer_in_backward=True)
+    with pytest.raises(ValueError, match="optimizer_only"):
+        memfit.estimate(model, batch, optimizer_only=True,
+                        step=lambda m, b, o: m(**b).loss.backward())
