@@ -40,3 +40,24 @@ def test_a_long_stage_is_printed_again(capsys, monkeypatch):
         s.update("done")
     err = capsys.readouterr().err
     assert err.count("] tracing") >= 2 and err.count("] done") == 1
+
+
+def test_numbered_stages_carry_their_place_and_an_eta(capsys, monkeypatch):
+    """api._stages numbers the stages; the line says which of how many, and from the second
+    on, about how long is left (cli._progress Note 2)."""
+    from memfit.api._stages import Stages
+    monkeypatch.setattr(_progress, "QUIET_S", 0.0)
+    with _progress.status(_piped(), "building the model...") as s:
+        say = Stages(s.update)
+        say.expect(3)
+        say("tracing the plain step (fp32, batch 4)")
+        time.sleep(0.3)
+        say("searching")
+        say("verifying: re-tracing fp32")
+        say("searching again (attempt 2)")          # one more than expected
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[1].endswith("tracing the plain step (fp32, batch 4) (stage 1 of 3)")
+    assert "searching (stage 2 of 3, about " in lines[2] and lines[2].endswith(" s left)")
+    left = float(lines[2].split("about ")[1].split(" s")[0])
+    assert 0.3 <= left <= 1.5          # 0.3 s a stage so far, two stages left
+    assert "(stage 4 of 4, about " in lines[4]

@@ -59,6 +59,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from memfit.api._choice import describe, knob_values
+from memfit.api._stages import Stages
 from memfit.api.estimate import estimate
 from memfit.planner.search import floor_candidates
 from memfit.planner.variants import GRAD_OFFLOAD_PRECISIONS, IN_BACKWARD_PRECISIONS
@@ -90,8 +91,11 @@ def least_memory(model, batch, models, fixed, k, common, held, b, say, alloc=Non
         values = knob_values(c, models[c.key][0].blocks, k)
         return c.precision, tuple(sorted((n, str(v)) for n, v in values.items()))
 
+    candidates = list(floor_candidates(models, b, fixed))
+    if isinstance(say, Stages):          # an ETA's count: each candidate and the confirmation
+        say.expect(len(candidates) + (common["device"].kind == "cuda"))
     total, c, (values, est) = least_traced(
-        floor_candidates(models, b, fixed), predicted=lambda c: c.device_bytes, ident=ident,
+        candidates, predicted=lambda c: c.device_bytes, ident=ident,
         trace=trace, say=say, describe=lambda c: describe(c, b))
     if common["device"].kind != "cuda":          # a CPU trace is exact: nothing to confirm
         return total, c, est

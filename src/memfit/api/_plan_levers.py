@@ -10,7 +10,7 @@ from memfit.api._floor import first_samples
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
 from memfit.planner.variants import (GRAD_OFFLOAD_PRECISIONS, IN_BACKWARD_PRECISIONS,
-                                     add_chunked_loss, add_gradient_offload, add_low_bit,
+                                     LOW_BIT_STATES, add_chunked_loss, add_gradient_offload, add_low_bit,
                                      add_optimizer_in_backward, add_param_offload)
 from memfit.techniques.chunked_loss import chunkable
 
@@ -90,13 +90,25 @@ class Levers:
                             **{**fixed, **knobs}, **common)
         self.trace = trace
 
-    def add_low_bit(self) -> None:
+    def traces_ahead(self) -> int:
+        """The traces ``add_low_bit``, ``add_chunked_loss`` and ``add_optimizer_in_backward``
+        expect to run (an ETA's count: a state whose library is missing traces nothing)."""
+        return len(LOW_BIT_STATES) * self._low_bit_open() + 2 * self._chunked_open() + \
+            in_backward_open(self.k, self.user_step, self.b)
+
+    def _low_bit_open(self) -> bool:
         k = self.k
+        return self.numerics and k.optimizer_state is None and k.optimizer_impl is None and \
+            not self.user_step and k.offload_params in (None, "none")
+
+    def _chunked_open(self) -> bool:
+        return self.k.chunked_loss is None and self._chunkable
+
+    def add_low_bit(self) -> None:
         if "low_bit" in self._done:
             return
         self._done.add("low_bit")
-        if self.numerics and k.optimizer_state is None and k.optimizer_impl is None and \
-                not self.user_step and k.offload_params in (None, "none"):
+        if self._low_bit_open():
             self.low_bit = add_low_bit(self.models, self.traces, self.trace, self.say)
 
     def add_chunked_loss(self) -> None:
@@ -105,7 +117,7 @@ class Levers:
         if "chunked" in self._done:
             return
         self._done.add("chunked")
-        if self.k.chunked_loss is None and self._chunkable:
+        if self._chunked_open():
             first = next(iter(self.traces))         # the precision auto prefers
             add_chunked_loss(self.models, self.trace, self.spec, self.b, self.say,
                              (first, self.k.optimizer_impl))

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 
 from memfit.api._plan_allocator import AllocatorChoice
 from memfit.api._setup import resolve_device
+from memfit.api._stages import Stages
 from memfit.api.estimate import estimate
 from memfit.api.plan import plan_traced
 from memfit.errors import BudgetTooSmall
@@ -100,7 +101,7 @@ def largest_fitting(spec, model, lever: str, *, batch_size: int, seq_len: int | 
         raise ValueError(f"lever={lever!r}: use one of {', '.join(LEVERS)}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    say = on_progress or (lambda message: None)
+    say = Stages(on_progress)       # numbered; a bisection expects no count (api._stages)
     dev = resolve_device(model, device)
     if allow_numerics_change is not None:
         knobs["allow_numerics_change"] = allow_numerics_change

@@ -107,6 +107,7 @@ from memfit.api._plan_sharded import is_sharded, plan_sharded
 from memfit.api._plan_words import (counted_levers, excluded_levers, global_reasons,
                                     host_bytes, too_small)
 from memfit.api._setup import resolve_device, resolve_precision
+from memfit.api._stages import Stages
 from memfit.api._user_step import STEP_FIXED_NOTE, as_user_step, check_step_knobs
 from memfit.api._validate import check_batch, check_order
 from memfit.api.estimate import estimate
@@ -239,7 +240,7 @@ class _PlanCall:
     fixed: Constraints
     common: dict                   # estimate's keywords every trace shares
     state: dict                    # a fixed optimizer_state / offload_params, in every trace
-    say: Callable[[str], None]
+    say: Stages                    # on_progress, each stage numbered (an ETA's count)
 
     @classmethod
     def checked(cls, model, batch, budget, optimizer, device, loss_fn, count_fn, allocator,
@@ -290,7 +291,7 @@ class _PlanCall:
             common["quantize_base"] = k.quantize_base
         return cls(model, batch, original, b, k, spec, budget_bytes, user_step, recipe,
                    trainable, p, user, others, numerics, Constraints.of(model, k, b), common,
-                   state_knobs(k), on_progress or (lambda message: None))
+                   state_knobs(k), Stages(on_progress))
 
     def trace(self, precision: str, **knobs):
         """The step at ``precision`` with ``knobs`` (the fixed state's unless given)."""
@@ -308,18 +309,23 @@ class _Planner:
     def __init__(self, job: _PlanCall, batches, on_floor, suggest_shorter: bool):
         self.job, self.on_floor, self.suggest_shorter = job, on_floor, suggest_shorter
         k, p, user, b, say = job.k, job.p, job.user, job.b, job.say
+        default_impl = _modelled_impl(job.recipe, job.trainable, job.spec)
+        variants = _impl_variants(job.recipe, k, job.trainable, default_impl, job.fixed,
+                                  job.spec)
+        self.models, traces = {}, {}
+        self.levers = Levers(job.model, job.batch, self.models, traces, job.common, job.spec,
+                             b, k, job.numerics, job.user_step is not None, say)
+        say.expect(_stages_ahead(job, len(variants), self.levers))
         say(f"tracing the plain step ({user}, batch {b})")
         self.plain = job.trace(user, optimizer_impl=k.optimizer_impl)
         self.base = self.plain
         if p != user:
             say(f"tracing the plain step ({p}, batch {b})")
             self.base = job.trace(p, optimizer_impl=k.optimizer_impl)
+        traces[p] = self.base
         self.key = (p, k.optimizer_impl)
-        self.models = {self.key: _models(job.model, job.batch, self.base, job.common, job.spec,
-                                         p, b, k.optimizer_impl, say, job.state)}
-        default_impl = _modelled_impl(job.recipe, job.trainable, job.spec)
-        variants = _impl_variants(job.recipe, k, job.trainable, default_impl, job.fixed,
-                                  job.spec)
+        self.models[self.key] = _models(job.model, job.batch, self.base, job.common, job.spec,
+                                        p, b, k.optimizer_impl, say, job.state)
         for impl in variants:                                   # Note 6
             say(f"tracing the optimizer step with the {impl} implementation")
             other = job.trace(p, optimizer_impl=impl, optimizer_only=True)
@@ -339,8 +345,6 @@ class _Planner:
         if k.remat is not False and job.user_step is None:   # DTR weighed (Note 9)
             self.remat = RematWeigh(job.model, job.batch, batches, self.plain, job.common,
                                     job.spec, user, b, job.budget_bytes, job.state, k, say)
-        self.levers = Levers(job.model, job.batch, self.models, {p: self.base}, job.common,
-                             job.spec, b, k, job.numerics, job.user_step is not None, say)
         self.margins = Margins(job.budget_bytes)          # the verify loop's (planner.verify)
         self.traced_floor = None
 
@@ -560,6 +564,17 @@ def _impl_variants(recipe: OptimizerRecipe, k: Knobs, params, default: str | Non
         return []
     cls = recipe.optimizer_class(params)
     return [i for i in ("fused", "for-loop") if i != default and supports_impl(cls, i)]
+
+
+def _stages_ahead(job: _PlanCall, variants: int, levers: Levers) -> int:
+    """The stages a plan expects where its plain step does not fit (``job.say.expect``): the
+    plain traces and the searched precision's half batch (``_models``), each other
+    implementation, each other precision (its plain trace unless it is the user's, and its half
+    batch), the levers' traces, the search and the verify. An ETA's count: the verify loop's
+    second attempt, DTR's batches and the last resorts add stages as they come."""
+    half = int(job.b > 1)
+    others = sum(half + (q != job.user) for q in job.others)
+    return 1 + (job.p != job.user) + half + variants + others + levers.traces_ahead() + 2
 
 
 def _models(model, batch, est, common, spec, precision: str, b: int, impl, say, state=None):

@@ -101,7 +101,7 @@ def run_if_asked(args, base_knobs: dict) -> int | None:
     with progress(console, "building the model on the meta device...") as status:
         spec, model = build_model(args)
         batch = make_batch(spec, model, args, args.batch_size, args.seq_len)
-        say = lambda m: status.update(m + "...")            # noqa: E731
+        say = status.update
         if args.compare_gpus:
             from memfit.api._compare_gpus import compare_gpus
             knobs.pop("gpus")

@@ -7,6 +7,13 @@ spinner, each stage with the seconds so far; off a terminal, once the work has t
 current stage is a line on stderr (``memfit: [  12.3 s] tracing the plain step ...``), again at
 each new stage and every 30 s while one lasts, from a daemon thread that stops with the work.
 Stdout stays the answer (``--json`` unchanged); work under 5 s prints nothing.
+
+Note 2 (the ETA). A stage numbered by the pipeline (``api._stages.Stage``: this stage's number
+and the stages expected in all) is printed with its place and, from the second stage on, the
+time left: the seconds per stage so far (from the first stage's start to this one's) times the
+stages left, this one included, less what this one has taken. Stages are traces and searches of
+about the same cost, so it is "about"; a call that runs more stages than it expected raises the
+count as it goes.
 """
 
 from __future__ import annotations
@@ -22,11 +29,45 @@ QUIET_S = 5.0        # off a terminal, nothing is printed before this much time 
 REPEAT_S = 30.0      # ... and a stage that lasts is printed again this often
 
 
+class _Eta:
+    """The place and time left of numbered stages (Note 2)."""
+
+    def __init__(self):
+        self._first: float | None = None      # when stage 1 started
+        self._stage: tuple[int, int, float] | None = None    # (number, expected, its start)
+
+    def heard(self, message: str) -> None:
+        number, expected = getattr(message, "number", 0), getattr(message, "expected", 0)
+        if not number:
+            return
+        now = time.perf_counter()
+        if number == 1 or self._first is None:
+            self._first = now
+        if self._stage is None or self._stage[0] != number:
+            self._stage = (number, expected, now)
+
+    def suffix(self) -> str:
+        if self._stage is None:
+            return ""
+        number, expected, began = self._stage
+        place = f"stage {number} of {expected}" if expected else f"stage {number}"
+        if number < 2 or self._first is None:
+            return f" ({place})"
+        per = (began - self._first) / (number - 1)
+        left = max(per * (expected - number + 1) - (time.perf_counter() - began), 0.0)
+        return f" ({place}, about {_seconds(left)} left)"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 90 else f"{s / 60:.0f} min"
+
+
 class _Lines:
-    """The current stage as lines on ``stream`` (Note 1)."""
+    """The current stage as lines on ``stream`` (Note 1), with its ETA (Note 2)."""
 
     def __init__(self, stream, start: float):
         self.stream, self.start = stream, start
+        self.eta = _Eta()
         self._message: str | None = None
         self._printed: str | None = None
         self._last = 0.0
@@ -37,6 +78,7 @@ class _Lines:
 
     def update(self, message: str) -> None:
         with self._lock:
+            self.eta.heard(message)
             self._message = message.rstrip(". ")
             self._maybe_print()
 
@@ -54,7 +96,8 @@ class _Lines:
         if self._message is None or elapsed < QUIET_S:
             return
         if self._message != self._printed or elapsed - self._last >= REPEAT_S:
-            print(f"memfit: [{elapsed:6.1f} s] {self._message}", file=self.stream, flush=True)
+            print(f"memfit: [{elapsed:6.1f} s] {self._message}{self.eta.suffix()}",
+                  file=self.stream, flush=True)
             self._printed, self._last = self._message, elapsed
 
 
@@ -63,9 +106,12 @@ class _Spinner:
 
     def __init__(self, live, start: float):
         self.live, self.start = live, start
+        self.eta = _Eta()
 
     def update(self, message: str) -> None:
-        self.live.update(f"{message} [{time.perf_counter() - self.start:.0f} s]")
+        self.eta.heard(message)
+        self.live.update(f"{message.rstrip('. ')}{self.eta.suffix()} "
+                         f"[{time.perf_counter() - self.start:.0f} s]")
 
 
 @contextlib.contextmanager

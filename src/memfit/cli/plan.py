@@ -149,7 +149,7 @@ def run(args) -> int:
         _check_progressive(batch, args)
         if planned is None or args.floor:       # else the lever search's plan at its answer
             planned = plan_traced(model, batch, target.budget_bytes, args.optimizer,
-                                  target.device, on_progress=lambda m: status.update(m + "..."),
+                                  target.device, on_progress=status.update,
                                   floor=args.floor, allow_numerics_change=_numerics(args),
                                   **_knobs(args))
         extras = _extras(spec, model, batch, args, target, status, planned.plan, out)
@@ -293,7 +293,7 @@ def _resolve_levers(spec, model, args, target, status, out: dict):
             spec, model, lever, batch_size=batch_size if batch_size != "auto" else 1,
             seq_len=seq_len if seq_len != "auto" else None, budget=target.budget_bytes,
             device=target.device, optimizer=args.optimizer, task=args.task,
-            on_progress=lambda m: status.update(m + "..."),
+            on_progress=status.update,
             allow_numerics_change=_numerics(args), **_lever_knobs(args))
         out[f"largest_{lever}"] = found.value
         # the seq_len search's plan is plan's own at the answer (the batch lever's fixes one
@@ -335,7 +335,7 @@ def _extras(spec, model, batch, args, target, status, p, out: dict) -> dict:
         status.update("sizing the progressive schedule...")
         schedule = progressive(model, batch, target.budget_bytes, short_seq_len=length,
                                short_fraction=fraction, device=target.device,
-                               optimizer=args.optimizer, on_progress=lambda m: status.update(m),
+                               optimizer=args.optimizer, on_progress=status.update,
                                **_lever_knobs(args))
         extras["progressive"] = schedule
         out["progressive"] = schedule.to_dict()
