@@ -70,10 +70,12 @@ from memfit.techniques.low_bit_optimizer import STATES, state_bytes
 __all__ = ["FLOOR_PRUNE", "least_memory", "first_samples", "longest_sequence", "Bound",
            "lower_bound"]
 
-def least_memory(model, batch, models, fixed, k, common, held, b, say, alloc=None):
+def least_memory(model, batch, models, fixed, k, common, held, b, say, alloc=None,
+                 stages_after: int = 0):
     """The floor (Note 1): the candidates ``floor_candidates`` gives, traced; the least
     (``planner.verify.least_traced``). ``alloc``: the plan's ``AllocatorChoice``, whose setting
-    the floor is counted under on a GPU (Note 3).
+    the floor is counted under on a GPU (Note 3). ``stages_after``: the stages the caller runs
+    after the floor, for the ETA's count (``say`` a ``Stages``).
 
     Returns ``(device_bytes, choice, estimate)``; ``estimate`` is None where the floor was
     extrapolated (Note 2) and must be traced whole before it becomes a plan."""
@@ -93,7 +95,7 @@ def least_memory(model, batch, models, fixed, k, common, held, b, say, alloc=Non
 
     candidates = list(floor_candidates(models, b, fixed))
     if isinstance(say, Stages):          # an ETA's count: each candidate and the confirmation
-        say.expect(len(candidates) + (common["device"].kind == "cuda"))
+        say.expect(len(candidates) + (common["device"].kind == "cuda") + stages_after)
     total, c, (values, est) = least_traced(
         candidates, predicted=lambda c: c.device_bytes, ident=ident,
         trace=trace, say=say, describe=lambda c: describe(c, b))

@@ -178,7 +178,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         if planner.remat is not None and job.k.remat:   # DTR fixed by the caller
             return planner.remat.fixed(planner.plain)
         if floor:
-            planner.least()
+            planner.least(stages_after=2)
         return planner.plain_fits() or planner.searched() or planner.floor_plan()
     except BudgetTooSmall:
         if not _weighs_qlora(model, Knobs.from_kwargs(**knobs), allow_numerics_change):
@@ -364,8 +364,10 @@ class _Planner:
             self.held[q] = job.held(q)
             self.levers.traces[q] = est
 
-    def least(self):
-        """The floor, traced once (Note 5), over every lever: ``(bytes, choice, trace)``."""
+    def least(self, stages_after: int = 0):
+        """The floor, traced once (Note 5), over every lever: ``(bytes, choice, trace)``.
+        ``stages_after``: the stages that follow it (the search and the verify), for the
+        ETA's count."""
         if self.traced_floor is None:
             job = self.job
             self.add_precisions()
@@ -376,7 +378,7 @@ class _Planner:
             self.levers.add_param_offload()
             self.traced_floor = least_memory(job.model, job.batch, self.models, job.fixed, job.k,
                                              job.common, self.held, job.b, job.say,
-                                             self.ctx.alloc)
+                                             self.ctx.alloc, stages_after)
             least = self.traced_floor[0]
             self.ctx.floor_bytes = min(least, self.margins.least_verified or least)
             if self.on_floor is not None:
