@@ -17,7 +17,10 @@ shared):
 - Llama-2-7B, 1 x 512, bf16, A100 80GB: the same three;
 - a Llama-2-70B config (80 blocks), 1 x 512, bf16, A100 80GB: memfit composed, beside the 7B;
 - ``--plan``: ``memfit.plan`` of the README default (XLM-R large, batch 32 x 256, GTX 1080 Ti),
-  beside MemTracker's time for one step of that batch.
+  beside MemTracker's time for one step of that batch;
+- ``--fronts``: for Llama-2-7B (1 x 512, A100 80GB, precision auto), ``memfit plan --floor``
+  (``plan(floor=True)``), ``--what-if`` (``studies.what_if``: seven estimates) and
+  ``--compare-gpus`` (``compare_gpus``), each beside MemTracker's 7B step of the same run.
 
 Issue 29's targets are printed beside each ratio; nothing here is a GPU measurement.
 """
@@ -104,6 +107,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", action="store_true",
                     help="also time memfit.plan of the README default (about 2 minutes)")
+    ap.add_argument("--fronts", action="store_true",
+                    help="also time the floor, what-if and compare-gpus of Llama-2-7B (about "
+                         "10 minutes)")
     ap.add_argument("--no-memtracker-7b", action="store_true",
                     help="skip MemTracker on Llama-2-7B (a few minutes)")
     args = ap.parse_args()
@@ -148,6 +154,9 @@ def main() -> None:
                      "device_bytes": planned.predicted_device_bytes})
         console.print(rows[-1])
 
+    if args.fronts:
+        rows += _front_rows(spec7, model7, batch7, rows[1].get("memtracker_cpu_s"), console)
+
     table = Table(title="memfit vs MemTracker (CPU seconds, one process)")
     for col in ("job", "memfit composed", "memfit whole", "MemTracker", "ratio", "target"):
         table.add_column(col)
@@ -157,11 +166,38 @@ def main() -> None:
                                                           r.get("plan_over_memtracker")))
         table.add_row(r["job"], str(r.get("memfit_composed_cpu_s", r.get("memfit_plan_cpu_s"))),
                       str(r.get("memfit_whole_cpu_s", "")), str(r.get("memtracker_cpu_s", "")),
-                      f"{ratio}x" if ratio is not None else "", targets.get(i, ""))
+                      f"{ratio}x" if ratio is not None else "",
+                      r.get("target", targets.get(i, "")))
     console.print(table)
-    path = _record.write("speed", {"torch_threads": 1, "plan": args.plan,
+    path = _record.write("speed", {"torch_threads": 1, "plan": args.plan, "fronts": args.fronts,
                                    "memtracker_7b": not args.no_memtracker_7b}, rows)
     console.print(f"recorded in {path}")
+
+
+def _front_rows(spec, model, batch, memtracker_s: float | None, console) -> list[dict]:
+    """The floor, what-if and compare-gpus of Llama-2-7B, each beside MemTracker's 7B step."""
+    from memfit.api._compare_gpus import compare_gpus
+    from memfit.studies import what_if
+
+    jobs = [
+        ("plan --floor llama-2-7b 1x512 a100-80gb",
+         lambda: memfit.plan(model, batch, device="a100-80gb", precision="auto", floor=True)),
+        ("plan --what-if llama-2-7b 1x512 bf16 a100-80gb (7 estimates)",
+         lambda: what_if(spec, batch_size=1, seq_len=512, device="a100-80gb",
+                         precision="bf16")),
+        ("plan --compare-gpus llama-2-7b 1x512 (every GPU of the table)",
+         lambda: compare_gpus(model, batch, "adamw", precision="auto")),
+    ]
+    rows = []
+    for label, job in jobs:
+        _, seconds = _cpu_seconds(job)
+        row = {"job": label, "memfit_plan_cpu_s": round(seconds, 2), "target": "<= 0.5x"}
+        if memtracker_s:
+            row.update(memtracker_cpu_s=memtracker_s,
+                       plan_over_memtracker=round(seconds / memtracker_s, 3))
+        rows.append(row)
+        console.print(row)
+    return rows
 
 
 if __name__ == "__main__":

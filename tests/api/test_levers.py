@@ -112,8 +112,10 @@ def test_accumulated_probe_extrapolates_to_the_byte():
 
 @pytest.mark.slow
 def test_what_if_rows_are_monotone_and_the_plain_row_exact():
+    heard = []
     rows = what_if(SPEC, batch_size=2, seq_len=32, device="cpu", tiny=True,
-                   factors=(0.5, 1.0, 2.0), precision="fp32")
+                   factors=(0.5, 1.0, 2.0), precision="fp32", on_progress=heard.append)
+    assert [(m.number, m.expected) for m in heard] == [(i, 7) for i in range(1, 8)]  # traces
     assert [r.lever for r in rows] == ["seq_len"] * 3 + ["hidden_size"] * 3 + ["num_layers"] * 3
     for lever in ("seq_len", "hidden_size", "num_layers"):
         group = [r for r in rows if r.lever == lever]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from memfit.api._sharded_models import Row, _Models, _search_row, _setup, _trace, fewest
+from memfit.api._stages import Stages
 from memfit.devices import list_devices
 from memfit.knobs import Knobs
 from memfit.planner.search import Constraints
@@ -58,8 +59,9 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
                  on_progress: Callable[[str], None] | None = None, **knobs) -> list[GpuRow]:
     """For every GPU of the table (or ``specs``), the fewest cards whose best layout the models
     predict to fit its usable memory, cheapest (GPU-seconds per step) first (Note 1)."""
-    say = on_progress or (lambda message: None)
+    say = Stages(on_progress)
     specs = list(specs) if specs is not None else list_devices()
+    say.expect(len(specs) + 1)    # a search per card, a trace per precision (one at least)
     asked = Knobs.from_kwargs(**knobs)
     wants_bf16 = asked.precision == "bf16" or asked.mp_policy is not None
     traced: dict = {}

@@ -55,9 +55,10 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     ``DeviceSpec.load``), whose measured figures are then used. ``card`` breaks
     ``device_bytes`` down as NVML counts it (``memfit.trace.card``).
     ``optimizer_only=True`` traces the step's optimizer phase alone (unscale, clip, step, from
-    the steady state with every gradient alive; ``api._traced`` Note 1): the planner's models
-    of another optimizer implementation or state read no more, and the forward and backward
-    cost the most to trace.
+    the steady state with every gradient alive; the timeline starts at ``start_breakdown``,
+    without the allocator replay): the planner's models of another optimizer implementation or
+    state read no more, and the forward and backward cost the most to trace
+    (docs/planner.md).
 
     ``step``: the user's own training step ``fn(model, batch, optimizer)`` as written
     (zero_grad wherever it is, clipping, a GradScaler, extra forwards, an EMA copy, a second

@@ -325,7 +325,7 @@ def _extras(spec, model, batch, args, target, status, p, out: dict) -> dict:
         seq = batch["input_ids"].shape[1] if "input_ids" in batch else None
         rows = what_if(spec, batch_size=p.batch_size, seq_len=seq, device=target.device,
                        budget=target.budget_bytes, optimizer=args.optimizer, task=args.task,
-                       precision=p.knobs.precision)
+                       precision=p.knobs.precision, on_progress=status.update)
         extras["what_if"] = rows
         out["what_if"] = [r.__dict__ for r in rows]
     if args.progressive:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfit.api._setup import resolve_device, resolve_precision
+from memfit.api._stages import Stages
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
 from memfit.zoo._batches import DEFAULT_SEQ_LEN, position_limit
@@ -106,7 +107,7 @@ def what_if(spec, *, batch_size: int, seq_len: int | None, device=None, budget=N
     size, and the layer count each scaled by ``factors`` alone (Notes 1-2). Rows come grouped
     by lever, factors ascending; the 1.0 row (traced once) appears in each group. ``tiny`` and
     ``config_overrides`` pick the base model as ``spec.build`` does."""
-    say = on_progress or (lambda message: None)
+    say = Stages(on_progress)             # numbered, with their count (api._stages)
     base_overrides = dict(config_overrides or {})
     config = spec.config(tiny=tiny, **base_overrides)
     task = spec.check_task(task)
@@ -123,18 +124,18 @@ def what_if(spec, *, batch_size: int, seq_len: int | None, device=None, budget=N
         seq_len = DEFAULT_SEQ_LEN if limit is None else min(DEFAULT_SEQ_LEN, limit)
 
     def run(lever: str, factor: float, value: int, overrides: dict, L: int | None) -> WhatIfRow:
-        say(f"tracing {lever} x{factor:g} ({value})")
+        say(f"what if: tracing {lever} x{factor:g} ({value})")
         model = spec.build(task, tiny=tiny, device="meta", **{**base_overrides, **overrides})
         batch = spec.make_batch(model, batch_size, seq_len=L, task=task)
         est = estimate(model, batch, optimizer, device, budget=budget, **knob_values)
         return WhatIfRow(lever, factor, value, est.peak_bytes, est.device_bytes, est.fits)
 
     hidden_name, layers_name = _field(config, _HIDDEN), _field(config, _LAYERS)
+    levers = [lever for lever in WHAT_IF_LEVERS if lever != "seq_len" or seq_len is not None]
+    say.expect(1 + len(levers) * (len(factors) - 1))      # each trace once
     plain = None
     rows = []
-    for lever in WHAT_IF_LEVERS:
-        if lever == "seq_len" and seq_len is None:
-            continue                          # an image model: no sequence length to scale
+    for lever in levers:                      # an image model: no sequence length to scale
         for f in factors:
             if f == 1.0:
                 plain = plain or run("plain", 1.0, 0, {}, seq_len)
