@@ -57,10 +57,17 @@ def test_the_optimizer_phase_alone_is_the_whole_steps(job, device, knobs):
         assert level_before(replayed, replayed.phases["optimizer"], "optimizer") == state
 
 
-def test_refusals(job):
+def test_a_step_without_a_phase_of_its_own_is_traced_whole(job):
+    """The optimizer stepped in backward, or a user's step, has no optimizer phase of memfit's
+    to trace alone: the whole step is traced, as without ``optimizer_only``."""
     model, batch = job
-    with pytest.raises(ValueError, match="optimizer_only"):
-        memfit.estimate(model, batch, optimizer_only=True, optimizer_in_backward=True)
-    with pytest.raises(ValueError, match="optimizer_only"):
-        memfit.estimate(model, batch, optimizer_only=True,
-                        step=lambda m, b, o: m(**b).loss.backward())
+    def step(m, b, o):
+        m(**b).loss.backward()
+        o.step()
+        o.zero_grad()
+
+    for knobs in (dict(optimizer_in_backward=True), dict(step=step)):
+        alone = memfit.estimate(model, batch, optimizer_only=True, **knobs)
+        whole = memfit.estimate(model, batch, **knobs)
+        assert "forward" in alone.phases
+        assert (alone.peak_bytes, alone.op_log) == (whole.peak_bytes, whole.op_log)

@@ -11,7 +11,10 @@ gradient alive, as backward leaves them. Its timeline is that phase's alone
 (``phases == {"optimizer": 0}``), starting from ``start_breakdown``. The planner's models of
 another optimizer implementation or state read only that phase (planner.variants), so the
 forward and backward are not traced again; tests/api/test_optimizer_only.py holds it to the
-whole step's phase. There is no allocator replay (it needs the whole step's history).
+whole step's phase. There is no allocator replay (it needs the whole step's history). Where
+the step has no such phase of memfit's own (a user's ``step=fn``, the optimizer stepped in
+backward, the gradients moved to the host as backward makes them, a rank of several GPUs), the
+whole step is traced: its readers take the phase from ``phases["optimizer"]`` either way.
 """
 
 from __future__ import annotations
@@ -87,11 +90,9 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
     layout = layout or RankLayout.of(k)
     if layout is not None:
         layout.refuse(k, step=step, scheduler=scheduler, allocator=allocator)
-    if optimizer_only and (layout is not None or step is not None or
-                           k.optimizer_in_backward or k.offload_gradients):
-        raise ValueError("optimizer_only traces memfit's own step on one device, with the "
-                         "optimizer stepped after backward (no step=fn, gpus, "
-                         "optimizer_in_backward or offload_gradients)")
+    if layout is not None or step is not None or k.optimizer_in_backward or \
+            k.offload_gradients:
+        optimizer_only = False        # Note 1: no optimizer phase to trace alone
     spec = resolve_device(model, device, cuda_version)        # checks the model first
     user, k, batch = _checked_step(model, batch, loss_fn, k, step, scheduler)
     k = k.replace(precision=resolve_precision(k.precision, spec))

@@ -58,7 +58,8 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     the steady state with every gradient alive; the timeline starts at ``start_breakdown``,
     without the allocator replay): the planner's models of another optimizer implementation or
     state read no more, and the forward and backward cost the most to trace
-    (docs/planner.md).
+    (docs/planner.md). A step without such a phase of memfit's own (``step=fn``,
+    ``optimizer_in_backward``, ``offload_gradients``, several GPUs) is traced whole.
 
     ``step``: the user's own training step ``fn(model, batch, optimizer)`` as written
     (zero_grad wherever it is, clipping, a GradScaler, extra forwards, an EMA copy, a second
