@@ -20,7 +20,10 @@ shared):
   beside MemTracker's time for one step of that batch;
 - ``--fronts``: for Llama-2-7B (1 x 512, A100 80GB, precision auto), ``memfit plan --floor``
   (``plan(floor=True)``), ``--what-if`` (``studies.what_if``: seven estimates) and
-  ``--compare-gpus`` (``compare_gpus``), each beside MemTracker's 7B step of the same run.
+  ``--compare-gpus`` (``compare_gpus``), each beside MemTracker's 7B step of the same run,
+  each in an empty cache of its own, as the CLI runs them cold (the CLI keeps its traces in
+  memfit's cache; within one run a twin traced once serves every depth,
+  docs/block-reuse.md).
 
 Issue 29's targets are printed beside each ratio; nothing here is a GPU measurement.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import tempfile
 import time
 
 import torch
@@ -39,6 +43,8 @@ from rich.table import Table
 import _record
 import memfit
 from memfit import zoo
+from memfit._cache import Cache
+from memfit._trace_cache_scope import using
 
 _LLAMA_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672,
                   num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
@@ -190,7 +196,8 @@ def _front_rows(spec, model, batch, memtracker_s: float | None, console) -> list
     ]
     rows = []
     for label, job in jobs:
-        _, seconds = _cpu_seconds(job)
+        with tempfile.TemporaryDirectory() as folder, using(Cache(folder)):   # cold, as the
+            _, seconds = _cpu_seconds(job)                                  # CLI runs it
         row = {"job": label, "memfit_plan_cpu_s": round(seconds, 2), "target": "<= 0.5x"}
         if memtracker_s:
             row.update(memtracker_cpu_s=memtracker_s,

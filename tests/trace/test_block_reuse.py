@@ -187,3 +187,30 @@ def test_estimate_composes_a_deep_model_by_itself(monkeypatch):
     mixed = estimate(model, batch, checkpoint=("model.layers.0",))
     assert mixed.traced_as.startswith("whole: checkpoint=") and "mixes modes" in \
         mixed.traced_as
+
+
+def test_twins_kept_in_a_cache_compose_another_depth(monkeypatch, tmp_path):
+    """A twin is the same model at any depth: inside ``using(cache)`` the twins traced for 9
+    blocks compose the 6-block model (fewer than ``MIN_BLOCKS``) without a trace, and give
+    the figures of its whole trace; outside a cache it is traced whole."""
+    from memfit._cache import Cache
+    from memfit._trace_cache_scope import using
+
+    monkeypatch.setattr(blockwise, "MIN_BLOCKS", 7)
+    traced = []
+    real_trace = blockwise.trace_step
+    monkeypatch.setattr(blockwise, "trace_step",
+                        lambda *a, **k: traced.append(1) or real_trace(*a, **k))
+    deep, deep_batch = _zoo("llama-1b", layers=9)
+    model, batch = _zoo("llama-1b", layers=6)
+    knobs = dict(device="a100-80gb", precision="bf16")
+    assert estimate(model, batch, **knobs).traced_as == "whole"
+    with using(Cache(tmp_path)):
+        assert estimate(deep, deep_batch, **knobs).traced_as.startswith("composed")
+        assert len(traced) == 2
+        composed = estimate(model, batch, **knobs)
+    assert len(traced) == 2                   # no twin traced again
+    assert composed.traced_as == "composed from twins of 5 and 4 of its 6 blocks"
+    whole = estimate(model, batch, compose_blocks=False, **knobs)
+    for name in FIGURES:
+        assert getattr(composed, name) == getattr(whole, name), name

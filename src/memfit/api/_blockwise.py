@@ -6,8 +6,11 @@ as for a traced step. ``blockwise_estimate`` returns None, with the reason, wher
 not composed and must be traced whole:
 
 - fewer than ``MIN_BLOCKS`` blocks (twins of 5 and 4 blocks cost about what 12 blocks
-  traced whole do, measured on gpt2 and BERT-base), no single list of them, or middle blocks
-  that differ (``trace._block_twin``);
+  traced whole do, measured on gpt2 and BERT-base) unless both twins were traced already in
+  this process: a twin is the same model at any depth (its config a copy at the twin's
+  depth), so inside ``using(cache)`` the traced twins are kept in memory by their own key
+  (docs/cache.md) and another depth composes from them; no single list of blocks, or middle
+  blocks that differ (``trace._block_twin``);
 - several GPUs (a rank's collectives), a shared symbolic trace, a per-block mix of modes (the
   twins would need one block per mode), a quantized base (its twin is quantized whole);
 - activation offload (its host pool hands a buffer one block freed to another) and parameter
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from memfit.api import _trace_cache as trace_cache
 from memfit.api._traced import Traced, trace_step
 from memfit.api._rank_layout import RankLayout
 from memfit.knobs import Knobs
@@ -40,9 +44,9 @@ TOO_FEW = "blocks are too few to gain from composing"
 _UNIFORM = (None, "none", "all", "selective")
 
 
-def blocks_or_why(model, k: Knobs, min_blocks: int | None = None) -> BlockList | str:
-    """The model's blocks, or why this job's step is traced whole (module docstring)."""
-    min_blocks = MIN_BLOCKS if min_blocks is None else min_blocks
+def blocks_or_why(model, k: Knobs) -> BlockList | str:
+    """The model's blocks, as many as the twins take at least, or why this job's step is
+    traced whole (module docstring)."""
     if RankLayout.of(k) is not None:
         return "several GPUs are traced whole"
     if k.quantize_base not in (None, "none"):
@@ -54,7 +58,7 @@ def blocks_or_why(model, k: Knobs, min_blocks: int | None = None) -> BlockList |
     if k.offload_params not in (None, "none"):
         return "parameter offload prefetches the next block's weights"
     blocks = BlockList.of(model)
-    if not isinstance(blocks, str) and blocks.count < max(min_blocks, len(TWIN_A(0))):
+    if not isinstance(blocks, str) and blocks.count < len(TWIN_A(0)):
         return f"{blocks.count} {TOO_FEW}"
     return blocks
 
@@ -65,20 +69,31 @@ def blockwise_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, *,
     """(the composed step as ``figures`` takes it, None), or (None, why it was not composed).
     ``min_blocks``: fewer blocks are traced whole (default ``MIN_BLOCKS``: the twins would
     cost about as much)."""
-    blocks = blocks_or_why(model, k, min_blocks)
+    blocks = blocks_or_why(model, k)
     if isinstance(blocks, str):
         return None, blocks
     n = blocks.count
+    depths = [len(TWIN_A(n)), len(TWIN_B(n))]
+    twins = [blocks.twin(indices) for indices in (TWIN_A(n), TWIN_B(n))]
+    keys = [trace_cache.key_for(twin, batch, optimizer, device,
+                                dict(knobs=k, twin=True, loss_fn=loss_fn, **kwargs))
+            for twin in twins]
+    kept = [trace_cache.twin_lookup(key) for key in keys]
+    least = MIN_BLOCKS if min_blocks is None else min_blocks
+    if n < least and None in kept:      # the twins would cost about what the model does
+        return None, f"{n} {TOO_FEW}"
     logs, traced = [], []
-    for indices in (TWIN_A(n), TWIN_B(n)):
-        twin = blocks.twin(indices)
-        names = blocks.names(len(indices))
-        t = trace_step(twin, batch, optimizer, device, loss_fn, k, FakeCopier("cpu"),
-                       blocks=names, **kwargs)
+    for twin, depth, key, got in zip(twins, depths, keys, kept):
+        if got is None:
+            t = trace_step(twin, batch, optimizer, device, loss_fn, k, FakeCopier("cpu"),
+                           blocks=blocks.names(depth), **kwargs)
+            got = (t, StepLog.of(t.tracker, blocks.path, depth))
+            trace_cache.twin_store(key, got)
+        t, log = got
         if len(set(t.knobs_blocks.values())) > 1:
             return None, "the knobs give the blocks different modes"
         traced.append(t)
-        logs.append(StepLog.of(t.tracker, blocks.path, len(indices)))
+        logs.append(log)
     try:
         composed = compose(logs[0], logs[1], n)
     except NotComposable as e:

@@ -19,6 +19,14 @@ instance.
 Note 2 (what comes back). The ``Estimate`` is stored pickled, whole (its module records and
 storage lifetimes with it). The cache folder is the user's own, written only by memfit; an
 entry that does not unpickle is a miss.
+
+Note 3 (block profiles: the twins, kept in the process). A deep model's estimate traces two
+shallow twins (``api._blockwise``), and a twin does not depend on how many blocks the model has
+(its config is a copy with the twin's depth, ``trace._block_twin``). So inside ``using(cache)``
+each traced twin is also kept in memory under its own key (``key_for`` of the twin), beside the
+cache it was entered with, and another estimate of the same blocks at another depth (``--what-if``'s
+layer rows, a deeper config) composes from them without tracing. Kept in memory only, the last
+``TWINS_KEPT``: a twin's trace holds its fake model and tracker, which do not pickle.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import pickle
+import weakref
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -36,7 +46,10 @@ from memfit._trace_cache_scope import current, using
 from memfit._versions import TRACED_LIBRARIES, code_version, library_version
 from memfit.measure.attached import attached_tensors
 
-__all__ = ["using", "key_for", "lookup", "store"]
+__all__ = ["using", "key_for", "lookup", "store", "twin_lookup", "twin_store"]
+
+TWINS_KEPT = 4                   # traced twins kept per cache, in this process (Note 3)
+_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # cache -> OrderedDict
 
 _CALLABLES = ("loss_fn", "count_fn", "step", "scheduler")      # never keyed (Note 1)
 
@@ -78,6 +91,25 @@ def store(key: str | None, est) -> None:
     cache = current()
     if key is not None and cache is not None:
         cache.put(key, pickle.dumps(est, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def twin_lookup(key: str | None):
+    """A twin traced under ``key`` in this process (Note 3), or None."""
+    kept = _TWINS.get(current()) if key is not None and current() is not None else None
+    if kept is None or key not in kept:
+        return None
+    kept.move_to_end(key)
+    return kept[key]
+
+
+def twin_store(key: str | None, traced) -> None:
+    cache = current()
+    if key is None or cache is None:
+        return
+    kept = _TWINS.setdefault(cache, OrderedDict())
+    kept[key] = traced
+    while len(kept) > TWINS_KEPT:
+        kept.popitem(last=False)
 
 
 def _model_part(model: nn.Module) -> dict | None:

@@ -84,11 +84,12 @@ class BlockList:
         short = type(holder)(chosen) if isinstance(holder, nn.Sequential) \
             else nn.ModuleList(chosen)
         config = self._config(indices)
-        root = _shallow(self.model, config)
+        original = getattr(self.model, "config", None)
+        root = _shallow(self.model, original, config)
         parent = root
         *inner, last = self.path.split(".")
         for part in inner:
-            child = _shallow(parent._modules[part], config)
+            child = _shallow(parent._modules[part], original, config)
             parent._modules[part] = child
             parent = child
         parent._modules[last] = short
@@ -107,16 +108,17 @@ class BlockList:
         if not fields:
             return None
         twin = copy.copy(config)
-        twin._twin_of = config
         for k, v in fields.items():
             setattr(twin, k, [v[i] for i in indices] if isinstance(v, list) else len(indices))
         return twin
 
 
-def _shallow(m: nn.Module, config) -> nn.Module:
+def _shallow(m: nn.Module, original, config) -> nn.Module:
+    """A shallow copy of ``m``, holding the twin's ``config`` where ``m`` held the model's
+    ``original`` one."""
     out = copy.copy(m)
     out._modules = dict(m._modules)
-    if config is not None and getattr(m, "config", None) is getattr(config, "_twin_of", None):
+    if config is not None and getattr(m, "config", None) is original:
         out.config = config
     return out
 
