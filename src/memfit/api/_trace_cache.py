@@ -48,7 +48,7 @@ from memfit.measure.attached import attached_tensors
 
 __all__ = ["using", "key_for", "lookup", "store", "twin_lookup", "twin_store"]
 
-TWINS_KEPT = 4                   # traced twins kept per cache, in this process (Note 3)
+TWINS_KEPT = 8                   # traced twins kept per cache, in this process (Note 3)
 _TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # cache -> OrderedDict
 
 _CALLABLES = ("loss_fn", "count_fn", "step", "scheduler")      # never keyed (Note 1)
