@@ -61,3 +61,14 @@ def test_numbered_stages_carry_their_place_and_an_eta(capsys, monkeypatch):
     left = float(lines[2].split("about ")[1].split(" s")[0])
     assert 0.3 <= left <= 1.5          # 0.3 s a stage so far, two stages left
     assert "(stage 4 of 4, about " in lines[4]
+
+
+def test_a_stage_of_the_fronts_own_has_no_place(capsys, monkeypatch):
+    from memfit.api._stages import Stages
+    monkeypatch.setattr(_progress, "QUIET_S", 0.0)
+    with _progress.status(_piped(), "building the model...") as s:
+        Stages(s.update)("tracing the plain step")
+        s.update("what if: tracing smaller sequence, hidden size and depth...")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[1].endswith("tracing the plain step (stage 1)")
+    assert lines[2].endswith("what if: tracing smaller sequence, hidden size and depth")

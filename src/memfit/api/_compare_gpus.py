@@ -59,14 +59,14 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
                  on_progress: Callable[[str], None] | None = None, **knobs) -> list[GpuRow]:
     """For every GPU of the table (or ``specs``), the fewest cards whose best layout the models
     predict to fit its usable memory, cheapest (GPU-seconds per step) first (Note 1)."""
-    say = Stages(on_progress)
-    specs = list(specs) if specs is not None else list_devices()
-    say.expect(len(specs) + 1)    # a search per card, a trace per precision (one at least)
+    say = Stages(on_progress)     # the traces, numbered; each card's search is quick and
+    specs = list(specs) if specs is not None else list_devices()     # says which of how many
+    say.expect(1)                 # a trace per precision, one at least
     asked = Knobs.from_kwargs(**knobs)
     wants_bf16 = asked.precision == "bf16" or asked.mp_policy is not None
     traced: dict = {}
     rows = []
-    for spec in specs:
+    for i, spec in enumerate(specs, 1):
         link = interconnect(spec)[0]
         if wants_bf16 and spec.kind == "cuda" and not spec.supports_bf16:       # Note 2
             rows.append(GpuRow(spec.name, spec.display_name, spec.usable_bytes, None, "",
@@ -76,7 +76,9 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
         if p not in traced:
             traced[p] = _Models(_trace(model, prepared, optimizer, loss_fn, count_fn, k, p,
                                        say), p, batch_size_of(prepared))
-        rows.append(_fewest_on(model, spec, spec.usable_bytes, traced[p], k, p, link, say))
+        searching = f"({i} of {len(specs)} GPUs)"
+        rows.append(_fewest_on(model, spec, spec.usable_bytes, traced[p], k, p, link,
+                               lambda m: on_progress and on_progress(f"{m} {searching}")))
     return sorted(rows, key=lambda r: (r.gpu_seconds is None, r.gpu_seconds or 0.0))
 
 

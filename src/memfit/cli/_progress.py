@@ -38,7 +38,8 @@ class _Eta:
 
     def heard(self, message: str) -> None:
         number, expected = getattr(message, "number", 0), getattr(message, "expected", 0)
-        if not number:
+        if not number:                   # a stage of the front's own, not numbered
+            self._stage = None
             return
         now = time.perf_counter()
         if number == 1 or self._first is None:

@@ -124,7 +124,8 @@ def what_if(spec, *, batch_size: int, seq_len: int | None, device=None, budget=N
         seq_len = DEFAULT_SEQ_LEN if limit is None else min(DEFAULT_SEQ_LEN, limit)
 
     def run(lever: str, factor: float, value: int, overrides: dict, L: int | None) -> WhatIfRow:
-        say(f"what if: tracing {lever} x{factor:g} ({value})")
+        say("what if: tracing the plain step" if lever == "plain" else
+            f"what if: tracing {lever} x{factor:g} ({value})")
         model = spec.build(task, tiny=tiny, device="meta", **{**base_overrides, **overrides})
         batch = spec.make_batch(model, batch_size, seq_len=L, task=task)
         est = estimate(model, batch, optimizer, device, budget=budget, **knob_values)
