@@ -305,26 +305,26 @@ class MemoryModel:
     def with_optimizer_state(self, est) -> "MemoryModel":
         """This model with the optimizer state and step of ``est``, a plain trace of the same
         step with a low-bit optimizer state (Note 9)."""
-        out = copy.copy(self)
         start = est.phases.get("optimizer", len(est.timeline))
-        shift = level_before(est, start, "optimizer") - self.optimizer_state_bytes
-        out._fixed, out._opt, out._total = self._fixed + shift, self._opt + shift, \
-            self._total + shift
-        out.optimizer_state_bytes = self.optimizer_state_bytes + shift
-        out._opt_rise = optimizer_rise_bytes(est)
-        return out
+        return self._with_state(level_before(est, start, "optimizer")
+                                - self.optimizer_state_bytes, optimizer_rise_bytes(est))
 
     def with_optimizer_of(self, plain: "MemoryModel", variant: "MemoryModel") -> "MemoryModel":
         """This model with the optimizer of ``variant``, a model of ``plain``'s step with another
         implementation or state (Notes 7 and 9), for a step whose forward and backward are
         this model's: every point shifts by the state ``variant`` holds beyond ``plain``'s,
         and the optimizer step rises as ``variant``'s does."""
+        return self._with_state(variant.optimizer_state_bytes - plain.optimizer_state_bytes,
+                                variant._opt_rise)
+
+    def _with_state(self, shift: float, rise: float) -> "MemoryModel":
+        """This model with ``shift`` more bytes of optimizer state at every point and an
+        optimizer step that rises by ``rise``."""
         out = copy.copy(self)
-        shift = variant.optimizer_state_bytes - plain.optimizer_state_bytes
         out._fixed, out._opt, out._total = self._fixed + shift, self._opt + shift, \
             self._total + shift
         out.optimizer_state_bytes = self.optimizer_state_bytes + shift
-        out._opt_rise = variant._opt_rise
+        out._opt_rise = rise
         return out
 
     def peak_phase(self) -> str:
