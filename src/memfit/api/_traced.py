@@ -43,6 +43,8 @@ from memfit.techniques.quantized_base import QuantizedBase
 from memfit.techniques.optimizer_in_backward import check_knobs as check_in_backward
 from memfit.trace import FakeCopier, profile_step
 from memfit.trace.card import card_breakdown
+from memfit.trace.compiled import (compiled_note, compiled_regions, compiled_trace, eager_view,
+                                   refuse_with_compiled, wrap_regions)
 from memfit.trace.cuda import CudaModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
 from memfit.trace.packed_attention import check_attention_device, packing_note
@@ -74,6 +76,7 @@ class Traced:
     sdpa_calls: list            # the attention kernel of each SDPA call, on a GPU target
     unified_bytes: int          # paged optimizer state, on a GPU target
     traced_as: str = "whole"
+    regions: tuple = ()         # the compiled regions (trace.compiled), traced as compiled
 
 
 def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier, *,
@@ -103,15 +106,23 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
     recipe.check_impl(trainable)
+    regions = compiled_regions(model)          # a backend memfit does not model: refused
+    if regions:
+        refuse_with_compiled(k, layout, regions)
+        model = eager_view(model, regions)
     model, quantized = _quantized_twin(model, k, layout)
 
     # memfit's CUDA models are not applied to a sharded rank yet (api._rank_layout says why)
     cuda = CudaModel(spec, allocator) if spec.kind == "cuda" and layout is None else None
     check_attention_device(model, spec.kind, sharded=layout is not None)
     replay = cuda is not None and allocator_replay and not optimizer_only
+    compiled: list[str] = []                  # the regions whose graphs were compiled
     with contextlib.ExitStack() as stack:     # a rank's fake process group, until counted
         fake_model = copier.module(model)
         fake_model.train(model.training)
+        if regions:
+            stack.enter_context(compiled_trace())
+            fake_model = wrap_regions(fake_model, regions, compiled)
         fake_batch = copier.tree(batch)
         if layout is not None:
             fake_model = layout.shard(stack, fake_model, copier)
@@ -165,11 +176,17 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
             if user is not None and (clear := explain_step_error(e, user)) is not None:
                 raise clear from e
             raise _described(e, model, batch, loss_fn)
+        if regions and not compiled:
+            raise TraceError(f"torch.compile ran {regions[0].describe()} eagerly in the trace "
+                             f"(Dynamo compiled none of its graphs), so memfit cannot say what "
+                             f"the compiled step holds; run with TORCH_LOGS=graph_breaks to see "
+                             f"why, or estimate the model uncompiled")
     return Traced(spec=spec, knobs=k, user=user, layout=layout, cuda=cuda, runner=runner,
                   quantized=quantized, limit=limit, budget=budget, batch=batch, replay=replay,
                   prof=prof, tracker=tracker, knobs_blocks=dict(runner.applied.blocks),
                   sdpa_calls=list(cuda.sdpa_calls) if cuda else [],
-                  unified_bytes=cuda.unified_bytes(runner.optimizer) if cuda else 0)
+                  unified_bytes=cuda.unified_bytes(runner.optimizer) if cuda else 0,
+                  regions=tuple(regions))
 
 
 def figures(t: Traced) -> Estimate:
@@ -190,6 +207,8 @@ def figures(t: Traced) -> Estimate:
     notes += [packed] if packed else []
     notes += list(t.quantized.notes) if t.quantized else []
     compiled = compiled_step_note(runner.optimizer)      # torchao's step, traced eagerly
+    notes += [compiled] if compiled else []
+    compiled = compiled_note(list(t.regions), spec.kind)
     notes += [compiled] if compiled else []
     if user is not None:
         notes += step_notes(user, batch)

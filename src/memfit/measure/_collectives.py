@@ -30,12 +30,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memfit.measure._compile_aware import CompileAware
+
 __all__ = ["births"]
 
 _BACKEND_KEYS = {"cpu": torch._C.DispatchKey.CPU, "cuda": torch._C.DispatchKey.CUDA}
 
 
-class _Births(TorchDispatchMode):
+class _Births(CompileAware, TorchDispatchMode):
     """Notes the storages returned by the aten calls inside one collective (Note 2)."""
 
     def __init__(self):

@@ -45,6 +45,7 @@ from torch.utils.flop_counter import flop_registry
 from memfit.errors import OutOfMemory
 from memfit.measure import _ledger as L
 from memfit.measure._collectives import births
+from memfit.measure._compile_aware import CompileAware
 from memfit.measure._sizes import hint
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def host_allocations_open() -> bool:
     return getattr(_host, "depth", 0) > 0
 
 
-class CountingMode(TorchDispatchMode):
+class CountingMode(CompileAware, TorchDispatchMode):
     """Counts the storages each op returns (and those it reads for the first time)."""
 
     def __init__(self, tracker: "Tracker"):

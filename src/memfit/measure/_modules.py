@@ -51,6 +51,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from memfit.measure._compile_aware import watched_modules
 from memfit.measure._ledger import storages_of
 from memfit.measure._sizes import hint
 
@@ -129,7 +130,7 @@ class ModuleWatch:
         self._next_key = 0
         self._open = False
         if model is not None:
-            for name, m in model.named_modules(remove_duplicate=False):
+            for name, m in watched_modules(model, remove_duplicate=False):
                 self._names.setdefault(id(m), name)
 
     def __deepcopy__(self, memo):
@@ -146,7 +147,7 @@ class ModuleWatch:
         if self.model is None:
             return self
         blocks = set(find_blocks(self.model))
-        for name, m in self.model.named_modules():
+        for name, m in watched_modules(self.model):    # a compiled region: its wrapper
             self._handles.append(m.register_forward_pre_hook(self._pre_fw, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post_fw, always_call=True))
             self._handles.append(m.register_forward_pre_hook(self._bw_pre_fw, prepend=True))

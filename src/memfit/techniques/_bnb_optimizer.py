@@ -62,14 +62,33 @@ from memfit.optimizers import OptimizerRecipe, rebuild_optimizer
 
 _PAGED_MIN_NUMEL = 100_000     # bitsandbytes' get_state_buffer pages tensors of 1e5 values or more
 
-__all__ = ["BnbStep", "BnbRecipe", "bnb_classes", "bnb_modules", "is_bnb", "may_make_bnb",
-           "rebuild_bnb"]
+__all__ = ["BnbStep", "BnbRecipe", "bnb_classes", "bnb_modules", "import_bitsandbytes", "is_bnb",
+           "may_make_bnb", "rebuild_bnb"]
+
+
+def import_bitsandbytes():
+    """``import bitsandbytes``, quietly: on a CPU with AVX-512 bf16 its CPU backend tries to
+    fetch a 4-bit matmul kernel from the Hugging Face hub as it is imported, and logs a warning
+    when it cannot (offline, untrusted); memfit runs none of its 4-bit matmuls on the CPU's
+    fast path, so that warning says nothing to a memfit user."""
+    import logging
+
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+        import bitsandbytes.backends.cpu.ops  # noqa: F401  (the import that warns)
+    finally:
+        log.setLevel(level)
+    return bitsandbytes
 
 
 def bnb_modules():
     """bitsandbytes' optim package and its registered CPU kernels (Note 1); a ``ValueError``
     with the fix where bitsandbytes is missing or older than 0.50."""
     try:
+        import_bitsandbytes()
         import bitsandbytes.optim as bnb_optim
         from bitsandbytes.backends.cpu import ops as cpu_ops
     except ImportError as e:

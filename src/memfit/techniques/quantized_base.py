@@ -185,8 +185,10 @@ def is_linear(module: nn.Module) -> bool:
 
 
 def _bitsandbytes():
+    from memfit.techniques._bnb_optimizer import import_bitsandbytes
+
     try:
-        import bitsandbytes
+        bitsandbytes = import_bitsandbytes()
     except ImportError:
         raise ValueError("quantized base weights need bitsandbytes: pip install bitsandbytes "
                          "(its CPU backend runs without a GPU)") from None

@@ -56,6 +56,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit.measure._compile_aware import CompileAware
 from memfit.trace.data_dependent import DataValues
 
 __all__ = ["FidelityMode"]
@@ -143,7 +144,7 @@ _RULES = {
 _REPLACEMENTS = {_aten._grouped_mm.default: _grouped_mm_cpu}
 
 
-class FidelityMode(TorchDispatchMode):
+class FidelityMode(CompileAware, TorchDispatchMode):
     """Sits between the counter and the fake mode; rewrites outputs of the ops in ``_RULES``,
     runs the ops of ``_REPLACEMENTS`` as the CPU kernel would, and, given ``data`` (the real
     values of the batch's integer tensors), resolves data-dependent ops from them."""

@@ -19,6 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit.measure._compile_aware import CompileAware
 from memfit.trace.data_dependent import DataValues, real_values
 
 __all__ = ["FiniteGradsMode"]
@@ -26,7 +27,7 @@ __all__ = ["FiniteGradsMode"]
 _CHECK = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 
 
-class FiniteGradsMode(TorchDispatchMode):
+class FiniteGradsMode(CompileAware, TorchDispatchMode):
     """After each GradScaler inf check on fakes, ``found_inf`` is known to be 0."""
 
     def __init__(self, data: DataValues):

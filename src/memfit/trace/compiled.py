@@ -1,0 +1,287 @@
+"""A ``torch.compile``d model traced as the compiler runs it (issue 30; docs/compiled.md).
+
+Note 1 (regions). A compiled region is a module wrapped by ``torch.compile(module)`` (an
+``OptimizedModule``: the whole model, or each block as torchtitan does) or one compiled in place
+by ``module.compile()``. ``compiled_regions`` finds them, with the backend and the options each
+was compiled with; ``eager_view`` is the user's model with every wrapper taken off (shallow
+copies of the modules on the path, sharing the weights: the user's model is not touched), which
+the fake copier copies; ``wrap_regions`` compiles each region of the fake copy again, with the
+same backend and options, as an ``OptimizedModule`` (a region compiled in place becomes a
+wrapper around it: its own hooks ran inside the compiled code either way), recompiles isolated
+from the user's own (``isolate_recompiles``).
+
+Note 2 (what runs). Inside ``compiled_trace()`` memfit's counting modes let Dynamo compile
+under them and follow the compiled code (``measure._compile_aware``). Dynamo captures each
+region's graphs, with graph breaks as it always makes them; AOTAutograd traces forward and
+backward together and the min-cut partitioner picks what forward saves for backward (reading
+``torch._functorch.config.activation_memory_budget`` as it does in a real run). The backend
+then compiles each graph. Inductor's output is a Python module: a ``call`` that allocates its
+buffers (``empty_strided_cpu``), reuses and frees them as its memory planning decided, calls
+extern kernels (matmuls, with ``out=``) and generated C++ kernels, and returns the outputs and
+the saved tensors. memfit loads that module with its own allocation and view functions swapped
+for dispatching ones (the originals are C++ that skips every mode), and with each generated
+kernel a no-op: on fake tensors a kernel writes nothing anyone reads, and its buffers are
+already counted where ``call`` made them. The C++ is never compiled. So the trace sees exactly
+the buffers the generated code holds and when, the saved tensors the partitioner kept, and the
+matmuls' FLOPs; the fused pointwise kernels run no op and count no FLOPs. The backward is
+compiled with the forward (``force_non_lazy_backward_lowering``), while the counting modes are
+off.
+
+Note 3 (what is modelled). The backends ``inductor`` (the default), ``eager``, ``aot_eager``
+and ``aot_eager_decomp_partition`` run as described; any other backend is refused by name.
+Inductor generates the code for the traced device: the CPU's (C++) code for every trace, so for
+a GPU target the buffers are those Inductor plans for CPU code (its CUDA code fuses by other
+rules), which ``compiled_note`` says. CUDA graphs (``mode="reduce-overhead"``) keep a private
+pool memfit does not model, also said.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+from torch import nn
+
+from memfit.measure._compile_aware import following_compiled, is_compiled_wrapper
+
+__all__ = ["Region", "compiled_regions", "eager_view", "wrap_regions", "compiled_trace",
+           "compiled_note", "refuse_with_compiled", "MODELLED_BACKENDS"]
+
+MODELLED_BACKENDS = ("inductor", "eager", "aot_eager", "aot_eager_decomp_partition")
+
+
+@dataclass(frozen=True)
+class Region:
+    """One compiled region of the model (Note 1)."""
+
+    name: str                # qualified module name, "" for the model itself
+    backend: object          # what torch.compile was given, resolved (Note 3)
+    backend_name: str
+    fullgraph: bool
+    dynamic: bool | None
+    mode: str | None         # inductor's mode, None for the default
+    options: tuple           # inductor's options, as sorted (key, value) pairs
+    in_place: bool           # module.compile(), not a wrapper
+
+    def describe(self) -> str:
+        where = self.name or "the model"
+        extra = [f"mode={self.mode}"] if self.mode else []
+        extra += ["fullgraph"] if self.fullgraph else []
+        extra += [f"dynamic={self.dynamic}"] if self.dynamic is not None else []
+        return f"{where} ({self.backend_name}{', ' + ', '.join(extra) if extra else ''})"
+
+
+def _context_of(compiled) -> object | None:
+    """The Dynamo context (``_TorchDynamoContext``) behind a compiled callable."""
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    if ctx is not None:
+        return ctx
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if hasattr(value, "callback") and hasattr(value, "fullgraph"):
+            return value
+    return None
+
+
+def _backend_of(ctx) -> object:
+    """The backend torch.compile was given: the context's callback, unwrapped."""
+    backend = ctx.callback
+    while hasattr(backend, "_torchdynamo_orig_backend"):
+        backend = backend._torchdynamo_orig_backend
+    return backend
+
+
+def _backend_name(backend) -> str:
+    if type(backend).__name__ == "_TorchCompileInductorWrapper":
+        return "inductor"
+    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None)
+    return str(name or type(backend).__name__)
+
+
+def _region(name: str, compiled, in_place: bool) -> Region:
+    ctx = _context_of(compiled)
+    if ctx is None:
+        raise ValueError(f"memfit cannot read how {name or 'the model'} was compiled (no "
+                         f"torch.compile context found); compile it with torch.compile(module) "
+                         f"or module.compile()")
+    backend = _backend_of(ctx)
+    config = getattr(backend, "config", {}) or {}
+    mode = getattr(backend, "mode", None) if type(backend).__name__ == \
+        "_TorchCompileInductorWrapper" else None
+    options = tuple(sorted((str(k), repr(v)) for k, v in config.items()))
+    return Region(name=name, backend=backend, backend_name=_backend_name(backend),
+                  fullgraph=bool(getattr(ctx, "fullgraph", False)),
+                  dynamic=getattr(ctx, "_dynamic", None), mode=mode, options=options,
+                  in_place=in_place)
+
+
+def compiled_regions(model: nn.Module) -> list[Region]:
+    """The model's compiled regions, outermost first; a region inside another is left out
+    (the outer one's compiler traces through it). Raises ``ValueError`` for a backend memfit
+    does not model (Note 3)."""
+    out: list[Region] = []
+    for name, m in model.named_modules():
+        if any(name == r.name or r.name == "" or name.startswith(r.name + ".") for r in out):
+            continue
+        if is_compiled_wrapper(m):
+            out.append(_region(name, m, in_place=False))
+        elif getattr(m, "_compiled_call_impl", None) is not None:
+            out.append(_region(name, m._compiled_call_impl, in_place=True))
+    for r in out:
+        if r.backend_name not in MODELLED_BACKENDS:
+            raise ValueError(f"{r.describe()} is compiled with the backend "
+                             f"{r.backend_name!r}, which memfit does not model: it models "
+                             f"{', '.join(MODELLED_BACKENDS)}; estimate the model uncompiled "
+                             f"or compiled with one of those")
+    return out
+
+
+_BLOCK_KNOBS = ("checkpoint", "offload", "offload_params")     # hooks on blocks, per block
+_OTHER_KNOBS = ("remat", "chunked_loss", "quantize_base")
+
+
+def refuse_with_compiled(knobs, layout, regions: list[Region]) -> None:
+    """A ``ValueError`` for what memfit does not model of a compiled job yet (Note 3): per-block
+    modes inside a compiled region (the compiler traces through their hooks; torch.compile's own
+    lever is ``torch._functorch.config.activation_memory_budget``), DTR, the loss in pieces, a
+    quantized base, several GPUs."""
+    asked = [name for name in _BLOCK_KNOBS if getattr(knobs, name) not in (None, "none")]
+    asked += [name for name in _OTHER_KNOBS if getattr(knobs, name) not in (None, "none", 0,
+                                                                             False)]
+    if layout is not None:
+        asked.append("gpus/sharding")
+    if asked:
+        raise ValueError(f"{', '.join(asked)} with a compiled model ({regions[0].describe()}) "
+                         f"is not modelled: memfit traces a compiled step with its precision, "
+                         f"micro-batches and optimizer knobs; for less activation memory set "
+                         f"torch._functorch.config.activation_memory_budget (which memfit's "
+                         f"trace reads as torch.compile does), or estimate the model uncompiled")
+
+
+def _shallow(m: nn.Module) -> nn.Module:
+    c = copy.copy(m)
+    c.__dict__["_modules"] = dict(m._modules)
+    return c
+
+
+def eager_view(model: nn.Module, regions: list[Region]) -> nn.Module:
+    """The model without its compile wrappers (Note 1); the user's model is not touched."""
+    root = model
+    for r in regions:
+        if r.name == "":
+            root = model._orig_mod if not r.in_place else _shallow(model)
+            if r.in_place:
+                root._compiled_call_impl = None
+            continue
+        parts = r.name.split(".")
+        parent = root = _shallow(root) if root is model else root
+        for p in parts[:-1]:
+            child = _shallow(parent._modules[p])
+            parent._modules[p] = child
+            parent = child
+        child = parent._modules[parts[-1]]
+        if r.in_place:
+            child = _shallow(child)
+            child._compiled_call_impl = None
+        else:
+            child = child._orig_mod
+        parent._modules[parts[-1]] = child
+    return root
+
+
+def _counted_backend(region: Region, compiled: list[str]):
+    """The region's backend, compiling into code whose buffers the trace counts (Note 2)."""
+    def backend(gm, example_inputs):
+        compiled.append(region.name)
+        with _counted_inductor():
+            return region.backend(gm, example_inputs)
+    return backend
+
+
+def wrap_regions(fake: nn.Module, regions: list[Region], compiled: list[str]) -> nn.Module:
+    """Each region of the fake copy (``eager_view``'s structure) compiled again as the user
+    compiled it (Note 1); ``compiled`` hears the name of each region as its graphs compile."""
+    for r in regions:
+        def wrap(m: nn.Module) -> nn.Module:
+            return torch.compile(m, backend=_counted_backend(r, compiled),
+                                 fullgraph=r.fullgraph, dynamic=r.dynamic,
+                                 isolate_recompiles=True)
+        if r.name == "":
+            fake = wrap(fake)
+            continue
+        parent_name, _, last = r.name.rpartition(".")
+        parent = fake.get_submodule(parent_name) if parent_name else fake
+        parent._modules[last] = wrap(parent._modules[last])
+    return fake
+
+
+@contextlib.contextmanager
+def compiled_trace():
+    """Around a trace of a compiled job: memfit's modes follow the compiled code, and Dynamo
+    neither gives up on a fake copy's recompiles nor reuses a cached compile (Note 2)."""
+    import torch._dynamo.config as dynamo_config
+
+    with following_compiled(), \
+            dynamo_config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16):
+        yield
+
+
+def _noop_kernel(*args, **kwargs) -> None:
+    return None
+
+
+def _empty_strided(size, stride, dtype, *args, **kwargs) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
+
+def _reinterpret(base: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
+    return base.as_strided(size, stride, base.storage_offset() + offset)
+
+
+@contextlib.contextmanager
+def _counted_inductor():
+    """While a region compiles: Inductor's generated module loaded fresh, with dispatching
+    allocation and views and no-op kernels, never from a cache (Note 2)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor import async_compile, codecache
+
+    def load(cls, key, path, linemap=None, attrs=None, **kwargs):
+        mod = codecache._reload_python_module(key, path, set_sys_modules=False)
+        for k, v in (attrs or {}).items():
+            setattr(mod, k, v)
+        mod.empty_strided_cpu = _empty_strided
+        mod.reinterpret_tensor = _reinterpret
+        return mod
+
+    with mock.patch.object(async_compile.AsyncCompile, "cpp_pybinding",
+                           lambda self, argtypes, source: _noop_kernel), \
+            mock.patch.object(async_compile.AsyncCompile, "cpp", lambda self, source: _noop_kernel), \
+            mock.patch.object(codecache.PyCodeCache, "load_by_key_path", classmethod(load)), \
+            inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False,
+                                  compile_threads=1), \
+            functorch_config.patch(enable_autograd_cache=False,
+                                   force_non_lazy_backward_lowering=True):
+        yield
+
+
+def compiled_note(regions: list[Region], device_kind: str) -> str | None:
+    """What the estimate of a compiled job says about how it was modelled (Note 3)."""
+    if not regions:
+        return None
+    words = [f"compiled: {', '.join(r.describe() for r in regions)}; traced through Dynamo "
+             f"and AOTAutograd (what forward saves is the partitioner's), each graph's buffers "
+             f"as the backend's generated code allocates them"]
+    if device_kind == "cuda" and any(r.backend_name == "inductor" for r in regions):
+        words.append("Inductor's buffers are those it plans for CPU code; its CUDA code fuses "
+                     "by other rules, so a GPU figure is a model of that")
+    if any(r.mode and "reduce-overhead" in r.mode for r in regions):
+        words.append("CUDA graphs (mode reduce-overhead) keep a private memory pool memfit "
+                     "does not count")
+    return "; ".join(words)
