@@ -46,15 +46,17 @@ _SHOWN: dict = {}            # warnings passed on, shown once per place (Note 3)
 _CUDA_AUTOCAST_OFF = "CUDA is not available or torch_xla is imported. Disabling autocast"
 
 
-def prepare_batch(batch):
+def prepare_batch(batch, compiled: bool = False):
     """Drop an all-ones attention mask from a Mapping batch (a copy; the input is untouched).
 
     An all-ones mask means "no mask". transformers skips building the 4-D mask for it on real
     tensors but cannot tell under a fake trace, so keeping it would make the trace take another
     branch (and other memory) than the real step. Masks on the ``meta`` device or already fake
-    cannot be read and are kept.
+    cannot be read and are kept. So is every mask of a ``compiled`` model: under
+    ``torch.compile`` transformers cannot read the mask either and builds the 4-D mask, so the
+    real compiled step holds it.
     """
-    if not isinstance(batch, Mapping):
+    if not isinstance(batch, Mapping) or compiled:
         return batch
     out = dict(batch)
     for key in _MASK_KEYS:

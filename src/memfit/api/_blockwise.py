@@ -12,7 +12,8 @@ not composed and must be traced whole:
   (docs/cache.md) and another depth composes from them; no single list of blocks, or middle
   blocks that differ (``trace._block_twin``);
 - several GPUs (a rank's collectives), a shared symbolic trace, a per-block mix of modes (the
-  twins would need one block per mode), a quantized base (its twin is quantized whole);
+  twins would need one block per mode), a quantized base (its twin is quantized whole), a
+  compiled model (its regions are compiled for the model's own shapes, trace.compiled);
 - activation offload (its host pool hands a buffer one block freed to another) and parameter
   offload (a block prefetches the next one's weights): refused before any trace, as their
   twins never compose;
@@ -31,6 +32,7 @@ from memfit.api import _trace_cache as trace_cache
 from memfit.api._traced import Traced, trace_step
 from memfit.api._rank_layout import RankLayout
 from memfit.knobs import Knobs
+from memfit.measure._compile_aware import has_compiled
 from memfit.trace import FakeCopier
 from memfit.trace._block_twin import BlockList
 from memfit.trace.block_reuse import (MIN_BLOCKS, TWIN_A, TWIN_B, NotComposable, StepLog,
@@ -57,6 +59,8 @@ def blocks_or_why(model, k: Knobs) -> BlockList | str:
         return "activation offload's host pool passes buffers from block to block"
     if k.offload_params not in (None, "none"):
         return "parameter offload prefetches the next block's weights"
+    if has_compiled(model):
+        return "a compiled model is traced whole"
     blocks = BlockList.of(model)
     if not isinstance(blocks, str) and blocks.count < len(TWIN_A(0)):
         return f"{blocks.count} {TOO_FEW}"

@@ -97,7 +97,9 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
             k.offload_gradients:
         optimizer_only = False        # Note 1: no optimizer phase to trace alone
     spec = resolve_device(model, device, cuda_version)        # checks the model first
-    user, k, batch = _checked_step(model, batch, loss_fn, k, step, scheduler)
+    regions = compiled_regions(model)          # a backend memfit does not model: refused
+    user, k, batch = _checked_step(model, batch, loss_fn, k, step, scheduler,
+                                   compiled=bool(regions))
     k = k.replace(precision=resolve_precision(k.precision, spec))
     if layout is not None:
         layout.check_precision(k.precision)
@@ -106,7 +108,6 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
     recipe.check_impl(trainable)
-    regions = compiled_regions(model)          # a backend memfit does not model: refused
     if regions:
         refuse_with_compiled(k, layout, regions)
         model = eager_view(model, regions)
@@ -247,9 +248,10 @@ def _described(e: Exception, model, batch, loss_fn) -> Exception:
     return err
 
 
-def _checked_step(model, batch, loss_fn, k: Knobs, step, scheduler):
+def _checked_step(model, batch, loss_fn, k: Knobs, step, scheduler, compiled: bool = False):
     """(the user's step or None, the knobs it leaves, the batch as the step takes it), each
-    checked before any trace."""
+    checked before any trace; ``compiled``: the model has compiled regions
+    (``memfit.step.prepare_batch``)."""
     user = as_user_step(step)
     if scheduler is not None and (hasattr(scheduler, "step") or not callable(scheduler)):
         raise ValueError("estimate traces on a fake optimizer, so a scheduler built on the real "
@@ -261,7 +263,7 @@ def _checked_step(model, batch, loss_fn, k: Knobs, step, scheduler):
         raise ValueError("estimate needs a fixed precision (fp32, fp16, bf16, bf16-pure); "
                          "'auto' is for memfit.plan and memfit.fit")
     if user is None:               # a user step takes the batch as given (_user_step)
-        batch = prepare_batch(batch)
+        batch = prepare_batch(batch, compiled)
         check_batch(model, batch, loss_fn)
     check_in_backward(k, batch_size_of(batch))      # optimizer_in_backward's refusals
     return user, k, batch

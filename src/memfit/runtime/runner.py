@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memfit.measure._compile_aware import has_compiled
 from memfit.planner import Plan
 from memfit.runtime.applied import Applied
 from memfit.runtime.batch_shape import BatchShapes
@@ -112,7 +113,7 @@ class Runner:
         user step takes the batch as given, Note 5)."""
         if self.user_step is not None:
             return batch
-        return self.precision.prepare_batch(prepare_batch(batch))
+        return self.precision.prepare_batch(prepare_batch(batch, has_compiled(self.model)))
 
     def step(self, batch) -> float:
         """Train on one effective batch; return its loss (count-weighted, global). With

@@ -1,0 +1,130 @@
+"""A ``torch.compile``d model, traced as the compiler runs it (trace.compiled, issue 30).
+
+The oracle is a real compiled CPU step in a fresh process, measured by PyTorch's profiler from
+the CPU allocator's own events (tests/trace/_compiled_oracle.py): memfit's estimate of the same
+step is held to it within 1%. The default tier runs one model; ``--runslow`` runs gpt2, llama
+and ViT, compiled whole and per block, with the partitioner's default and budgets 0.5 and 0.0.
+The other tests need no C++ compiler: they check what is found, refused and left untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit import zoo
+from memfit.api._blockwise import blocks_or_why
+from memfit.errors import TraceError
+from memfit.knobs import Knobs
+from memfit.trace.compiled import compiled_regions, eager_view
+from tests.trace._compiled_oracle import budget, build, compile_as
+
+
+def _measured(job: dict) -> int:
+    out = subprocess.run([sys.executable, "-m", "tests.trace._compiled_oracle", json.dumps(job)],
+                         capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+
+
+def _estimated(job: dict) -> memfit.Estimate:
+    _, model, batch = build(job)
+    with budget(job):
+        return memfit.estimate(compile_as(model, job["compile"]), batch)
+
+
+def _check(job: dict) -> None:
+    est, real = _estimated(job), _measured(job)
+    assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
+    assert any(n.startswith("compiled:") for n in est.notes)
+
+
+def test_compiled_gpt2_estimate_is_the_compiled_step():
+    _check({"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "whole"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", [
+    {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "blocks"},
+    {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "whole"},
+    {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "blocks"},
+    {"model": "vit-base", "batch": 2, "compile": "whole"},
+    {"model": "vit-base", "batch": 2, "compile": "blocks"},
+    {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "whole",
+     "activation_memory_budget": 0.5},
+    {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "whole",
+     "activation_memory_budget": 0.0},
+    {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "whole",
+     "activation_memory_budget": 0.0},
+], ids=lambda j: "-".join(str(v) for v in j.values()))
+def test_compiled_estimate_is_the_compiled_step(job):
+    _check(job)
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16),
+                         nn.Sequential(nn.Linear(16, 16), nn.ReLU()))
+
+
+def test_regions_are_found_as_compiled():
+    whole = torch.compile(_mlp(), fullgraph=True)
+    (r,) = compiled_regions(whole)
+    assert (r.name, r.backend_name, r.fullgraph, r.in_place) == ("", "inductor", True, False)
+    m = _mlp()
+    m[0].compile(backend="aot_eager")
+    m[3] = torch.compile(m[3], backend="eager")
+    found = {r.name: (r.backend_name, r.in_place) for r in compiled_regions(m)}
+    assert found == {"0": ("aot_eager", True), "3": ("eager", False)}
+
+
+def test_the_eager_view_leaves_the_user_model_compiled():
+    m = _mlp()
+    m[0].compile()
+    m[3] = torch.compile(m[3])
+    view = eager_view(m, compiled_regions(m))
+    assert compiled_regions(view) == []
+    assert m[0]._compiled_call_impl is not None and type(m[3]).__name__ == "OptimizedModule"
+    assert view[0].weight is m[0].weight and view[3][0].weight is m[3]._orig_mod[0].weight
+
+
+def test_a_backend_memfit_does_not_model_is_refused():
+    def my_backend(gm, inputs):
+        return gm.forward
+    model = torch.compile(_mlp(), backend=my_backend)
+    with pytest.raises(ValueError, match="backend 'my_backend'.*does not model"):
+        memfit.estimate(model, torch.randn(4, 16), loss_fn=lambda m, x: m(x).sum())
+
+
+def test_per_block_modes_on_a_compiled_model_are_refused():
+    model = torch.compile(_mlp(), backend="aot_eager")
+    with pytest.raises(ValueError, match="checkpoint.*compiled model.*activation_memory_budget"):
+        memfit.estimate(model, torch.randn(4, 16), loss_fn=lambda m, x: m(x).sum(),
+                        checkpoint="all")
+
+
+def test_aot_eager_saves_what_the_partitioner_keeps():
+    """Without Inductor the compiled graphs run op by op: the trace is the real step's, and it
+    differs from the eager step's (the partitioner recomputes the cheap activations)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    loss = lambda m, b: m(b).sum()  # noqa: E731
+    eager = memfit.estimate(_mlp(), x, loss_fn=loss)
+    compiled = memfit.estimate(torch.compile(_mlp(), backend="aot_eager"), x, loss_fn=loss)
+    assert compiled.peak_bytes != eager.peak_bytes
+
+
+def test_a_compiled_model_is_traced_whole_not_composed():
+    model = zoo.get("gpt2").build(tiny=True, device="meta")
+    assert blocks_or_why(torch.compile(model, backend="eager"), Knobs()) == \
+        "a compiled model is traced whole"
+
+
+def test_a_graph_dynamo_never_compiles_is_an_error_not_an_eager_figure():
+    model = torch.compile(_mlp(), backend="eager")
+    with torch._dynamo.config.patch(disable=True), pytest.raises(TraceError, match="eagerly"):
+        memfit.estimate(model, torch.randn(4, 16), loss_fn=lambda m, x: m(x).sum())
