@@ -35,7 +35,7 @@ def _measured(job: dict) -> int:
 def _estimated(job: dict) -> memfit.Estimate:
     _, model, batch = build(job)
     with budget(job):
-        return memfit.estimate(compile_as(model, job["compile"]), batch)
+        return memfit.estimate(memfit.Job(compile_as(model, job["compile"]), batch))
 
 
 def _check(job: dict) -> None:
@@ -64,6 +64,10 @@ def test_compiled_gpt2_estimate_is_the_compiled_step():
 ], ids=lambda j: "-".join(str(v) for v in j.values()))
 def test_compiled_estimate_is_the_compiled_step(job):
     _check(job)
+
+
+def _sum(model, x):
+    return model(x).sum()
 
 
 def _mlp():
@@ -97,14 +101,13 @@ def test_a_backend_memfit_does_not_model_is_refused():
         return gm.forward
     model = torch.compile(_mlp(), backend=my_backend)
     with pytest.raises(ValueError, match="backend 'my_backend'.*does not model"):
-        memfit.estimate(model, torch.randn(4, 16), loss_fn=lambda m, x: m(x).sum())
+        memfit.estimate(memfit.Job(model, torch.randn(4, 16), loss_fn=_sum))
 
 
 def test_per_block_modes_on_a_compiled_model_are_refused():
     model = torch.compile(_mlp(), backend="aot_eager")
     with pytest.raises(ValueError, match="checkpoint.*compiled model.*activation_memory_budget"):
-        memfit.estimate(model, torch.randn(4, 16), loss_fn=lambda m, x: m(x).sum(),
-                        checkpoint="all")
+        memfit.estimate(memfit.Job(model, torch.randn(4, 16), loss_fn=_sum), checkpoint="all")
 
 
 def test_aot_eager_saves_what_the_partitioner_keeps():
@@ -112,9 +115,9 @@ def test_aot_eager_saves_what_the_partitioner_keeps():
     differs from the eager step's (the partitioner recomputes the cheap activations)."""
     torch.manual_seed(0)
     x = torch.randn(64, 16)
-    loss = lambda m, b: m(b).sum()  # noqa: E731
-    eager = memfit.estimate(_mlp(), x, loss_fn=loss)
-    compiled = memfit.estimate(torch.compile(_mlp(), backend="aot_eager"), x, loss_fn=loss)
+    eager = memfit.estimate(memfit.Job(_mlp(), x, loss_fn=_sum))
+    compiled = memfit.estimate(memfit.Job(torch.compile(_mlp(), backend="aot_eager"), x,
+                                          loss_fn=_sum))
     assert compiled.peak_bytes != eager.peak_bytes
 
 
@@ -127,4 +130,4 @@ def test_a_compiled_model_is_traced_whole_not_composed():
 def test_a_graph_dynamo_never_compiles_is_an_error_not_an_eager_figure():
     model = torch.compile(_mlp(), backend="eager")
     with torch._dynamo.config.patch(disable=True), pytest.raises(TraceError, match="eagerly"):
-        memfit.estimate(model, torch.randn(4, 16), loss_fn=lambda m, x: m(x).sum())
+        memfit.estimate(memfit.Job(model, torch.randn(4, 16), loss_fn=_sum))
