@@ -29,13 +29,10 @@ def build(job: dict):
 
 
 def compile_as(model, how: str):
-    """``how``: "whole" (``torch.compile(model)``) or "blocks" (``block.compile()`` each)."""
-    if how == "whole":
-        return torch.compile(model)
-    from memfit.measure._modules import find_blocks
-    for name in find_blocks(model):
-        model.get_submodule(name).compile()
-    return model
+    """``how``: "model" (``torch.compile(model)``) or "blocks" (``block.compile()`` each), as
+    ``memfit estimate --compile`` compiles it."""
+    from memfit.trace.compiled import compile_model
+    return compile_model(model, how)
 
 
 def budget(job: dict):

@@ -45,21 +45,21 @@ def _check(job: dict) -> None:
 
 
 def test_compiled_gpt2_estimate_is_the_compiled_step():
-    _check({"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "whole"})
+    _check({"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model"})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("job", [
     {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "blocks"},
-    {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "whole"},
+    {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "model"},
     {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "blocks"},
-    {"model": "vit-base", "batch": 2, "compile": "whole"},
+    {"model": "vit-base", "batch": 2, "compile": "model"},
     {"model": "vit-base", "batch": 2, "compile": "blocks"},
-    {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "whole",
+    {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model",
      "activation_memory_budget": 0.5},
-    {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "whole",
+    {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model",
      "activation_memory_budget": 0.0},
-    {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "whole",
+    {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "model",
      "activation_memory_budget": 0.0},
 ], ids=lambda j: "-".join(str(v) for v in j.values()))
 def test_compiled_estimate_is_the_compiled_step(job):

@@ -39,6 +39,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_chunked_loss_arg(g)
     add_optimizer_in_backward_arg(g)
     add_hf_args_arg(g)
+    g.add_argument("--compile", default=None, choices=("model", "blocks"),
+                   help="estimate the step as torch.compile runs it (Inductor): 'model' compiles "
+                        "the whole model, 'blocks' each repeated block as torchtitan does; what "
+                        "forward saves is the partitioner's (it reads "
+                        "torch._functorch.config.activation_memory_budget) and each graph's "
+                        "buffers are those Inductor's code allocates")
     g = p.add_argument_group("target and output")
     add_target_args(g, budget_help="check against this many device bytes instead of the "
                                    "GPU's memory, e.g. 10GiB")
@@ -123,6 +129,9 @@ def _check(args) -> None:
         raise ValueError("--static-plan needs the storages of one traced step, which an "
                          "estimate of one rank of a sharded job does not keep yet: drop "
                          "--gpus/--sharding, or --static-plan")
+    if args.compile and getattr(args, "hf_args", None):
+        raise ValueError("--compile with --hf-args: memfit traces the Trainer's eager model; "
+                         "drop --compile (or estimate the model without --hf-args)")
     if args.remat and args.budget is None and not args.reserve:
         raise ValueError("--remat simulates DTR under a budget: give --budget (e.g. 80% of the "
                          "step's peak)")
@@ -143,6 +152,10 @@ def run(args) -> int:
             spec, model, est, batch = _trainer_estimate(args, hf, target)
         else:
             spec, model, batch = build_model_and_batch(args)
+            if args.compile:
+                from memfit.trace.compiled import compile_model
+
+                model = compile_model(model, args.compile)
             allocator = AllocatorConfig(expandable_segments=args.expandable_segments)
             with _report_args.recording(args, model) as record:
                 est = estimate(model, batch, optimizer=args.optimizer, device=target.device,

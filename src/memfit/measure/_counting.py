@@ -46,6 +46,7 @@ from memfit.errors import OutOfMemory
 from memfit.measure import _ledger as L
 from memfit.measure._collectives import births
 from memfit.measure._compile_aware import CompileAware
+from memfit.measure._cpu_scratch import scratch_bytes
 from memfit.measure._sizes import hint
 
 if TYPE_CHECKING:
@@ -118,18 +119,24 @@ class CountingMode(CompileAware, TorchDispatchMode):
                         ledger.add(st, L.INPUTS, entry=True, host=st._cdata in t.host_before)
         t.ops += 1
         t.last_op = func
-        if t.budget_bytes is None:
-            try:
-                out, kept = births(func, args, kwargs)   # with the buffers its kernel keeps
-            except Exception as e:
-                t.note_failure(e, func)
-                raise
-            self._count(func, args, kwargs, out, kept)
+        scratch = scratch_bytes(func, args, kwargs)       # the kernel's own, while it runs
+        held = ledger.transient(scratch) if scratch else None
+        try:
+            if t.budget_bytes is None:
+                try:
+                    out, kept = births(func, args, kwargs)   # with the buffers its kernel keeps
+                except Exception as e:
+                    t.note_failure(e, func)
+                    raise
+                self._count(func, args, kwargs, out, kept)
+                return out
+            with t.undo_on_oom(func, args):
+                out, kept = births(func, args, kwargs)
+                self._count(func, args, kwargs, out, kept)
             return out
-        with t.undo_on_oom(func, args):
-            out, kept = births(func, args, kwargs)
-            self._count(func, args, kwargs, out, kept)
-        return out
+        finally:
+            if held is not None:
+                ledger.end_transient(held)
 
     def _count(self, func, args, kwargs, out, kept=()):
         """``kept``: storages the op's kernel made and kept apart from its outputs (a

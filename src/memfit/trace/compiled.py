@@ -48,9 +48,30 @@ from torch import nn
 from memfit.measure._compile_aware import following_compiled, is_compiled_wrapper
 
 __all__ = ["Region", "compiled_regions", "eager_view", "wrap_regions", "compiled_trace",
-           "compiled_note", "refuse_with_compiled", "MODELLED_BACKENDS"]
+           "compiled_note", "refuse_with_compiled", "compile_model", "COMPILE_WAYS",
+           "MODELLED_BACKENDS"]
 
 MODELLED_BACKENDS = ("inductor", "eager", "aot_eager", "aot_eager_decomp_partition")
+COMPILE_WAYS = ("model", "blocks")
+
+
+def compile_model(model: nn.Module, how: str) -> nn.Module:
+    """The model compiled as a user compiles it (``memfit estimate --compile``): ``"model"``,
+    ``torch.compile(model)``; ``"blocks"``, each repeated block compiled in place
+    (``block.compile()``, as torchtitan compiles each transformer block), the rest eager."""
+    if how == "model":
+        return torch.compile(model)
+    if how != "blocks":
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_WAYS)}, got {how!r}")
+    from memfit.measure._modules import find_blocks
+
+    names = find_blocks(model)
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no list of repeated blocks to compile one "
+                         f"by one: compile the whole model (--compile model)")
+    for name in names:
+        model.get_submodule(name).compile()
+    return model
 
 
 @dataclass(frozen=True)

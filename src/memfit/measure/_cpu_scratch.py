@@ -1,0 +1,73 @@
+"""Buffers a CPU kernel allocates for itself and frees before it returns.
+
+A dispatch mode sees the tensors an op returns, not the ``at::empty`` a C++ kernel makes for its
+own work, yet the allocator holds those while the kernel runs, beside its outputs. The counter
+adds them as a transient for the op's duration (``Ledger.transient``) where the kernel's sizes
+are known. Each rule names the kernel and was checked against the CPU allocator's own events
+(``torch.profiler`` with ``profile_memory``; tests/measure/test_cpu_scratch.py).
+
+Rule 1 (flash attention on the CPU: ``_scaled_dot_product_flash_attention_for_cpu`` and its
+backward, ``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``, what SDPA runs on CPU tensors
+without a mask, and what Inductor calls for it). The query is split in blocks of 32 rows (64
+from 192 rows, 256 from 768), the keys in blocks of 512; ``q``, ``kv`` are those block sizes
+capped at the lengths. Per thread (``torch.get_num_threads()``) the forward holds, in fp32 (fp64
+for fp64 inputs), ``q * kv`` scores, ``2 q`` running max and sum and ``q * Ev`` output rows, and
+for a 16-bit input ``q * kv`` more in its dtype; the backward holds ``2 q * kv`` (attention and
+its gradient) in fp32, the same again in a 16-bit input's dtype, ``q`` more in fp32 while it
+reduces, and a copy of the incoming gradient in the (B, L, H, E) layout it reads, unless it is
+laid out so already (as the gradient reshaped from an output projection's is). A bf16
+backward also makes per-block buffers one at a time (83,716 bytes for 256 rows of 32 values
+and 2 heads), not counted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["scratch_bytes"]
+
+_aten = torch.ops.aten
+_FLASH_FW = _aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BW = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def _splits(q_len: int, kv_len: int) -> tuple[int, int]:
+    q_split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
+    return min(q_split, q_len), min(512, kv_len)
+
+
+def _accumulate_size(dtype: torch.dtype) -> int:
+    return 8 if dtype == torch.float64 else 4
+
+
+def _flash_forward(query, key, value, *args, **kwargs) -> int:
+    q, kv = _splits(query.size(2), key.size(2))
+    threads = torch.get_num_threads()
+    acc = threads * (q * kv + 2 * q + q * value.size(3)) * _accumulate_size(query.dtype)
+    reduced = threads * q * kv * query.element_size() if query.dtype in _REDUCED else 0
+    return acc + reduced
+
+
+def _flash_backward(grad_out, query, key, value, *args, **kwargs) -> int:
+    q, kv = _splits(query.size(2), key.size(2))
+    threads = torch.get_num_threads()
+    acc_size = _accumulate_size(query.dtype)
+    acc = threads * 2 * q * kv * acc_size + q * acc_size
+    reduced = threads * 2 * q * kv * query.element_size() if query.dtype in _REDUCED else 0
+    copy = 0 if grad_out.transpose(1, 2).is_contiguous() else \
+        grad_out.numel() * grad_out.element_size()
+    return acc + reduced + copy
+
+
+_RULES = {_FLASH_FW: _flash_forward, _FLASH_BW: _flash_backward}
+
+
+def scratch_bytes(func, args, kwargs) -> int:
+    """The bytes ``func``'s CPU kernel allocates and frees inside the call (the rules above), 0
+    for any other op or device."""
+    rule = _RULES.get(func)
+    if rule is None or not args or not isinstance(args[0], torch.Tensor) or \
+            args[0].device.type != "cpu":
+        return 0
+    return int(rule(*args, **kwargs))

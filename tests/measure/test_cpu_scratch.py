@@ -1,0 +1,65 @@
+"""The CPU kernels' own buffers (measure._cpu_scratch), against the CPU allocator's events.
+
+Each case runs the real kernel under ``torch.profiler`` (``profile_memory``): the peak of its
+allocations, less the bytes of what it returns, is what it held for itself, and must equal the
+rule's figure (bf16's backward: at least it, the small per-block buffers the rule leaves out
+being less than three outputs)."""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from memfit.measure._cpu_scratch import scratch_bytes
+
+aten = torch.ops.aten
+FW = aten._scaled_dot_product_flash_attention_for_cpu.default
+BW = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _held_beside_outputs(fn) -> int:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e.start_ns(), i, e.nbytes()) for i, e in
+                    enumerate(prof.profiler.kineto_results.events()) if e.name() == "[memory]")
+    live = peak = 0
+    for _, _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return peak - sum(t.untyped_storage().nbytes() for t in out)
+
+
+@pytest.mark.parametrize("shape,dtype,threads,causal", [
+    ((2, 4, 32, 16), torch.float32, 2, True),
+    ((1, 2, 200, 64), torch.float32, 1, True),
+    ((1, 1, 800, 16), torch.float16, 2, True),
+    ((1, 2, 256, 32), torch.bfloat16, 2, True),
+])
+@pytest.mark.parametrize("grad_layout", ["BLHE", "BHLE"])
+def test_flash_attention_on_the_cpu_holds_what_the_rule_says(shape, dtype, threads, causal,
+                                                            grad_layout):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(shape, dtype=dtype) for _ in range(3))
+        args = (q, k, v, 0.0, causal)
+        assert _held_beside_outputs(lambda: FW(*args)) == scratch_bytes(FW, args, {})
+        out, lse = FW(*args)
+        b, h, n, e = shape
+        grad = torch.randn(b, n, h, e, dtype=dtype).transpose(1, 2) \
+            if grad_layout == "BLHE" else torch.randn(shape, dtype=dtype)
+        bw_args = (grad, q, k, v, out, lse, 0.0, causal)
+        held, rule = _held_beside_outputs(lambda: BW(*bw_args)), scratch_bytes(BW, bw_args, {})
+        if dtype == torch.bfloat16:       # its per-block buffers are not counted (the rule says)
+            assert rule <= held < rule + 3 * out.untyped_storage().nbytes()
+        else:
+            assert held == rule
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_other_ops_and_devices_hold_nothing_extra():
+    x = torch.randn(4, 4)
+    assert scratch_bytes(aten.mm.default, (x, x), {}) == 0
+    meta = torch.randn(1, 1, 8, 8, device="meta")
+    assert scratch_bytes(FW, (meta, meta, meta, 0.0, False), {}) == 0
