@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from memfit.measure.attached import attached_tensors, module_tensors
+from memfit.techniques._bnb_optimizer import import_bitsandbytes
 from memfit.techniques._protocol import Change
 
 __all__ = ["QuantizedBase", "KINDS"]
@@ -185,8 +186,6 @@ def is_linear(module: nn.Module) -> bool:
 
 
 def _bitsandbytes():
-    from memfit.techniques._bnb_optimizer import import_bitsandbytes
-
     try:
         bitsandbytes = import_bitsandbytes()
     except ImportError:

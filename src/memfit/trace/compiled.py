@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from memfit.measure._compile_aware import following_compiled, is_compiled_wrapper
+from memfit.measure._modules import find_blocks
 
 __all__ = ["Region", "compiled_regions", "eager_view", "wrap_regions", "compiled_trace",
            "compiled_note", "refuse_with_compiled", "compile_model", "COMPILE_WAYS",
@@ -63,8 +64,6 @@ def compile_model(model: nn.Module, how: str) -> nn.Module:
         return torch.compile(model)
     if how != "blocks":
         raise ValueError(f"compile must be one of {', '.join(COMPILE_WAYS)}, got {how!r}")
-    from memfit.measure._modules import find_blocks
-
     names = find_blocks(model)
     if not names:
         raise ValueError(f"{type(model).__name__} has no list of repeated blocks to compile one "
