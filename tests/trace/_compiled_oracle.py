@@ -24,6 +24,8 @@ def build(job: dict):
     spec = zoo.get(job["model"])
     torch.manual_seed(0)
     model = spec.build(tiny=True, device="cpu")
+    if "use_cache" in job:
+        model.config.use_cache = job["use_cache"]
     kw = {"seq_len": job["seq_len"]} if job.get("seq_len") else {}
     return spec, model, spec.make_batch(model, job["batch"], **kw)
 

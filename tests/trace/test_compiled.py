@@ -52,7 +52,7 @@ def test_compiled_gpt2_estimate_is_the_compiled_step():
 @pytest.mark.parametrize("job", [
     {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "blocks"},
     {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "model"},
-    {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "blocks"},
+    {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "blocks", "use_cache": False},
     {"model": "vit-base", "batch": 2, "compile": "model"},
     {"model": "vit-base", "batch": 2, "compile": "blocks"},
     {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model",
@@ -73,6 +73,18 @@ def _sum(model, x):
 def _mlp():
     return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16),
                          nn.Sequential(nn.Linear(16, 16), nn.ReLU()))
+
+
+def test_a_kv_cache_under_per_block_compile_is_said():
+    """Dynamo keeps the compiled call's cache alive (docs/compiled.md): the note says so, and
+    that training needs none."""
+    for use_cache in (True, False):
+        _, model, batch = build({"model": "llama-1b", "batch": 2, "seq_len": 16,
+                                 "use_cache": use_cache})
+        for block in model.model.layers:
+            block.compile(backend="eager")
+        notes = memfit.estimate(memfit.Job(model, batch)).notes
+        assert any("use_cache" in n for n in notes) == use_cache
 
 
 def test_regions_are_found_as_compiled():

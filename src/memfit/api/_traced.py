@@ -209,7 +209,7 @@ def figures(t: Traced) -> Estimate:
     notes += list(t.quantized.notes) if t.quantized else []
     compiled = compiled_step_note(runner.optimizer)      # torchao's step, traced eagerly
     notes += [compiled] if compiled else []
-    compiled = compiled_note(list(t.regions), spec.kind)
+    compiled = compiled_note(list(t.regions), spec.kind, runner.model)
     notes += [compiled] if compiled else []
     if user is not None:
         notes += step_notes(user, batch)
