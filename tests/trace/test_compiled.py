@@ -143,3 +143,18 @@ def test_a_graph_dynamo_never_compiles_is_an_error_not_an_eager_figure():
     model = torch.compile(_mlp(), backend="eager")
     with torch._dynamo.config.patch(disable=True), pytest.raises(TraceError, match="eagerly"):
         memfit.estimate(memfit.Job(model, torch.randn(4, 16), loss_fn=_sum))
+
+
+def test_a_graph_dynamo_cannot_trace_is_said_as_such():
+    class Breaks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            y = self.lin(x)
+            print("a graph break")          # fullgraph=True refuses it
+            return y
+    model = torch.compile(Breaks(), backend="eager", fullgraph=True)
+    with pytest.raises(TraceError, match="torch.compile could not trace"):
+        memfit.estimate(memfit.Job(model, torch.randn(4, 16), loss_fn=_sum))

@@ -43,8 +43,8 @@ from memfit.techniques.quantized_base import QuantizedBase
 from memfit.techniques.optimizer_in_backward import check_knobs as check_in_backward
 from memfit.trace import FakeCopier, profile_step
 from memfit.trace.card import card_breakdown
-from memfit.trace.compiled import (compiled_note, compiled_regions, compiled_trace, eager_view,
-                                   refuse_with_compiled, wrap_regions)
+from memfit.trace.compiled import (compile_failure, compiled_note, compiled_regions,
+                                   compiled_trace, eager_view, refuse_with_compiled, wrap_regions)
 from memfit.trace.cuda import CudaModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
 from memfit.trace.packed_attention import check_attention_device, packing_note
@@ -176,6 +176,8 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
         except Exception as e:
             if user is not None and (clear := explain_step_error(e, user)) is not None:
                 raise clear from e
+            if regions and type(e).__module__.startswith("torch._dynamo"):
+                raise TraceError(compile_failure(e, regions)) from e
             raise _described(e, model, batch, loss_fn)
         if regions and not compiled:
             raise TraceError(f"torch.compile ran {regions[0].describe()} eagerly in the trace "

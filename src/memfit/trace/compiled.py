@@ -8,7 +8,9 @@ copies of the modules on the path, sharing the weights: the user's model is not 
 the fake copier copies; ``wrap_regions`` compiles each region of the fake copy again, with the
 same backend and options, as an ``OptimizedModule`` (a region compiled in place becomes a
 wrapper around it: its own hooks ran inside the compiled code either way), recompiles isolated
-from the user's own (``isolate_recompiles``).
+from the user's own (``isolate_recompiles``). ``dynamic=None`` (the default: static shapes
+until a shape changes) is compiled static, as a step of fixed shapes compiles: the trace's
+warm-up and micro-batches must not turn it into a symbolic graph the real run never makes.
 
 Note 2 (what runs). Inside ``compiled_trace()`` memfit's counting modes let Dynamo compile
 under them and follow the compiled code (``measure._compile_aware``). Dynamo captures each
@@ -53,8 +55,8 @@ from memfit.measure._compile_aware import following_compiled, is_compiled_wrappe
 from memfit.measure._modules import find_blocks
 
 __all__ = ["Region", "compiled_regions", "eager_view", "wrap_regions", "compiled_trace",
-           "compiled_note", "refuse_with_compiled", "compile_model", "COMPILE_WAYS",
-           "MODELLED_BACKENDS"]
+           "compiled_note", "compile_failure", "refuse_with_compiled", "compile_model",
+           "COMPILE_WAYS", "MODELLED_BACKENDS"]
 
 MODELLED_BACKENDS = ("inductor", "eager", "aot_eager", "aot_eager_decomp_partition")
 COMPILE_WAYS = ("model", "blocks")
@@ -234,7 +236,7 @@ def wrap_regions(fake: nn.Module, regions: list[Region], compiled: list[str]) ->
     for r in regions:
         def wrap(m: nn.Module) -> nn.Module:
             return torch.compile(m, backend=_counted_backend(r, compiled),
-                                 fullgraph=r.fullgraph, dynamic=r.dynamic,
+                                 fullgraph=r.fullgraph, dynamic=bool(r.dynamic),
                                  isolate_recompiles=True)
         if r.name == "":
             fake = wrap(fake)
@@ -293,6 +295,16 @@ def _counted_inductor():
             functorch_config.patch(enable_autograd_cache=False,
                                    force_non_lazy_backward_lowering=True):
         yield
+
+
+def compile_failure(error: Exception, regions: list[Region]) -> str:
+    """The words of a trace that Dynamo, AOTAutograd or the backend stopped (Note 2)."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    where = ", ".join(r.describe() for r in regions)
+    return (f"torch.compile could not trace the compiled step ({where}): "
+            f"{type(error).__name__}: {first}. memfit compiles each region as the "
+            f"user did, on fake tensors; run the compiled model once on a small real batch to "
+            f"see whether it compiles, or estimate the model uncompiled")
 
 
 def compiled_note(regions: list[Region], device_kind: str, model: nn.Module) -> str | None:
