@@ -48,17 +48,25 @@ def test_compiled_gpt2_estimate_is_the_compiled_step():
     _check({"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model"})
 
 
+# Known gaps (docs/compiled.md, "Measured"): the test fails the day they close (strict)
+_CONV_SCRATCH = pytest.mark.xfail(strict=True, reason="the CPU convolution kernel's own "
+                                  "buffers (ViT's patch embedding backward) are not counted")
+_BUDGET_FREES = pytest.mark.xfail(strict=True, reason="under a budget below 1, the real gpt2 "
+                                  "step frees four hidden-sized and one MLP-sized tensor at the "
+                                  "end of forward that the trace keeps")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("job", [
     {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "blocks"},
     {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "model"},
     {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "blocks", "use_cache": False},
-    {"model": "vit-base", "batch": 2, "compile": "model"},
+    pytest.param({"model": "vit-base", "batch": 2, "compile": "model"}, marks=_CONV_SCRATCH),
     {"model": "vit-base", "batch": 2, "compile": "blocks"},
-    {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model",
-     "activation_memory_budget": 0.5},
-    {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model",
-     "activation_memory_budget": 0.0},
+    pytest.param({"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model",
+                  "activation_memory_budget": 0.5}, marks=_BUDGET_FREES),
+    pytest.param({"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model",
+                  "activation_memory_budget": 0.0}, marks=_BUDGET_FREES),
     {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "model",
      "activation_memory_budget": 0.0},
 ], ids=lambda j: "-".join(str(v) for v in j.values()))

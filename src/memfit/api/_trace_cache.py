@@ -45,6 +45,7 @@ from memfit._cache import key_of
 from memfit._trace_cache_scope import current, using
 from memfit._versions import TRACED_LIBRARIES, code_version, library_version
 from memfit.measure.attached import attached_tensors
+from memfit.trace.compiled import compiled_regions
 
 __all__ = ["using", "key_for", "lookup", "store", "twin_lookup", "twin_store"]
 
@@ -65,7 +66,8 @@ def key_for(model, batch, optimizer, device, options: dict) -> str | None:
     batch_part = _batch_part(batch)
     if model_part is None or batch_part is None:
         return None
-    return key_of(figure="estimate", model=model_part, batch=batch_part, optimizer=optimizer,
+    return key_of(figure="estimate", model=model_part, compiled=_compiled_part(model),
+                  batch=batch_part, optimizer=optimizer,
                   device=_plain(device), options=_plain({k: v for k, v in options.items()
                                                          if k not in _CALLABLES}),
                   code=code_version(),
@@ -134,6 +136,18 @@ def _model_part(model: nn.Module) -> dict | None:
             "tensors": hashlib.sha256(repr(tensors).encode()).hexdigest(),
             "config": config.to_json_string(use_diff=False) if hasattr(config, "to_json_string")
             else None}
+
+
+def _compiled_part(model: nn.Module) -> list | None:
+    """How the model's regions are compiled, and what the partitioner reads
+    (trace.compiled): another budget is another step."""
+    regions = compiled_regions(model)
+    if not regions:
+        return None
+    import torch._functorch.config as functorch_config
+
+    return [[r.describe(), list(r.options)] for r in regions] + \
+        [functorch_config.activation_memory_budget]
 
 
 def _batch_part(batch) -> list | None:

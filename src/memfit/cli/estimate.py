@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -45,6 +46,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "forward saves is the partitioner's (it reads "
                         "torch._functorch.config.activation_memory_budget) and each graph's "
                         "buffers are those Inductor's code allocates")
+    g.add_argument("--activation-memory-budget", type=_fraction, default=None, metavar="X",
+                   help="with --compile: torch.compile's activation_memory_budget, 0 to 1 (the "
+                        "share of the activations forward keeps; the partitioner recomputes the "
+                        "rest, 0 the most), set in torch._functorch.config as PyTorch reads it; "
+                        "default: as your torch has it (1.0)")
     g = p.add_argument_group("target and output")
     add_target_args(g, budget_help="check against this many device bytes instead of the "
                                    "GPU's memory, e.g. 10GiB")
@@ -102,6 +108,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text}")
+    return value
+
+
+def _activation_budget(args):
+    """torch.compile's ``activation_memory_budget`` as the flag sets it, for the trace."""
+    if args.activation_memory_budget is None:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=args.activation_memory_budget)
+
+
 def _knobs(args) -> dict:
     """The knobs the flags fix (``memfit.Knobs``' fields)."""
     return dict(precision=args.precision, micro_batch_size=args.micro_batch_size,
@@ -129,6 +154,9 @@ def _check(args) -> None:
         raise ValueError("--static-plan needs the storages of one traced step, which an "
                          "estimate of one rank of a sharded job does not keep yet: drop "
                          "--gpus/--sharding, or --static-plan")
+    if args.activation_memory_budget is not None and not args.compile:
+        raise ValueError("--activation-memory-budget is torch.compile's lever: it needs "
+                         "--compile model or --compile blocks")
     if args.compile and getattr(args, "hf_args", None):
         raise ValueError("--compile with --hf-args: memfit traces the Trainer's eager model; "
                          "drop --compile (or estimate the model without --hf-args)")
@@ -157,7 +185,7 @@ def run(args) -> int:
 
                 model = compile_model(model, args.compile)
             allocator = AllocatorConfig(expandable_segments=args.expandable_segments)
-            with _report_args.recording(args, model) as record:
+            with _report_args.recording(args, model) as record, _activation_budget(args):
                 est = estimate(model, batch, optimizer=args.optimizer, device=target.device,
                                budget=target.budget_bytes, allocator=allocator, **_knobs(args))
     shapes = {k: list(v.shape) for k, v in batch.items()}
