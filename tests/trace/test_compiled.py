@@ -168,3 +168,12 @@ def test_a_graph_dynamo_cannot_trace_is_said_as_such():
     model = torch.compile(Breaks(), backend="eager", fullgraph=True)
     with pytest.raises(TraceError, match="torch.compile could not trace"):
         memfit.estimate(memfit.Job(model, torch.randn(4, 16), loss_fn=_sum))
+
+
+def test_the_note_names_a_run_of_compiled_blocks_once():
+    m = nn.Sequential(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)))
+    for i in (0, 2):
+        m[0][i].compile(backend="eager")
+    notes = memfit.estimate(memfit.Job(m, torch.randn(4, 16), loss_fn=_sum)).notes
+    (note,) = [n for n in notes if n.startswith("compiled:")]
+    assert "compiled: 0.0 .. 2 (2 blocks) (eager);" in note and "use_cache" not in note

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass
 from unittest import mock
 
@@ -295,6 +296,24 @@ def _counted_inductor():
         yield
 
 
+def _listed(regions: list[Region]) -> str:
+    """The regions in words, a run of blocks of one list compiled alike as one item."""
+    groups: dict[tuple, list[int]] = {}
+    singles: list[str] = []
+    for r in regions:
+        head, _, last = r.name.rpartition(".")
+        if head and last.isdigit():
+            alike = dataclasses.replace(r, name="")
+            groups.setdefault((head, alike.describe()), []).append(int(last))
+        else:
+            singles.append(r.describe())
+    for (head, how), idx in groups.items():
+        how = how.removeprefix("the model ")
+        singles.append(f"{head}.{idx[0]} {how}" if len(idx) == 1 else
+                       f"{head}.{min(idx)} .. {max(idx)} ({len(idx)} blocks) {how}")
+    return ", ".join(singles)
+
+
 def compile_failure(error: Exception, regions: list[Region]) -> str:
     """The words of a trace that Dynamo, AOTAutograd or the backend stopped (Note 2)."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -309,13 +328,15 @@ def compiled_note(regions: list[Region], device_kind: str, model: nn.Module) -> 
     """What the estimate of a compiled job says about how it was modelled (Note 3)."""
     if not regions:
         return None
-    words = [f"compiled: {', '.join(r.describe() for r in regions)}; traced through Dynamo "
+    words = [f"compiled: {_listed(regions)}; traced through Dynamo "
              f"and AOTAutograd (what forward saves is the partitioner's), each graph's buffers "
              f"as the backend's generated code allocates them"]
     if device_kind == "cuda" and any(r.backend_name == "inductor" for r in regions):
         words.append("Inductor's buffers are those it plans for CPU code; its CUDA code fuses "
                      "by other rules, so a GPU figure is a model of that")
-    if getattr(getattr(model, "config", None), "use_cache", False):
+    can_generate = getattr(model, "can_generate", None)
+    if getattr(getattr(model, "config", None), "use_cache", False) and \
+            callable(can_generate) and can_generate():       # a decoder that makes a KV cache
         words.append("the model's KV cache is on (config.use_cache), which a compiled step "
                      "holds in ways the trace does not follow exactly (blocks compiled one by "
                      "one: Dynamo keeps the compiled call's keys and values alive; the whole "
