@@ -186,7 +186,8 @@ def refuse_with_compiled(knobs, layout, regions: list[Region]) -> None:
                          f"is not modelled: memfit traces a compiled step with its precision, "
                          f"micro-batches and optimizer knobs; for less activation memory set "
                          f"torch._functorch.config.activation_memory_budget (which memfit's "
-                         f"trace reads as torch.compile does), or estimate the model uncompiled")
+                         f"trace reads as torch.compile does; memfit estimate "
+                         f"--activation-memory-budget X), or estimate the model uncompiled")
 
 
 def _shallow(m: nn.Module) -> nn.Module:
