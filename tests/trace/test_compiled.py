@@ -48,12 +48,9 @@ def test_compiled_gpt2_estimate_is_the_compiled_step():
     _check({"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model"})
 
 
-# Known gaps (docs/compiled.md, "Measured"): the test fails the day they close (strict)
+# A known gap (docs/compiled.md, "Measured"): the test fails the day it closes (strict)
 _CONV_SCRATCH = pytest.mark.xfail(strict=True, reason="the CPU convolution kernel's own "
                                   "buffers (ViT's patch embedding backward) are not counted")
-_BUDGET_FREES = pytest.mark.xfail(strict=True, reason="with the KV cache on, under a budget "
-                                  "below 1, the real gpt2 step frees the keys and values and an "
-                                  "MLP-sized tensor at the end of forward that the trace keeps")
 
 
 @pytest.mark.slow
@@ -63,10 +60,10 @@ _BUDGET_FREES = pytest.mark.xfail(strict=True, reason="with the KV cache on, und
     {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "blocks", "use_cache": False},
     pytest.param({"model": "vit-base", "batch": 2, "compile": "model"}, marks=_CONV_SCRATCH),
     {"model": "vit-base", "batch": 2, "compile": "blocks"},
-    pytest.param({"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model",
-                  "activation_memory_budget": 0.5}, marks=_BUDGET_FREES),
-    pytest.param({"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model",
-                  "activation_memory_budget": 0.0}, marks=_BUDGET_FREES),
+    {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model",
+     "activation_memory_budget": 0.5},
+    {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model",
+     "activation_memory_budget": 0.0},
     {"model": "llama-1b", "batch": 2, "seq_len": 32, "compile": "model",
      "activation_memory_budget": 0.0},
     {"model": "gpt2", "batch": 2, "seq_len": 32, "compile": "model",
@@ -85,9 +82,9 @@ def _mlp():
                          nn.Sequential(nn.Linear(16, 16), nn.ReLU()))
 
 
-def test_a_kv_cache_under_compile_is_said():
-    """A compiled step holds the KV cache in ways the trace does not follow exactly
-    (docs/compiled.md): the note says so, and that training needs none."""
+def test_a_kv_cache_under_per_block_compile_is_said():
+    """Dynamo keeps the compiled call's KV cache alive (docs/compiled.md): the note says so,
+    and that training needs none."""
     for use_cache in (True, False):
         _, model, batch = build({"model": "llama-1b", "batch": 2, "seq_len": 16,
                                  "use_cache": use_cache})

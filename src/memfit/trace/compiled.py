@@ -34,9 +34,11 @@ and ``aot_eager_decomp_partition`` run as described; any other backend is refuse
 Inductor generates the code for the traced device: the CPU's (C++) code for every trace, so for
 a GPU target the buffers are those Inductor plans for CPU code (its CUDA code fuses by other
 rules), which ``compiled_note`` says. CUDA graphs (``mode="reduce-overhead"``) keep a private
-pool memfit does not model, also said. So is a transformers KV cache (``config.use_cache``),
-which a compiled step holds in ways the trace does not follow exactly (docs/compiled.md,
-"Measured": within 1% with the cache off, 2-5% off with it on); training needs no cache.
+pool memfit does not model, also said. So is a transformers KV cache (``config.use_cache``)
+under per-block compile: the blocks write keys and values into a Python object, and Dynamo's
+record of that side effect keeps the object of the call it compiled alive as long as the
+compiled code lives (docs/compiled.md, "Measured"); the trace counts only what the step
+touches, and training needs no cache.
 """
 
 from __future__ import annotations
@@ -336,13 +338,12 @@ def compiled_note(regions: list[Region], device_kind: str, model: nn.Module) -> 
         words.append("Inductor's buffers are those it plans for CPU code; its CUDA code fuses "
                      "by other rules, so a GPU figure is a model of that")
     can_generate = getattr(model, "can_generate", None)
-    if getattr(getattr(model, "config", None), "use_cache", False) and \
+    if any(r.name for r in regions) and \
+            getattr(getattr(model, "config", None), "use_cache", False) and \
             callable(can_generate) and can_generate():       # a decoder that makes a KV cache
-        words.append("the model's KV cache is on (config.use_cache), which a compiled step "
-                     "holds in ways the trace does not follow exactly (blocks compiled one by "
-                     "one: Dynamo keeps the compiled call's keys and values alive; the whole "
-                     "model under an activation_memory_budget below 1: the real step frees "
-                     "the keys and values before backward); training needs no cache: set "
+        words.append("the model's KV cache is on (config.use_cache): with blocks compiled one "
+                     "by one, Dynamo keeps the keys and values of the call it compiled alive, "
+                     "which the trace does not count; training needs no cache: set "
                      "model.config.use_cache = False")
     if any(r.mode and "reduce-overhead" in r.mode for r in regions):
         words.append("CUDA graphs (mode reduce-overhead) keep a private memory pool memfit "
