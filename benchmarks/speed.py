@@ -94,8 +94,9 @@ def _zoo_job(name: str, batch: int, seq: int):
 
 
 def _estimate_row(label: str, model, batch, device: str, memtracker=None, **knobs) -> dict:
-    composed, c_s = _cpu_seconds(lambda: memfit.estimate(model, batch, device=device, **knobs))
-    whole, w_s = _cpu_seconds(lambda: memfit.estimate(model, batch, device=device,
+    composed, c_s = _cpu_seconds(lambda: memfit.estimate(memfit.Job(model, batch), device=device,
+                                                          **knobs))
+    whole, w_s = _cpu_seconds(lambda: memfit.estimate(memfit.Job(model, batch), device=device,
                                                       compose_blocks=False, **knobs))
     row = {"job": label, "traced_as": composed.traced_as,
            "memfit_composed_cpu_s": round(c_s, 2), "memfit_whole_cpu_s": round(w_s, 2),
@@ -124,9 +125,10 @@ def main() -> None:
     torch.set_num_threads(1)
     console = Console()
     rows = []
-    tiny = zoo.get("gpt2").build(tiny=True, device="meta")     # the process's one-time costs
-    memfit.estimate(tiny, zoo.get("gpt2").make_batch(tiny, 2), device="gtx-1080-ti")   # (imports,
-    # dispatch caches) paid before the first timed row, which would carry them alone
+    # the process's one-time costs (imports, dispatch caches) paid before the first timed row,
+    # which would carry them alone
+    tiny = zoo.get("gpt2").build(tiny=True, device="meta")
+    memfit.estimate(memfit.Job(tiny, zoo.get("gpt2").make_batch(tiny, 2)), device="gtx-1080-ti")
 
     spec, model, batch = _zoo_job("xlm-roberta-large", 8, 256)
     rows.append(_estimate_row(
@@ -146,7 +148,8 @@ def main() -> None:
     with torch.device("meta"):
         model70 = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA_70B))
     batch70 = spec7.make_batch(model70, 1, seq_len=512)
-    est70, s70 = _cpu_seconds(lambda: memfit.estimate(model70, batch70, device="a100-80gb",
+    est70, s70 = _cpu_seconds(lambda: memfit.estimate(memfit.Job(model70, batch70),
+                                                      device="a100-80gb",
                                                       precision="bf16"))
     rows.append({"job": "estimate llama-2-70b config (80 blocks) 1x512 bf16 a100-80gb",
                  "traced_as": est70.traced_as, "memfit_composed_cpu_s": round(s70, 2),
@@ -163,7 +166,8 @@ def main() -> None:
         for label, knobs in (("plan README default, precision auto (xlm-roberta-large "
                               "32x256 gtx-1080-ti)", dict(precision="auto")),
                              ("plan README job, precision as given (fp32)", {})):
-            planned, p_s = _cpu_seconds(lambda: memfit.plan(model, big, device="gtx-1080-ti",
+            planned, p_s = _cpu_seconds(lambda: memfit.plan(memfit.Job(model, big),
+                                                            device="gtx-1080-ti",
                                                             **knobs))
             rows.append({"job": label, "memfit_plan_cpu_s": round(p_s, 2),
                          "memtracker_cpu_s": round(mt_s, 2),
@@ -199,7 +203,8 @@ def _front_rows(spec, model, batch, memtracker_s: float | None, console) -> list
 
     jobs = [
         ("plan --floor llama-2-7b 1x512 a100-80gb",
-         lambda: memfit.plan(model, batch, device="a100-80gb", precision="auto", floor=True)),
+         lambda: memfit.plan(memfit.Job(model, batch), device="a100-80gb", precision="auto",
+                             floor=True)),
         ("plan --what-if llama-2-7b 1x512 bf16 a100-80gb (7 estimates)",
          lambda: what_if(spec, batch_size=1, seq_len=512, device="a100-80gb",
                          precision="bf16")),
