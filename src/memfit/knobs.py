@@ -8,7 +8,8 @@ Note 1 (knobs by concern). ``Knobs`` stays one flat frozen dataclass (every fron
 as one value: ``precision``, ``quantize_base`` and ``remat`` are single fields, and four groups
 are frozen dataclasses of the same fields, with the same defaults and checks: ``k.batching``
 (``Batching``: micro_batch_size, zero_grad, max_grad_norm, chunked_loss), ``k.block_policy``
-(``BlockPolicy``: checkpoint, offload, offload_params), ``k.optimizer_setup``
+(``BlockPolicy``: checkpoint, offload, offload_params, activation_memory_budget),
+``k.optimizer_setup``
 (``OptimizerSetup``: offload_optimizer, optimizer_impl, optimizer_state,
 optimizer_in_backward, offload_gradients) and ``k.parallel``
 (``ParallelLayout``: gpus, sharding, reshard_after_forward, fsdp_offload, mp_policy).
@@ -117,6 +118,10 @@ class Knobs:
         ``CPUOffloadOptimizer(offload_gradients=True)``): the gradients never accumulate on the
         device; micro-batches accumulate on the host. Same numerics; refused with fp16 and
         ``step=fn`` (their GradScaler or clipping read the device gradients).
+    activation_memory_budget: for a ``torch.compile``d model, the partitioner's
+        ``torch._functorch.config.activation_memory_budget`` (0 to 1: the share of the
+        activations forward keeps, the rest recomputed in backward; 1 is torch's default),
+        set while the model compiles (``trace.compiled``); refused for an eager model.
     """
 
     precision: str | None = None
@@ -139,6 +144,7 @@ class Knobs:
     quantize_base: str | None = None
     optimizer_in_backward: bool | None = None
     offload_gradients: bool | None = None
+    activation_memory_budget: float | None = None
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -179,6 +185,11 @@ class Knobs:
         g = self.max_grad_norm
         if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not g > 0):
             raise ValueError(f"max_grad_norm must be a positive number, got {g!r}")
+        a = self.activation_memory_budget
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or
+                              not 0.0 <= a <= 1.0):
+            raise ValueError(f"activation_memory_budget must be a number from 0 to 1 (the share "
+                             f"of the activations a compiled forward keeps), got {a!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "Knobs":
@@ -311,11 +322,13 @@ class Batching(_Group):
 @dataclass(frozen=True)
 class BlockPolicy(_Group):
     """What each block does with what it saves and holds: ``checkpoint`` (recompute),
-    ``offload`` (saved activations to host), ``offload_params`` (its weights on the host)."""
+    ``offload`` (saved activations to host), ``offload_params`` (its weights on the host),
+    and for a compiled model torch.compile's own ``activation_memory_budget``."""
 
     checkpoint: str | tuple[str, ...] | None = None
     offload: str | tuple[str, ...] | None = None
     offload_params: str | tuple[str, ...] | None = None
+    activation_memory_budget: float | None = None
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ def numerics_allowed(allow: bool | None, k: Knobs) -> bool:
 
 def state_knobs(k: Knobs) -> dict:
     """The caller's fixed optimizer_state / offload_params / chunked_loss /
-    optimizer_in_backward, for every trace (parameter offload needs the optimizer state on the
-    host)."""
+    optimizer_in_backward / activation_memory_budget, for every trace (parameter offload needs
+    the optimizer state on the host)."""
     out = _fixed_levers(k)
     if k.optimizer_state is not None:
         out["optimizer_state"] = k.optimizer_state
@@ -65,6 +65,8 @@ def _fixed_levers(k: Knobs) -> dict:
     out = {"chunked_loss": k.chunked_loss} if k.chunked_loss else {}
     if k.optimizer_in_backward:
         out["optimizer_in_backward"] = True
+    if k.activation_memory_budget is not None:     # a compiled model's partition (plan Note 11)
+        out["activation_memory_budget"] = k.activation_memory_budget
     return out
 
 

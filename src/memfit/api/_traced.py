@@ -43,8 +43,9 @@ from memfit.techniques.quantized_base import QuantizedBase
 from memfit.techniques.optimizer_in_backward import check_knobs as check_in_backward
 from memfit.trace import FakeCopier, profile_step
 from memfit.trace.card import card_breakdown
-from memfit.trace.compiled import (compile_failure, compiled_note, compiled_regions,
-                                   compiled_trace, eager_view, refuse_with_compiled, wrap_regions)
+from memfit.trace.compiled import (check_budget, compile_failure, compiled_note,
+                                   compiled_regions, compiled_trace, eager_view,
+                                   refuse_with_compiled, wrap_regions)
 from memfit.trace.cuda import CudaModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
 from memfit.trace.packed_attention import check_attention_device, packing_note
@@ -108,6 +109,7 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
     trainable = [p for p in model.parameters() if p.requires_grad]
     recipe.check_params(trainable)
     recipe.check_impl(trainable)
+    check_budget(k, regions)
     if regions:
         refuse_with_compiled(k, layout, regions)
         model = eager_view(model, regions)
@@ -123,7 +125,8 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
         fake_model.train(model.training)
         if regions:
             stack.enter_context(compiled_trace())
-            fake_model = wrap_regions(fake_model, regions, compiled)
+            fake_model = wrap_regions(fake_model, regions, compiled,
+                                      k.activation_memory_budget)
         fake_batch = copier.tree(batch)
         if layout is not None:
             fake_model = layout.shard(stack, fake_model, copier)

@@ -84,6 +84,16 @@ whole plan is made again with it fixed. Every trace then quantizes a meta twin o
 the plan says so first among its reasons. A run of the plan quantizes the model in place. Only
 NF4 is weighed (the usual choice, and the smallest with FP4); a caller's own
 ``quantize_base`` is kept.
+
+Note 11 (a compiled model). Per-block modes are not applied inside a compiled region
+(trace.compiled), so a compiled model's plan searches precision, micro-batches and the
+optimizer's levers; torch.compile's own lever, ``activation_memory_budget`` (the share of the
+activations the min-cut partitioner keeps), is the last one: when nothing fits at torch's
+default, the whole plan is made again with it fixed at each of ``COMPILE_BUDGETS`` in turn
+(0.5, then 0.0), and the first that fits is the answer (its reasons say so first); each
+trace then compiles the regions under that budget. It is not yet weighed against a plan that
+fits with slower levers (micro-batches, the optimizer on the host): that needs the models of
+both budgets in one search.
 """
 
 from __future__ import annotations
@@ -113,6 +123,7 @@ from memfit.api._validate import check_batch, check_order
 from memfit.api.estimate import estimate
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
+from memfit.measure._compile_aware import has_compiled
 from memfit.optimizers import OptimizerRecipe, impl_of, supports_impl
 from memfit.planner import Plan
 from memfit.planner.memory_model import MemoryModel
@@ -180,8 +191,17 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         if floor:
             planner.least(stages_after=2)
         return planner.plain_fits() or planner.searched() or planner.floor_plan()
-    except BudgetTooSmall:
-        if not _weighs_qlora(model, Knobs.from_kwargs(**knobs), allow_numerics_change):
+    except BudgetTooSmall as too_small:
+        k = Knobs.from_kwargs(**knobs)
+        if _weighs_compile_budget(model, k):             # Note 11
+            return _with_compile_budget(too_small, model, batch, budget, optimizer, device,
+                                        loss_fn, count_fn=count_fn, allocator=allocator,
+                                        on_progress=on_progress, step=step,
+                                        scheduler=scheduler, floor=floor,
+                                        allow_numerics_change=allow_numerics_change,
+                                        batches=batches, on_floor=on_floor,
+                                        suggest_shorter=suggest_shorter, **knobs)
+        if not _weighs_qlora(model, k, allow_numerics_change):
             raise
     if on_progress is not None:
         on_progress("nothing fits with the frozen base in float: planning again with it in "
@@ -200,6 +220,36 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
 
 
 QLORA = "nf4"       # the base's quantization the planner weighs (QLoRA's)
+COMPILE_BUDGETS = (0.5, 0.0)     # activation_memory_budget values weighed, in order (Note 11)
+
+
+def _weighs_compile_budget(model, k: Knobs) -> bool:
+    """Note 11: a compiled model whose caller left ``activation_memory_budget`` unset."""
+    return k.activation_memory_budget is None and has_compiled(model)
+
+
+def _with_compile_budget(too_small: BudgetTooSmall, model, batch, budget, optimizer, device,
+                         loss_fn, *, on_progress, **kwargs) -> Planned:
+    """Note 11: the plan made again with each budget of ``COMPILE_BUDGETS`` fixed, the first
+    that fits; else the last refusal."""
+    for value in COMPILE_BUDGETS:
+        if on_progress is not None:
+            on_progress(f"nothing fits as torch.compile partitions by default: planning again "
+                        f"with activation_memory_budget={value}")
+        try:
+            planned = plan_traced(model, batch, budget, optimizer, device, loss_fn,
+                                  on_progress=on_progress,
+                                  **{**kwargs, "activation_memory_budget": value})
+        except BudgetTooSmall as e:
+            too_small = e
+            continue
+        why = (f"activation_memory_budget={value}: nothing fits with torch.compile's default "
+               f"partition (every activation the min-cut partitioner likes kept), so it keeps "
+               f"{value:.0%} of them and recomputes the rest in backward (set in "
+               f"torch._functorch.config while the model compiles; the numerics do not change)")
+        return dataclasses.replace(planned, plan=dataclasses.replace(
+            planned.plan, reasons=(why, *planned.plan.reasons)))
+    raise too_small
 
 
 def _weighs_qlora(model, k: Knobs, allow_numerics_change) -> bool:

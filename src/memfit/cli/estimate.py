@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 
@@ -49,8 +48,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--activation-memory-budget", type=_fraction, default=None, metavar="X",
                    help="with --compile: torch.compile's activation_memory_budget, 0 to 1 (the "
                         "share of the activations forward keeps; the partitioner recomputes the "
-                        "rest, 0 the most), set in torch._functorch.config as PyTorch reads it; "
-                        "default: as your torch has it (1.0)")
+                        "rest, 0 the most; the knob activation_memory_budget), set in "
+                        "torch._functorch.config while the model compiles, where PyTorch reads "
+                        "it; default: as your torch has it (1.0)")
     g = p.add_argument_group("target and output")
     add_target_args(g, budget_help="check against this many device bytes instead of the "
                                    "GPU's memory, e.g. 10GiB")
@@ -118,15 +118,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _activation_budget(args):
-    """torch.compile's ``activation_memory_budget`` as the flag sets it, for the trace."""
-    if args.activation_memory_budget is None:
-        return contextlib.nullcontext()
-    import torch._functorch.config as functorch_config
-
-    return functorch_config.patch(activation_memory_budget=args.activation_memory_budget)
-
-
 def _knobs(args) -> dict:
     """The knobs the flags fix (``memfit.Knobs``' fields)."""
     return dict(precision=args.precision, micro_batch_size=args.micro_batch_size,
@@ -139,7 +130,9 @@ def _knobs(args) -> dict:
                 fsdp_offload=args.fsdp_offload, mp_policy=args.mp_policy,
                 chunked_loss=args.chunked_loss,
                 optimizer_in_backward=args.optimizer_in_backward,
-                offload_gradients=args.offload_gradients, **optimizer_impl_knob(args))
+                offload_gradients=args.offload_gradients,
+                activation_memory_budget=args.activation_memory_budget,
+                **optimizer_impl_knob(args))
 
 
 def _check(args) -> None:
@@ -185,7 +178,7 @@ def run(args) -> int:
 
                 model = compile_model(model, args.compile)
             allocator = AllocatorConfig(expandable_segments=args.expandable_segments)
-            with _report_args.recording(args, model) as record, _activation_budget(args):
+            with _report_args.recording(args, model) as record:
                 est = estimate(model, batch, optimizer=args.optimizer, device=target.device,
                                budget=target.budget_bytes, allocator=allocator, **_knobs(args))
     shapes = {k: list(v.shape) for k, v in batch.items()}

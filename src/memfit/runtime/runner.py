@@ -47,6 +47,7 @@ from memfit.runtime.oom_guard import OomGuard, check_optimizer_step, committing
 from memfit.step import UserStep, compute_loss, prepare_batch, zero_grad
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.precision import Precision
+from memfit.trace.compiled import activation_budget
 
 __all__ = ["Runner", "StepInfo"]
 
@@ -184,8 +185,10 @@ class Runner:
             last = i == len(micro) - 1
             with self.accumulation.sync(model, last):
                 mark("forward")
-                with self.precision.autocast(self.device_type):
-                    loss = compute_loss(model, mb, self.loss_fn)
+                with self.precision.autocast(self.device_type), \
+                        activation_budget(self.plan.knobs.activation_memory_budget):
+                    loss = compute_loss(model, mb, self.loss_fn)     # (a compiled model
+                    # compiles at its first forward, where the partitioner reads the budget)
                 if weights is not None:
                     loss = loss * weights[i]
                 if i == 0:

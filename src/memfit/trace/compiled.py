@@ -57,7 +57,7 @@ from memfit.measure._modules import find_blocks
 
 __all__ = ["Region", "compiled_regions", "eager_view", "wrap_regions", "compiled_trace",
            "compiled_note", "compile_failure", "refuse_with_compiled", "compile_model",
-           "COMPILE_WAYS", "MODELLED_BACKENDS"]
+           "activation_budget", "check_budget", "COMPILE_WAYS", "MODELLED_BACKENDS"]
 
 MODELLED_BACKENDS = ("inductor", "eager", "aot_eager", "aot_eager_decomp_partition")
 COMPILE_WAYS = ("model", "blocks")
@@ -169,6 +169,15 @@ def compiled_regions(model: nn.Module) -> list[Region]:
     return out
 
 
+def check_budget(knobs, regions: list[Region]) -> None:
+    """``activation_memory_budget`` is torch.compile's lever: refused for an eager model."""
+    if knobs.activation_memory_budget is not None and not regions:
+        raise ValueError(f"activation_memory_budget={knobs.activation_memory_budget} is "
+                         f"torch.compile's lever (its partitioner's): the model has no compiled "
+                         f"region; compile it (torch.compile(model), or block.compile() per "
+                         f"block), or use checkpoint= for an eager model")
+
+
 _BLOCK_KNOBS = ("checkpoint", "offload", "offload_params")     # hooks on blocks, per block
 _OTHER_KNOBS = ("remat", "chunked_loss", "quantize_base")
 
@@ -186,10 +195,10 @@ def refuse_with_compiled(knobs, layout, regions: list[Region]) -> None:
     if asked:
         raise ValueError(f"{', '.join(asked)} with a compiled model ({regions[0].describe()}) "
                          f"is not modelled: memfit traces a compiled step with its precision, "
-                         f"micro-batches and optimizer knobs; for less activation memory set "
-                         f"torch._functorch.config.activation_memory_budget (which memfit's "
-                         f"trace reads as torch.compile does; memfit estimate "
-                         f"--activation-memory-budget X), or estimate the model uncompiled")
+                         f"micro-batches and optimizer knobs; for less activation memory use "
+                         f"torch.compile's own lever, the knob activation_memory_budget "
+                         f"(memfit estimate --activation-memory-budget X), or estimate the "
+                         f"model uncompiled")
 
 
 def _shallow(m: nn.Module) -> nn.Module:
@@ -223,21 +232,34 @@ def eager_view(model: nn.Module, regions: list[Region]) -> nn.Module:
     return root
 
 
-def _counted_backend(region: Region, compiled: list[str]):
-    """The region's backend, compiling into code whose buffers the trace counts (Note 2)."""
+def activation_budget(value: float | None):
+    """``torch._functorch.config.activation_memory_budget`` set to ``value`` while it lasts,
+    where the partitioner reads it (a context; ``None``: as it is)."""
+    if value is None:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=float(value))
+
+
+def _counted_backend(region: Region, compiled: list[str], budget: float | None):
+    """The region's backend, compiling into code whose buffers the trace counts (Note 2),
+    under ``budget`` (the knob ``activation_memory_budget``)."""
     def backend(gm, example_inputs):
         compiled.append(region.name)
-        with _counted_inductor():
+        with _counted_inductor(), activation_budget(budget):
             return region.backend(gm, example_inputs)
     return backend
 
 
-def wrap_regions(fake: nn.Module, regions: list[Region], compiled: list[str]) -> nn.Module:
+def wrap_regions(fake: nn.Module, regions: list[Region], compiled: list[str],
+                 budget: float | None = None) -> nn.Module:
     """Each region of the fake copy (``eager_view``'s structure) compiled again as the user
-    compiled it (Note 1); ``compiled`` hears the name of each region as its graphs compile."""
+    compiled it (Note 1), under ``budget`` (``activation_memory_budget``, None: as torch has
+    it); ``compiled`` hears the name of each region as its graphs compile."""
     for r in regions:
         def wrap(m: nn.Module) -> nn.Module:
-            return torch.compile(m, backend=_counted_backend(r, compiled),
+            return torch.compile(m, backend=_counted_backend(r, compiled, budget),
                                  fullgraph=r.fullgraph, dynamic=bool(r.dynamic),
                                  isolate_recompiles=True)
         if r.name == "":
