@@ -206,7 +206,7 @@ def test_activation_memory_budget_is_refused_for_an_eager_model_and_out_of_range
 
 @pytest.mark.slow          # a plan that fails, then plans again (about a minute)
 def test_the_plan_of_a_compiled_model_lowers_the_budget_when_nothing_else_fits():
-    """Note 11 of api/plan.py: with micro-batches and the optimizer's placement fixed, the
+    """docs/compiled.md, the plan: with micro-batches and the optimizer's placement fixed, the
     budget between the default partition's peak and budget 0.5's is met by planning again
     at 0.5; the verified peak is under it."""
     model, batch = _tiny_gpt2_compiled()

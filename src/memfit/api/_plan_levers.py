@@ -65,7 +65,7 @@ def _fixed_levers(k: Knobs) -> dict:
     out = {"chunked_loss": k.chunked_loss} if k.chunked_loss else {}
     if k.optimizer_in_backward:
         out["optimizer_in_backward"] = True
-    if k.activation_memory_budget is not None:     # a compiled model's partition (plan Note 11)
+    if k.activation_memory_budget is not None:     # a compiled model's partition (docs/compiled.md)
         out["activation_memory_budget"] = k.activation_memory_budget
     return out
 
