@@ -1,21 +1,82 @@
 """The planner's levers beyond the per-block modes, weighed once the plain step does not fit:
 low-bit optimizer states where the numerics may change, the loss in pieces (a causal LM's chunked
 cross-entropy), the optimizer stepped in backward, and the gradients then the block weights on
-the host, each modelled on demand, once.
+the host, each modelled on demand, once. And the last levers (``last_levers``), with which the
+whole plan is made again when nothing fits: a compiled model's ``activation_memory_budget``,
+else a LoRA job's base held in NF4 (QLoRA).
 """
 
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import dataclass
+
 from memfit.api._floor import first_samples
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
+from memfit.measure._compile_aware import has_compiled
 from memfit.planner.variants import (GRAD_OFFLOAD_PRECISIONS, IN_BACKWARD_PRECISIONS,
                                      LOW_BIT_STATES, add_chunked_loss, add_gradient_offload, add_low_bit,
                                      add_optimizer_in_backward, add_param_offload)
 from memfit.techniques.chunked_loss import chunkable
+from memfit.techniques.quantized_base import QuantizedBase
 
 __all__ = ["Levers", "numerics_allowed", "state_knobs", "in_backward_open",
-           "grads_offload_open"]
+           "grads_offload_open", "LastLever", "last_levers", "QLORA", "COMPILE_BUDGETS"]
+
+QLORA = "nf4"                    # the base's quantization the planner weighs (QLoRA's)
+COMPILE_BUDGETS = (0.5, 0.0)     # activation_memory_budget values weighed, in turn
+
+
+@dataclass(frozen=True)
+class LastLever:
+    """A knob the whole plan is made again with, once nothing fits without it."""
+
+    knob: str
+    value: object
+    progress: str          # what the planner says as it plans again
+    why: str               # the plan's first reason, when it fits
+
+
+def last_levers(model, k: Knobs, allow_numerics_change: bool | None) -> list[LastLever]:
+    """The levers to plan again with, in turn, the first plan that fits the answer (none: the
+    refusal stands). A compiled model whose caller left ``activation_memory_budget`` unset:
+    each of ``COMPILE_BUDGETS`` (torch.compile's own lever; per-block modes do not apply
+    inside a compiled region; the numerics stay). Else, where the numerics may change and the
+    caller left ``quantize_base`` unset, a model with a frozen float linear layer (a LoRA job):
+    its base in NF4."""
+    if k.activation_memory_budget is None and has_compiled(model):
+        return [LastLever(
+            "activation_memory_budget", value,
+            "nothing fits as torch.compile partitions by default: planning again with "
+            f"activation_memory_budget={value}",
+            f"activation_memory_budget={value}: nothing fits with torch.compile's default "
+            f"partition (every activation the min-cut partitioner likes kept), so it keeps "
+            f"{value:.0%} of them and recomputes the rest in backward (set in "
+            f"torch._functorch.config while the model compiles; the numerics do not change)")
+            for value in COMPILE_BUDGETS]
+    if _weighs_qlora(model, k, allow_numerics_change):
+        return [LastLever(
+            "quantize_base", QLORA,
+            f"nothing fits with the frozen base in float: planning again with it in "
+            f"{QLORA.upper()} (QLoRA)",
+            f"QLoRA: nothing fits with the frozen base weights in float, so they are held in "
+            f"{QLORA.upper()} by bitsandbytes (double quantization, bf16 compute; quantized in "
+            "place when the plan runs). This changes the numerics (allowed)")]
+    return []
+
+
+def _weighs_qlora(model, k: Knobs, allow_numerics_change) -> bool:
+    """Quantizing the base is weighed: numerics may change, the caller left ``quantize_base``
+    unset, and the model has a frozen float linear layer (a LoRA job)."""
+    if not numerics_allowed(allow_numerics_change, k) or k.quantize_base is not None or \
+            k.remat:
+        return False
+    try:
+        return QuantizedBase(QuantizedBase.Config(kind=QLORA)).pending(model) and \
+            importlib.util.find_spec("bitsandbytes") is not None
+    except ValueError:
+        return False
 
 
 def numerics_allowed(allow: bool | None, k: Knobs) -> bool:

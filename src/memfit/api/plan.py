@@ -89,17 +89,17 @@ Note 11 (a compiled model). Per-block modes are not applied inside a compiled re
 (trace.compiled), so a compiled model's plan searches precision, micro-batches and the
 optimizer's levers; torch.compile's own lever, ``activation_memory_budget`` (the share of the
 activations the min-cut partitioner keeps), is the last one: when nothing fits at torch's
-default, the whole plan is made again with it fixed at each of ``COMPILE_BUDGETS`` in turn
-(0.5, then 0.0), and the first that fits is the answer (its reasons say so first); each
-trace then compiles the regions under that budget. It is not yet weighed against a plan that
-fits with slower levers (micro-batches, the optimizer on the host): that needs the models of
-both budgets in one search.
+default, the whole plan is made again with it fixed at each of
+``_plan_levers.COMPILE_BUDGETS`` in turn (0.5, then 0.0), and the first that fits is the
+answer (its reasons say so first); each trace then compiles the regions under that budget.
+It is not yet weighed against a plan that fits with slower levers (micro-batches, the
+optimizer on the host): that needs the models of both budgets in one search. Notes 10 and 11
+are one loop: ``_plan_levers.last_levers`` lists the levers to plan again with, in turn.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,7 +111,7 @@ from memfit.api._compare_gpus import fewest_gpus
 from memfit.api._floor import first_samples, least_memory, longest_sequence, lower_bound
 from memfit.api._plan_allocator import AllocatorChoice
 from memfit.api._plan_levers import (Levers, grads_offload_open, in_backward_open,
-                                     numerics_allowed, state_knobs)
+                                     last_levers, numerics_allowed, state_knobs)
 from memfit.api._plan_remat import Planned, RematWeigh, check_remat, held_bytes, weigh
 from memfit.api._plan_sharded import is_sharded, plan_sharded
 from memfit.api._plan_words import (counted_levers, excluded_levers, global_reasons,
@@ -123,7 +123,6 @@ from memfit.api._validate import check_batch, check_order
 from memfit.api.estimate import estimate
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
-from memfit.measure._compile_aware import has_compiled
 from memfit.optimizers import OptimizerRecipe, impl_of, supports_impl
 from memfit.planner import Plan
 from memfit.planner.memory_model import MemoryModel
@@ -191,82 +190,28 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
         if floor:
             planner.least(stages_after=2)
         return planner.plain_fits() or planner.searched() or planner.floor_plan()
-    except BudgetTooSmall as too_small:
-        k = Knobs.from_kwargs(**knobs)
-        if _weighs_compile_budget(model, k):             # Note 11
-            return _with_compile_budget(too_small, model, batch, budget, optimizer, device,
-                                        loss_fn, count_fn=count_fn, allocator=allocator,
-                                        on_progress=on_progress, step=step,
-                                        scheduler=scheduler, floor=floor,
-                                        allow_numerics_change=allow_numerics_change,
-                                        batches=batches, on_floor=on_floor,
-                                        suggest_shorter=suggest_shorter, **knobs)
-        if not _weighs_qlora(model, k, allow_numerics_change):
+    except BudgetTooSmall as e:
+        refused = e
+        again = last_levers(model, Knobs.from_kwargs(**knobs), allow_numerics_change)
+        if not again:                                   # Notes 10 and 11
             raise
-    if on_progress is not None:
-        on_progress("nothing fits with the frozen base in float: planning again with it in "
-                    f"{QLORA.upper()} (QLoRA)")
-    planned = plan_traced(model, batch, budget, optimizer, device, loss_fn, count_fn=count_fn,
-                          allocator=allocator, on_progress=on_progress, step=step,
-                          scheduler=scheduler, floor=floor,
-                          allow_numerics_change=allow_numerics_change, batches=batches,
-                          on_floor=on_floor, suggest_shorter=suggest_shorter,
-                          **{**knobs, "quantize_base": QLORA})
-    why = (f"QLoRA: nothing fits with the frozen base weights in float, so they are held in "
-           f"{QLORA.upper()} by bitsandbytes (double quantization, bf16 compute; quantized in "
-           "place when the plan runs). This changes the numerics (allowed)")
-    return dataclasses.replace(planned, plan=dataclasses.replace(
-        planned.plan, reasons=(why, *planned.plan.reasons)))
-
-
-QLORA = "nf4"       # the base's quantization the planner weighs (QLoRA's)
-COMPILE_BUDGETS = (0.5, 0.0)     # activation_memory_budget values weighed, in order (Note 11)
-
-
-def _weighs_compile_budget(model, k: Knobs) -> bool:
-    """Note 11: a compiled model whose caller left ``activation_memory_budget`` unset."""
-    return k.activation_memory_budget is None and has_compiled(model)
-
-
-def _with_compile_budget(too_small: BudgetTooSmall, model, batch, budget, optimizer, device,
-                         loss_fn, *, on_progress, **kwargs) -> Planned:
-    """Note 11: the plan made again with each budget of ``COMPILE_BUDGETS`` fixed, the first
-    that fits; else the last refusal."""
-    for value in COMPILE_BUDGETS:
+    for lever in again:
         if on_progress is not None:
-            on_progress(f"nothing fits as torch.compile partitions by default: planning again "
-                        f"with activation_memory_budget={value}")
+            on_progress(lever.progress)
         try:
             planned = plan_traced(model, batch, budget, optimizer, device, loss_fn,
-                                  on_progress=on_progress,
-                                  **{**kwargs, "activation_memory_budget": value})
+                                  count_fn=count_fn, allocator=allocator,
+                                  on_progress=on_progress, step=step, scheduler=scheduler,
+                                  floor=floor, allow_numerics_change=allow_numerics_change,
+                                  batches=batches, on_floor=on_floor,
+                                  suggest_shorter=suggest_shorter,
+                                  **{**knobs, lever.knob: lever.value})
         except BudgetTooSmall as e:
-            too_small = e
+            refused = e
             continue
-        why = (f"activation_memory_budget={value}: nothing fits with torch.compile's default "
-               f"partition (every activation the min-cut partitioner likes kept), so it keeps "
-               f"{value:.0%} of them and recomputes the rest in backward (set in "
-               f"torch._functorch.config while the model compiles; the numerics do not change)")
         return dataclasses.replace(planned, plan=dataclasses.replace(
-            planned.plan, reasons=(why, *planned.plan.reasons)))
-    raise too_small
-
-
-def _weighs_qlora(model, k: Knobs, allow_numerics_change) -> bool:
-    """Quantizing the base is weighed (Note 10): numerics may change, the caller left
-    ``quantize_base`` unset, and the model has a frozen float linear layer (a LoRA job)."""
-    if not numerics_allowed(allow_numerics_change, k) or k.quantize_base is not None or \
-            k.remat:
-        return False
-    try:
-        return QuantizedBase(QuantizedBase.Config(kind=QLORA)).pending(model) and \
-            _bitsandbytes_installed()
-    except ValueError:
-        return False
-
-
-def _bitsandbytes_installed() -> bool:
-    return importlib.util.find_spec("bitsandbytes") is not None
+            planned.plan, reasons=(lever.why, *planned.plan.reasons)))
+    raise refused
 
 
 @dataclass

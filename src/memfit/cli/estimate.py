@@ -10,7 +10,8 @@ from memfit.cli._cache_args import add_no_cache_arg
 from memfit.cli._progress import status as progress
 from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
                               add_optimizer_in_backward_arg, add_switch,
-                              add_zero_grad_arg, positive_float, positive_int, reshard_value)
+                              add_zero_grad_arg, fraction, positive_float, positive_int,
+                              reshard_value)
 from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, hf_trainer
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model_and_batch, check_model_arg,
@@ -45,7 +46,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "forward saves is the partitioner's (it reads "
                         "torch._functorch.config.activation_memory_budget) and each graph's "
                         "buffers are those Inductor's code allocates")
-    g.add_argument("--activation-memory-budget", type=_fraction, default=None, metavar="X",
+    g.add_argument("--activation-memory-budget", type=fraction, default=None, metavar="X",
                    help="with --compile: torch.compile's activation_memory_budget, 0 to 1 (the "
                         "share of the activations forward keeps; the partitioner recomputes the "
                         "rest, 0 the most; the knob activation_memory_budget), set in "
@@ -106,16 +107,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     _report_args.add_arguments(g)            # --report, --snapshot, --snapshot-at
     p.set_defaults(run=run)
     return p
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text}")
-    return value
 
 
 def _knobs(args) -> dict:

@@ -19,8 +19,8 @@ import contextlib
 
 from torch import nn
 
-__all__ = ["CompileAware", "following_compiled", "is_compiled_wrapper", "has_compiled",
-           "watched_modules"]
+__all__ = ["CompileAware", "following_compiled", "is_compiled_wrapper", "is_compiled_in_place",
+           "has_compiled", "watched_modules"]
 
 _FOLLOWING = [0]          # nesting depth of following_compiled()
 
@@ -50,10 +50,14 @@ def is_compiled_wrapper(m: nn.Module) -> bool:
     return type(m).__name__ == "OptimizedModule" and "_orig_mod" in m._modules
 
 
+def is_compiled_in_place(m: nn.Module) -> bool:
+    """A module compiled by ``module.compile()`` (its call goes through the compiled one)."""
+    return getattr(m, "_compiled_call_impl", None) is not None
+
+
 def has_compiled(model: nn.Module) -> bool:
     """Whether any module of ``model`` runs compiled (a wrapper, or ``module.compile()``)."""
-    return any(is_compiled_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None
-               for m in model.modules())
+    return any(is_compiled_wrapper(m) or is_compiled_in_place(m) for m in model.modules())
 
 
 def watched_modules(model: nn.Module, remove_duplicate: bool = True):

@@ -81,6 +81,7 @@ class Runner:
                  user_step: UserStep | None = None,
                  on_phase: Callable[[str], None] | None = None):
         self.model = model
+        self._compiled = has_compiled(model)     # its masks stay (memfit.step.prepare_batch)
         self.optimizer = optimizer
         self.plan = plan              # as searched, never changed (Note 4)
         self.applied = applied or Applied(blocks=plan.blocks, budget_bytes=plan.budget_bytes)
@@ -114,7 +115,7 @@ class Runner:
         user step takes the batch as given, Note 5)."""
         if self.user_step is not None:
             return batch
-        return self.precision.prepare_batch(prepare_batch(batch, has_compiled(self.model)))
+        return self.precision.prepare_batch(prepare_batch(batch, self._compiled))
 
     def step(self, batch) -> float:
         """Train on one effective batch; return its loss (count-weighted, global). With

@@ -52,7 +52,8 @@ from unittest import mock
 import torch
 from torch import nn
 
-from memfit.measure._compile_aware import following_compiled, is_compiled_wrapper
+from memfit.measure._compile_aware import (following_compiled, is_compiled_in_place,
+                                           is_compiled_wrapper)
 from memfit.measure._modules import find_blocks
 
 __all__ = ["Region", "compiled_regions", "eager_view", "wrap_regions", "compiled_trace",
@@ -158,7 +159,7 @@ def compiled_regions(model: nn.Module) -> list[Region]:
             continue
         if is_compiled_wrapper(m):
             out.append(_region(name, m, in_place=False))
-        elif getattr(m, "_compiled_call_impl", None) is not None:
+        elif is_compiled_in_place(m):
             out.append(_region(name, m._compiled_call_impl, in_place=True))
     for r in out:
         if r.backend_name not in MODELLED_BACKENDS:
@@ -312,7 +313,8 @@ def _counted_inductor():
 
     with mock.patch.object(async_compile.AsyncCompile, "cpp_pybinding",
                            lambda self, argtypes, source: _noop_kernel), \
-            mock.patch.object(async_compile.AsyncCompile, "cpp", lambda self, source: _noop_kernel), \
+            mock.patch.object(async_compile.AsyncCompile, "cpp",
+                              lambda self, source: _noop_kernel), \
             mock.patch.object(codecache.PyCodeCache, "load_by_key_path", classmethod(load)), \
             inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False,
                                   compile_threads=1), \
