@@ -31,8 +31,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import _record  # noqa: E402
-import memfit  # noqa: E402
-from tests.trace._compiled_oracle import budget, build, compile_as  # noqa: E402
+from tests.trace._compiled_oracle import estimated  # noqa: E402
 
 BUDGETS = (1.0, 0.75, 0.5, 0.25, 0.0)
 
@@ -62,12 +61,6 @@ def real_step(job: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def estimated(job: dict) -> int:
-    _, model, batch = build(job)
-    with budget(job):
-        return memfit.estimate(memfit.Job(compile_as(model, job["compile"]), batch)).peak_bytes
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-1b", help="a zoo model, built tiny")
@@ -82,7 +75,7 @@ def main() -> None:
         job = {"model": args.model, "batch": args.batch, "seq_len": args.seq_len,
                "compile": args.compile, "use_cache": False, "activation_memory_budget": b}
         t = time.perf_counter()
-        est = estimated(job)
+        est = estimated(job).peak_bytes
         est_s = time.perf_counter() - t
         real = real_step(job)
         rows.append({"budget": b, "measured_peak_bytes": real["peak"],

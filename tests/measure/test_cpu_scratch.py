@@ -10,6 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from memfit.measure._cpu_scratch import scratch_bytes
+from tests.trace._compiled_oracle import allocator_peak
 
 aten = torch.ops.aten
 FW = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -19,13 +20,7 @@ BW = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 def _held_beside_outputs(fn) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    events = sorted((e.start_ns(), i, e.nbytes()) for i, e in
-                    enumerate(prof.profiler.kineto_results.events()) if e.name() == "[memory]")
-    live = peak = 0
-    for _, _, delta in events:
-        live += delta
-        peak = max(peak, live)
-    return peak - sum(t.untyped_storage().nbytes() for t in out)
+    return allocator_peak(prof) - sum(t.untyped_storage().nbytes() for t in out)
 
 
 @pytest.mark.parametrize("shape,dtype,threads,causal", [

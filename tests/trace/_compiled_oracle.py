@@ -7,12 +7,12 @@ forward, loss, backward, AdamW's ``step``) and prints, as JSON, the peak of the 
 the third step. The bytes are the CPU allocator's own allocation and free events
 (``torch.profiler`` with ``profile_memory``), summed from the start of the process's profiled
 window, in which the model, the batch and the optimizer are made: every live byte is one the
-profiler saw allocated.
+profiler saw allocated. ``estimated`` is memfit's estimate of the same job, for the
+side-by-side; ``allocator_peak`` reads any profiled run's peak the same way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 
@@ -38,11 +38,33 @@ def compile_as(model, how: str):
 
 
 def budget(job: dict):
-    value = job.get("activation_memory_budget")
-    if value is None:
-        return contextlib.nullcontext()
-    import torch._functorch.config as functorch_config
-    return functorch_config.patch(activation_memory_budget=value)
+    """The job's ``activation_memory_budget`` set where PyTorch reads it (a context)."""
+    from memfit.trace.compiled import activation_budget
+    return activation_budget(job.get("activation_memory_budget"))
+
+
+def estimated(job: dict):
+    """memfit's ``Estimate`` of the same job, for the side-by-side (not the oracle)."""
+    import memfit
+    _, model, batch = build(job)
+    with budget(job):
+        return memfit.estimate(memfit.Job(compile_as(model, job["compile"]), batch))
+
+
+def allocator_peak(prof, window: str | None = None) -> int:
+    """The peak of live CPU bytes from a ``torch.profiler`` run's allocator events (every
+    allocation and free, summed in time order from the profile's start), within the
+    ``record_function`` named ``window`` if given."""
+    events = list(prof.profiler.kineto_results.events())
+    span = next((e for e in events if e.name() == window), None) if window else None
+    memory = sorted((e.start_ns(), i, e.nbytes()) for i, e in enumerate(events)
+                    if e.name() == "[memory]")
+    live, peak = 0, None
+    for t, _, delta in memory:
+        live += delta
+        if span is None or span.start_ns() <= t <= span.end_ns():
+            peak = live if peak is None else max(peak, live)
+    return peak
 
 
 def measured_peak(job: dict) -> int:
@@ -57,16 +79,7 @@ def measured_peak(job: dict) -> int:
                 opt.zero_grad(set_to_none=True)
                 run(**batch).loss.backward()
                 opt.step()
-    events = list(prof.profiler.kineto_results.events())
-    step = next(e for e in events if e.name() == "step2")
-    memory = sorted((e.start_ns(), i, e.nbytes()) for i, e in enumerate(events)
-                    if e.name() == "[memory]")
-    live, peak = 0, None
-    for t, _, delta in memory:
-        live += delta
-        if step.start_ns() <= t <= step.end_ns():
-            peak = live if peak is None else max(peak, live)
-    return peak
+    return allocator_peak(prof, "step2")
 
 
 if __name__ == "__main__":

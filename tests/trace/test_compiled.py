@@ -23,7 +23,7 @@ from memfit.api._blockwise import blocks_or_why
 from memfit.errors import TraceError
 from memfit.knobs import Knobs
 from memfit.trace.compiled import compiled_regions, eager_view
-from tests.trace._compiled_oracle import budget, build, compile_as
+from tests.trace._compiled_oracle import build, estimated
 
 
 def _measured(job: dict) -> int:
@@ -32,14 +32,8 @@ def _measured(job: dict) -> int:
     return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
 
 
-def _estimated(job: dict) -> memfit.Estimate:
-    _, model, batch = build(job)
-    with budget(job):
-        return memfit.estimate(memfit.Job(compile_as(model, job["compile"]), batch))
-
-
 def _check(job: dict) -> None:
-    est, real = _estimated(job), _measured(job)
+    est, real = estimated(job), _measured(job)
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
     assert any(n.startswith("compiled:") for n in est.notes)
 
