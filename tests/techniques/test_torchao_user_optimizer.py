@@ -2,14 +2,19 @@
 ``AdamW4bit``, ``_AdamW``; the HF Trainer's ``optim="adamw_torch_4bit"``), estimated
 (techniques._torchao_optimizer Notes 1-3).
 
-Oracles, none of them memfit's counter: torchao's own eager functions (``single_param_adam``
-on torchao's own state subclasses, whose ``copy_`` quantizes inside ``__torch_dispatch__``)
-for the unrolled step, bitwise; ``LiveBytes`` (tests/live_bytes.py) over a real CPU step of the
-rebuilt optimizer for the estimate, to the byte; the state torchao's own class creates
-(``_new_buffer``; after a real compiled step in the slow tier) and a hand count of its layout
-for the state bytes."""
+The estimate traces torchao's step compiled, as torchao runs it (techniques._torchao_user).
+Oracles, none of them memfit's counter: a real step of torchao's own class, compiled by torchao
+(C++ built by gcc), measured by the CPU allocator's own events in a fresh process
+(tests/trace/_compiled_oracle.py), for the estimate, to the byte; torchao's own eager functions
+(``single_param_adam`` on torchao's own state subclasses, whose ``copy_`` quantizes inside
+``__torch_dispatch__``) for the unrolled eager step memfit runs on the host, bitwise; the state
+torchao's own class creates (``_new_buffer``; after a real compiled step in the slow tier) and
+a hand count of its layout for the state bytes."""
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,8 +22,10 @@ from torch import nn
 
 import memfit
 from memfit.step import canonical_step
-from memfit.techniques._torchao_optimizer import is_torchao, rebuild_torchao
-from tests.live_bytes import LiveBytes, _storages, alive_storages, job_tensors
+from memfit.techniques._torchao_optimizer import is_torchao
+from memfit.techniques._torchao_user import rebuild_torchao
+from tests.live_bytes import _storages
+from tests.trace._compiled_oracle import torchao_job
 
 ao = pytest.importorskip("torchao.optim")
 ao_adam = pytest.importorskip("torchao.optim.adam")
@@ -63,13 +70,14 @@ def _hand_state(params, cls: str, block_size: int, amsgrad: bool = False) -> int
     """torchao's layout, by hand: a tensor of at least 4096 values that the block divides holds
     per moment 1 byte per value (8-bit codes, fp8), or half a byte (4-bit codes packed two a
     byte), an fp32 scale per block and, 8 and 4 bits, its map (256 or 16 fp32 values); any
-    other tensor moments in its own dtype; each a 4-byte fp32 step."""
+    other tensor (and every one of ``_AdamW``, which quantizes none) moments in its own dtype;
+    each a 4-byte fp32 step."""
     moments = 3 if amsgrad else 2
     total = 0
     for p in params:
         n = p.numel()
         total += 4
-        if n >= 4096 and n % block_size == 0:
+        if n >= 4096 and n % block_size == 0 and cls != "_AdamW":
             code = n // 2 if "4bit" in cls else n
             qmap = {"8bit": 256 * 4, "4bit": 16 * 4}.get(cls[-4:], 0)
             total += moments * (code + n // block_size * 4 + qmap)
@@ -116,33 +124,46 @@ def test_the_unrolled_step_is_torchaos_eager_step_bitwise(name):
     assert _state_bytes(ours) == _state_bytes(theirs)
 
 
-def _live_peak(name: str, before):
-    """A real CPU step of the user's optimizer rebuilt as memfit steps it, over the model's
-    own parameters, counted by LiveBytes (step 3; the state made by steps 1 and 2)."""
-    model, batch = _mlp(), _batch()
-    user = getattr(ao, name)(model.parameters(), lr=1e-3, **USERS[name])
-    est = memfit.estimate(memfit.Job(model, batch, optimizer=user, loss_fn=LOSS))
-    eager = rebuild_torchao(user, {id(p): p for p in model.parameters()})
-    del user                         # its lr tensors are not the step's
-    for _ in range(2):
-        canonical_step(model, eager, batch, LOSS)
-    with LiveBytes(device_tensors=job_tensors(before)) as live:
-        canonical_step(model, eager, batch, LOSS)
-    return live.peak_bytes, est, eager, model
+def _compiled_step_peak(job: dict) -> int:
+    """The oracle: torchao's own class stepping a real CPU step, compiled (module docstring)."""
+    out = subprocess.run([sys.executable, "-m", "tests.trace._compiled_oracle", json.dumps(job)],
+                         capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
 
 
-@pytest.mark.parametrize("name", ["AdamW8bit", "AdamWFp8"])
-def test_estimate_of_a_users_torchao_optimizer_is_a_real_step_to_the_byte(name):
-    """Before, the trace stopped in torchao's ``create_dynamic_map`` (8 bits: a map built from
-    a fake's values) or in ``aten.mul`` (fp8: torchao's real ``lr`` tensor met a fake)."""
-    before = alive_storages()
-    peak, est, eager, model = _live_peak(name, before)
-    assert est.peak_bytes == peak
-    kw = USERS[name]
-    params = list(model.parameters())
-    assert est.breakdown["optimizer"] == _state_bytes(eager) == \
-        _hand_state(params, name, kw.get("block_size", 256), kw.get("amsgrad", False))
-    assert any("upper bound for a compiled run" in n for n in est.notes)
+def _check_compiled(name: str, kw: dict) -> object:
+    """The estimate of a user's torchao optimizer is torchao's compiled step, to the byte but
+    for torchao's ``lr``: a 0-d fp32 tensor per param group that the user's instance keeps on
+    the host (the measured run is all on the CPU), where the trace reads it as a float."""
+    job = {"torchao": name, "kw": kw}
+    model, batch, loss_fn, user = torchao_job(job)
+    est = memfit.estimate(memfit.Job(model, batch, optimizer=user, loss_fn=loss_fn))
+    measured = _compiled_step_peak(job)
+    assert est.peak_bytes == measured - 4 * len(user.param_groups)
+    assert any("torchao's step traced compiled" in n for n in est.notes)
+    assert est.breakdown["optimizer"] == _hand_state(
+        list(model.parameters()), name, kw.get("block_size", 128 if "4bit" in name else 256),
+        kw.get("amsgrad", False))
+    return est, measured
+
+
+def test_estimate_of_a_users_torchao_optimizer_is_its_compiled_step():
+    """4 bits (the largest eager temporaries: int64 codes) in the default tier, with torchao's
+    block size; the slow tier runs the others. memfit's own 4-bit lever steps the same state
+    eagerly (``optimizer_state="4bit"``: torchao's class, every op at the top), and must hold
+    more at its peak, or the compiled trace is not what was measured."""
+    est, measured = _check_compiled("AdamW4bit", {})
+    model, batch, loss_fn, _ = torchao_job({"torchao": "AdamW4bit"})
+    lever = memfit.estimate(memfit.Job(model, batch, optimizer="adamw", loss_fn=loss_fn),
+                            optimizer_state="4bit")
+    assert lever.breakdown["optimizer"] == est.breakdown["optimizer"]
+    assert lever.peak_bytes > measured
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamWFp8", "Adam8bit", "AdamW4bit", "_AdamW"])
+def test_estimate_of_each_torchao_optimizer_is_its_compiled_step(name):
+    _check_compiled(name, USERS[name])
 
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamWFp8", "AdamW4bit", "_AdamW"])

@@ -4,7 +4,9 @@ Run as a script in a fresh process (``python -m tests.trace._compiled_oracle '<j
 builds a zoo model (tiny config, random weights), compiles it as asked (the whole model, or
 each block with ``module.compile()``), runs three steps of the plain loop (``zero_grad``,
 forward, loss, backward, AdamW's ``step``) and prints, as JSON, the peak of the live CPU bytes in
-the third step. The bytes are the CPU allocator's own allocation and free events
+the third step. A job ``{"torchao": name, ...}`` instead steps a small MLP with the user's own
+torchao optimizer of that class, whose step compiles each parameter's update as torchao does
+(``torchao_job``). The bytes are the CPU allocator's own allocation and free events
 (``torch.profiler`` with ``profile_memory``), summed from the start of the process's profiled
 window, in which the model, the batch and the optimizer are made: every live byte is one the
 profiler saw allocated. ``estimated`` is memfit's estimate of the same job, for the
@@ -28,6 +30,24 @@ def build(job: dict):
         model.config.use_cache = job["use_cache"]
     kw = {"seq_len": job["seq_len"]} if job.get("seq_len") else {}
     return spec, model, spec.make_batch(model, job["batch"], **kw)
+
+
+def torchao_job(job: dict):
+    """(model, batch, loss_fn, optimizer) of a torchao job: an MLP whose weights torchao
+    quantizes (16,384 values each) and whose biases it does not (256 and 64), and the user's
+    own torchao optimizer ``job["torchao"]`` with ``job.get("kw")``."""
+    import torchao.optim as ao
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    batch = (torch.randn(16, 64), torch.randn(16, 64))
+    optimizer = getattr(ao, job["torchao"])(model.parameters(), lr=1e-3, **job.get("kw", {}))
+    return model, batch, mse_loss, optimizer
+
+
+def mse_loss(model, batch):
+    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
 
 def compile_as(model, how: str):
@@ -70,6 +90,8 @@ def allocator_peak(prof, window: str | None = None) -> int:
 def measured_peak(job: dict) -> int:
     from torch.profiler import ProfilerActivity, profile
 
+    if "torchao" in job:
+        return _torchao_peak(job)
     with budget(job), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _, model, batch = build(job)
         run = compile_as(model, job["compile"])
@@ -79,6 +101,21 @@ def measured_peak(job: dict) -> int:
                 opt.zero_grad(set_to_none=True)
                 run(**batch).loss.backward()
                 opt.step()
+    return allocator_peak(prof, "step2")
+
+
+def _torchao_peak(job: dict) -> int:
+    """Three steps of memfit's plain loop (``canonical_step``) with torchao's own class, its
+    step compiled by torchao; the third step's peak."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from memfit.step import canonical_step
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, batch, loss_fn, optimizer = torchao_job(job)
+        for i in range(3):
+            with torch.profiler.record_function(f"step{i}"):
+                canonical_step(model, optimizer, batch, loss_fn)
     return allocator_peak(prof, "step2")
 
 

@@ -18,7 +18,8 @@ from memfit.runtime import Applied, Runner
 from memfit.runtime.batch_shape import BatchShapes
 from memfit.techniques import Change
 from memfit.techniques._bnb_optimizer import BnbRecipe, is_bnb, may_make_bnb
-from memfit.techniques._torchao_optimizer import TorchaoRecipe, is_torchao, may_make_torchao
+from memfit.techniques._torchao_optimizer import is_torchao
+from memfit.techniques._torchao_user import TorchaoRecipe, may_make_torchao
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
 from memfit.techniques.chunked_loss import ChunkedLoss
@@ -97,7 +98,7 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
         low_bit = LowBitOptimizer(LowBitOptimizer.Config(knobs.optimizer_state)) \
             .apply(model, recipe)
         recipe = low_bit.recipe
-    elif is_torchao(recipe.instance) or may_make_torchao(recipe):   # stepped eagerly
+    elif is_torchao(recipe.instance) or may_make_torchao(recipe):   # traced compiled
         other = BnbRecipe(recipe.spec, recipe.impl) if may_make_bnb(recipe) else None
         recipe = TorchaoRecipe(recipe.spec, recipe.impl, other)
     elif is_bnb(recipe.instance) or may_make_bnb(recipe):   # its args, overrides kept

@@ -37,7 +37,7 @@ from memfit.memplan import storage_log
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
 from memfit.step import prepare_batch
-from memfit.techniques._torchao_optimizer import compiled_step_note
+from memfit.techniques._torchao_user import step_note
 from memfit.techniques.accumulation import batch_size_of
 from memfit.techniques.quantized_base import QuantizedBase
 from memfit.techniques.optimizer_in_backward import check_knobs as check_in_backward
@@ -212,8 +212,8 @@ def figures(t: Traced) -> Estimate:
     packed = packing_note(runner.model, batch, cuda and t.sdpa_calls, cuda and spec.display_name)
     notes += [packed] if packed else []
     notes += list(t.quantized.notes) if t.quantized else []
-    compiled = compiled_step_note(runner.optimizer)      # torchao's step, traced eagerly
-    notes += [compiled] if compiled else []
+    torchao = step_note(runner.optimizer, spec.kind)
+    notes += [torchao] if torchao else []
     compiled = compiled_note(list(t.regions), spec.kind, runner.model)
     notes += [compiled] if compiled else []
     if user is not None:

@@ -72,7 +72,8 @@ from memfit.measure.track import gradient_ready
 from memfit.optimizers import rebuild_optimizer
 from memfit.techniques._bnb_optimizer import is_bnb, rebuild_bnb
 from memfit.techniques._protocol import Change
-from memfit.techniques._torchao_optimizer import is_torchao, rebuild_torchao
+from memfit.techniques._torchao_optimizer import is_torchao
+from memfit.techniques._torchao_user import rebuild_torchao
 
 __all__ = ["OptimizerOffload", "OffloadedOptimizer"]
 
@@ -388,7 +389,7 @@ def _rebuild(optimizer: torch.optim.Optimizer, params: list, twins: list) -> tor
     if is_bnb(optimizer):
         inner = rebuild_bnb(optimizer, new_of)
     elif is_torchao(optimizer):
-        inner = rebuild_torchao(optimizer, new_of)
+        inner = rebuild_torchao(optimizer, new_of, steps="eager")   # memfit steps it, on the host
     else:
         inner = rebuild_optimizer(optimizer, new_of)
     if optimizer.state:

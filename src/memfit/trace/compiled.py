@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass
 from unittest import mock
 
@@ -58,7 +59,8 @@ from memfit.measure._modules import find_blocks
 
 __all__ = ["Region", "compiled_regions", "eager_view", "wrap_regions", "compiled_trace",
            "compiled_note", "compile_failure", "refuse_with_compiled", "compile_model",
-           "activation_budget", "check_budget", "COMPILE_WAYS", "MODELLED_BACKENDS"]
+           "activation_budget", "check_budget", "counted_function", "COMPILE_WAYS",
+           "MODELLED_BACKENDS"]
 
 MODELLED_BACKENDS = ("inductor", "eager", "aot_eager", "aot_eager_decomp_partition")
 COMPILE_WAYS = ("model", "blocks")
@@ -270,6 +272,26 @@ def wrap_regions(fake: nn.Module, regions: list[Region], compiled: list[str],
         parent = fake.get_submodule(parent_name) if parent_name else fake
         parent._modules[last] = wrap(parent._modules[last])
     return fake
+
+
+def _counted_default_backend(gm, example_inputs):
+    """torch.compile's default backend (Inductor, no mode or options) compiling into counted
+    code (Note 2)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with _counted_inductor():
+        return compile_fx(gm, example_inputs)
+
+
+@functools.cache
+def counted_function(fn, fullgraph: bool = False, dynamic: bool = False):
+    """``torch.compile(fn, fullgraph=..., dynamic=...)`` with the default backend, compiled into
+    code whose buffers a trace counts (Note 2): a function that compiles itself inside a step
+    (torchao's optimizer step) traced as it runs. One per process, so the shapes compiled for one
+    trace serve the next; its recompiles are its own (a real run of ``fn`` never reuses its
+    no-op kernels). Call it on fake tensors, inside ``compiled_trace()``."""
+    return torch.compile(fn, backend=_counted_default_backend, fullgraph=fullgraph,
+                         dynamic=dynamic, isolate_recompiles=True)
 
 
 @contextlib.contextmanager
