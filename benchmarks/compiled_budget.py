@@ -1,7 +1,7 @@
 """torch.compile's ``activation_memory_budget`` sweep: the real compiled CPU step beside memfit's
 estimate of it, budget by budget, in one run.
 
-    python benchmarks/compiled_budget.py [--model llama-1b] [--compile blocks] [--quick]
+    python benchmarks/compiled_budget.py [--model llama-1b] [--compile blocks] [--quick] [--plan]
 
 For each budget (1.0, the default, down to 0.0) a fresh process compiles the model (tiny
 config, random weights) with Inductor, as ``memfit estimate --compile`` does, runs the plain
@@ -10,6 +10,12 @@ loop and reports the third step's peak live CPU bytes, from the CPU allocator's 
 steps. memfit's estimate of the same step (``--activation-memory-budget``) is printed beside
 it, with its error. The budget trades activation memory for recompute: the rows show what
 each setting holds and costs, and whether memfit's answer follows it.
+
+``--plan``: at equal memory. For each budget below 1.0, ``memfit.plan`` of the compiled job is
+asked to fit the peak that budget's real step reached (memfit weighs the budget against
+micro-batches and the optimizer's levers, api/plan.py Note 11), and its plan is then run for
+real (``memfit.fit`` with the plan's knobs, in a fresh process): its measured peak and step
+time are printed beside the sweep's.
 
 Nothing here is a GPU measurement.
 """
@@ -55,10 +61,60 @@ print(json.dumps({"peak": peak, "step_s": statistics.median(times[3:])}))
 """
 
 
-def real_step(job: dict) -> dict:
-    out = subprocess.run([sys.executable, "-c", _TIMED, json.dumps(job)], cwd=ROOT,
+_PLANNED = """
+import json, statistics, sys, time, torch, warnings
+from torch.profiler import ProfilerActivity, profile
+import memfit
+from tests.trace._compiled_oracle import allocator_peak, build, compile_as
+job, knobs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+warnings.simplefilter("ignore")
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    _, model, batch = build(job)
+    model = compile_as(model, job["compile"])
+    runner = memfit.fit(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), batch, **knobs)
+    for i in range(3):
+        with torch.profiler.record_function(f"step{i}"):
+            runner.step(batch)
+times = []
+for i in range(8):
+    start = time.perf_counter()
+    runner.step(batch)
+    times.append(time.perf_counter() - start)
+print(json.dumps({"peak": allocator_peak(prof, "step2"), "step_s": statistics.median(times[3:])}))
+"""
+
+
+def real_step(job: dict, knobs: dict | None = None) -> dict:
+    """The job's real compiled step in a fresh process: the plain loop, or (``knobs``)
+    ``memfit.fit``'s runner with those knobs."""
+    args = [_TIMED, json.dumps(job)] if knobs is None else [_PLANNED, json.dumps(job),
+                                                          json.dumps(knobs)]
+    out = subprocess.run([sys.executable, "-c", *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=900, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def planned_at(job: dict, budget_bytes: int) -> dict:
+    """memfit's plan of the compiled job (torch's default partition as given) for
+    ``budget_bytes``, run for real: its knobs, measured peak and step time."""
+    import memfit
+    from tests.trace._compiled_oracle import build, compile_as
+
+    _, model, batch = build(job)
+    t = time.perf_counter()
+    try:
+        plan = memfit.plan(memfit.Job(compile_as(model, job["compile"]), batch),
+                           budget=budget_bytes)
+    except memfit.BudgetTooSmall as e:
+        return {"plan": f"none fits ({e.floor_bytes:,} B floor)"}
+    plan_s = time.perf_counter() - t
+    knobs = {k: v for k, v in plan.knobs.to_dict().items()
+             if v not in (None, "none", False) and k != "precision"}
+    real = real_step({k: v for k, v in job.items() if k != "activation_memory_budget"}, knobs)
+    return {"plan": ", ".join(f"{k}={v}" for k, v in knobs.items()) or "the plain step",
+            "plan_predicted_peak_bytes": plan.predicted_peak_bytes,
+            "plan_measured_peak_bytes": real["peak"], "plan_step_ms": round(1000 * real["step_s"], 2),
+            "plan_under_budget": real["peak"] <= budget_bytes, "memfit_plan_s": round(plan_s, 1)}
 
 
 def main() -> None:
@@ -68,6 +124,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="budgets 1.0 and 0.0 only")
+    ap.add_argument("--plan", action="store_true",
+                    help="also plan each budget's measured peak with memfit.plan and run the "
+                         "plan for real, at equal memory (about a minute per budget)")
     args = ap.parse_args()
     console = Console()
     rows = []
@@ -83,17 +142,28 @@ def main() -> None:
                      "error_pct": round(100 * (est - real["peak"]) / real["peak"], 3),
                      "step_ms": round(1000 * real["step_s"], 2),
                      "memfit_estimate_s": round(est_s, 1)})
+        if args.plan and b < 1.0:
+            rows[-1].update(planned_at(job, real["peak"]))
         console.print(rows[-1])
     table = Table(title=f"activation_memory_budget sweep: tiny {args.model}, compiled "
                         f"{args.compile}, batch {args.batch} x {args.seq_len}, CPU")
-    for col in ("budget", "measured peak", "memfit", "error", "step (ms)"):
+    cols = ["budget", "measured peak", "memfit", "error", "step (ms)"]
+    cols += ["memfit's plan at that peak", "its measured peak", "its step (ms)"] \
+        if args.plan else []
+    for col in cols:
         table.add_column(col)
     for r in rows:
-        table.add_row(str(r["budget"]), f"{r['measured_peak_bytes']:,}",
-                      f"{r['memfit_peak_bytes']:,}", f"{r['error_pct']}%", str(r["step_ms"]))
+        cells = [str(r["budget"]), f"{r['measured_peak_bytes']:,}",
+                 f"{r['memfit_peak_bytes']:,}", f"{r['error_pct']}%", str(r["step_ms"])]
+        if args.plan:
+            peak = r.get("plan_measured_peak_bytes")
+            cells += [r.get("plan", ""), f"{peak:,}" if peak else "",
+                      str(r.get("plan_step_ms", ""))]
+        table.add_row(*cells)
     console.print(table)
     path = _record.write("compiled_budget", {"model": args.model, "compile": args.compile,
                                              "batch": args.batch, "seq_len": args.seq_len,
+                                             "plan": args.plan,
                                              "torch_threads": torch.get_num_threads()}, rows)
     console.print(f"recorded in {path}")
 

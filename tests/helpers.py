@@ -3,6 +3,7 @@
 import gc
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import memfit
 from memfit import zoo
@@ -72,7 +73,9 @@ def foreign_bytes(job_tensors) -> int:
     caches). remat's budget counts every byte on the device (its Note 8), so a session is given
     ``budget + foreign_bytes`` and the job itself, counted by the oracle, must stay under
     ``budget``: the same test alone or after a thousand others. Independent of memfit: a walk of
-    the garbage collector's tensors, deduplicated by storage."""
+    the garbage collector's tensors, deduplicated by storage. A wrapper subclass (torchao's
+    optimizer states) is counted by the tensors it wraps: the wrapper's own storage reports the
+    wrapped size even where they are fakes that a compiled trace's guards keep alive."""
     gc.collect()
     mine = {t.untyped_storage()._cdata for t in job_tensors if t.layout is torch.strided}
     seen, total = set(), 0
@@ -81,6 +84,8 @@ def foreign_bytes(job_tensors) -> int:
             continue
         if isinstance(t, torch._subclasses.FakeTensor) or t.device.type != "cpu":
             continue
+        if is_traceable_wrapper_subclass(t):     # its inner tensors are objects of their own,
+            continue                             # counted where real (a trace's may be fakes)
         grad = t.grad if t.is_leaf and t.requires_grad else None
         for x in (t,) if grad is None else (t, grad):
             st = x.untyped_storage()

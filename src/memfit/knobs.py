@@ -30,7 +30,7 @@ __all__ = ["Knobs", "PRECISIONS", "OPTIMIZER_IMPLS", "ZERO_GRADS", "SHARDINGS", 
            "expand_groups"]
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure", "auto")
-OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
+OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop", "compiled")
 ZERO_GRADS = ("before-forward", "after-forward", "keep-buffers")
 SHARDINGS = ("none", "ddp", "fsdp")
 MP_POLICIES = ("bf16",)
@@ -82,8 +82,10 @@ class Knobs:
     optimizer_impl: how the torch optimizer steps: "foreach" (one kernel per op over all
         parameters: parameter-sized temporaries; CUDA's default), "fused" (one kernel per
         parameter group, no parameter-sized temporaries; Adam, AdamW, SGD, Adagrad), or
-        "for-loop" (one parameter at a time, ``foreach=False``; the CPU's default). ``None``: an
-        optimizer instance keeps its own; for a name or factory memfit decides.
+        "for-loop" (one parameter at a time, ``foreach=False``; the CPU's default), or
+        "compiled" (the step under torch.compile, as ``opt.step = torch.compile(opt.step)``:
+        each update fused, no parameter-sized temporaries; techniques.compiled_optimizer).
+        ``None``: an optimizer instance keeps its own; for a name or factory memfit decides.
     zero_grad: the loop style of memfit's own step (without ``step=fn``): "before-forward"
         (``optimizer.zero_grad()`` first: last step's gradients are freed before the forward;
         ``None`` means this), "after-forward" (``zero_grad()`` after the forward, before
@@ -232,10 +234,30 @@ class Knobs:
                              "offload_optimizer=True: an offloaded weight's host copy is the "
                              "optimizer's fp32 host twin, stepped on the host "
                              "(docs/techniques/parameter-offload.md)")
+        if self.optimizer_impl == "compiled":
+            self._check_compiled_step()
         if self.chunked_loss and (self.sharding not in (None, "none") or
                                   self.gpus not in (None, 1)):
             raise ValueError(f"chunked_loss={self.chunked_loss} with several GPUs (gpus, "
                              "sharding) is not supported yet: leave chunked_loss unset there")
+
+    def _check_compiled_step(self) -> None:
+        """What a compiled optimizer step is not modelled with (docs/compiled.md, "Compiled
+        optimizer steps"), with the fix."""
+        refused = [name for name, bad in (
+            ("offload_optimizer", self.offload_optimizer),
+            ("offload_params", self.offload_params not in (None, "none")),
+            ("offload_gradients", self.offload_gradients),
+            ("optimizer_in_backward", self.optimizer_in_backward),
+            (f"optimizer_state={self.optimizer_state!r}",
+             self.optimizer_state not in (None, "fp32")),
+            ("gpus/sharding", self.sharding not in (None, "none") or self.gpus not in (None, 1)),
+            ("remat", self.remat)) if bad]
+        if refused:
+            raise ValueError(f"optimizer_impl='compiled' with {', '.join(refused)} is not "
+                             f"modelled: a compiled step runs on the device, over fp32 state, "
+                             f"on one GPU; leave optimizer_impl unset (or 'foreach', 'fused', "
+                             f"'for-loop') or leave those unset")
 
     def _check_offload_gradients(self, user_step: bool) -> None:
         """What cannot run with the gradients moved to the host in backward

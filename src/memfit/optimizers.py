@@ -1,13 +1,15 @@
 """Optimizers by name, and rebuilding a user's optimizer over other (fake, bf16-master, ...)
 parameters or with another implementation (``optimizer_impl``).
 
-Note 1 (implementations). A torch optimizer steps in one of three ways, with the same math:
+Note 1 (implementations). A torch optimizer steps in one of four ways, with the same math:
 ``foreach`` (each op over all parameters at once: temporaries the size of every parameter
 together, CUDA's default), ``fused`` (one kernel per group: no parameter-sized temporaries;
-only classes whose constructor takes ``fused``) or a for-loop (``foreach=False``: one
-parameter's temporaries at a time; the default for CPU tensors). ``impl_of`` reads which one
-an optimizer will run; ``OptimizerRecipe(spec, impl=...)`` builds it with another. A recipe
-with ``impl=None`` builds the optimizer as given (an instance keeps its own implementation).
+only classes whose constructor takes ``fused``), a for-loop (``foreach=False``: one
+parameter's temporaries at a time; the default for CPU tensors) or ``compiled`` (its step under
+``torch.compile``, PyTorch's ``opt.step = torch.compile(opt.step)``: built as given, the step
+compiled by ``techniques.compiled_optimizer``). ``impl_of`` reads which one an optimizer will
+run; ``OptimizerRecipe(spec, impl=...)`` builds it with another. A recipe with ``impl=None``
+builds the optimizer as given (an instance keeps its own implementation).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 __all__ = ["OPTIMIZERS", "OptimizerRecipe", "rebuild_optimizer", "impl_of", "supports_impl",
-           "IMPL_FLAGS"]
+           "IMPL_FLAGS", "compiled_step"]
 
 # name -> factory(params). Hyper-parameters are the usual fine-tuning ones; they do not change
 # memory, only the state each optimizer keeps does.
@@ -39,6 +41,7 @@ IMPL_FLAGS: dict[str, dict[str, bool]] = {
     "foreach": {"foreach": True, "fused": False},
     "fused": {"foreach": False, "fused": True},
     "for-loop": {"foreach": False, "fused": False},
+    "compiled": {},                  # as given, its step compiled
 }
 
 
@@ -57,12 +60,21 @@ def impl_of(optimizer, cuda: bool) -> str | None:
     groups = getattr(inner, "param_groups", None)
     if not groups or "foreach" not in groups[0]:
         return None
+    if compiled_step(inner) is not None:
+        return "compiled"
     g = groups[0]
     if g.get("fused"):
         return "fused"
     if g["foreach"] is None:
         return "foreach" if cuda else "for-loop"
     return "foreach" if g["foreach"] else "for-loop"
+
+
+def compiled_step(optimizer):
+    """The optimizer's ``step`` where it was replaced by a compiled one
+    (``opt.step = torch.compile(opt.step)``, Note 1), else None."""
+    step = vars(optimizer).get("step") if hasattr(optimizer, "__dict__") else None
+    return step if callable(step) and hasattr(step, "_torchdynamo_orig_callable") else None
 
 
 class OptimizerRecipe:

@@ -6,7 +6,9 @@ each block with ``module.compile()``), runs three steps of the plain loop (``zer
 forward, loss, backward, AdamW's ``step``) and prints, as JSON, the peak of the live CPU bytes in
 the third step. A job ``{"torchao": name, ...}`` instead steps a small MLP with the user's own
 torchao optimizer of that class, whose step compiles each parameter's update as torchao does
-(``torchao_job``). The bytes are the CPU allocator's own allocation and free events
+(``torchao_job``); ``{"compiled_optimizer": true, "model": ...}`` steps a torch AdamW whose
+step is compiled as PyTorch's recipe does (``opt.step = torch.compile(opt.step)``) on the
+model uncompiled ("mlp": that MLP, else a zoo model). The bytes are the CPU allocator's own allocation and free events
 (``torch.profiler`` with ``profile_memory``), summed from the start of the process's profiled
 window, in which the model, the batch and the optimizer are made: every live byte is one the
 profiler saw allocated. ``estimated`` is memfit's estimate of the same job, for the
@@ -32,18 +34,24 @@ def build(job: dict):
     return spec, model, spec.make_batch(model, job["batch"], **kw)
 
 
-def torchao_job(job: dict):
-    """(model, batch, loss_fn, optimizer) of a torchao job: an MLP whose weights torchao
-    quantizes (16,384 values each) and whose biases it does not (256 and 64), and the user's
-    own torchao optimizer ``job["torchao"]`` with ``job.get("kw")``."""
-    import torchao.optim as ao
+def mlp():
+    """(model, batch, loss_fn): an MLP whose weights torchao quantizes (16,384 values each)
+    and whose biases it does not (256 and 64)."""
     from torch import nn
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
-    batch = (torch.randn(16, 64), torch.randn(16, 64))
+    return model, (torch.randn(16, 64), torch.randn(16, 64)), mse_loss
+
+
+def torchao_job(job: dict):
+    """(model, batch, loss_fn, optimizer) of a torchao job: ``mlp`` and the user's own torchao
+    optimizer ``job["torchao"]`` with ``job.get("kw")``."""
+    import torchao.optim as ao
+
+    model, batch, loss_fn = mlp()
     optimizer = getattr(ao, job["torchao"])(model.parameters(), lr=1e-3, **job.get("kw", {}))
-    return model, batch, mse_loss, optimizer
+    return model, batch, loss_fn, optimizer
 
 
 def mse_loss(model, batch):
@@ -92,6 +100,8 @@ def measured_peak(job: dict) -> int:
 
     if "torchao" in job:
         return _torchao_peak(job)
+    if job.get("compiled_optimizer"):
+        return _compiled_optimizer_peak(job)
     with budget(job), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _, model, batch = build(job)
         run = compile_as(model, job["compile"])
@@ -101,6 +111,30 @@ def measured_peak(job: dict) -> int:
                 opt.zero_grad(set_to_none=True)
                 run(**batch).loss.backward()
                 opt.step()
+    return allocator_peak(prof, "step2")
+
+
+def optimizer_job(job: dict):
+    """(model, batch, loss_fn) of a compiled-optimizer job: ``mlp`` for ``"mlp"``, else the
+    zoo model (tiny config)."""
+    if job["model"] == "mlp":
+        return mlp()
+    _, model, batch = build(job)
+    return model, batch, None
+
+
+def _compiled_optimizer_peak(job: dict) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    from memfit.step import canonical_step
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, batch, loss_fn = optimizer_job(job)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer.step = torch.compile(optimizer.step)
+        for i in range(3):
+            with torch.profiler.record_function(f"step{i}"):
+                canonical_step(model, optimizer, batch, loss_fn)
     return allocator_peak(prof, "step2")
 
 

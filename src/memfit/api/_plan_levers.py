@@ -30,19 +30,24 @@ COMPILE_BUDGETS = (0.5, 0.0)     # activation_memory_budget values weighed, in t
 
 @dataclass(frozen=True)
 class LastLever:
-    """A knob the whole plan is made again with, once nothing fits without it."""
+    """A knob the whole plan is made again with, once nothing fits without it; ``weighed``:
+    also where a plan fits but slows the step, the faster of the two taken (``faster``)."""
 
     knob: str
     value: object
     progress: str          # what the planner says as it plans again
     why: str               # the plan's first reason, when it fits
+    weighed: bool = False
+    faster: str = ""       # the first reason when weighed and faster ({other}: the plan beaten)
+    progress_weighed: str = ""     # what the planner says as it weighs it
 
 
 def last_levers(model, k: Knobs, allow_numerics_change: bool | None) -> list[LastLever]:
     """The levers to plan again with, in turn, the first plan that fits the answer (none: the
     refusal stands). A compiled model whose caller left ``activation_memory_budget`` unset:
     each of ``COMPILE_BUDGETS`` (torch.compile's own lever; per-block modes do not apply
-    inside a compiled region; the numerics stay). Else, where the numerics may change and the
+    inside a compiled region; the numerics stay), weighed also against a plan that fits by
+    slowing the step. Else, where the numerics may change and the
     caller left ``quantize_base`` unset, a model with a frozen float linear layer (a LoRA job):
     its base in NF4."""
     if k.activation_memory_budget is None and has_compiled(model):
@@ -53,7 +58,15 @@ def last_levers(model, k: Knobs, allow_numerics_change: bool | None) -> list[Las
             f"activation_memory_budget={value}: nothing fits with torch.compile's default "
             f"partition (every activation the min-cut partitioner likes kept), so it keeps "
             f"{value:.0%} of them and recomputes the rest in backward (set in "
-            f"torch._functorch.config while the model compiles; the numerics do not change)")
+            f"torch._functorch.config while the model compiles; the numerics do not change)",
+            weighed=True,
+            progress_weighed=f"weighing activation_memory_budget={value} against the plan "
+                             "found (it slows the step)",
+            faster=f"activation_memory_budget={value}: the min-cut partitioner keeps "
+                   f"{value:.0%} of the activations and recomputes the rest in backward, "
+                   f"predicted faster than the fastest plan at its default partition "
+                   "({other}); set in torch._functorch.config while the model compiles; the "
+                   "numerics do not change")
             for value in COMPILE_BUDGETS]
     if _weighs_qlora(model, k, allow_numerics_change):
         return [LastLever(
@@ -144,7 +157,8 @@ class Levers:
         self.k, self.numerics, self.user_step = k, numerics, user_step
         self.low_bit: list[str] = []
         self._done: set[str] = set()
-        self._chunkable = common.get("loss_fn") is None and not user_step and chunkable(model)
+        self._chunkable = common.get("loss_fn") is None and not user_step and \
+            not has_compiled(model) and chunkable(model)       # refused for a compiled model
         fixed = _fixed_levers(k)
 
         def trace(precision, samples, **knobs):

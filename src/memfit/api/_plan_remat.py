@@ -33,6 +33,7 @@ class Planned:
     plan: Plan
     plain: Estimate
     chosen: Estimate
+    step_s: float | None = None     # the plan's predicted step (time_model), where searched
 
 
 def held_bytes(batch, precision: str) -> int:

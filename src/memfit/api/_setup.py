@@ -22,6 +22,7 @@ from memfit.techniques._torchao_optimizer import is_torchao
 from memfit.techniques._torchao_user import TorchaoRecipe, may_make_torchao
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.checkpoint import Checkpoint
+from memfit.techniques.compiled_optimizer import CompiledStepRecipe, user_region
 from memfit.techniques.chunked_loss import ChunkedLoss
 from memfit.techniques.low_bit_optimizer import LowBitOptimizer
 from memfit.techniques.offload import Offload
@@ -84,11 +85,16 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
     ``replan(excess_bytes) -> Runner`` arms the Runner's OOM guard (runtime.oom_guard).
     ``planned_batch``: the batch the plan was made for; a larger one warns (batch_shape).
     ``user_step`` (``memfit.step.UserStep``): run it instead of memfit's loop, on the batch as
-    given; the plan reaches it through the block hooks and the optimizer.
+    given; the plan reaches it through the block hooks and the optimizer. A user's optimizer
+    whose step is compiled (``opt.step = torch.compile(opt.step)``) runs as
+    ``optimizer_impl="compiled"`` (techniques.compiled_optimizer).
 
     Each technique's ``apply`` returns a ``Change`` (``techniques._protocol``): the optimizer,
     ``applied``'s notes and rebuilt flag, the hooks the Runner removes and the contexts it
     enters are read off them, in the order they were applied."""
+    region = user_region(recipe.instance) if recipe.instance is not None else None
+    if region is not None and knobs.optimizer_impl is None:
+        knobs = knobs.replace(optimizer_impl="compiled")
     _refuse(knobs, user_step)
     check_knobs(knobs, plan.batch_size)         # optimizer_in_backward's refusals
     # refused before the model is touched (expandable_segments is read when CUDA starts)
@@ -127,6 +133,8 @@ def build_runner(model: nn.Module, recipe: OptimizerRecipe, knobs: Knobs, *, pla
                            .apply(model))
         if knobs.optimizer_impl is not None:
             recipe = recipe.with_impl(knobs.optimizer_impl)
+        if knobs.optimizer_impl == "compiled":
+            recipe = CompiledStepRecipe(recipe, region)
         built = tech.apply(model, recipe, origin)
         changes += [built, *_impl_rebuilt(model, knobs, recipe, built.optimizer)]
         changes += [low_bit] if low_bit is not None else []
@@ -185,7 +193,8 @@ def _impl_rebuilt(model: nn.Module, knobs: Knobs, recipe: OptimizerRecipe,
     if knobs.optimizer_impl is None or recipe.instance is None or \
             optimizer is recipe.instance or knobs.precision == "bf16-pure":
         return []
-    flags = ", ".join(f"{k}={v}" for k, v in IMPL_FLAGS[knobs.optimizer_impl].items())
+    flags = ", ".join(f"{k}={v}" for k, v in IMPL_FLAGS[knobs.optimizer_impl].items()) or \
+        "its step compiled"
     return [Change(model, optimizer_rebuilt=True,
                    notes=(f"optimizer_impl={knobs.optimizer_impl}: the optimizer was rebuilt "
                           f"with {flags} (runner.optimizer); the one passed in is no longer "

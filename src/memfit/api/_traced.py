@@ -37,8 +37,9 @@ from memfit.memplan import storage_log
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
 from memfit.step import prepare_batch
-from memfit.techniques._torchao_user import step_note
+from memfit.techniques._torchao_user import step_note as torchao_note
 from memfit.techniques.accumulation import batch_size_of
+from memfit.techniques.compiled_optimizer import step_note as compiled_step_note
 from memfit.techniques.quantized_base import QuantizedBase
 from memfit.techniques.optimizer_in_backward import check_knobs as check_in_backward
 from memfit.trace import FakeCopier, profile_step
@@ -212,8 +213,9 @@ def figures(t: Traced) -> Estimate:
     packed = packing_note(runner.model, batch, cuda and t.sdpa_calls, cuda and spec.display_name)
     notes += [packed] if packed else []
     notes += list(t.quantized.notes) if t.quantized else []
-    torchao = step_note(runner.optimizer, spec.kind)
-    notes += [torchao] if torchao else []
+    for note in (torchao_note(runner.optimizer, spec.kind),
+                 compiled_step_note(runner.optimizer, spec.kind)):
+        notes += [note] if note else []
     compiled = compiled_note(list(t.regions), spec.kind, runner.model)
     notes += [compiled] if compiled else []
     if user is not None:

@@ -88,13 +88,14 @@ NF4 is weighed (the usual choice, and the smallest with FP4); a caller's own
 Note 11 (a compiled model). Per-block modes are not applied inside a compiled region
 (trace.compiled), so a compiled model's plan searches precision, micro-batches and the
 optimizer's levers; torch.compile's own lever, ``activation_memory_budget`` (the share of the
-activations the min-cut partitioner keeps), is the last one: when nothing fits at torch's
-default, the whole plan is made again with it fixed at each of
-``_plan_levers.COMPILE_BUDGETS`` in turn (0.5, then 0.0), and the first that fits is the
-answer (its reasons say so first); each trace then compiles the regions under that budget.
-It is not yet weighed against a plan that fits with slower levers (micro-batches, the
-optimizer on the host): that needs the models of both budgets in one search. Notes 10 and 11
-are one loop: ``_plan_levers.last_levers`` lists the levers to plan again with, in turn.
+activations the min-cut partitioner keeps), is planned as a whole: the plan is made again with
+it fixed at each of ``_plan_levers.COMPILE_BUDGETS`` (0.5, 0.0), each trace then compiling
+the regions under it. When nothing fits at torch's default, the first that fits is the answer;
+when a plan fits by slowing the step (anything but the plain step), each budget's plan is
+weighed against it by predicted step time (``Planned.step_s``, absolute seconds: each plan's
+ratio is to the plain step under its own budget) and the fastest is the answer. Either way the
+plan's first reason says so. Notes 10 and 11 are one loop: ``_plan_levers.last_levers`` lists
+the levers to plan again with, in turn, and which are weighed.
 """
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
     sequence the floor holds (``api.levers`` asks that question itself)."""
     if is_sharded(knobs):
         raise ValueError("gpus/sharding: use memfit.plan (plan_traced plans one device)")
+    planned, plain = None, False
     try:
         job = _PlanCall.checked(model, batch, budget, optimizer, device, loss_fn, count_fn,
                                 allocator, on_progress, step, scheduler, floor,
@@ -189,29 +191,46 @@ def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=
             return planner.remat.fixed(planner.plain)
         if floor:
             planner.least(stages_after=2)
-        return planner.plain_fits() or planner.searched() or planner.floor_plan()
+        planned = planner.plain_fits()
+        plain = planned is not None
+        planned = planned or planner.searched() or planner.floor_plan()
     except BudgetTooSmall as e:
         refused = e
-        again = last_levers(model, Knobs.from_kwargs(**knobs), allow_numerics_change)
-        if not again:                                   # Notes 10 and 11
-            raise
-    for lever in again:
+    levers = last_levers(model, Knobs.from_kwargs(**knobs), allow_numerics_change)
+    if planned is not None:              # Note 11: weighed against a plan that slows the step
+        levers = [lever for lever in levers if lever.weighed and not plain]
+        if not levers or planned.step_s is None:
+            return planned
+    elif not levers:                     # Notes 10 and 11
+        raise refused
+    for lever in levers:
         if on_progress is not None:
-            on_progress(lever.progress)
+            on_progress(lever.progress if planned is None else lever.progress_weighed)
         try:
-            planned = plan_traced(model, batch, budget, optimizer, device, loss_fn,
-                                  count_fn=count_fn, allocator=allocator,
-                                  on_progress=on_progress, step=step, scheduler=scheduler,
-                                  floor=floor, allow_numerics_change=allow_numerics_change,
-                                  batches=batches, on_floor=on_floor,
-                                  suggest_shorter=suggest_shorter,
-                                  **{**knobs, lever.knob: lever.value})
+            other = plan_traced(model, batch, budget, optimizer, device, loss_fn,
+                                count_fn=count_fn, allocator=allocator,
+                                on_progress=on_progress, step=step, scheduler=scheduler,
+                                floor=floor, allow_numerics_change=allow_numerics_change,
+                                batches=batches, on_floor=on_floor,
+                                suggest_shorter=suggest_shorter,
+                                **{**knobs, lever.knob: lever.value})
         except BudgetTooSmall as e:
             refused = e
             continue
-        return dataclasses.replace(planned, plan=dataclasses.replace(
-            planned.plan, reasons=(lever.why, *planned.plan.reasons)))
-    raise refused
+        if planned is None:              # nothing fitted: the first that fits is the answer
+            return _first_reason(other, lever.why)
+        if other.step_s is not None and other.step_s < planned.step_s:
+            planned = _first_reason(other, lever.faster.format(
+                other=f"{other.step_s * 1e3:.3g} ms a step against {planned.step_s * 1e3:.3g}"
+                      f" ms"))
+    if planned is None:
+        raise refused
+    return planned
+
+
+def _first_reason(planned: Planned, why: str) -> Planned:
+    return dataclasses.replace(planned, plan=dataclasses.replace(
+        planned.plan, reasons=(why, *planned.plan.reasons)))
 
 
 @dataclass
@@ -386,7 +405,7 @@ class _Planner:
 
     def _planned(self, choice: Choice, est, reasons: list[str]) -> Planned:
         return Planned(_make_plan(self.ctx, choice, est, self.models[choice.key], reasons),
-                       self.plain, self.ctx.alloc.under_setting(est))
+                       self.plain, self.ctx.alloc.under_setting(est), choice.step_s)
 
     def plain_fits(self) -> Planned | None:
         """The faster plain step that fits (Note 3: auto keeps fp32 where faster), if any."""
@@ -405,7 +424,7 @@ class _Planner:
         if q == job.user and job.p != job.user:
             why.append(f"auto keeps {job.user}: the {job.p} step is predicted no faster here")
         return Planned(_make_plan(ctx, choice, est, pair, why), self.plain,
-                       ctx.alloc.under_setting(est))
+                       ctx.alloc.under_setting(est), choice.step_s)
 
     def searched(self) -> Planned | None:
         """Search and verify (Notes 1-2, ``planner.verify``), or None when nothing verified."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from memfit.cli._args import (BYTES_HELP, budget_bytes, check_output_path, cuda_version,
                               int_or_auto, positive_int, reserve_bytes)
+from memfit.knobs import OPTIMIZER_IMPLS
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_GPU", "OPTIMIZER_NAMES", "add_model_args",
            "add_target_args", "add_optimizer_impl_arg", "optimizer_impl_knob", "Target",
@@ -24,7 +25,6 @@ DEFAULT_MODEL = "xlm-roberta-large"
 DEFAULT_GPU = "gtx-1080-ti"
 # memfit.optimizers.OPTIMIZERS' names (kept here so the parser needs no torch; a test holds them equal)
 OPTIMIZER_NAMES = ("adagrad", "adam", "adamw", "momentum", "rmsprop", "sgd")
-OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 # techniques.quantized_base.KINDS and packed_int4's "gptq", named here so --help needs no torch
 # (tests/cli/test_adapt.py)
 QUANTIZE_KINDS = ("nf4", "fp4", "int8", "gptq")
@@ -124,7 +124,8 @@ def add_optimizer_impl_arg(g) -> None:
     g.add_argument("--optimizer-impl", default="auto", choices=("auto", *OPTIMIZER_IMPLS),
                    help="how the optimizer steps: foreach (one kernel over all parameters, "
                         "parameter-sized temporaries; CUDA's default), fused (no such "
-                        "temporaries; Adam, AdamW, SGD, Adagrad), for-loop (foreach=False); "
+                        "temporaries; Adam, AdamW, SGD, Adagrad), for-loop (foreach=False), "
+                        "compiled (the step under torch.compile: each update fused); "
                         "auto: memfit's choice (default)")
 
 

@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memfit.optimizers import OptimizerRecipe
 from memfit.techniques._torchao_optimizer import (EagerStep, eager_class, is_torchao,
                                                    torchao_modules, unrolled_adam)
-from memfit.trace.compiled import compiled_trace, counted_function
+from memfit.trace.compiled import CPU_CODE_NOTE, compiled_trace, counted_function
 
 __all__ = ["CompiledStep", "TorchaoRecipe", "rebuild_torchao", "may_make_torchao",
            "step_note", "STEPS"]
@@ -176,8 +176,7 @@ def step_note(optimizer, device_kind: str) -> str | None:
         words = [f"{name}: torchao's step traced compiled, as torchao runs it (each parameter's "
                  f"update one Inductor graph; its buffers as the generated code allocates them)"]
         if device_kind == "cuda":
-            words.append("Inductor's buffers are those it plans for CPU code; its CUDA code "
-                         "fuses by other rules, so a GPU figure is a model of that")
+            words.append(CPU_CODE_NOTE)
         failed = getattr(inner, "eager_fallbacks", [])
         if failed:
             shapes = sorted({s for s, _ in failed})

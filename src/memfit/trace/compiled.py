@@ -11,6 +11,8 @@ wrapper around it: its own hooks ran inside the compiled code either way), recom
 from the user's own (``isolate_recompiles``). ``dynamic=None`` (the default: static shapes
 until a shape changes) is compiled static, as a step of fixed shapes compiles: the trace's
 warm-up and micro-batches must not turn it into a symbolic graph the real run never makes.
+A function compiled inside the step, not a module (an optimizer's step, torchao's update of
+each parameter), is compiled the same way by ``counted_function`` / ``counted_compile``.
 
 Note 2 (what runs). Inside ``compiled_trace()`` memfit's counting modes let Dynamo compile
 under them and follow the compiled code (``measure._compile_aware``). Dynamo captures each
@@ -59,10 +61,13 @@ from memfit.measure._modules import find_blocks
 
 __all__ = ["Region", "compiled_regions", "eager_view", "wrap_regions", "compiled_trace",
            "compiled_note", "compile_failure", "refuse_with_compiled", "compile_model",
-           "activation_budget", "check_budget", "counted_function", "COMPILE_WAYS",
-           "MODELLED_BACKENDS"]
+           "activation_budget", "check_budget", "counted_function", "counted_compile",
+           "optimizer_step_region", "COMPILE_WAYS", "MODELLED_BACKENDS", "CPU_CODE_NOTE"]
 
 MODELLED_BACKENDS = ("inductor", "eager", "aot_eager", "aot_eager_decomp_partition")
+# said of an Inductor-compiled piece of a GPU target's step (Note 3)
+CPU_CODE_NOTE = ("Inductor's buffers are those it plans for CPU code; its CUDA code fuses by "
+                 "other rules, so a GPU figure is a model of that")
 COMPILE_WAYS = ("model", "blocks")
 
 
@@ -163,13 +168,17 @@ def compiled_regions(model: nn.Module) -> list[Region]:
             out.append(_region(name, m, in_place=False))
         elif is_compiled_in_place(m):
             out.append(_region(name, m._compiled_call_impl, in_place=True))
-    for r in out:
+    _check_backends(out)
+    return out
+
+
+def _check_backends(regions: list[Region]) -> None:
+    for r in regions:
         if r.backend_name not in MODELLED_BACKENDS:
             raise ValueError(f"{r.describe()} is compiled with the backend "
                              f"{r.backend_name!r}, which memfit does not model: it models "
-                             f"{', '.join(MODELLED_BACKENDS)}; estimate the model uncompiled "
+                             f"{', '.join(MODELLED_BACKENDS)}; estimate it uncompiled "
                              f"or compiled with one of those")
-    return out
 
 
 def check_budget(knobs, regions: list[Region]) -> None:
@@ -294,6 +303,24 @@ def counted_function(fn, fullgraph: bool = False, dynamic: bool = False):
                          dynamic=dynamic, isolate_recompiles=True)
 
 
+def counted_compile(fn, region: Region | None = None):
+    """``fn`` compiled as ``region`` says (the user's backend, ``fullgraph``, ``dynamic``), into
+    counted code; None: torch.compile's defaults (``counted_function``)."""
+    if region is None:
+        return counted_function(fn)
+    return torch.compile(fn, backend=_counted_backend(region, [], None),
+                         fullgraph=region.fullgraph, dynamic=bool(region.dynamic),
+                         isolate_recompiles=True)
+
+
+def optimizer_step_region(step) -> Region:
+    """How an optimizer's compiled ``step`` (``opt.step = torch.compile(opt.step)``) was
+    compiled; a ``ValueError`` for a backend memfit does not model (Note 3)."""
+    r = _region("optimizer.step", step, in_place=False)
+    _check_backends([r])
+    return r
+
+
 @contextlib.contextmanager
 def compiled_trace():
     """Around a trace of a compiled job: memfit's modes follow the compiled code, and Dynamo
@@ -381,8 +408,7 @@ def compiled_note(regions: list[Region], device_kind: str, model: nn.Module) -> 
              f"and AOTAutograd (what forward saves is the partitioner's), each graph's buffers "
              f"as the backend's generated code allocates them"]
     if device_kind == "cuda" and any(r.backend_name == "inductor" for r in regions):
-        words.append("Inductor's buffers are those it plans for CPU code; its CUDA code fuses "
-                     "by other rules, so a GPU figure is a model of that")
+        words.append(CPU_CODE_NOTE)
     can_generate = getattr(model, "can_generate", None)
     if any(r.name for r in regions) and \
             getattr(getattr(model, "config", None), "use_cache", False) and \
