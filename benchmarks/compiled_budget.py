@@ -15,7 +15,10 @@ each setting holds and costs, and whether memfit's answer follows it.
 asked to fit the peak that budget's real step reached (memfit weighs the budget against
 micro-batches and the optimizer's levers, api/plan.py Note 11), and its plan is then run for
 real (``memfit.fit`` with the plan's knobs, in a fresh process): its measured peak and step
-time are printed beside the sweep's.
+time are printed beside the sweep's. Beside budget 1.0, the control: ``memfit.fit``'s runner
+with no knob, whose step time against the plain loop's is the runner's own overhead. Step
+times come from separate processes run one after another on a shared machine: compare them
+as such.
 
 Nothing here is a GPU measurement.
 """
@@ -108,8 +111,8 @@ def planned_at(job: dict, budget_bytes: int) -> dict:
     except memfit.BudgetTooSmall as e:
         return {"plan": f"none fits ({e.floor_bytes:,} B floor)"}
     plan_s = time.perf_counter() - t
-    knobs = {k: v for k, v in plan.knobs.to_dict().items()
-             if v not in (None, "none", False) and k != "precision"}
+    knobs = {k: v for k, v in plan.knobs.to_dict().items()     # 0.0 is a budget, not unset
+             if v is not None and v is not False and v != "none" and k != "precision"}
     real = real_step({k: v for k, v in job.items() if k != "activation_memory_budget"}, knobs)
     return {"plan": ", ".join(f"{k}={v}" for k, v in knobs.items()) or "the plain step",
             "plan_predicted_peak_bytes": plan.predicted_peak_bytes,
@@ -128,7 +131,7 @@ def main() -> None:
                     help="also plan each budget's measured peak with memfit.plan and run the "
                          "plan for real, at equal memory (about a minute per budget)")
     args = ap.parse_args()
-    console = Console()
+    console = Console(width=200)
     rows = []
     for b in (1.0, 0.0) if args.quick else BUDGETS:
         job = {"model": args.model, "batch": args.batch, "seq_len": args.seq_len,
@@ -144,6 +147,12 @@ def main() -> None:
                      "memfit_estimate_s": round(est_s, 1)})
         if args.plan and b < 1.0:
             rows[-1].update(planned_at(job, real["peak"]))
+        elif args.plan:            # the control: memfit's runner with nothing applied
+            ctl = real_step({k: v for k, v in job.items() if k != "activation_memory_budget"},
+                            {})
+            rows[-1].update({"plan": "control: memfit.fit's runner, no knobs",
+                             "plan_measured_peak_bytes": ctl["peak"],
+                             "plan_step_ms": round(1000 * ctl["step_s"], 2)})
         console.print(rows[-1])
     table = Table(title=f"activation_memory_budget sweep: tiny {args.model}, compiled "
                         f"{args.compile}, batch {args.batch} x {args.seq_len}, CPU")

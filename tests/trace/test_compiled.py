@@ -214,3 +214,32 @@ def test_the_plan_of_a_compiled_model_lowers_the_budget_when_nothing_else_fits()
     assert p.knobs.activation_memory_budget == 0.5
     assert p.predicted_peak_bytes <= budget
     assert p.reasons[0].startswith("activation_memory_budget=0.5")
+
+
+@pytest.mark.slow          # three plans of a compiled model, each a few traces (a few minutes)
+def test_the_plan_weighs_the_budget_against_a_plan_that_slows_the_step():
+    """api/plan.py Note 11: tiny llama, each block compiled, at a budget the default partition
+    meets only with micro-batches (or the optimizer on the host). The budgets' plans are
+    weighed by predicted step time: the answer is predicted faster than the default
+    partition's own plan (the budget fixed at torch's default, 1.0: nothing weighed), takes a
+    budget and says so first, with both step times; its verified peak is under the budget."""
+    from memfit.api.plan import plan_traced
+    from memfit.trace.compiled import compile_model
+
+    _, model, batch = build({"model": "llama-1b", "batch": 4, "seq_len": 128,
+                             "use_cache": False})
+    model = compile_model(model, "blocks")
+    job = memfit.Job(model, batch)
+    default = memfit.estimate(job).peak_bytes
+    least = memfit.estimate(job, activation_memory_budget=0.0).peak_bytes
+    assert least < default
+    budget = (least + default) // 2
+    alone = plan_traced(model, batch, budget, activation_memory_budget=1.0)
+    assert alone.plan.knobs.micro_batch_size < 4 or alone.plan.knobs.offload_optimizer
+    weighed = plan_traced(model, batch, budget)
+    assert weighed.plan.knobs.activation_memory_budget in (0.5, 0.0)
+    assert weighed.step_s < alone.step_s
+    assert weighed.plan.reasons[0].startswith("activation_memory_budget=")
+    assert "predicted faster than the fastest plan at its default partition" in \
+        weighed.plan.reasons[0]
+    assert weighed.plan.predicted_peak_bytes <= budget
