@@ -110,3 +110,15 @@ def test_fit_steps_the_compiled_step():
         eager.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_step_with_several_gpus_is_refused():
+    """Checked where the layout is known: a sharded plan (gpus) and one rank's trace."""
+    model, batch, loss_fn = optimizer_job({"model": "mlp"})
+    with pytest.raises(ValueError, match="optimizer_impl='compiled' with gpus/sharding"):
+        memfit.plan(memfit.Job(model, batch, optimizer="adamw", loss_fn=loss_fn), gpus=2,
+                    optimizer_impl="compiled")
+    with pytest.raises(ValueError, match="optimizer_impl='compiled' is not modelled with "
+                                         "sharding"):
+        memfit.estimate_sharded(model, batch, "adamw", world_size=2, sharding="ddp", loss_fn=loss_fn,
+                         optimizer_impl="compiled")

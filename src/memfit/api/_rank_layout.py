@@ -129,6 +129,9 @@ class RankLayout:
             if getattr(k, name):
                 raise ValueError(f"{name} is not supported with sharding yet: estimate "
                                  "without it")
+        if k.optimizer_impl == "compiled":
+            raise ValueError("optimizer_impl='compiled' is not modelled with sharding yet: "
+                             "estimate the sharded step with the optimizer as given")
 
     def check_precision(self, precision: str) -> None:
         """``precision`` resolved for the target: autocast bf16 or fp32 only (Note 3)."""

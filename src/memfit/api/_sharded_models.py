@@ -39,6 +39,7 @@ class Row:
 
 def _setup(model, batch, optimizer, device, loss_fn, knobs: dict, step, scheduler):
     k = Knobs.from_kwargs(**knobs)
+    k.check_combinations()                  # what no technique runs yet, gpus included
     for name, value in (("step", step), ("scheduler", scheduler)):
         if value is not None:
             raise ValueError(f"{name} with gpus/sharding is not supported yet: plan the "
