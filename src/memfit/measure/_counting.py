@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from memfit.errors import OutOfMemory
@@ -47,6 +46,7 @@ from memfit.measure import _ledger as L
 from memfit.measure._collectives import births
 from memfit.measure._compile_aware import CompileAware
 from memfit.measure._cpu_scratch import scratch_bytes
+from memfit.measure._leaves import leaves, tensors
 from memfit.measure._sizes import hint
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class CountingMode(CompileAware, TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _METADATA:    # queries that allocate nothing (asked often by fake tensors)
             return func(*args, **kwargs)
-        flat_in, _ = tree_flatten((args, kwargs))
+        flat_in = leaves((args, kwargs))
         ledger = t.ledger
         if not ledger.fake and any(isinstance(x, FakeTensor) for x in flat_in):
             return func(*args, **kwargs)              # Note 3
@@ -144,14 +144,13 @@ class CountingMode(CompileAware, TorchDispatchMode):
         t = self.t
         ledger = t.ledger
         new, resized = [], []
-        for x in tree_flatten(out)[0]:
-            if isinstance(x, torch.Tensor):
-                for st in ledger.storages(x):
-                    if ledger.sid(st) is None:
-                        if all(st._cdata != s._cdata for s in new):
-                            new.append(st)
-                    elif func in _RESIZING:
-                        resized.append(st)
+        for x in tensors(out):
+            for st in ledger.storages(x):
+                if ledger.sid(st) is None:
+                    if all(st._cdata != s._cdata for s in new):
+                        new.append(st)
+                elif func in _RESIZING:
+                    resized.append(st)
         for st in kept:
             if st.device.type == ledger.device_type and ledger.sid(st) is None and \
                     all(st._cdata != s._cdata for s in new):
@@ -197,15 +196,13 @@ def _touched_bytes(ledger, args, kwargs, out) -> tuple[int, int]:
     training state (parameters, gradients, optimizer state, buffers), whose size does not
     depend on the batch. A time model's bandwidth term."""
     total = fixed = 0
-    for x in tree_flatten((args, kwargs))[0]:
-        if isinstance(x, torch.Tensor):
-            n = hint(x.numel()) * x.element_size()
-            total += n
-            if any(ledger.category_of(st) in _STATE for st in ledger.storages(x)):
-                fixed += n
-    for x in tree_flatten(out)[0]:
-        if isinstance(x, torch.Tensor):
-            total += hint(x.numel()) * x.element_size()
+    for x in tensors((args, kwargs)):
+        n = hint(x.numel()) * x.element_size()
+        total += n
+        if any(ledger.category_of(st) in _STATE for st in ledger.storages(x)):
+            fixed += n
+    for x in tensors(out):
+        total += hint(x.numel()) * x.element_size()
     return total, fixed
 
 

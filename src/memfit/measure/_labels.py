@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from memfit.measure._leaves import leaves
 from memfit.measure.attached import attached_tensors, module_tensors
 
 __all__ = ["StorageLabels", "GLOBAL"]
@@ -89,7 +90,7 @@ class StorageLabels:
         if func._overloadpacket.__name__.startswith("_foreach_") and args and \
                 isinstance(args[0], (list, tuple)) and isinstance(out, (list, tuple)):
             pairs = tuple((_sids(ledger, [src]), _sids(ledger, [x])) for x, src in zip(out, args[0]))
-        self.ops.append((self.slot_running(stack), _sids(ledger, tree_flatten((args, kwargs))[0]),
+        self.ops.append((self.slot_running(stack), _sids(ledger, leaves((args, kwargs))),
                          pairs, tuple(ledger.sid(st) for st in new)))
 
     def resolve(self) -> None:

@@ -77,6 +77,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memfit.measure._leaves import leaves, tensors
+
 __all__ = ["DataValues", "MAX_KNOWN_ELEMENTS", "real_values"]
 
 MAX_KNOWN_ELEMENTS = 1 << 22
@@ -103,8 +105,8 @@ class DataValues:
         """The integer and bool tensors of the real ``batch``, linked to their fakes in ``copier``
         (a ``memfit.trace.fake.FakeCopier``; ``copier.tensor`` returns a tensor's one fake)."""
         values = cls()
-        leaves = batch.values() if isinstance(batch, Mapping) else tree_flatten(batch)[0]
-        for t in leaves:
+        items = batch.values() if isinstance(batch, Mapping) else tree_flatten(batch)[0]
+        for t in items:
             if isinstance(t, torch.Tensor):
                 values.offer(copier.tensor(t), t)
         return values
@@ -166,14 +168,14 @@ class DataValues:
             return
         if not self._real and not self._weights:
             return
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = tensors((args, kwargs))
         known = [self._known(t) for t in inputs]
         if not any(known):
             return
         if func._schema.is_mutable:
             self._written(func, args, kwargs, inputs, all(known))
             return
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outputs = tensors(out)
         if not all(known) or not outputs or _any_symbolic((args, kwargs, outputs)):
             return
         if any(t not in self._real for t in inputs):         # a weight among them (Note 5)
@@ -191,7 +193,7 @@ class DataValues:
     def _written(self, func, args, kwargs, inputs, all_known: bool) -> None:
         """An in-place op on known tensors: mirrored on copies (Note 4), else forgotten (Note 1)."""
         written = _written_args(func, args, kwargs) or inputs
-        storage = any(isinstance(x, torch.UntypedStorage) for x in tree_flatten((args, kwargs))[0])
+        storage = any(isinstance(x, torch.UntypedStorage) for x in leaves((args, kwargs)))
         if storage or not (all_known and all(t in self._real and t._base is None for t in written)
                 and _elements(inputs) <= MAX_KNOWN_ELEMENTS and not _symbolic(inputs)):
             self._forget(written)
@@ -207,7 +209,7 @@ class DataValues:
             self._real[t] = copies[id(t)]
 
     def _link_all(self, fakes, real_out, into) -> None:
-        reals = [t for t in tree_flatten(real_out)[0] if isinstance(t, torch.Tensor)]
+        reals = tensors(real_out)
         for fake, real in zip(fakes, reals):
             if tuple(fake.shape) == tuple(real.shape) and fake.dtype == real.dtype:
                 into[fake] = real
@@ -216,7 +218,7 @@ class DataValues:
         """The outputs of a data-dependent ``func`` that the fake mode refused (Note 2), or ``None``."""
         if func in _CTC_INT_LIST:
             return self._ctc(func, args, kwargs)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = tensors((args, kwargs))
         if inputs and all(self._known(t) for t in inputs) and not _any_symbolic((args, kwargs)):
             if _elements(inputs) > MAX_KNOWN_ELEMENTS and not all(t.numel() <= 1 for t in inputs):
                 return None
@@ -342,13 +344,12 @@ def _symbolic(tensors) -> bool:
 def _weight_like(args) -> bool:
     """Whether a ``_like`` / ``new_`` factory copies the shape of a weight (optimizer state,
     a gradient buffer: Note 3 leaves those unknown, or the trace would hold real copies)."""
-    return any(isinstance(t, torch.Tensor) and (t.requires_grad or isinstance(t, torch.nn.Parameter))
-               for t in tree_flatten(args)[0])
+    return any(t.requires_grad or isinstance(t, torch.nn.Parameter) for t in tensors(args))
 
 
 def _any_symbolic(tree) -> bool:
     """Whether ``tree`` holds a symbolic number or a tensor of symbolic sizes or strides."""
-    for x in tree_flatten(tree)[0]:
+    for x in leaves(tree):
         if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return True
         if isinstance(x, torch.Tensor) and any(isinstance(n, torch.SymInt)
