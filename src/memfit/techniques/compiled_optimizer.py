@@ -16,7 +16,12 @@ Note 2 (the state, eagerly). Dynamo runs ``_init_group`` while it compiles, with
 mode off: state made there would be made outside the trace (torch's step counters as real
 tensors). So a trace's warm-up makes the state with the eager step (``first_step_state``, which
 ``trace.profile.warm_up_optimizer`` calls) and the compiled step finds it made, as the real
-run's second step does.
+run's second step does. Two small differences remain, both in torch's step counters: on a GPU,
+Dynamo makes the step ``capturable`` and puts each parameter's counter on the device (4 bytes,
+a 512-byte block of the caching allocator each), where the eager warm-up keeps them on the
+host; and where the optimizer is wrapped (bf16-pure's fp32 masters), the wrapper's warm-up
+steps the compiled step, whose counters are then made outside the trace (4 bytes a parameter,
+not counted).
 
 Note 3 (what is refused). The optimizer's step on the host (``offload_optimizer``,
 ``offload_params``, ``offload_gradients``), per parameter in backward
