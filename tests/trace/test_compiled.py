@@ -243,3 +243,22 @@ def test_the_plan_weighs_the_budget_against_a_plan_that_slows_the_step():
     assert "predicted faster than the fastest plan at its default partition" in \
         weighed.plan.reasons[0]
     assert weighed.plan.predicted_peak_bytes <= budget
+
+
+def test_compiled_code_memfit_does_not_compile_is_said_to_run_eagerly():
+    """A torch.compile'd function inside the loss is not a region of the model: Dynamo runs it
+    eagerly under the trace's modes, and the estimate names it instead of passing its eager
+    figure off silently; the same loss uncompiled has no such note."""
+    act = torch.compile(lambda x: nn.functional.gelu(x) * 2)
+
+    def compiled_loss(model, batch):
+        return act(model(batch[0])).sub(batch[1]).square().mean()
+
+    def plain_loss(model, batch):
+        return (nn.functional.gelu(model(batch[0])) * 2).sub(batch[1]).square().mean()
+
+    model, batch = _mlp(), (torch.randn(8, 16), torch.randn(8, 16))
+    said = memfit.estimate(memfit.Job(model, batch, loss_fn=compiled_loss))
+    assert [n for n in said.notes if "ran eagerly in the trace" in n and "<lambda>" in n]
+    quiet = memfit.estimate(memfit.Job(model, batch, loss_fn=plain_loss))
+    assert not [n for n in quiet.notes if "ran eagerly" in n]

@@ -45,8 +45,9 @@ from memfit.techniques.optimizer_in_backward import check_knobs as check_in_back
 from memfit.trace import FakeCopier, profile_step
 from memfit.trace.card import card_breakdown
 from memfit.trace.compiled import (check_budget, compile_failure, compiled_note,
-                                   compiled_regions, compiled_trace, eager_view,
-                                   refuse_with_compiled, wrap_regions)
+                                   compiled_regions, compiled_trace, eager_calls_note,
+                                   eager_compiled_calls, eager_view, refuse_with_compiled,
+                                   wrap_regions)
 from memfit.trace.cuda import CudaModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
 from memfit.trace.packed_attention import check_attention_device, packing_note
@@ -79,6 +80,7 @@ class Traced:
     unified_bytes: int          # paged optimizer state, on a GPU target
     traced_as: str = "whole"
     regions: tuple = ()         # the compiled regions (trace.compiled), traced as compiled
+    eager_calls: tuple = ()     # compiled code the step called that ran eagerly (trace.compiled)
 
 
 def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier, *,
@@ -121,7 +123,9 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
     check_attention_device(model, spec.kind, sharded=layout is not None)
     replay = cuda is not None and allocator_replay and not optimizer_only
     compiled: list[str] = []                  # the regions whose graphs were compiled
+    eager_calls: list[str] = []               # compiled code that ran eagerly (trace.compiled)
     with contextlib.ExitStack() as stack:     # a rank's fake process group, until counted
+        stack.enter_context(eager_compiled_calls(eager_calls))
         fake_model = copier.module(model)
         fake_model.train(model.training)
         if regions:
@@ -193,7 +197,7 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
                   prof=prof, tracker=tracker, knobs_blocks=dict(runner.applied.blocks),
                   sdpa_calls=list(cuda.sdpa_calls) if cuda else [],
                   unified_bytes=cuda.unified_bytes(runner.optimizer) if cuda else 0,
-                  regions=tuple(regions))
+                  regions=tuple(regions), eager_calls=tuple(eager_calls))
 
 
 def figures(t: Traced) -> Estimate:
@@ -218,6 +222,8 @@ def figures(t: Traced) -> Estimate:
         notes += [note] if note else []
     compiled = compiled_note(list(t.regions), spec.kind, runner.model)
     notes += [compiled] if compiled else []
+    eager = eager_calls_note(list(t.eager_calls))
+    notes += [eager] if eager else []
     if user is not None:
         notes += step_notes(user, batch)
     sim = None

@@ -40,7 +40,9 @@ pool memfit does not model, also said. So is a transformers KV cache (``config.u
 under per-block compile: the blocks write keys and values into a Python object, and Dynamo's
 record of that side effect keeps the object of the call it compiled alive as long as the
 compiled code lives (docs/compiled.md, "Measured"); the trace counts only what the step
-touches, and training needs no cache.
+touches, and training needs no cache. Compiled code memfit does not compile itself (a
+``torch.compile``d function in a loss or a user's step) runs eagerly under the trace's modes;
+``eager_compiled_calls`` finds it and the estimate says so.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import sysconfig
 from dataclasses import dataclass
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -62,7 +66,8 @@ from memfit.measure._modules import find_blocks
 __all__ = ["Region", "compiled_regions", "eager_view", "wrap_regions", "compiled_trace",
            "compiled_note", "compile_failure", "refuse_with_compiled", "compile_model",
            "activation_budget", "check_budget", "counted_function", "counted_compile",
-           "optimizer_step_region", "COMPILE_WAYS", "MODELLED_BACKENDS", "CPU_CODE_NOTE"]
+           "optimizer_step_region", "eager_compiled_calls", "eager_calls_note", "COMPILE_WAYS",
+           "MODELLED_BACKENDS", "CPU_CODE_NOTE"]
 
 MODELLED_BACKENDS = ("inductor", "eager", "aot_eager", "aot_eager_decomp_partition")
 # said of an Inductor-compiled piece of a GPU target's step (Note 3)
@@ -330,6 +335,56 @@ def compiled_trace():
     with following_compiled(), \
             dynamo_config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16):
         yield
+
+
+_EAGER_UNDER_MODES = "non-infra torch dispatch mode present"
+_INSIDE = (str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent))
+_STDLIB = str(Path(sysconfig.get_paths()["stdlib"]).resolve())
+
+
+def _a_call(path: str) -> bool:
+    """A skipped frame that is a compiled function the step called, not one of the frames
+    Dynamo also skips while its eager code runs under the modes (memfit's, torch's, the
+    standard library's)."""
+    if path.startswith(_INSIDE):
+        return False
+    return not path.startswith(_STDLIB) or "-packages" in path
+
+
+@contextlib.contextmanager
+def eager_compiled_calls(found: list[str]):
+    """While it lasts, each compiled function the step calls that memfit does not compile
+    itself (not a region of the model, not the optimizer's step: a ``torch.compile``d function
+    inside the loss or a user's step) is added to ``found``: Dynamo runs it eagerly under the
+    trace's modes, so its figure is the eager one's, and the estimate says so (Note 3). Read
+    from Dynamo's own record of the frames it skipped, and why (its ``dynamo_tls``; where a
+    torch has none, nothing is found)."""
+    from torch._dynamo import eval_frame
+
+    tls = getattr(eval_frame, "dynamo_tls", None)
+    if tls is None or not hasattr(tls, "skip_reasons"):
+        yield
+        return
+    prior, tls.skip_reasons = tls.skip_reasons, []
+    try:
+        yield
+    finally:
+        for reason in tls.skip_reasons or []:
+            where = reason.split("): ", 1)[0] + ")"
+            if _EAGER_UNDER_MODES in reason and where not in found and \
+                    _a_call(where.rpartition(" (")[2]):
+                found.append(where)
+        tls.skip_reasons = prior
+
+
+def eager_calls_note(found: list[str]) -> str | None:
+    """The estimate's note for what ``eager_compiled_calls`` found (None: nothing)."""
+    if not found:
+        return None
+    return (f"the step calls compiled code memfit does not compile itself ({'; '.join(found)}): "
+            f"it ran eagerly in the trace, so its part of the figure is the eager one's; memfit "
+            f"traces as compiled a torch.compile'd model or blocks and an optimizer step "
+            f"compiled as opt.step = torch.compile(opt.step)")
 
 
 def _noop_kernel(*args, **kwargs) -> None:
