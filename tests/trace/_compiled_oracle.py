@@ -67,7 +67,7 @@ def compile_as(model, how: str):
 
 def budget(job: dict):
     """The job's ``activation_memory_budget`` set where PyTorch reads it (a context)."""
-    from memfit.trace.compiled import activation_budget
+    from memfit.trace._counted_compile import activation_budget
     return activation_budget(job.get("activation_memory_budget"))
 
 

@@ -44,9 +44,9 @@ from memfit.techniques.quantized_base import QuantizedBase
 from memfit.techniques.optimizer_in_backward import check_knobs as check_in_backward
 from memfit.trace import FakeCopier, profile_step
 from memfit.trace.card import card_breakdown
+from memfit.trace._counted_compile import compiled_trace, eager_calls_note, eager_compiled_calls
 from memfit.trace.compiled import (check_budget, compile_failure, compiled_note,
-                                   compiled_regions, compiled_trace, eager_calls_note,
-                                   eager_compiled_calls, eager_view, refuse_with_compiled,
+                                   compiled_regions, eager_view, refuse_with_compiled,
                                    wrap_regions)
 from memfit.trace.cuda import CudaModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules

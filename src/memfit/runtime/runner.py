@@ -47,7 +47,7 @@ from memfit.runtime.oom_guard import OomGuard, check_optimizer_step, committing
 from memfit.step import UserStep, compute_loss, prepare_batch, zero_grad
 from memfit.techniques.accumulation import Accumulation
 from memfit.techniques.precision import Precision
-from memfit.trace.compiled import activation_budget
+from memfit.trace._counted_compile import activation_budget
 
 __all__ = ["Runner", "StepInfo"]
 

@@ -24,7 +24,7 @@ codes and scales, and Inductor's generated code holding a few buffers where the 
 holds every temporary (4 bits, a 4096 x 64 weight: two fp32 and two int64 buffers of the
 parameter's size, against the eager step's dozen). ``CompiledStep`` runs the same loop and calls
 ``single_param_adam`` compiled the same way, into code whose buffers the trace counts
-(``trace.compiled.counted_function``: Inductor's code for the CPU, its kernels no-ops). Where
+(``trace._counted_compile.counted_function``: Inductor's code for the CPU, its kernels no-ops). Where
 Dynamo cannot compile a parameter's call, that parameter steps eagerly (``_torchao_optimizer``,
 an upper bound) and ``step_note`` says so.
 """
@@ -42,7 +42,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memfit.optimizers import OptimizerRecipe
 from memfit.techniques._torchao_optimizer import (EagerStep, eager_class, is_torchao,
                                                    torchao_modules, unrolled_adam)
-from memfit.trace.compiled import CPU_CODE_NOTE, compiled_trace, counted_function
+from memfit.trace._counted_compile import compiled_trace, counted_function
+from memfit.trace.compiled import CPU_CODE_NOTE
 
 __all__ = ["CompiledStep", "TorchaoRecipe", "rebuild_torchao", "may_make_torchao",
            "step_note", "STEPS"]

@@ -7,7 +7,7 @@ that write the state and the parameter in place, so the step holds none of the e
 implementations' parameter-sized temporaries (docs/compiled.md). memfit does the same:
 ``compile_step`` replaces the optimizer's ``step`` with its compiled form, in a real run with
 ``torch.compile`` and in a trace (fake parameters) with the counted backend of
-``trace.compiled`` (Inductor's code for the CPU, its buffers counted, its kernels no-ops), with
+``trace._counted_compile`` (Inductor's code for the CPU, its buffers counted, its kernels no-ops), with
 the backend, ``fullgraph`` and ``dynamic`` the user compiled theirs with, if they did. A user's
 own optimizer whose step is compiled that way is read as ``optimizer_impl="compiled"``
 (``optimizers.impl_of``).
@@ -38,8 +38,8 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from memfit.optimizers import OptimizerRecipe, compiled_step
-from memfit.trace.compiled import (CPU_CODE_NOTE, compiled_trace, counted_compile,
-                                   optimizer_step_region)
+from memfit.trace._counted_compile import compiled_trace, counted_compile
+from memfit.trace.compiled import CPU_CODE_NOTE, optimizer_step_region
 
 __all__ = ["CompiledStepRecipe", "compile_step", "user_region", "step_note"]
 
