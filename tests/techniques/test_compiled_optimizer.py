@@ -8,22 +8,12 @@ The eager step's estimate (foreach) must hold more, or the compiled trace proves
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import memfit
 from memfit.optimizers import impl_of
-from tests.trace._compiled_oracle import optimizer_job
-
-
-def _measured(job: dict) -> int:
-    out = subprocess.run([sys.executable, "-m", "tests.trace._compiled_oracle", json.dumps(job)],
-                         capture_output=True, text=True, timeout=600, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+from tests.trace._compiled_oracle import measured_in_fresh_process, optimizer_job
 
 
 def _users_compiled(model):
@@ -46,7 +36,7 @@ def _estimates(job: dict):
     assert any("optimizer step compiled" in n for n in knob.notes)
     assert any("optimizer step compiled" in n for n in own.notes)
     assert eager.breakdown["optimizer"] == knob.breakdown["optimizer"]
-    return knob, eager, _measured(job)
+    return knob, eager, measured_in_fresh_process(job)
 
 
 def test_compiled_adamw_step_is_the_real_compiled_step():

@@ -11,10 +11,7 @@ Oracles, none of them memfit's counter: a real step of torchao's own class, comp
 torchao's own class creates (``_new_buffer``; after a real compiled step in the slow tier) and
 a hand count of its layout for the state bytes."""
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +22,7 @@ from memfit.step import canonical_step
 from memfit.techniques._torchao_optimizer import is_torchao
 from memfit.techniques._torchao_user import rebuild_torchao
 from tests.live_bytes import _storages
-from tests.trace._compiled_oracle import torchao_job
+from tests.trace._compiled_oracle import measured_in_fresh_process, torchao_job
 
 ao = pytest.importorskip("torchao.optim")
 ao_adam = pytest.importorskip("torchao.optim.adam")
@@ -124,13 +121,6 @@ def test_the_unrolled_step_is_torchaos_eager_step_bitwise(name):
     assert _state_bytes(ours) == _state_bytes(theirs)
 
 
-def _compiled_step_peak(job: dict) -> int:
-    """The oracle: torchao's own class stepping a real CPU step, compiled (module docstring)."""
-    out = subprocess.run([sys.executable, "-m", "tests.trace._compiled_oracle", json.dumps(job)],
-                         capture_output=True, text=True, timeout=600, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
-
-
 def _check_compiled(name: str, kw: dict) -> object:
     """The estimate of a user's torchao optimizer is torchao's compiled step, to the byte but
     for torchao's ``lr``: a 0-d fp32 tensor per param group that the user's instance keeps on
@@ -138,7 +128,7 @@ def _check_compiled(name: str, kw: dict) -> object:
     job = {"torchao": name, "kw": kw}
     model, batch, loss_fn, user = torchao_job(job)
     est = memfit.estimate(memfit.Job(model, batch, optimizer=user, loss_fn=loss_fn))
-    measured = _compiled_step_peak(job)
+    measured = measured_in_fresh_process(job)  # torchao's own class, compiled
     assert est.peak_bytes == measured - 4 * len(user.param_groups)
     assert any("torchao's step traced compiled" in n for n in est.notes)
     assert est.breakdown["optimizer"] == _hand_state(

@@ -18,6 +18,7 @@ side-by-side; ``allocator_peak`` reads any profiled run's peak the same way.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import torch
@@ -77,6 +78,14 @@ def estimated(job: dict):
     _, model, batch = build(job)
     with budget(job):
         return memfit.estimate(memfit.Job(compile_as(model, job["compile"]), batch))
+
+
+def measured_in_fresh_process(job: dict) -> int:
+    """``measured_peak(job)``, run as this script in a fresh process (the oracle's own Dynamo
+    and allocator state, none of the caller's)."""
+    out = subprocess.run([sys.executable, "-m", "tests.trace._compiled_oracle", json.dumps(job)],
+                         capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
 
 
 def allocator_peak(prof, window: str | None = None) -> int:

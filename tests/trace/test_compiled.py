@@ -9,10 +9,6 @@ The other tests need no C++ compiler: they check what is found, refused and left
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch import nn
@@ -23,17 +19,11 @@ from memfit.api._blockwise import blocks_or_why
 from memfit.errors import TraceError
 from memfit.knobs import Knobs
 from memfit.trace.compiled import compiled_regions, eager_view
-from tests.trace._compiled_oracle import build, estimated
-
-
-def _measured(job: dict) -> int:
-    out = subprocess.run([sys.executable, "-m", "tests.trace._compiled_oracle", json.dumps(job)],
-                         capture_output=True, text=True, timeout=600, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+from tests.trace._compiled_oracle import build, estimated, measured_in_fresh_process
 
 
 def _check(job: dict) -> None:
-    est, real = estimated(job), _measured(job)
+    est, real = estimated(job), measured_in_fresh_process(job)
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
     assert any(n.startswith("compiled:") for n in est.notes)
 
