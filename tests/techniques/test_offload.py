@@ -167,6 +167,48 @@ def test_prefetch_brings_the_previous_block_back_before_its_backward():
     assert sum(e[0] == "copy" for e in events) == 2 * 4     # input + tanh output per block
 
 
+class _ScaledBlock(nn.Module):
+    """Multiplies by a tensor every block is given (as llama's blocks are given the rotary
+    ``cos``/``sin``): each block saves it, and offload copies it once, with block 0's saves."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x, scale):
+        return torch.tanh(self.lin(x)) * scale + 1.0
+
+
+class _SharedScale(nn.Module):
+    def __init__(self, d=8, n=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(_ScaledBlock(d) for _ in range(n))
+
+    def forward(self, x):
+        scale = torch.linspace(0.5, 1.5, x.shape[-1])
+        for block in self.blocks:
+            x = block(x, scale)
+        return x
+
+
+def test_a_tensor_every_block_saves_comes_back_alone():
+    """Note 5: the last block's backward first unpacks the shared ``scale``, whose one host
+    copy is in block 0's group. That brings back the copy alone: the rest of block 0's group
+    comes back once backward reaches block 1, not at the start of backward."""
+    torch.manual_seed(0)
+    model = _SharedScale()
+    log = _Logger(model.blocks)
+    handle = Offload(Offload.Config("all", min_bytes=0), copy_to_host=log.to_host,
+                     copy_to_device=log.to_device).apply(model)
+    model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    events = log.events
+    assert handle.stats.dedup_hits == 3                  # blocks 1-3 reuse block 0's copy
+    early = [e for e in events[:events.index(("backward", 1))] if e == ("copy", 0)]
+    assert len(early) == 1                               # the shared copy, on demand
+    assert events.index(("backward", 1)) < len(events) - events[::-1].index(("copy", 0)) - 1 \
+        < events.index(("backward", 0))                  # block 0's own, prefetched at 1
+
+
 def test_without_prefetch_copies_come_on_demand():
     events = _toy_backward(prefetch=False)
     for k in range(4):

@@ -36,9 +36,13 @@ freed). When the last one goes (the end of backward) the pool frees its buffers,
 step's host bytes are born inside ``host_allocations()`` (``track`` would count a buffer kept
 across its boundary as a device input); on CUDA the caching host allocator keeps the pages.
 
-Note 5 (prefetch). Saves are grouped by block call in forward order (a save deduplicated into
-an earlier call belongs to it). When backward first unpacks a tensor of group i, the rest of
-group i and all of group i-1 are brought back, before group i-1's backward starts.
+Note 5 (prefetch). Host copies are grouped by the block call that made them, in forward order
+(a save deduplicated into an earlier call's copy adds none). When backward first unpacks a save
+made by call i, group i's copies and group i-1's are brought back, before call i-1's backward
+starts. The trigger is the call that made the save, not the call that owns its copy: a tensor
+every block saves (llama's rotary ``cos``/``sin``) is copied by the first block, and its first
+unpack, in the last block's backward, brings back that copy alone, not all of the first
+block's group at the start of backward.
 
 Note 6 (copies). Both injected copies are ``(src, out) -> None`` into a tensor offload made:
 a host buffer view (inside ``host_allocations``), or a new device tensor with the host copy's
@@ -99,6 +103,7 @@ class _Packed:
     owner: "_Swapper"
     entry: _Entry
     view: tuple                   # (storage offset, shape, strides, dtype) of the save (Note 3)
+    group: int                    # the block call that made this save (Note 5)
     unpacked: bool = False
 
     def __del__(self):
@@ -175,7 +180,8 @@ class _Swapper:
             entry = self._by_key[key] = self._offload(_flat(t), st, group)
         entry.handles += 1
         entry.pending += 1
-        return _Packed(self, entry, (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype))
+        return _Packed(self, entry, (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype),
+                       group)
 
     def unpack(self, outer, packed):
         if isinstance(packed, _Outer):
@@ -236,11 +242,11 @@ class _Swapper:
 
     def _bring_back(self, h: _Packed) -> torch.Tensor:
         e = h.entry
-        if self.config.prefetch and e.group not in self._reached:
-            self._reached.add(e.group)
+        if self.config.prefetch and h.group not in self._reached:     # Note 5
+            self._reached.add(h.group)
             if e.device is None:
                 self._load(e)
-            for g in (e.group, e.group - 1):      # Note 5
+            for g in (h.group, h.group - 1):
                 for ref in self._groups[g] if 0 <= g < len(self._groups) else ():
                     other = ref()
                     if other is not None and other.device is None and other.pending > 0:
