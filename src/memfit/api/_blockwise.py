@@ -14,9 +14,10 @@ not composed and must be traced whole:
 - several GPUs (a rank's collectives), a shared symbolic trace, a per-block mix of modes (the
   twins would need one block per mode), a quantized base (its twin is quantized whole), a
   compiled model (its regions are compiled for the model's own shapes, trace.compiled);
-- activation offload (its host pool hands a buffer one block freed to another) and parameter
-  offload (a block prefetches the next one's weights): refused before any trace, as their
-  twins never compose;
+- parameter offload (a block prefetches the next one's weights): refused before any trace,
+  as its twins never compose. Activation offload of every block composes (the host pool's
+  buffers, freed together at the end of backward, go with their own blocks:
+  docs/block-reuse.md); a tuple or ``every:K`` of it mixes modes, as for ``checkpoint``;
 - twins whose traces do not compose (``NotComposable``: block 1, 2 and 3 unlike, or A
   composed for four blocks is not B).
 
@@ -55,8 +56,8 @@ def blocks_or_why(model, k: Knobs) -> BlockList | str:
         return "a quantized base is traced whole"
     if k.checkpoint not in _UNIFORM:
         return f"checkpoint={k.checkpoint!r} mixes modes across blocks"
-    if k.offload not in (None, "none"):
-        return "activation offload's host pool passes buffers from block to block"
+    if k.offload not in (None, "none", "all"):
+        return f"offload={k.offload!r} mixes modes across blocks"
     if k.offload_params not in (None, "none"):
         return "parameter offload prefetches the next block's weights"
     if has_compiled(model):

@@ -19,6 +19,13 @@ Note 2 (storage names). A storage is named by (its block, entry or born, its ran
 block's storages of that kind). Its block is its context at birth, else the tracker's label,
 else, for a global birth no op reads, the block of the storage that died just before it in the
 same run of deaths (a KV cache's per-layer state, freed layer by layer with its keys and values).
+
+Note 3 (deaths far from their context). Activation offload's host pool frees every block's
+buffers at once when the last saved tensor is released, inside block 0's backward
+(docs/block-reuse.md): a run of deaths of blocks N-1 .. 0, in block 0's context. A death
+or resize of a middle block's storage two or more blocks away from its context goes with the
+storage's own block, as it would in the global context, so that run is copied per middle block
+in the order it has (down the blocks) instead of refused as a reference two blocks away.
 """
 
 from __future__ import annotations
@@ -155,9 +162,12 @@ class StepLog:
         led = self.tracker.ledger
         out, driver, born = [], GLOBAL, set()
         for i, (a, c) in enumerate(zip(self.atoms, self.context)):
-            if c != GLOBAL:
+            if c != GLOBAL and not self._far_death(i, c):
                 out.append(c)
                 driver, born = GLOBAL, set()
+                continue
+            if c != GLOBAL:           # Note 3: goes with the storage's own block
+                out.append(self.atom_label(i))
                 continue
             lab = self.atom_label(i)
             if a[0] == "ev" and (a[1] in led._resizes or led._ev_delta[a[1]] < 0):
@@ -172,6 +182,16 @@ class StepLog:
                 driver, born = lab, set()
             out.append(lab)
         self.effective = out
+
+    def _far_death(self, i: int, c: int) -> bool:
+        """Note 3: atom ``i``, in block ``c``'s context, ends or resizes a storage of a middle
+        block two or more away from ``c``."""
+        a = self.atoms[i]
+        led = self.tracker.ledger
+        if a[0] != "ev" or not (a[1] in led._resizes or led._ev_delta[a[1]] < 0):
+            return False
+        lab = self.label[led._ev_sid[a[1]]]
+        return lab not in (GLOBAL, 0, self.depth - 1) and abs(lab - c) >= 2
 
     def atom_label(self, i: int) -> int:
         a = self.atoms[i]
