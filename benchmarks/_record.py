@@ -62,9 +62,14 @@ def _cpu_info(key: str) -> str | None:
 
 
 def write(name: str, config: dict, rows: list[dict]) -> Path:
+    """``results/NAME-DATE.json``; a record already there (an earlier run that day, maybe
+    committed) is kept, and this one is ``NAME-DATE-2.json``, ``-3``..."""
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.date.today().isoformat()
-    path = RESULTS / f"{name}-{stamp}.json"
+    path, n = RESULTS / f"{name}-{stamp}.json", 1
+    while path.exists():
+        n += 1
+        path = RESULTS / f"{name}-{stamp}-{n}.json"
     path.write_text(json.dumps({"environment": environment(), "config": config, "rows": rows},
                                indent=2) + "\n")
     return path
