@@ -1,7 +1,7 @@
 """One question, one answer (issue 27): the floor and the plans of the same job agree.
 
-The floor is the least any plan needs (``plan`` Note 5): so no plan ``plan`` finds, at any budget,
-is under it, a budget of exactly it plans and one byte less refuses. The oracle is ``plan``
+The floor is the least any plan needs (``api._planner`` Note 4): so no plan ``plan`` finds, at
+any budget, is under it, a budget of exactly it plans and one byte less refuses. The oracle is ``plan``
 itself at budgets between the floor and the plain step: before the fix the floor was counted
 from 2m samples plus a linear term (an upper bound) under the default allocator, and plans that
 ``plan`` found at 643 MiB went under the 642.0 MiB floor it reported (tiny GPT-2 on a GTX 1080 Ti,

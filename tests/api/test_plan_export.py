@@ -16,7 +16,7 @@ from tests.helpers import tiny
 @pytest.mark.slow
 def test_export_predicts_the_bytes_of_what_it_exports():
     model, batch = tiny("gpt2", batch_size=4, seq_len=32)
-    del batch["attention_mask"]     # all ones: the plan would count it held (plan Note 4)
+    del batch["attention_mask"]     # all ones: the plan would count it held (api._planner Note 3)
     fixed = dict(micro_batch_size=2, checkpoint="all", offload_optimizer=True)
     planned = memfit.estimate(model, batch, **fixed).device_bytes
     p = memfit.plan(model, batch, budget=planned, **fixed)

@@ -1,7 +1,7 @@
 """One floor, the true least (issue 11 items 3 and 9).
 
 The floor is the least device memory of any configuration in the search space, re-traced
-(plan Note 5). The oracle, traced here one by one: every assignment of keep / recompute /
+(api._planner Note 4). The oracle, traced here one by one: every assignment of keep / recompute /
 offload to the two blocks of a tiny GPT-2 at micro-batch 1 and 2 with the optimizer state on
 the host, the uniform modes (selective too) with it on the device, and keep / recompute with
 the block weights on the host too (issue 15). (The least is a mixed
@@ -13,7 +13,6 @@ the floor plans, one byte less raises.
 
 import importlib
 import itertools
-import sys
 
 import pytest
 import torch
@@ -47,7 +46,7 @@ def _brute_force(model, batch, b):
 @pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
 def test_floor_is_the_least_traced_configuration_everywhere():
     model, batch = tiny("gpt2", batch_size=2, seq_len=32)
-    del batch["attention_mask"]     # all ones: the plan would count it held (plan Note 4)
+    del batch["attention_mask"]     # all ones: the plan would count it held (api._planner Note 3)
     least = _brute_force(model, batch, 2)
     quick = memfit.plan(model, batch)              # the plain step fits: no floor traced
     assert quick.floor_bytes is None and "floor" not in quick.explain()
@@ -105,8 +104,8 @@ def _mlp():
 def _no_trace(monkeypatch):
     def traced(*args, **kwargs):
         raise AssertionError("traced")
-    importlib.import_module("memfit.api.plan")       # the module (memfit.api.plan is the function)
-    monkeypatch.setattr(sys.modules["memfit.api.plan"], "estimate", traced)
+    for name in ("memfit.api._planner", "memfit.api._plan_parts"):     # where plans trace
+        monkeypatch.setattr(importlib.import_module(name), "estimate", traced)
 
 
 def test_a_budget_under_the_weights_bound_is_refused_before_any_trace(monkeypatch):

@@ -21,7 +21,7 @@ def no_trace(monkeypatch):
     """Any trace fails the test: what is checked here must be refused before one."""
     def traced(*args, **kwargs):
         raise AssertionError("traced")
-    for name in ("memfit.api.plan", "memfit.api.estimate"):
+    for name in ("memfit.api._planner", "memfit.api._plan_parts", "memfit.api.estimate"):
         importlib.import_module(name)
         monkeypatch.setattr(sys.modules[name], "estimate", traced)
 

@@ -33,7 +33,7 @@ def test_estimate_zero_grad_is_the_api_knob(tiny_gpt2, capsys):
 
 def test_plan_traces_and_keeps_the_zero_grad_style(tiny_gpt2, capsys):
     """The plan's knobs keep the style and its prediction is the style's trace (plus the
-    all-ones attention mask the runner keeps alive beside the step: plan Note 4)."""
+    all-ones attention mask the runner keeps alive beside the step: api._planner Note 3)."""
     assert main(["plan", "--config", tiny_gpt2, *TINY, "--precision", "fp32", "--zero-grad",
                  "after-forward", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -1,5 +1,5 @@
 """Quantizing a LoRA job's frozen base (QLoRA) as the planner's last lever (issue 28 item 6;
-api.plan Note 10, techniques.quantized_base Note 4).
+api.plan Note 2, techniques.quantized_base Note 4).
 
 The job: a Llama (hidden 256, 2 layers, vocabulary 512) with peft's LoRA (r 4) on every linear
 layer, one sequence of 16 tokens, SGD (no low-bit state can stand in), the optimizer state kept

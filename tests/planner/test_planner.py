@@ -56,7 +56,7 @@ def _run_under(model, batch, budget, runner):
 
 
 # gpt2 in the default tier; the other architectures (minutes each since every plan traces its
-# floor, plan Note 5) with --runslow
+# floor, api._planner Note 4) with --runslow
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n if n == "gpt2" else pytest.param(n, marks=pytest.mark.slow)
                                   for n in ARCHS])

@@ -208,7 +208,7 @@ def test_the_plan_of_a_compiled_model_lowers_the_budget_when_nothing_else_fits()
 
 @pytest.mark.slow          # three plans of a compiled model, each a few traces (a few minutes)
 def test_the_plan_weighs_the_budget_against_a_plan_that_slows_the_step():
-    """api/plan.py Note 11: tiny llama, each block compiled, at a budget the default partition
+    """api/plan.py Note 3: tiny llama, each block compiled, at a budget the default partition
     meets only with micro-batches (or the optimizer on the host). The budgets' plans are
     weighed by predicted step time: the answer is predicted faster than the default
     partition's own plan (the budget fixed at torch's default, 1.0: nothing weighed), takes a
