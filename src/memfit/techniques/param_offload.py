@@ -27,8 +27,8 @@ parameter's device storage (``addmm`` saves ``W.t()``; layer norm saves ``W``). 
 would keep the released storage alive, so while a block runs forward, a
 ``saved_tensors_hooks`` pair replaces each save whose storage is one of its fetched parameters
 by a handle (parameter, view geometry); unpacking it fetches the block if backward has not
-reached it yet, prefetches the offloaded block before it, and returns the same view on the
-fetched storage. Every save first goes to the hooks found outside, as in ``Offload`` (its
+reached it yet, prefetches the offloaded block before it (each block backward reaches does, a
+block fetched ahead included), and returns the same view on the fetched storage. Every save first goes to the hooks found outside, as in ``Offload`` (its
 Note 1): if they keep the tensor itself (an observer like ``memfit.track``, which then counts a
 fetched weight as saved by the block, an activation), parameter offload proceeds; if they
 transform it (a checkpoint around the block's call) it steps aside, keeping the block to fetch
@@ -232,11 +232,10 @@ class _Fetcher:
         if name in self._reached:
             return
         self._reached.add(name)
-        self.fetch(name)
+        self.fetch(name)                          # a no-op where it was prefetched
         prev = self._neighbour(name, -1)
         if prev is not None and prev not in self._reached:
-            self._reached.add(prev)
-            self.fetch(prev, ahead=True)
+            self.fetch(prev, ahead=True)          # reached later, it prefetches its own prev
 
     def after_grad(self, p: nn.Parameter) -> None:      # Note 4
         self.release(p)
