@@ -95,6 +95,7 @@ SETTINGS = {
     "gpu-bf16-checkpoint": dict(device="a100-80gb", precision="bf16", checkpoint="all"),
     "cpu-micro-batches-offload-optimizer": dict(micro_batch_size=1, offload_optimizer=True),
     "gpu-bf16-offload": dict(device="a100-80gb", precision="bf16", offload="all"),
+    "cpu-param-offload": dict(offload_params="all", offload_optimizer=True),
 }
 
 # traced whole, and why: their blocks are not alike, not one list, or refer far
@@ -108,7 +109,8 @@ WHOLE = {
 
 
 @pytest.mark.parametrize("name,setting", [("gpt2", "gpu-fp16-8bit-clip"),
-                                          ("llama-1b", "gpu-bf16-offload")])
+                                          ("llama-1b", "gpu-bf16-offload"),
+                                          ("bert-base", "cpu-param-offload")])
 def test_zoo_models_compose_to_the_whole_trace(name, setting):
     assert_composed_is_whole(*_zoo(name), **SETTINGS[setting])
 
@@ -162,7 +164,8 @@ def test_what_is_traced_whole_says_why():
     for knobs, reason in [(dict(checkpoint=("model.layers.0",)), "mixes modes"),
                           (dict(quantize_base="nf4"), "quantized base"),
                           (dict(offload="every:2"), "mixes modes"),
-                          (dict(offload_optimizer=True, offload_params="all"), "prefetches"),
+                          (dict(offload_optimizer=True, offload_params="every:2"),
+                           "mixes modes"),
                           (dict(gpus=2, sharding="ddp"), "several GPUs")]:
         composed, why = blockwise_estimate(model, batch, "adamw", "cpu", None,
                                            Knobs.from_kwargs(**knobs), min_blocks=5)

@@ -11,13 +11,13 @@ not composed and must be traced whole:
   depth), so inside ``using(cache)`` the traced twins are kept in memory by their own key
   (docs/cache.md) and another depth composes from them; no single list of blocks, or middle
   blocks that differ (``trace._block_twin``);
-- several GPUs (a rank's collectives), a shared symbolic trace, a per-block mix of modes (the
-  twins would need one block per mode), a quantized base (its twin is quantized whole), a
-  compiled model (its regions are compiled for the model's own shapes, trace.compiled);
-- parameter offload (a block prefetches the next one's weights): refused before any trace,
-  as its twins never compose. Activation offload of every block composes (the host pool's
-  buffers, freed together at the end of backward, go with their own blocks:
-  docs/block-reuse.md); a tuple or ``every:K`` of it mixes modes, as for ``checkpoint``;
+- several GPUs (a rank's collectives), a shared symbolic trace, a quantized base (its twin is
+  quantized whole), a compiled model (its regions are compiled for the model's own shapes,
+  trace.compiled);
+- a per-block mix of modes (a tuple or ``every:K`` of ``checkpoint``, ``offload`` or
+  ``offload_params``): the twins would need one block per mode. Activation and parameter
+  offload of every block compose (docs/block-reuse.md: the host pool's buffers freed
+  together, the weights fetched ahead of their blocks);
 - twins whose traces do not compose (``NotComposable``: block 1, 2 and 3 unlike, or A
   composed for four blocks is not B).
 
@@ -58,8 +58,8 @@ def blocks_or_why(model, k: Knobs) -> BlockList | str:
         return f"checkpoint={k.checkpoint!r} mixes modes across blocks"
     if k.offload not in (None, "none", "all"):
         return f"offload={k.offload!r} mixes modes across blocks"
-    if k.offload_params not in (None, "none"):
-        return "parameter offload prefetches the next block's weights"
+    if k.offload_params not in (None, "none", "all"):
+        return f"offload_params={k.offload_params!r} mixes modes across blocks"
     if has_compiled(model):
         return "a compiled model is traced whole"
     blocks = BlockList.of(model)

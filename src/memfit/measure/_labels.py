@@ -15,6 +15,12 @@ optimizer's own copy of it) take that block's label, found at the region's start
 per-parameter ``torch.tensor(0.0)`` step counter has no tensor input); so the labels are
 resolved at the end, from what each op read and made. A global birth that one block alone
 reads is that block's (a KV cache's per-layer counters, made before the first block runs).
+
+Note 2 (copies of another block's state). An op that reads only what one block's parameters
+own, made while another block runs or between blocks, makes storages of the block it read:
+parameter offload fetching a block's weights from their host twins ahead of its use (the
+next block's in forward, the previous one's in backward). They are kept in ``copied``:
+``trace._step_log`` names them by that block, not by where they were made.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class StorageLabels:
         # storage ids it made)
         self.ops: list[tuple[int, tuple, tuple, tuple]] = []
         self.of_sid: dict[int, int] = {}
+        self.copied: dict[int, int] = {}     # storage id -> the other block it was made from
         self.op_slots: list[int] = []
         self.read: set[int] = set()          # storage ids some op read
 
@@ -98,19 +105,25 @@ class StorageLabels:
         the ops of one block alone read is that block's, and its readers' outputs follow."""
         found: dict[int, int] = {}
         for _ in range(4):
-            labels, slots, readers = self._pass({**self.owned, **found})
+            labels, slots, readers, copied = self._pass({**self.owned, **found})
             more = {sid: next(iter(who)) for sid, who in readers.items()
                     if len(who) == 1 and GLOBAL not in who and sid not in found}
             if not more:
                 break
             found.update(more)
-        self.of_sid, self.op_slots = labels, slots
+        self.of_sid, self.op_slots, self.copied = labels, slots, copied
 
     def _pass(self, known: dict[int, int]):
-        labels, slots = dict(known), []
+        labels, slots, copied = dict(known), [], {}
         readers: dict[int, set[int]] = {}        # a global birth -> the labels of its readers
         for running, inputs, pairs, new in self.ops:
             lab = running
+            owners = {self.owned.get(sid) for sid in inputs}
+            j = owners.pop() if len(owners) == 1 else None
+            if j not in (None, GLOBAL, running):     # Note 2: a copy of another block's state
+                copied.update((sid, j) for sid in new)
+                if running != GLOBAL:
+                    lab = j
             if running == GLOBAL:
                 seen = {labels.get(sid, GLOBAL) for sid in inputs} - {GLOBAL}
                 lab = seen.pop() if len(seen) == 1 else GLOBAL
@@ -125,7 +138,7 @@ class StorageLabels:
             for sid in inputs:
                 if labels.get(sid, GLOBAL) == GLOBAL and sid not in self.owned and sid in labels:
                     readers.setdefault(sid, set()).add(lab)
-        return labels, slots, readers
+        return labels, slots, readers, copied
 
 
 def _sids(ledger, tensors) -> tuple[int, ...]:

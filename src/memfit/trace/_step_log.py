@@ -7,16 +7,20 @@ stream ``trace.block_reuse`` composes a deeper step from.
 Note 1 (atoms and contexts). The atoms are the ledger's events (a storage born, dead or
 resized), the ops, and the module entries and exits (``Tracker.marks``), in the order they
 happened. An atom runs in a block's context from that block's entry to the next block's entry
-in the same pass (what runs between two blocks belongs to the first; a block's backward may end
-after the next one's starts), else in the global context (embeddings, loss, ``zero_grad``, the
-optimizer step). Each atom goes with one block, or none: in a block's context, that block; in
+in the same pass (a block's backward may end after the next one's starts), else in the global
+context (embeddings, loss, ``zero_grad``, the optimizer step). What runs between two blocks
+belongs to the first (its post-hooks: activation offload freeing the block's input), unless it
+fetches a block's weights ahead (parameter offload: the next block's pre-hook, which runs
+before its entry is marked, fetching the block after it); then it belongs to the next one. Each atom goes with one block, or none: in a block's context, that block; in
 the global context, a birth's label, an op's (or, with no tensor input, that of what it made),
 and a death's or resize's, except one of a neighbour's storage amid the ops on a block's
 parameters (a single-tensor optimizer frees the previous parameter's temporary while it steps
 the next).
 
 Note 2 (storage names). A storage is named by (its block, entry or born, its rank among its
-block's storages of that kind). Its block is its context at birth, else the tracker's label,
+block's storages of that kind). Its block is the one whose parameter state it copies (a
+weight fetched ahead of its block: ``measure._labels``' ``copied``), else its context at
+birth, else the tracker's label,
 else, for a global birth no op reads, the block of the storage that died just before it in the
 same run of deaths (a KV cache's per-layer state, freed layer by layer with its keys and values).
 
@@ -110,10 +114,19 @@ class StepLog:
                         not any(self.atoms[x][0] == "mk" and self.atoms[x][1][0] == "window"
                                 for x in range(i, j))
                     ctx.append(current)       # where it happens: the next block may run
-                    current = opened[-1] if opened else (slot if adjacent else GLOBAL)
+                    gap = self.slot_of_module(nxt[1]) if adjacent and \
+                        self._fetches_ahead(i, j) else slot
+                    current = opened[-1] if opened else (gap if adjacent else GLOBAL)
                     continue
             ctx.append(current)
         self.context = ctx
+
+    def _fetches_ahead(self, start: int, end: int) -> bool:
+        """Note 1: atoms ``start:end`` (between two blocks) make a copy of another block's
+        parameter state (``measure._labels``' ``copied``): the next block's pre-hooks."""
+        led, copied = self.tracker.ledger, self.tracker.labels.copied
+        return any(a[0] == "ev" and led._ev_delta[a[1]] > 0 and led._ev_sid[a[1]] in copied
+                   for a in self.atoms[start:end])
 
     def _keys(self) -> None:
         """Note 2: each storage's label (its block context at birth, else the tracker's, else
@@ -127,7 +140,8 @@ class StepLog:
             if a[0] == "ev":
                 sid = led._ev_sid[a[1]]
                 if sid not in label:
-                    label[sid] = c if c != GLOBAL else labels.get(sid, GLOBAL)
+                    label[sid] = t.labels.copied.get(sid, c if c != GLOBAL else
+                                                     labels.get(sid, GLOBAL))
                     kinds[sid] = "b"
         self._dies_with(label, t.labels.read)
         ranks: dict[tuple, int] = {}
