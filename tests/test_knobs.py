@@ -15,6 +15,9 @@ from memfit.knobs import NOT_YET, Knobs
     (dict(reshard_after_forward="yes"), "reshard_after_forward must be"),
     (dict(optimizer_state="int8"), "optimizer_state='int8' is not one of fp32, bf16, 8bit, 4bit"),
     (dict(fsdp_offload="yes"), "fsdp_offload must be True or False"),
+    (dict(checkpoint="bogus"), r"checkpoint='bogus': use .*'every:K' \(K >= 1\), 'selective', or"),
+    (dict(offload="bogus"), r"offload='bogus': use .*'every:K' \(K >= 1\), or a tuple"),
+    (dict(offload_params="bogus"), r"offload_params='bogus': use .*\(K >= 1\), or a tuple"),
 ])
 def test_bad_values_name_the_knob(bad, says):
     with pytest.raises(ValueError, match=says):

@@ -55,8 +55,9 @@ def _check_policy(name: str, value) -> None:
         return
     if isinstance(value, str):
         if not _POLICY.match(value):
+            selective = "'selective', " if name == "checkpoint" else ""
             raise ValueError(f"{name}={value!r}: use 'none', 'all', 'every:K' (K >= 1), "
-                             "'selective', or a tuple of block names")
+                             f"{selective}or a tuple of block names")
     elif not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
         raise ValueError(f"{name} must be a policy string or a tuple of block names, "
                          f"got {type(value).__name__}")
