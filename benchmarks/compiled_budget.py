@@ -13,7 +13,7 @@ each setting holds and costs, and whether memfit's answer follows it.
 
 ``--plan``: at equal memory. For each budget below 1.0, ``memfit.plan`` of the compiled job is
 asked to fit the peak that budget's real step reached (memfit weighs the budget against
-micro-batches and the optimizer's levers, api/plan.py Note 11), and its plan is then run for
+micro-batches and the optimizer's levers, api/plan.py Note 3), and its plan is then run for
 real (``memfit.fit`` with the plan's knobs, in a fresh process): its measured peak and step
 time are printed beside the sweep's. Beside budget 1.0, the control: ``memfit.fit``'s runner
 with no knob, whose step time against the plain loop's is the runner's own overhead. Step

@@ -18,6 +18,7 @@ from memfit.knobs import NOT_YET, Knobs
     (dict(checkpoint="bogus"), r"checkpoint='bogus': use .*'every:K' \(K >= 1\), 'selective', or"),
     (dict(offload="bogus"), r"offload='bogus': use .*'every:K' \(K >= 1\), or a tuple"),
     (dict(offload_params="bogus"), r"offload_params='bogus': use .*\(K >= 1\), or a tuple"),
+    (dict(offload="selective"), r"offload='selective': use .*a checkpoint policy"),
 ])
 def test_bad_values_name_the_knob(bad, says):
     with pytest.raises(ValueError, match=says):

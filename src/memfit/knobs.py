@@ -54,10 +54,12 @@ def _check_policy(name: str, value) -> None:
     if value is None:
         return
     if isinstance(value, str):
-        if not _POLICY.match(value):
-            selective = "'selective', " if name == "checkpoint" else ""
+        selective = "'selective', " if name == "checkpoint" else ""
+        if not _POLICY.match(value) or (value == "selective" and not selective):
             raise ValueError(f"{name}={value!r}: use 'none', 'all', 'every:K' (K >= 1), "
-                             f"{selective}or a tuple of block names")
+                             f"{selective}or a tuple of block names"
+                             + (" ('selective' recomputes chosen ops: a checkpoint policy)"
+                                if value == "selective" else ""))
     elif not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
         raise ValueError(f"{name} must be a policy string or a tuple of block names, "
                          f"got {type(value).__name__}")
@@ -73,7 +75,7 @@ class Knobs:
     micro_batch_size: samples per forward/backward; the effective batch is accumulated.
     checkpoint: recompute policy per block: "none", "all", "every:K", "selective" or a tuple of
         block names.
-    offload: the same shapes, for saving activations to host memory.
+    offload: the same shapes but "selective", for saving activations to host memory.
     offload_optimizer: keep optimizer states in host memory.
     offload_params: the same shapes as ``checkpoint`` but "selective", for keeping chosen
         blocks' weights in host memory, fetched before each block's forward and backward

@@ -96,6 +96,8 @@ SETTINGS = {
     "cpu-micro-batches-offload-optimizer": dict(micro_batch_size=1, offload_optimizer=True),
     "gpu-bf16-offload": dict(device="a100-80gb", precision="bf16", offload="all"),
     "cpu-param-offload": dict(offload_params="all", offload_optimizer=True),
+    "cpu-gradients-to-host": dict(offload_optimizer=True, offload_gradients=True),
+    "cpu-optimizer-in-backward": dict(optimizer_in_backward=True),
 }
 
 # traced whole, and why: their blocks are not alike, not one list, or refer far

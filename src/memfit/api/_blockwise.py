@@ -54,12 +54,10 @@ def blocks_or_why(model, k: Knobs) -> BlockList | str:
         return "several GPUs are traced whole"
     if k.quantize_base not in (None, "none"):
         return "a quantized base is traced whole"
-    if k.checkpoint not in _UNIFORM:
-        return f"checkpoint={k.checkpoint!r} mixes modes across blocks"
-    if k.offload not in (None, "none", "all"):
-        return f"offload={k.offload!r} mixes modes across blocks"
-    if k.offload_params not in (None, "none", "all"):
-        return f"offload_params={k.offload_params!r} mixes modes across blocks"
+    for name in ("checkpoint", "offload", "offload_params"):
+        policy = getattr(k, name)
+        if policy not in _UNIFORM and policy != "every:1":     # every:1 is every block
+            return f"{name}={policy!r} mixes modes across blocks"
     if has_compiled(model):
         return "a compiled model is traced whole"
     blocks = BlockList.of(model)

@@ -45,13 +45,13 @@ from memfit.memplan import allocator_options
 from memfit.runtime.mem_pools import PhasePools, allocator_expandable, use_expandable_segments
 from memfit.units import format_bytes
 
-__all__ = ["AllocatorChoice", "apply_allocator", "setting_name"]
+__all__ = ["AllocatorChoice", "PLAIN_FITS", "apply_allocator", "setting_name"]
 
 _ENV_HINT = ("export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python "
              "(or call memfit.runtime.mem_pools.use_expandable_segments() before the first "
              "CUDA tensor)")
 
-_PLAIN = "the plain step fits: nothing to change"          # api.plan's words
+PLAIN_FITS = "the plain step fits: nothing to change"      # the planner's reason
 _UNDER = "the plain step fits under the allocator setting below"
 
 
@@ -134,7 +134,7 @@ class AllocatorChoice:
             how.append(f"expandable_segments must be set before CUDA starts: {_ENV_HINT}")
         if plan.budget_bytes is not None and plan.predicted_device_bytes is not None and \
                 plan.predicted_device_bytes > plan.budget_bytes:     # fits by the setting alone
-            reasons = [_UNDER if r == _PLAIN else r for r in reasons]
+            reasons = [_UNDER if r == PLAIN_FITS else r for r in reasons]
         reasons.append(f"allocator: {chosen.name} reserves {format_bytes(saved)} less than the "
                        "default caching allocator at the peak (modelled, counted in the "
                        "budget)" + ("; " + "; ".join(how) if how else ""))

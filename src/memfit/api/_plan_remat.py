@@ -38,7 +38,7 @@ class Planned:
 
 def held_bytes(batch, precision: str) -> int:
     """Bytes of the caller's batch the step does not use but ``runner.step(batch)`` keeps alive
-    beside it (``api.plan``: the caller's batch): an all-ones mask that is dropped, bf16-pure's fp32
+    beside it (``api._planner``: the caller's batch): an all-ones mask that is dropped, bf16-pure's fp32
     originals."""
     used = Precision(Precision.Config(precision)).prepare_batch(prepare_batch(batch))
     kept = {st._cdata for t in tree_leaves(used) if isinstance(t, torch.Tensor)
@@ -143,7 +143,7 @@ class RematWeigh:
     def faster_than(self, static: Plan) -> Plan | None:
         """The DTR plan where it is predicted faster than ``static`` over the workload."""
         if len({_shapes(w) for w in (self.batches or [self.batch])}) < 2:
-            return None            # one batch: the static search spans DTR's choices (api.plan)
+            return None            # one batch: the static search spans DTR's choices (api._planner)
         rows = self.rows()
         if not all(r[0].fits for r in rows):
             return None

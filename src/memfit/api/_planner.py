@@ -86,7 +86,7 @@ from torch import nn
 from memfit.api._choice import describe, knob_values
 from memfit.api._compare_gpus import fewest_gpus
 from memfit.api._floor import least_memory, longest_sequence
-from memfit.api._plan_allocator import AllocatorChoice
+from memfit.api._plan_allocator import PLAIN_FITS, AllocatorChoice
 from memfit.api._plan_levers import (Levers, grads_offload_open, in_backward_open,
                                      numerics_allowed, state_knobs)
 from memfit.api._plan_parts import (Context, as_choice, impl_variants, make_plan,
@@ -300,7 +300,7 @@ class Planner:
             return None
         pair, est, q = min(fits, key=lambda f: plain_s(f[0], job.b))
         choice = as_choice(pair, (q, job.k.optimizer_impl), job.b, est)
-        why = ["the plain step fits: nothing to change"] if q == job.user else []
+        why = [PLAIN_FITS] if q == job.user else []
         if q == job.user and job.p != job.user:
             why.append(f"auto keeps {job.user}: the {job.p} step is predicted no faster here")
         return Planned(make_plan(ctx, choice, est, pair, why), self.plain,

@@ -3,7 +3,7 @@
 ``on_progress(message)`` hears each stage as a ``Stage``: a ``str``, as it always was, that
 also carries ``number`` (this stage's, from 1) and ``expected`` (the stages the call expects
 in all, never fewer than it has reached; 0 where it does not know). ``Stages`` numbers them for
-a call that knows its work ahead (``api.plan``: each trace is a stage, as are the search and the
+a call that knows its work ahead (``api._planner``: each trace is a stage, as are the search and the
 verify) or not (``api.levers``' bisections: numbered, none expected). A front makes the ETA from the stages done and its own clock (``cli._progress``):
 each stage there is a trace or a search of about the same cost, so the time per stage so far
 times the stages left is the estimate, and it says "about".

@@ -16,11 +16,13 @@ per-parameter ``torch.tensor(0.0)`` step counter has no tensor input); so the la
 resolved at the end, from what each op read and made. A global birth that one block alone
 reads is that block's (a KV cache's per-layer counters, made before the first block runs).
 
-Note 2 (copies of another block's state). An op that reads only what one block's parameters
-own, made while another block runs or between blocks, makes storages of the block it read:
-parameter offload fetching a block's weights from their host twins ahead of its use (the
-next block's in forward, the previous one's in backward). They are kept in ``copied``:
-``trace._step_log`` names them by that block, not by where they were made.
+Note 2 (weights fetched ahead). An op that copies what one block's parameters own on the host
+to the device (it reads only host storages of that block and makes device ones), run while
+another block runs or between blocks, makes storages of the block it read: parameter offload
+fetching a block's weights from their host twins ahead of its use (the next block's in
+forward, the previous one's in backward). They are kept in ``copied``: ``trace._step_log``
+names them by that block, not by where they were made. Host-to-host copies (gradients moved
+to the host) and device ops (a step in backward) keep the usual rules.
 """
 
 from __future__ import annotations
@@ -97,8 +99,11 @@ class StorageLabels:
         if func._overloadpacket.__name__.startswith("_foreach_") and args and \
                 isinstance(args[0], (list, tuple)) and isinstance(out, (list, tuple)):
             pairs = tuple((_sids(ledger, [src]), _sids(ledger, [x])) for x, src in zip(out, args[0]))
-        self.ops.append((self.slot_running(stack), _sids(ledger, leaves((args, kwargs))),
-                         pairs, tuple(ledger.sid(st) for st in new)))
+        inputs = _sids(ledger, leaves((args, kwargs)))
+        made = tuple(ledger.sid(st) for st in new)
+        fetch = bool(inputs) and bool(made) and all(sid in ledger._host for sid in inputs) \
+            and not any(sid in ledger._host for sid in made)      # host to device (Note 2)
+        self.ops.append((self.slot_running(stack), inputs, pairs, made, fetch))
 
     def resolve(self) -> None:
         """Label every storage and op (Note 1), in the order the ops ran; a global birth that
@@ -116,11 +121,11 @@ class StorageLabels:
     def _pass(self, known: dict[int, int]):
         labels, slots, copied = dict(known), [], {}
         readers: dict[int, set[int]] = {}        # a global birth -> the labels of its readers
-        for running, inputs, pairs, new in self.ops:
+        for running, inputs, pairs, new, fetch in self.ops:
             lab = running
             owners = {self.owned.get(sid) for sid in inputs}
-            j = owners.pop() if len(owners) == 1 else None
-            if j not in (None, GLOBAL, running):     # Note 2: a copy of another block's state
+            j = owners.pop() if fetch and len(owners) == 1 else None
+            if j not in (None, GLOBAL, running):     # Note 2: a block's weights fetched ahead
                 copied.update((sid, j) for sid in new)
                 if running != GLOBAL:
                     lab = j

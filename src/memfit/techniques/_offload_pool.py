@@ -80,7 +80,9 @@ class _HostPool:
     def trim(self) -> None:
         """Free every buffer; only called when none is in use."""
         assert len(self._free) == len(self._bufs), "trim with buffers in use"
-        self._bufs, self._free = [], set()
+        while self._bufs:              # the last made first (trace._step_log's order)
+            self._bufs.pop()
+        self._free = set()
         self.stats.host_pool_bytes = 0
 
 

@@ -41,8 +41,9 @@ Note 5 (prefetch). Host copies are grouped by the block call that made them, in 
 made by call i, group i's copies and group i-1's are brought back, before call i-1's backward
 starts. The trigger is the call that made the save, not the call that owns its copy: a tensor
 every block saves (llama's rotary ``cos``/``sin``) is copied by the first block, and its first
-unpack, in the last block's backward, brings back that copy alone, not all of the first
-block's group at the start of backward.
+unpack, in the last block's backward, brings back that copy with the groups of the last block
+and the one before it, as any of the last block's saves would, not all of the first block's
+group at the start of backward.
 
 Note 6 (copies). Both injected copies are ``(src, out) -> None`` into a tensor offload made:
 a host buffer view (inside ``host_allocations``), or a new device tensor with the host copy's

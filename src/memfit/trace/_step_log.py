@@ -11,8 +11,9 @@ in the same pass (a block's backward may end after the next one's starts), else 
 context (embeddings, loss, ``zero_grad``, the optimizer step). What runs between two blocks
 belongs to the first (its post-hooks: activation offload freeing the block's input), unless it
 fetches a block's weights ahead (parameter offload: the next block's pre-hook, which runs
-before its entry is marked, fetching the block after it); then it belongs to the next one. Each atom goes with one block, or none: in a block's context, that block; in
-the global context, a birth's label, an op's (or, with no tensor input, that of what it made),
+before its entry is marked, fetching the block after it); then it belongs to the next one.
+Each atom goes with one block, or none: in a block's context, that block (a far death apart:
+Note 3); in the global context, a birth's label, an op's (or, with no tensor input, that of what it made),
 and a death's or resize's, except one of a neighbour's storage amid the ops on a block's
 parameters (a single-tensor optimizer frees the previous parameter's temporary while it steps
 the next).
@@ -24,12 +25,13 @@ birth, else the tracker's label,
 else, for a global birth no op reads, the block of the storage that died just before it in the
 same run of deaths (a KV cache's per-layer state, freed layer by layer with its keys and values).
 
-Note 3 (deaths far from their context). Activation offload's host pool frees every block's
-buffers at once when the last saved tensor is released, inside block 0's backward
-(docs/block-reuse.md): a run of deaths of blocks N-1 .. 0, in block 0's context. A death
-or resize of a middle block's storage two or more blocks away from its context goes with the
-storage's own block, as it would in the global context, so that run is copied per middle block
-in the order it has (down the blocks) instead of refused as a reference two blocks away.
+Note 3 (host deaths far from their context). Activation offload's host pool frees every
+block's buffers at once, last made first, when the last saved tensor is released, inside block
+0's backward (docs/block-reuse.md): a run of deaths of blocks N-1 .. 0, in block 0's context. A
+death or resize of a middle block's host storage two or more blocks away from its context goes
+with the storage's own block, as it would in the global context, so that run is copied per
+middle block in the order it has (down the blocks) instead of refused as a reference two blocks
+away. Any other reference that far is still refused.
 """
 
 from __future__ import annotations
@@ -122,15 +124,16 @@ class StepLog:
         self.context = ctx
 
     def _fetches_ahead(self, start: int, end: int) -> bool:
-        """Note 1: atoms ``start:end`` (between two blocks) make a copy of another block's
-        parameter state (``measure._labels``' ``copied``): the next block's pre-hooks."""
+        """Note 1: atoms ``start:end`` (between two blocks) fetch a block's weights to the
+        device ahead of it (``measure._labels``' ``copied``): a pre-hook of the next block."""
         led, copied = self.tracker.ledger, self.tracker.labels.copied
         return any(a[0] == "ev" and led._ev_delta[a[1]] > 0 and led._ev_sid[a[1]] in copied
                    for a in self.atoms[start:end])
 
     def _keys(self) -> None:
-        """Note 2: each storage's label (its block context at birth, else the tracker's, else
-        that of the block it dies with) and name."""
+        """Note 2: each storage's label (the block whose weights it fetches ahead, else its
+        block context at birth, else the tracker's, else that of the block it dies with) and
+        name."""
         t = self.tracker
         led, labels = t.ledger, t.labels.of_sid
         label, kinds = {}, {}
@@ -168,8 +171,8 @@ class StepLog:
                 previous = label[sid]
 
     def _effective(self) -> None:
-        """Note 1: the block each atom is copied with. In a block's context, that block; in the
-        global context, a birth's own label, an op's own (or, without one, that of what it
+        """Note 1: the block each atom is copied with. In a block's context, that block (a far
+        host death, its storage's: Note 3); in the global context, a birth's own label, an op's own (or, without one, that of what it
         made), and a death's or a resize's, except one of a neighbour's storage amid the ops
         on a block's parameters (a single-tensor optimizer frees the previous parameter's
         temporary while it steps the next)."""
@@ -198,14 +201,15 @@ class StepLog:
         self.effective = out
 
     def _far_death(self, i: int, c: int) -> bool:
-        """Note 3: atom ``i``, in block ``c``'s context, ends or resizes a storage of a middle
-        block two or more away from ``c``."""
+        """Note 3: atom ``i``, in block ``c``'s context, ends or resizes a host storage of a
+        middle block two or more away from ``c``."""
         a = self.atoms[i]
         led = self.tracker.ledger
         if a[0] != "ev" or not (a[1] in led._resizes or led._ev_delta[a[1]] < 0):
             return False
-        lab = self.label[led._ev_sid[a[1]]]
-        return lab not in (GLOBAL, 0, self.depth - 1) and abs(lab - c) >= 2
+        sid = led._ev_sid[a[1]]
+        lab = self.label[sid]
+        return sid in led._host and lab not in (GLOBAL, 0, self.depth - 1) and abs(lab - c) >= 2
 
     def atom_label(self, i: int) -> int:
         a = self.atoms[i]

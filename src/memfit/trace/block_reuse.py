@@ -20,7 +20,9 @@ storages). Block 2's storages are renamed per copy; a block refers to its neighb
 by offset (the previous block's output, the next one's gradient), so a copy's references land
 on the copies beside it, and blocks 1 and 3 must be like block 2 (checked: alike storages,
 alike module totals). A reference two or more blocks away counts as one to the first or last
-block (a position bias block 0 computes for every later block), or the twin is refused.
+block (a position bias block 0 computes for every later block), or the twin is refused; the
+one exception, a host storage freed far from its block (activation offload's host pool, freed
+all at once), is read as going with its own block before this (docs/block-reuse.md).
 
 Note 3 (what B checks and gives). Composing A for four blocks must give B's trace exactly,
 atom by atom, up to the figures that belong to no block (a foreach op's cost, a global
