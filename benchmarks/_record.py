@@ -61,15 +61,21 @@ def _cpu_info(key: str) -> str | None:
     return None
 
 
-def write(name: str, config: dict, rows: list[dict]) -> Path:
-    """``results/NAME-DATE.json``; a record already there (an earlier run that day, maybe
-    committed) is kept, and this one is ``NAME-DATE-2.json``, ``-3``..."""
+def fresh_path(name: str) -> Path:
+    """``results/NAME-DATE.json``; where a record is already there (an earlier run that day,
+    maybe committed) it is kept, and the new one is ``NAME-DATE-2.json``, ``-3``..."""
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.date.today().isoformat()
     path, n = RESULTS / f"{name}-{stamp}.json", 1
     while path.exists():
         n += 1
         path = RESULTS / f"{name}-{stamp}-{n}.json"
+    return path
+
+
+def write(name: str, config: dict, rows: list[dict]) -> Path:
+    """The record at ``fresh_path(name)``: environment, config and rows."""
+    path = fresh_path(name)
     path.write_text(json.dumps({"environment": environment(), "config": config, "rows": rows},
                                indent=2) + "\n")
     return path

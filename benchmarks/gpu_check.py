@@ -287,8 +287,7 @@ def main() -> None:
 
         with console.status("calibrating this GPU (memfit calibrate)"):
             profile = calibrate()
-        _record.RESULTS.mkdir(exist_ok=True)
-        path = _record.RESULTS / f"device_profile-{time.strftime('%Y-%m-%d')}.json"
+        path = _record.fresh_path("device_profile")
         write_profile(profile, str(path))
         profiled = memfit.DeviceSpec.load(str(path))
         console.print(f"device profile recorded in {path}")
