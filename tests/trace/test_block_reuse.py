@@ -194,6 +194,8 @@ def test_estimate_composes_a_deep_model_by_itself(monkeypatch):
     mixed = estimate(model, batch, checkpoint=("model.layers.0",))
     assert mixed.traced_as.startswith("whole: checkpoint=") and "mixes modes" in \
         mixed.traced_as
+    for knobs in (dict(offload="all"), dict(offload_params="all", offload_optimizer=True)):
+        assert estimate(model, batch, **knobs).traced_as.startswith("composed"), knobs
 
 
 def test_twins_kept_in_a_cache_compose_another_depth(monkeypatch, tmp_path):
