@@ -333,3 +333,16 @@ def test_exported_knobs_are_what_the_target_runs():
     assert e.knobs.offload_optimizer is False and e.knobs.micro_batch_size == 4
     assert e.knobs.checkpoint == (BLOCKS[0], BLOCKS[3])       # every_n_layers=3
     assert to_deepspeed_config(plan(offload_optimizer=True), 8).knobs.offload_optimizer is True
+
+
+@pytest.mark.parametrize("target", ["transformers", "deepspeed", "accelerate"])
+def test_gradients_moved_to_the_host_are_not_exported(target):
+    """No target moves each gradient to the host as backward makes it: the export's knobs keep
+    them on the device (with its optimizer state wherever the target keeps it), a note says
+    so, and the knobs are a valid combination (re-traced by export_traced)."""
+    p = plan(precision="bf16", micro_batch_size=8, offload_optimizer=True,
+             offload_gradients=True)
+    e = export(p, target, 32)
+    assert not e.knobs.offload_gradients
+    e.knobs.check_combinations(False)
+    assert any(n.startswith("offload_gradients") for n in e.notes)

@@ -108,12 +108,14 @@ def _exported(plan: "Plan", b: "_Batching", acts: "_Activations", *, precision: 
     else:
         ckpt = tuple(blocks[i] for i in acts.recompute)
         ckpt = "all" if len(ckpt) == len(blocks) else ckpt
-    # no export maps memfit's block-weight offload (_common_notes): the weights on the device
+    # no export maps memfit's block-weight offload nor its gradients moved to the host in
+    # backward (_common_notes): the weights and the gradients stay on the device
     return plan.knobs.replace(precision=precision, micro_batch_size=b.micro, checkpoint=ckpt,
                               offload=ckpt if acts.offload else "none",
                               offload_optimizer=offload_optimizer, max_grad_norm=clip,
                               optimizer_impl=optimizer_impl, remat=None, offload_params=None,
-                              chunked_loss=None, optimizer_in_backward=None)
+                              chunked_loss=None, optimizer_in_backward=None,
+                              offload_gradients=None)
 
 
 def _common_notes(plan: "Plan", notes: list[str]) -> None:
