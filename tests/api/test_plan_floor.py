@@ -3,8 +3,10 @@
 The floor is the least device memory of any configuration in the search space, re-traced
 (api._planner Note 4). The oracle, traced here one by one: every assignment of keep / recompute /
 offload to the two blocks of a tiny GPT-2 at micro-batch 1 and 2 with the optimizer state on
-the host, the uniform modes (selective too) with it on the device, and keep / recompute with
-the block weights on the host too (issue 15). (The least is a mixed
+the host, the uniform modes (selective too) with it on the device, keep / recompute with the
+block weights on the host too (issue 15), every assignment with the gradients moved to the
+host in backward and with the optimizer stepped in backward, and all of them with the loss in
+pieces (issue 28). (The least is a mixed
 one: the last block's backward follows its forward at once, so recomputing it saves nothing
 at the peak.) The floor must be their minimum, and the same number in
 ``Plan.floor_bytes``, ``explain()`` and ``BudgetTooSmall.floor_bytes``; a budget of exactly
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 import memfit
+from memfit.planner.variants import CHUNKED_LOSS
 from memfit.units import format_bytes
 from tests.helpers import tiny
 
@@ -39,8 +42,14 @@ def _brute_force(model, batch, b):
     # the block weights on the host (issue 15): with the optimizer there, no activation offload
     configs += [dict(offload_optimizer=True, offload_params="all", checkpoint=c["checkpoint"])
                 for c in _mixed(blocks) if c["offload"] == "none"]
-    return min(memfit.estimate(model, batch, micro_batch_size=m, **c).device_bytes
-               for m in range(1, b + 1) for c in configs)
+    # the gradients moved to the host in backward (issue 28): with the optimizer there
+    configs += [dict(offload_optimizer=True, offload_gradients=True, **c) for c in _mixed(blocks)]
+    sizes = [dict(micro_batch_size=m, **c) for m in range(1, b + 1) for c in configs]
+    # the optimizer stepped in backward: the whole batch, its state on the device
+    sizes += [dict(micro_batch_size=b, optimizer_in_backward=True, **c) for c in _mixed(blocks)]
+    # and each with the loss in pieces (a causal LM's, issue 28)
+    sizes += [dict(chunked_loss=CHUNKED_LOSS, **c) for c in sizes]
+    return min(memfit.estimate(model, batch, **c).device_bytes for c in sizes)
 
 
 @pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
@@ -79,16 +88,18 @@ def test_budget_too_small_names_freezing_and_lora_with_numbers():
 @pytest.mark.slow      # 13-23 s each: the CI time limit (a lighter sibling stays)
 def test_a_frozen_model_plans_smaller():
     """requires_grad=False: no gradient and no optimizer state, so the floor (optimizer state
-    on the host there) falls by at least the frozen part's gradients (its bytes, fp32)."""
+    on the host there, the gradients held on the device) falls by at least the frozen part's
+    gradients (its bytes, fp32)."""
     model, batch = tiny("gpt2", batch_size=2, seq_len=32)
+    fixed = dict(offload_params="none", offload_gradients=False)
     with pytest.raises(memfit.BudgetTooSmall) as info:
-        memfit.plan(model, batch, budget=2 ** 20, offload_params="none", floor=True)
+        memfit.plan(model, batch, budget=1, floor=True, **fixed)
     full_floor = info.value.floor_bytes
     frozen = [p for n, p in model.named_parameters() if ".h." in n]
     for p in frozen:
         p.requires_grad_(False)
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
-    p = memfit.plan(model, batch, budget=full_floor - 1, floor=True, offload_params="none")
+    p = memfit.plan(model, batch, budget=full_floor - 1, floor=True, **fixed)
     assert p.floor_bytes <= full_floor - frozen_bytes
 
 
@@ -180,3 +191,12 @@ def test_an_integer_budget_without_its_unit_is_refused_at_once_with_the_unit_nam
         memfit.plan(model, batch, budget=11)
     assert info.value.floor_is_bound                # refused by the bound: nothing traced
     assert "budget='11GiB'" in str(info.value) and "11 bytes" in str(info.value)
+
+
+def test_an_fp16_refusal_on_a_gpu_is_a_budget_error():
+    """The refusal's line on several GPUs searches layouts only for what a sharded step runs
+    (fp32, bf16): with fp16 fixed it is left out, instead of the layout search raising
+    "precision='fp16' with sharding" in place of ``BudgetTooSmall``."""
+    model, batch = tiny("gpt2", batch_size=2, seq_len=16)
+    with pytest.raises(memfit.BudgetTooSmall):
+        memfit.plan(model, batch, budget=1, device="gtx-1080-ti", precision="fp16", floor=True)

@@ -95,6 +95,7 @@ from memfit.api._plan_parts import (Context, as_choice, impl_variants, make_plan
 from memfit.api._plan_remat import Planned, RematWeigh, check_remat, held_bytes, weigh
 from memfit.api._plan_words import counted_levers, excluded_levers, too_small
 from memfit.api._setup import resolve_device, resolve_precision
+from memfit.api._sharded_models import SHARDED_PRECISIONS
 from memfit.api._stages import Stages
 from memfit.api._user_step import as_user_step, check_step_knobs
 from memfit.api._validate import check_batch
@@ -378,7 +379,8 @@ class Planner:
         # everything on the device (the floor's own model may hold block weights on the host)
         on_device = self.models.get(choice.key[:2]) or self.models[choice.key]
         layout = None
-        if job.user_step is None and job.spec.kind == "cuda" and job.b > 1:   # searched
+        if job.user_step is None and job.spec.kind == "cuda" and job.b > 1 and \
+                k.precision in (None, "auto", *SHARDED_PRECISIONS):    # shardable: searched
             job.say("searching layouts of several GPUs (the refusal's sharding line)")
             layout = fewest_gpus(job.model, job.batch, job.common["optimizer"], job.spec,
                                  job.budget_bytes, job.common["loss_fn"],

@@ -16,6 +16,10 @@ from memfit.api._validate import check_batch
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
 from memfit.modes import Mode
+
+# what a sharded step runs here: fp32, or bf16 autocast (fp16's GradScaler and bf16-pure are
+# not supported under FSDP2 in memfit)
+SHARDED_PRECISIONS = ("fp32", "bf16")
 from memfit.planner.memory_model import MemoryModel
 from memfit.planner.search import Constraints, search
 from memfit.planner.sharding import Candidate, ShardedTime, shard_estimate, state_bytes
@@ -24,7 +28,7 @@ from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.trace.card import step_workspace_bytes
 
-__all__ = ["Row", "fewest"]
+__all__ = ["Row", "fewest", "SHARDED_PRECISIONS"]
 
 
 @dataclass
@@ -59,7 +63,7 @@ def _setup(model, batch, optimizer, device, loss_fn, knobs: dict, step, schedule
     p = resolve_precision("bf16" if k.mp_policy else k.precision, spec)
     if p == "fp16" and k.precision == "auto":
         p = "fp32"
-    if p not in ("fp32", "bf16"):
+    if p not in SHARDED_PRECISIONS:
         raise ValueError(f"precision={p!r} with sharding: use 'fp32' or 'bf16' (autocast; "
                          "fp16's GradScaler and bf16-pure are not supported under FSDP2 here)")
     batch = prepare_batch(batch)
