@@ -36,8 +36,10 @@ def test_fp16_checkpoint_fast_trace_matches_the_replayed_one():
 
 @pytest.mark.slow      # 15-60 s each: the CI time limit (a lighter sibling stays)
 def test_largest_seq_len_on_an_fp16_gpu():
+    """A budget between the floor at the shortest sequence and the plain step at the longest
+    (the tiny model's own limit, 128), so that the probes plan fp16 steps that recompute."""
     model = _model()
-    r = largest_fitting(SPEC, model, "seq_len", batch_size=8, seq_len=None, budget=None,
-                        device="gtx-1080-ti", precision="fp16")
-    assert r.knobs["precision"] == "fp16" and r.knobs["checkpoint"] == "all"
-    assert 2 <= r.value and r.device_bytes <= r.limit_bytes
+    r = largest_fitting(SPEC, model, "seq_len", batch_size=8, seq_len=None,
+                        budget=690_000_000, device="gtx-1080-ti", precision="fp16")
+    assert r.knobs["precision"] == "fp16" and r.knobs["checkpoint"] not in (None, "none")
+    assert 2 <= r.value and r.device_bytes <= r.limit_bytes == 690_000_000
