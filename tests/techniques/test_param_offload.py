@@ -158,3 +158,19 @@ def test_remove_and_reapply():
             assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters()))
     handle.remove()
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters()))
+
+
+def test_a_model_dropped_without_remove_is_collected():
+    """The post-accumulate-grad hooks hold the fetcher weakly: a parameter keeps its tensor
+    hooks from C++, out of the garbage collector's sight, so a strong hook made a cycle that
+    kept the model, its weights and their host twins alive for good."""
+    import gc
+    import weakref
+
+    model, batch = tiny("gpt2")
+    opt, handle = _offloaded(model, "all")
+    compute_loss(model, batch).backward()                # the hooks have run
+    weight = weakref.ref(next(model.transformer.h[0].parameters()))
+    del model, opt, handle, batch
+    gc.collect()
+    assert weight() is None

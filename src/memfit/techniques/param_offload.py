@@ -346,7 +346,7 @@ class _Pending:
                                                  always_call=True))
         for ps in params_of.values():
             for p in ps:
-                hooks.append(p.register_post_accumulate_grad_hook(fetcher.after_grad))
+                hooks.append(p.register_post_accumulate_grad_hook(_weakly(fetcher.after_grad)))
                 fetcher._resident.add(id(p))         # valid until the first release
                 fetcher._storage[p.untyped_storage()._cdata] = p
         self._fetcher = fetcher
@@ -354,6 +354,21 @@ class _Pending:
                       stats=fetcher.stats, hooks=tuple(hooks),
                       on_remove=functools.partial(_fetch_back, fetcher),
                       redo=functools.partial(self.attach, optimizer, notes))
+
+
+def _weakly(method):
+    """``method`` as a tensor hook that does not keep its object alive. A parameter holds its
+    post-accumulate-grad hooks from C++, where the garbage collector cannot see them: a hook
+    holding the fetcher, which holds the parameters, made a cycle never collected, and a model
+    dropped without ``remove()`` kept its weights and twins for the life of the process. The
+    fetcher lives as long as the blocks' forward hooks, which hold it."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p):
+        bound = ref()
+        if bound is not None:
+            bound(p)
+    return hook
 
 
 def _fetch_back(fetcher: _Fetcher) -> None:
