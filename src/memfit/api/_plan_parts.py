@@ -25,7 +25,8 @@ from memfit.planner.time_model import TimeModel
 from memfit.units import format_bytes
 
 __all__ = ["Context", "refuse_below_bound", "modelled_impl", "impl_variants",
-           "precision_models", "user_models", "plain_s", "as_choice", "make_plan"]
+           "precision_models", "user_models", "plain_s", "as_choice", "make_plan",
+           "stages_ahead"]
 
 
 def refuse_below_bound(model, spec, k: Knobs, recipe, trainable, budget_bytes: int,
@@ -154,3 +155,15 @@ def make_plan(ctx: Context, choice: Choice, est, model_pair, reasons: list[str])
                       held_bytes=held, floor_bytes=ctx.floor_bytes,
                       costs=block_costs(memory, time, choice.modes, choice.micro_batch_size, b))
     return plan if ctx.alloc is None else ctx.alloc.apply(plan, est)
+
+
+def stages_ahead(b: int, user: str, p: str, others: list[str], variants: int, levers) -> int:
+    """The stages a plan expects where its plain step does not fit (``Stages.expect``): the
+    plain traces and the searched precision ``p``'s half batch (``precision_models``), each of
+    ``variants`` other implementations, each of ``others`` precisions (its plain trace unless
+    it is the ``user``'s, and its half batch), the levers' traces, the search and the verify.
+    An ETA's count: the verify loop's second attempt, DTR's batches and the last resorts add
+    stages as they come."""
+    half = int(b > 1)
+    others_stages = sum(half + (q != user) for q in others)
+    return 1 + (p != user) + half + variants + others_stages + levers.traces_ahead() + 2

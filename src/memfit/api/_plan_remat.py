@@ -38,8 +38,8 @@ class Planned:
 
 def held_bytes(batch, precision: str) -> int:
     """Bytes of the caller's batch the step does not use but ``runner.step(batch)`` keeps alive
-    beside it (``api._planner``: the caller's batch): an all-ones mask that is dropped, bf16-pure's fp32
-    originals."""
+    beside it (``api._planner``: the caller's batch): an all-ones mask that is dropped,
+    bf16-pure's fp32 originals."""
     used = Precision(Precision.Config(precision)).prepare_batch(prepare_batch(batch))
     kept = {st._cdata for t in tree_leaves(used) if isinstance(t, torch.Tensor)
             for st in storages_of(t)}

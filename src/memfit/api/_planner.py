@@ -91,7 +91,7 @@ from memfit.api._plan_levers import (Levers, grads_offload_open, in_backward_ope
                                      numerics_allowed, state_knobs)
 from memfit.api._plan_parts import (Context, as_choice, impl_variants, make_plan,
                                     modelled_impl, plain_s, precision_models,
-                                    refuse_below_bound, user_models)
+                                    refuse_below_bound, stages_ahead, user_models)
 from memfit.api._plan_remat import Planned, RematWeigh, check_remat, held_bytes, weigh
 from memfit.api._plan_words import counted_levers, excluded_levers, too_small
 from memfit.api._setup import resolve_device, resolve_precision
@@ -209,7 +209,7 @@ class Planner:
         self.models, traces = {}, {}
         self.levers = Levers(job.model, job.batch, self.models, traces, job.common, job.spec,
                              b, k, job.numerics, job.user_step is not None, say)
-        say.expect(stages_ahead(job, len(variants), self.levers))
+        say.expect(stages_ahead(b, user, p, job.others, len(variants), self.levers))
         say(f"tracing the plain step ({user}, batch {b})")
         self.plain = job.trace(user, optimizer_impl=k.optimizer_impl)
         self.base = self.plain
@@ -394,14 +394,3 @@ class Planner:
                                                 chunked=any(len(q) == 5 for q in self.models),
                                                 in_backward=any(len(q) == 6
                                                                 for q in self.models)))
-
-
-def stages_ahead(job: PlanCall, variants: int, levers: Levers) -> int:
-    """The stages a plan expects where its plain step does not fit (``job.say.expect``): the
-    plain traces and the searched precision's half batch (``_models``), each other
-    implementation, each other precision (its plain trace unless it is the user's, and its half
-    batch), the levers' traces, the search and the verify. An ETA's count: the verify loop's
-    second attempt, DTR's batches and the last resorts add stages as they come."""
-    half = int(job.b > 1)
-    others = sum(half + (q != job.user) for q in job.others)
-    return 1 + (job.p != job.user) + half + variants + others + levers.traces_ahead() + 2

@@ -52,8 +52,8 @@ class StorageLabels:
         self.slot_of = {name: i for i, name in enumerate(self.blocks)}
         self.owned: dict[int, int] = {}      # storage id -> the block whose parameter owns it
         # per counted op: (running block, input storage ids, foreach (input, output) pairs,
-        # storage ids it made)
-        self.ops: list[tuple[int, tuple, tuple, tuple]] = []
+        # storage ids it made, whether it copies host storages to the device: Note 2)
+        self.ops: list[tuple[int, tuple, tuple, tuple, bool]] = []
         self.of_sid: dict[int, int] = {}
         self.copied: dict[int, int] = {}     # storage id -> the other block it was made from
         self.op_slots: list[int] = []
@@ -123,8 +123,8 @@ class StorageLabels:
         readers: dict[int, set[int]] = {}        # a global birth -> the labels of its readers
         for running, inputs, pairs, new, fetch in self.ops:
             lab = running
-            owners = {self.owned.get(sid) for sid in inputs}
-            j = owners.pop() if fetch and len(owners) == 1 else None
+            owners = {self.owned.get(sid) for sid in inputs} if fetch else ()
+            j = next(iter(owners)) if len(owners) == 1 else None
             if j not in (None, GLOBAL, running):     # Note 2: a block's weights fetched ahead
                 copied.update((sid, j) for sid in new)
                 if running != GLOBAL:

@@ -2,9 +2,10 @@
 state and per parameter offload, from a trace of each (the search takes each as a longer model
 key, ``search.variant_key``).
 
-Note 1 (what is traced). The caller (``api._plan_levers``, for ``api._planner``) passes ``trace(precision, samples, **knobs)``
-(an ``estimate`` without the allocator replay; ``samples`` ``None`` for the whole batch, else
-the first ``samples`` of it) so that this layer imports nothing above it.
+Note 1 (what is traced). The caller (``api._plan_levers``, for ``api._planner``) passes
+``trace(precision, samples, **knobs)`` (an ``estimate`` without the allocator replay;
+``samples`` ``None`` for the whole batch, else the first ``samples`` of it) so that this layer
+imports nothing above it.
 - A low-bit state ``s`` costs one trace of the optimizer phase alone (the first precision's
   step with ``optimizer_state=s``, ``estimate(optimizer_only=True)``: unscale, clip and the
   step, from the steady state with every gradient alive), shared by every precision: the

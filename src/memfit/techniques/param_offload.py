@@ -29,8 +29,9 @@ would keep the released storage alive, so while a block runs forward, a
 by a handle (parameter, view geometry); unpacking it fetches the block if backward has not
 reached it yet, prefetches the offloaded block before it (each block backward reaches does, a
 block fetched ahead included), and returns the same view on the fetched storage. Every save
-first goes to the hooks found outside, as activation offload's do (``Offload``): if they keep the tensor itself (an observer like ``memfit.track``, which then counts a
-fetched weight as saved by the block, an activation), parameter offload proceeds; if they
+first goes to the hooks found outside, as activation offload's do (``Offload``): if they keep
+the tensor itself (an observer like ``memfit.track``, which then counts a fetched weight as
+saved by the block, an activation), parameter offload proceeds; if they
 transform it (a checkpoint around the block's call) it steps aside, keeping the block to fetch
 when that save is unpacked. Other saves pass as the observer's reply (or a detached alias),
 remembered weakly with their block: unpacking one also fetches the block. That is what makes

@@ -6,14 +6,14 @@ stream ``trace.block_reuse`` composes a deeper step from.
 
 Note 1 (atoms and contexts). The atoms are the ledger's events (a storage born, dead or
 resized), the ops, and the module entries and exits (``Tracker.marks``), in the order they
-happened. An atom runs in a block's context from that block's entry to the next block's entry
-in the same pass (a block's backward may end after the next one's starts), else in the global
+happened. An atom runs in a block's context from that block's entry to the next block's entry in
+the same pass (a block's backward may end after the next one's starts), else in the global
 context (embeddings, loss, ``zero_grad``, the optimizer step). What runs between two blocks
 belongs to the first (its post-hooks: activation offload freeing the block's input), unless it
-fetches a block's weights ahead (parameter offload: the next block's pre-hook, which runs
-before its entry is marked, fetching the block after it); then it belongs to the next one.
-Each atom goes with one block, or none: in a block's context, that block (a far death apart:
-Note 3); in the global context, a birth's label, an op's (or, with no tensor input, that of what it made),
+fetches a block's weights ahead (parameter offload: the next block's pre-hook, which runs before
+its entry is marked, fetching the block after it); then it belongs to the next one. Each atom
+goes with one block, or none: in a block's context, that block (a far death apart: Note 3); in
+the global context, a birth's label, an op's (or, with no tensor input, that of what it made),
 and a death's or resize's, except one of a neighbour's storage amid the ops on a block's
 parameters (a single-tensor optimizer frees the previous parameter's temporary while it steps
 the next).
@@ -172,10 +172,10 @@ class StepLog:
 
     def _effective(self) -> None:
         """Note 1: the block each atom is copied with. In a block's context, that block (a far
-        host death, its storage's: Note 3); in the global context, a birth's own label, an op's own (or, without one, that of what it
-        made), and a death's or a resize's, except one of a neighbour's storage amid the ops
-        on a block's parameters (a single-tensor optimizer frees the previous parameter's
-        temporary while it steps the next)."""
+        host death, its storage's: Note 3); in the global context, a birth's own label, an op's
+        own (or, without one, that of what it made), and a death's or a resize's, except one of
+        a neighbour's storage amid the ops on a block's parameters (a single-tensor optimizer
+        frees the previous parameter's temporary while it steps the next)."""
         led = self.tracker.ledger
         out, driver, born = [], GLOBAL, set()
         for i, (a, c) in enumerate(zip(self.atoms, self.context)):
