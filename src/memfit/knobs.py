@@ -25,6 +25,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from memfit._knob_combinations import check_combinations
+
 __all__ = ["Knobs", "PRECISIONS", "OPTIMIZER_IMPLS", "ZERO_GRADS", "SHARDINGS", "OPTIMIZER_STATES",
            "NOT_YET", "Batching", "BlockPolicy", "OptimizerSetup", "ParallelLayout", "GROUPS",
            "expand_groups"]
@@ -224,64 +226,9 @@ class Knobs:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def check_combinations(self, user_step: bool = False) -> None:
-        """Refuse, with the fix, the combinations no technique runs yet (knobs alone, no torch:
-        the CLI asks before any import, ``build_runner`` before anything is applied);
-        ``user_step``: the loop is the caller's (``step=fn``)."""
-        if self.offload_gradients:
-            self._check_offload_gradients(user_step)
-        if self.offload_optimizer and self.precision == "bf16-pure":
-            raise ValueError("offload_optimizer with bf16-pure is not supported yet: its fp32 "
-                             "master weights would be kept twice; use bf16 autocast instead")
-        if self.offload_params not in (None, "none") and not self.offload_optimizer:
-            raise ValueError(f"offload_params={self.offload_params!r} needs "
-                             "offload_optimizer=True: an offloaded weight's host copy is the "
-                             "optimizer's fp32 host twin, stepped on the host "
-                             "(docs/techniques/parameter-offload.md)")
-        if self.optimizer_impl == "compiled":
-            self._check_compiled_step()
-        if self.chunked_loss and (self.sharding not in (None, "none") or
-                                  self.gpus not in (None, 1)):
-            raise ValueError(f"chunked_loss={self.chunked_loss} with several GPUs (gpus, "
-                             "sharding) is not supported yet: leave chunked_loss unset there")
-
-    def _check_compiled_step(self) -> None:
-        """What a compiled optimizer step is not modelled with (docs/compiled.md, "Compiled
-        optimizer steps"), with the fix."""
-        refused = [name for name, bad in (
-            ("offload_optimizer", self.offload_optimizer),
-            ("offload_params", self.offload_params not in (None, "none")),
-            ("offload_gradients", self.offload_gradients),
-            ("optimizer_in_backward", self.optimizer_in_backward),
-            (f"optimizer_state={self.optimizer_state!r}",
-             self.optimizer_state not in (None, "fp32")),
-            ("gpus/sharding", self.sharding not in (None, "none") or self.gpus not in (None, 1)),
-            ("remat", self.remat)) if bad]
-        if refused:
-            raise ValueError(f"optimizer_impl='compiled' with {', '.join(refused)} is not "
-                             f"modelled: a compiled step runs on the device, over fp32 state, "
-                             f"on one GPU; leave optimizer_impl unset (or 'foreach', 'fused', "
-                             f"'for-loop') or leave those unset")
-
-    def _check_offload_gradients(self, user_step: bool) -> None:
-        """What cannot run with the gradients moved to the host in backward
-        (techniques.optimizer_offload), with the fix."""
-        refused = (
-            (not self.offload_optimizer, "needs offload_optimizer=True (the gradients go to the "
-             "optimizer's fp32 host copies, which only the offloaded optimizer has); set "
-             "offload_optimizer=True"),
-            (self.precision == "fp16", "with precision='fp16' is not supported: the GradScaler "
-             "unscales and checks the device gradients, which the hooks have moved; use "
-             "precision='bf16' (no loss scaling)"),
-            (self.offload_params not in (None, "none"), "with offload_params is not supported "
-             "yet: both move tensors in the same post-accumulate-grad hooks; leave one unset"),
-            (user_step, "with step=fn is not supported: the step's own clipping or GradScaler "
-             "would read the device gradients, which the hooks have moved; use memfit's step "
-             "(max_grad_norm clips the host gradients)"),
-        )
-        for bad, why in refused:
-            if bad:
-                raise ValueError(f"offload_gradients=True {why}, or leave offload_gradients "
-                                 "unset")
+        """Refuse, with the fix, the combinations no technique runs yet (``_knob_combinations``:
+        knobs alone, no torch); ``user_step``: the loop is the caller's (``step=fn``)."""
+        check_combinations(self, user_step)
 
     # the knobs by concern (Note 1): read-only views of the flat fields
     @property
