@@ -191,6 +191,9 @@ def test_an_integer_budget_without_its_unit_is_refused_at_once_with_the_unit_nam
         memfit.plan(model, batch, budget=11)
     assert info.value.floor_is_bound                # refused by the bound: nothing traced
     assert "budget='11GiB'" in str(info.value) and "11 bytes" in str(info.value)
+    with pytest.raises(memfit.BudgetTooSmall) as info:   # a unit given: no such hint
+        memfit.plan(model, batch, budget="11KiB")
+    assert "integer budget" not in str(info.value) and "11.00 KiB" in str(info.value)
 
 
 def test_an_fp16_refusal_on_a_gpu_is_a_budget_error():

@@ -63,10 +63,12 @@ def test_plot_before_and_after(small, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_below_the_floor_exits_2_with_the_floor_and_levers(small, capsys):
-    assert main(["plan", *small, "--budget", "1MiB"]) == 2
+    # the floor of this job is about 890 KiB (the gradients on the host, issue 28): 1 MiB fits
+    assert main(["plan", *small, "--budget", "768KiB"]) == 2
     err = capsys.readouterr().err
     assert "MiB" in err and "8-bit (bitsandbytes) optimizer state" in err \
         and "shorter sequences" in err
+    assert "integer budget" not in err            # a unit was given
 
 
 def test_bad_lever_value_is_refused(capsys):

@@ -31,7 +31,8 @@ __all__ = ["Context", "refuse_below_bound", "modelled_impl", "impl_variants",
 
 def refuse_below_bound(model, spec, k: Knobs, recipe, trainable, budget_bytes: int,
                        numerics: bool, user_step: bool, precisions,
-                       in_backward: bool = False, grads_to_host: bool = False) -> None:
+                       in_backward: bool = False, grads_to_host: bool = False,
+                       bare: bool = False) -> None:
     """``BudgetTooSmall`` before any trace where the floor's lower bound from the parameters
     alone (_floor) is over the budget: the same words as the traced floor's. ``in_backward``:
     the optimizer may step in backward; ``grads_to_host``: the gradients may go to the host in
@@ -53,7 +54,7 @@ def refuse_below_bound(model, spec, k: Knobs, recipe, trainable, budget_bytes: i
                     counted=counted_levers(k, numerics, user_step, sorted(precisions),
                                            in_backward=in_backward and
                                            not k.optimizer_in_backward),
-                    bound=True, model=model)
+                    bound=True, model=model, bare=bare)
 
 
 @dataclass

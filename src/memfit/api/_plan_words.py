@@ -186,7 +186,7 @@ def _optimizer_reasons(k, choice, memory, ctx) -> list[str]:
 def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
               excluded: list[str] = (), seq: tuple[int | None, int] | None = None,
               gpus: int = 1, counted: list[str] = (), bound: bool = False,
-              layout=None, model=None) -> BudgetTooSmall:
+              layout=None, model=None, bare: bool = False) -> BudgetTooSmall:
     """The floor (re-traced over every lever memfit has) and what is beyond it
     (Note 3): ``excluded``, memfit's levers the caller's settings left out; ``seq``, (the
     longest sequence the floor's configuration fits, or None if none does; the batch's).
@@ -231,10 +231,9 @@ def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
     needs = "needs at least" if bound else "needs"
     lines = [f"nothing memfit can do fits {format_bytes(budget_bytes)}: the least device memory "
              f"any plan {needs} {format_bytes(floor_bytes)} ({described})."]
-    if 0 < budget_bytes < MiB:          # a unit left out (the CLI refuses a bare number)
+    if bare and 0 < budget_bytes < MiB:   # an int under a MiB: a unit left out, likely
         lines.append(f"The budget is {budget_bytes} bytes (an integer budget counts bytes): for "
-                     f"{budget_bytes} GiB write budget='{budget_bytes}GiB' (--budget "
-                     f"{budget_bytes}GiB).")
+                     f"{budget_bytes} GiB write budget='{budget_bytes}GiB'.")
     if counted:
         lines.append(f"The floor counts {', '.join(counted)}.")
     lines.append("Beyond memfit's levers:")

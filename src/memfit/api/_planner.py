@@ -135,6 +135,7 @@ class PlanCall:
     common: dict                   # estimate's keywords every trace shares
     state: dict                    # a fixed optimizer_state / offload_params, in every trace
     say: Stages                    # on_progress, each stage numbered (an ETA's count)
+    bare_budget: bool = False      # given as an int of bytes (the refusal's unit hint)
 
     @classmethod
     def checked(cls, model, batch, budget, optimizer, device, loss_fn, count_fn, allocator,
@@ -177,7 +178,8 @@ class PlanCall:
                                bool(k.optimizer_in_backward) or
                                in_backward_open(k, user_step is not None, b),
                                bool(k.offload_gradients) or
-                               grads_offload_open(k, user_step is not None))
+                               grads_offload_open(k, user_step is not None),
+                               bare=_bare(budget))
         common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
                       allocator=allocator, max_grad_norm=k.max_grad_norm,
                       zero_grad=k.zero_grad, step=user_step, scheduler=scheduler)
@@ -185,7 +187,7 @@ class PlanCall:
             common["quantize_base"] = k.quantize_base
         return cls(model, batch, original, b, k, spec, budget_bytes, user_step, recipe,
                    trainable, p, user, others, numerics, Constraints.of(model, k, b), common,
-                   state_knobs(k), Stages(on_progress))
+                   state_knobs(k), Stages(on_progress), _bare(budget))
 
     def trace(self, precision: str, **knobs):
         """The step at ``precision`` with ``knobs`` (the fixed state's unless given)."""
@@ -388,9 +390,14 @@ class Planner:
         user_step = job.user_step is not None
         return too_small(self.ctx.floor_bytes, on_device[0], describe(choice, job.b),
                          job.budget_bytes, excluded_levers(k, job.numerics, user_step), seq,
-                         layout=layout, model=job.model,
+                         layout=layout, model=job.model, bare=job.bare_budget,
                          counted=counted_levers(k, job.numerics, user_step,
                                                 sorted({q[0] for q in self.models}),
                                                 chunked=any(len(q) == 5 for q in self.models),
                                                 in_backward=any(len(q) == 6
                                                                 for q in self.models)))
+
+
+def _bare(budget) -> bool:
+    """A budget given as an int (bytes, where a unit may have been left out), not a string."""
+    return isinstance(budget, int) and not isinstance(budget, bool)

@@ -108,7 +108,7 @@ def largest_fitting(spec, model, lever: str, *, batch_size: int, seq_len: int | 
     limit = parse_bytes(budget) if budget is not None else dev.usable_bytes
     task = spec.check_task(task) if task is not None else None
     prober = _Prober(spec, model, lever, batch_size, seq_len, task, dev, limit, optimizer,
-                     knobs, say)
+                     knobs, say, budget=limit if budget is None else budget)
     low = prober.low()
     prober.learn(low)                       # the least-memory configuration, or BudgetTooSmall
     top, why = prober.top()
@@ -197,10 +197,11 @@ class _Prober:
     """Builds the batch at a value, traces it (memoised) and counts the traces."""
 
     def __init__(self, spec, model, lever, batch_size, seq_len, task, dev, limit, optimizer,
-                 knobs, say):
+                 knobs, say, budget=None):
         self.spec, self.model, self.lever, self.task = spec, model, lever, task
         self.batch_size, self.seq_len = batch_size, seq_len
         self.dev, self.limit, self.optimizer, self.say = dev, limit, optimizer, say
+        self.budget = limit if budget is None else budget     # as the caller gave it
         self.user_knobs = knobs
         k = Knobs.from_kwargs(**{n: v for n, v in knobs.items()     # validate before any trace
                                  if n != "allow_numerics_change"})
@@ -270,7 +271,7 @@ class _Prober:
 
     def _plan_at(self, v: int, **extra):
         self.count += 1
-        return plan_traced(self.model, self._batch(v), self.limit, self.optimizer, self.dev,
+        return plan_traced(self.model, self._batch(v), self.budget, self.optimizer, self.dev,
                            suggest_shorter=False, **extra, **self._fixed(v))
 
     def plan(self, v: int):

@@ -153,6 +153,11 @@ class Target:
     budget_bytes: int | None  # what to pass the API as ``budget`` (None: the device's own)
     reserve_bytes: int        # 0 without --reserve
 
+    @property
+    def api_budget(self) -> str | None:
+        """``budget_bytes`` with its unit (the flag took one: a refusal names no missing one)."""
+        return None if self.budget_bytes is None else f"{self.budget_bytes}B"
+
     def where(self) -> str:
         from memfit.units import format_bytes
 

@@ -148,7 +148,7 @@ def run(args) -> int:
         batch = make_batch(spec, model, args, batch_size, seq_len)
         _check_progressive(batch, args)
         if planned is None or args.floor:       # else the lever search's plan at its answer
-            planned = plan_traced(model, batch, target.budget_bytes, args.optimizer,
+            planned = plan_traced(model, batch, target.api_budget, args.optimizer,
                                   target.device, on_progress=status.update,
                                   floor=args.floor, allow_numerics_change=_numerics(args),
                                   **_knobs(args))
@@ -291,7 +291,7 @@ def _resolve_levers(spec, model, args, target, status, out: dict):
         status.update(f"finding the largest {lever.replace('_', ' ')} that fits...")
         found = largest_fitting(
             spec, model, lever, batch_size=batch_size if batch_size != "auto" else 1,
-            seq_len=seq_len if seq_len != "auto" else None, budget=target.budget_bytes,
+            seq_len=seq_len if seq_len != "auto" else None, budget=target.api_budget,
             device=target.device, optimizer=args.optimizer, task=args.task,
             on_progress=status.update,
             allow_numerics_change=_numerics(args), **_lever_knobs(args))

@@ -65,7 +65,7 @@ def from_config_file(path: str | Path, task: str | None = None) -> ModelSpec:
     arch = (fields.get("architectures") or [None])[0]
     if arch is None and task is None:
         raise ValueError(f"{file} has no 'architectures' field, so the model class is unknown: pass "
-                         f"task= one of {sorted(_AUTO_NAMES)} to pick the head")
+                         f"task=NAME to pick the head, NAME one of {sorted(_AUTO_NAMES)}")
     family = _infer_family(config, arch, task)
     architectures = {t: _auto_class(_AUTO_NAMES[t], model_type) for t in _FAMILY_TASKS[family]}
     arch_task = _check_architecture(file, arch, family, model_type) if arch is not None else None
@@ -74,8 +74,9 @@ def from_config_file(path: str | Path, task: str | None = None) -> ModelSpec:
     architectures = {t: c for t, c in architectures.items() if c is not None}
     default_task = task or arch_task or _base_model_task(arch, model_type, architectures)
     if default_task is None:
-        raise ValueError(f"{file}: memfit makes no batches for the head {arch}; pass task= one of "
-                         f"{sorted(architectures)} to build the {model_type} model with that head instead")
+        raise ValueError(f"{file}: memfit makes no batches for the head {arch}; pass task=NAME to "
+                         f"build the {model_type} model with that head instead, NAME one of "
+                         f"{sorted(architectures)}")
     if default_task not in architectures:
         raise ValueError(f"task {default_task!r} is not available for this {family} {model_type} model "
                          f"({file}): valid tasks are {sorted(architectures)}")
