@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.units import format_bytes
 from memfit.api._plan_allocator import AllocatorChoice, apply_allocator
 from memfit.api._setup import build_runner
 from memfit.cli import main
@@ -193,10 +194,15 @@ def test_cli_json_carries_the_setting(gpt2_config, capsys):
 @pytest.mark.slow
 def test_cli_prints_the_setting(gpt2_config, capsys):
     args, _ = gpt2_config
+    assert main(args + ["--json"]) == 0
+    predicted = json.loads(capsys.readouterr().out)["plan"]["predicted_device_bytes"]
     assert main(args) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "allocator setting: default + expandable_segments" in text
-    assert "FITS on a budget" in text.split("with the plan")[1].split("allocator setting")[0]
+    line = text.split("with the plan")[1].split("allocator setting")[0]
+    # the plan's bytes, the saving taken off once (the verdict took it off the planned
+    # trace again, which is already under the setting)
+    assert "FITS on a budget" in line and f"needs {format_bytes(predicted)} " in line
     assert "the plain step fits under the allocator setting below" in text
 
 

@@ -355,13 +355,13 @@ def _print_human(console, spec, model, planned, described, args, target, seconds
     where = "on " + target.where()
     console.print(f"plain step ({plain.knobs.precision}, the whole batch at once): "
                   + verdict(plain.device_bytes, p.budget_bytes, where))
-    saved = p.allocator["saved_bytes"] if p.allocator else 0    # api._plan_allocator
-    console.print(f"with the plan ({p.knobs.precision}): "
-                  + verdict(chosen.device_bytes - saved, p.budget_bytes, where))
+    console.print(f"with the plan ({p.knobs.precision}): "       # the plan's own bytes
+                  + verdict(p.predicted_device_bytes, p.budget_bytes, where))
     if p.allocator:
         from memfit.api._plan_allocator import setting_name
-        console.print(f"allocator setting: {setting_name(p.allocator)} ({format_bytes(saved)} "
-                      "less reserved than the default, modelled)")
+        console.print(f"allocator setting: {setting_name(p.allocator)} "
+                      f"({format_bytes(p.allocator['saved_bytes'])} less reserved than the "
+                      "default, modelled)")
     host = _host_bytes(chosen)
     if host:
         console.print(f"host RAM for offload: {format_bytes(host)} at its peak (beside the "
