@@ -120,3 +120,15 @@ def test_bad_quantize_or_targets_is_one_line(capsys, tiny_gpt2, flags, needle):
     assert main(["estimate", "--config", tiny_gpt2, *SHAPE, *flags]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_what_if_rows_are_the_lora_model(capsys, tiny_gpt2):
+    """--what-if rebuilds the model at each size: with --lora-rank each row is the LoRA model
+    the plan is for (it was the full fine-tune), so the unscaled row is the LoRA estimate."""
+    pytest.importorskip("peft")
+    lora = cli_json(capsys, "estimate", "--config", tiny_gpt2, *SHAPE, "--lora-rank", "4")
+    out = cli_json(capsys, "plan", "--config", tiny_gpt2, *SHAPE, "--lora-rank", "4",
+                   "--what-if")
+    rows = {(r["lever"], r["factor"]): r for r in out["what_if"]}
+    assert rows[("seq_len", 1.0)]["peak_bytes"] == lora["peak_bytes"]
+    assert rows[("seq_len", 0.25)]["peak_bytes"] < lora["peak_bytes"]

@@ -259,7 +259,6 @@ def build_model(args):
     """The model spec and the model on the meta device (no memory), with --freeze,
     --quantize and --lora-rank applied (cli._adapt)."""
     from memfit import zoo
-    from memfit.cli._adapt import apply_freeze, apply_lora, apply_quantize
 
     check_model_arg(args)
     _quiet_transformers()
@@ -272,6 +271,15 @@ def build_model(args):
                        attn_implementation=getattr(args, "attn_implementation", None))
     if getattr(args, "packing", False):
         _check_packing(args, spec, model)
+    return spec, adapted(spec, model, args)
+
+
+def adapted(spec, model, args):
+    """``model`` (built by ``spec``) as the flags train it: --packing's config, --freeze,
+    --quantize and --lora-rank applied (cli._adapt); what --what-if rebuilds each row with."""
+    from memfit.cli._adapt import apply_freeze, apply_lora, apply_quantize
+
+    if getattr(args, "packing", False):
         model.config.use_cache = False      # as the Trainer sets it (trace.packed_attention)
     lora, freeze = getattr(args, "lora_rank", None), getattr(args, "freeze", None)
     if getattr(args, "quantize", None):
@@ -292,7 +300,7 @@ def build_model(args):
         raise ValueError("--lora-targets names the layers LoRA adapts: give --lora-rank R too")
     if freeze:
         apply_freeze(model, freeze)
-    return spec, model
+    return model
 
 
 def _check_attention(args) -> None:

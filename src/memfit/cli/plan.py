@@ -12,7 +12,7 @@ from memfit.cli._progress import status as progress
 from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
                               add_optimizer_in_backward_arg, add_switch,
                               add_zero_grad_arg, positive_float, positive_int, progressive_spec)
-from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
+from memfit.cli._common import (OPTIMIZER_NAMES, adapted, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, build_model, check_model_arg, check_paths,
                                 make_batch, optimizer_impl_knob, packing_fields, packing_words,
                                 resolve_target)
@@ -325,7 +325,9 @@ def _extras(spec, model, batch, args, target, status, p, out: dict) -> dict:
         seq = batch["input_ids"].shape[1] if "input_ids" in batch else None
         rows = what_if(spec, batch_size=p.batch_size, seq_len=seq, device=target.device,
                        budget=target.budget_bytes, optimizer=args.optimizer, task=args.task,
-                       precision=p.knobs.precision, on_progress=status.update)
+                       precision=p.knobs.precision, on_progress=status.update,
+                       adapt=lambda m: adapted(spec, m, args),          # the plan's model
+                       batch_for=lambda m, L: make_batch(spec, m, args, p.batch_size, L))
         extras["what_if"] = rows
         out["what_if"] = [r.__dict__ for r in rows]
     if args.progressive:

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch import nn
+
 from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._stages import Stages
 from memfit.api.estimate import estimate
@@ -102,11 +104,17 @@ def _positions_for(config, seq_len: int) -> dict:
 def what_if(spec, *, batch_size: int, seq_len: int | None, device=None, budget=None,
             optimizer="adamw", task=None, factors=(0.25, 0.5, 1.0),
             on_progress: Callable[[str], None] | None = None, tiny: bool = False,
-            config_overrides: dict | None = None, **knobs) -> list[WhatIfRow]:
+            config_overrides: dict | None = None,
+            adapt: Callable[[nn.Module], nn.Module] | None = None,
+            batch_for: Callable[[nn.Module, int | None], object] | None = None,
+            **knobs) -> list[WhatIfRow]:
     """Peak memory of the plain step (the given knobs) with the sequence length, the hidden
     size, and the layer count each scaled by ``factors`` alone (Notes 1-2). Rows come grouped
     by lever, factors ascending; the 1.0 row (traced once) appears in each group. ``tiny`` and
-    ``config_overrides`` pick the base model as ``spec.build`` does."""
+    ``config_overrides`` pick the base model as ``spec.build`` does. ``adapt(model)``: each
+    row's model as the job trains it (LoRA, QLoRA, frozen layers: the CLI's flags), built
+    anew at each size; ``batch_for(model, seq_len)``: its batch (default ``spec.make_batch``
+    at ``batch_size``)."""
     say = Stages(on_progress)             # numbered, with their count (api._stages)
     base_overrides = dict(config_overrides or {})
     config = spec.config(tiny=tiny, **base_overrides)
@@ -127,7 +135,9 @@ def what_if(spec, *, batch_size: int, seq_len: int | None, device=None, budget=N
         say("what if: tracing the plain step" if lever == "plain" else
             f"what if: tracing {lever} x{factor:g} ({value})")
         model = spec.build(task, tiny=tiny, device="meta", **{**base_overrides, **overrides})
-        batch = spec.make_batch(model, batch_size, seq_len=L, task=task)
+        model = adapt(model) if adapt is not None else model
+        batch = batch_for(model, L) if batch_for is not None else \
+            spec.make_batch(model, batch_size, seq_len=L, task=task)
         est = estimate(model, batch, optimizer, device, budget=budget, **knob_values)
         return WhatIfRow(lever, factor, value, est.peak_bytes, est.device_bytes, est.fits)
 
