@@ -98,3 +98,19 @@ def test_flash_attention_on_an_older_gpu_is_one_line(capsys, tiny_gpt2):
                  "flash_attention_2", "--precision", "fp16", "--gpu", "gtx-1080-ti"]) == 2
     err = capsys.readouterr().err
     assert "sm80+" in err and "sm61" in err and len(err.splitlines()) == 1
+
+
+def test_packing_with_lora_is_the_api_s_peft_model(capsys, tiny_gpt2):
+    """peft's forward names some inputs and passes the rest (position_ids) to the base model:
+    the batch check looks through it (a packed batch with --lora-rank was refused)."""
+    peft = pytest.importorskip("peft")
+    out = cli_json(capsys, "estimate", "--config", tiny_gpt2, *SHAPE, "--packing", "--gpu",
+                   "cpu", "--lora-rank", "4")
+    spec = zoo.from_config_file(tiny_gpt2)
+    model = spec.build(device="meta")
+    model.config.use_cache = False
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", task_type=peft.TaskType.CAUSAL_LM))
+    api = memfit.estimate(wrapped, spec.make_batch(model, 2, seq_len=16, packing=True),
+                          device="cpu")
+    assert out["peak_bytes"] == api.peak_bytes

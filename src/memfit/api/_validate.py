@@ -52,8 +52,15 @@ def check_batch(model: nn.Module, batch, loss_fn=None) -> None:
         return
     named = {n for n, p in sig.parameters.items()
              if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    if not named:       # forward(*args, **kwargs): a wrapper (peft's PeftModel) passes all on
+    if not named:       # forward(*args, **kwargs): a wrapper passes all on
         return
+    base = getattr(model, "get_base_model", None)    # peft's PeftModel passes the rest on
+    if callable(base) and isinstance(base(), nn.Module) and base() is not model:
+        try:
+            named |= {n for n, p in inspect.signature(base().forward).parameters.items()
+                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        except (TypeError, ValueError):
+            return
     # A tensor the forward does not name would vanish into **kwargs (transformers accepts
     # and ignores them): almost always a batch made for another model.
     extra = sorted(k for k, v in batch.items() if k not in named and isinstance(v, torch.Tensor))
