@@ -132,3 +132,32 @@ def test_what_if_rows_are_the_lora_model(capsys, tiny_gpt2):
     rows = {(r["lever"], r["factor"]): r for r in out["what_if"]}
     assert rows[("seq_len", 1.0)]["peak_bytes"] == lora["peak_bytes"]
     assert rows[("seq_len", 0.25)]["peak_bytes"] < lora["peak_bytes"]
+
+
+def test_lora_leaves_out_a_linear_subclass_with_a_forward_of_its_own():
+    """PhiMoE's router subclasses nn.Linear and returns a tuple: under 'all-linear' PEFT wraps it
+    and the wrapper fails on the tuple; memfit's default leaves it out, the linears stay in."""
+    pytest.importorskip("peft")
+    import torch
+    from torch import nn
+
+    from memfit.cli._adapt import apply_lora
+
+    class Router(nn.Linear):
+        def forward(self, x):
+            logits = super().forward(x)
+            return logits, logits.argmax(-1)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.up, self.down = Router(8, 2), nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            _, chosen = self.router(x)
+            return self.down(self.up(x)) * chosen.unsqueeze(-1)
+
+    wrapped = apply_lora(Block(), 2, None)
+    adapted = {n.split(".lora_A")[0] for n, _ in wrapped.named_parameters() if ".lora_A" in n}
+    assert adapted == {"base_model.model.up", "base_model.model.down"}
+    wrapped(torch.randn(3, 8)).sum().backward()        # the step runs

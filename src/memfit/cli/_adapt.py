@@ -13,7 +13,11 @@ Note 2 (LoRA). --lora-rank R wraps the model with ``peft.get_peft_model`` and a
 output head, PEFT's own rule); for the zoo's tasks PEFT's task type is set, so a
 classification head stays trainable as PEFT trains it. The base weights are frozen by PEFT;
 memfit counts what PEFT leaves trainable, as it would for the user's own PEFT model.
---lora-targets q_proj,v_proj gives PEFT those module names instead of "all-linear".
+--lora-targets q_proj,v_proj gives PEFT those module names instead of "all-linear". A class
+that subclasses ``nn.Linear`` with a forward of its own (PhiMoE's router returns a tuple) is
+no linear layer to LoRA, whose wrapper reads its output as a tensor and fails; "all-linear"
+would take it, so the default leaves such modules out (PEFT's ``exclude_modules``);
+bitsandbytes' quantized linears (QLoRA's base) are linear layers and stay in.
 
 Note 3 (a quantized base). --quantize nf4|fp4|int8 holds the frozen linear layers in 4 or 8 bits
 (``techniques.quantized_base``: bitsandbytes' own modules, the layers transformers keeps in full
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import inspect
 import re
 
 from memfit.techniques.packed_int4 import PackedInt4, PackedInt4Linear
@@ -105,6 +110,14 @@ def apply_lora(model, rank: int, task: str | None, targets: str | None = None):
     if not modules:
         raise ValueError(f"--lora-targets {targets!r}: give module names, comma-separated "
                          "(q_proj,v_proj)")
+    odd = _odd_linears(model) if targets is None else []       # Note 2
+    if odd:
+        if "exclude_modules" not in inspect.signature(peft.LoraConfig).parameters:
+            raise ValueError(f"--lora-rank {rank}: {', '.join(odd[:3])} subclass a linear layer "
+                             "with a forward of their own, which LoRA cannot wrap, and this "
+                             "PEFT cannot leave them out of 'all-linear': give --lora-targets "
+                             "(e.g. q_proj,v_proj) or upgrade peft (>= 0.14)")
+        kwargs["exclude_modules"] = odd
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules, **kwargs)
     if packed:          # peft's own GPTQ LoRA layer around them (Note 3)
         from peft.tuners.lora.gptq import GPTQLoraLinear
@@ -114,6 +127,16 @@ def apply_lora(model, rank: int, task: str | None, targets: str | None = None):
     except ValueError as e:
         raise ValueError(f"--lora-rank {rank}: PEFT cannot add LoRA to "
                          f"{type(model).__name__}: {e}") from e
+
+
+def _odd_linears(model) -> list[str]:
+    """Modules of a class that subclasses ``nn.Linear`` with a forward of its own, not one of
+    bitsandbytes' quantized linears (Note 2)."""
+    from torch import nn
+
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward
+            and not type(m).__module__.startswith("bitsandbytes")]
 
 
 def base_model(model):
