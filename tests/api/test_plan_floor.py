@@ -85,6 +85,24 @@ def test_budget_too_small_names_freezing_and_lora_with_numbers():
     assert format_bytes(3 * params) in text          # gradients + optimizer state
 
 
+def test_a_qlora_job_is_not_told_to_train_lora_or_quantize_its_base():
+    """Already LoRA on a 4-bit base: the refusal offers fewer adapters, not LoRA, and no QLoRA
+    line (it counted the adapters as the linear layers to quantize)."""
+    peft = pytest.importorskip("peft")
+    from memfit.techniques.quantized_base import QuantizedBase
+
+    model, batch = tiny("gpt2", batch_size=2, seq_len=32)
+    model.requires_grad_(False)
+    QuantizedBase(QuantizedBase.Config(kind="nf4")).apply(model)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"],
+                                                       task_type=peft.TaskType.CAUSAL_LM))
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        memfit.plan(model, batch, budget="64KiB", device="t4")
+    text = str(info.value)
+    assert "a lower LoRA rank or fewer target modules" in text
+    assert "train LoRA adapters" not in text and "QLoRA" not in text
+
+
 @pytest.mark.slow      # 13-23 s each: the CI time limit (a lighter sibling stays)
 def test_a_frozen_model_plans_smaller():
     """requires_grad=False: no gradient and no optimizer state, so the floor (optimizer state

@@ -33,6 +33,7 @@ from memfit.modes import Mode
 from memfit.optimizers import IMPL_FLAGS
 from memfit.planner._explain import ratio_words
 from memfit.techniques.low_bit_optimizer import LIBRARY, NUMERICS_NOTE
+from memfit.techniques.packed_int4 import PackedInt4Linear
 from memfit.techniques.quantized_base import QuantizedBase
 from memfit.units import MiB, format_bytes
 
@@ -204,6 +205,10 @@ def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
         lead = (f"parameters, gradients and optimizer state alone need {format_bytes(total)}, "
                 f"more than the budget: " if total > budget_bytes else "")
         levers.append(
+            f"{lead}a lower LoRA rank or fewer target modules: the adapters' gradients and "
+            f"optimizer state take {format_bytes(train)} ({format_bytes(grads)} + "
+            f"{format_bytes(state)}), the weights {format_bytes(params)}"
+            if getattr(model, "peft_config", None) else      # LoRA already: fewer adapters
             f"{lead}freeze parameters (requires_grad=False) or train LoRA adapters (peft): the "
             f"weights alone need {format_bytes(params)}; a frozen parameter has no gradient and "
             f"no optimizer state, which here take {format_bytes(train)} "
@@ -248,6 +253,9 @@ def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
 def _qlora_line(model) -> str | None:
     """QLoRA in numbers: the float linear weights and what bitsandbytes' NF4 layout holds them
     in (``techniques.quantized_base``), where they are float."""
+    if any(not p.is_floating_point() for p in model.parameters()) or \
+            any(isinstance(m, PackedInt4Linear) for m in model.modules()):
+        return None        # a base held in fewer bits already (bitsandbytes' codes, GPTQ's)
     tech = QuantizedBase(QuantizedBase.Config("nf4"))
     weights = [layer.weight for _, _, layer in tech.layers(model)
                if layer.weight.is_floating_point()]

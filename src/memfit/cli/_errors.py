@@ -38,6 +38,7 @@ _PHRASES = {
     "memfit.largest_fitting(..., lever='batch_size')": "--batch-size auto",
     "requires_grad=False": "--freeze PATTERN",
     "LoRA adapters (peft)": "LoRA adapters (--lora-rank R)",
+    "a lower LoRA rank or fewer target modules": "a lower --lora-rank or fewer --lora-targets",
     "QLoRA (memfit.techniques.QuantizedBase, then peft's LoRA)":
         "QLoRA (--quantize nf4 --lora-rank R)",
 }
