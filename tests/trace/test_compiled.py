@@ -124,6 +124,20 @@ def test_aot_eager_saves_what_the_partitioner_keeps():
     assert compiled.peak_bytes != eager.peak_bytes
 
 
+def test_a_compiled_model_with_a_quantized_base_is_refused_before_any_trace():
+    """bitsandbytes' 4-bit layers inside a compiled model: refused at once, by name (the
+    trace failed in Dynamo after minutes)."""
+    pytest.importorskip("bitsandbytes")
+    from memfit.techniques.quantized_base import QuantizedBase
+
+    model = _mlp()
+    model[0].requires_grad_(False)
+    QuantizedBase(QuantizedBase.Config(kind="nf4")).apply(model)
+    with pytest.raises(ValueError, match="a quantized base .* with a compiled model"):
+        memfit.estimate(memfit.Job(torch.compile(model, backend="aot_eager"),
+                                   torch.randn(4, 16), loss_fn=_sum))
+
+
 def test_a_compiled_model_is_traced_whole_not_composed():
     model = zoo.get("gpt2").build(tiny=True, device="meta")
     assert blocks_or_why(torch.compile(model, backend="eager"), Knobs()) == \

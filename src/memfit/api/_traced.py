@@ -114,7 +114,7 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
     recipe.check_impl(trainable)
     check_budget(k, regions)
     if regions:
-        refuse_with_compiled(k, layout, regions)
+        refuse_with_compiled(k, layout, regions, model)
         model = eager_view(model, regions)
     model, quantized = _quantized_twin(model, k, layout)
 

@@ -141,6 +141,10 @@ def _check(args) -> None:
     if args.activation_memory_budget is not None and not args.compile:
         raise ValueError("--activation-memory-budget is torch.compile's lever: it needs "
                          "--compile model or --compile blocks")
+    if args.compile and getattr(args, "quantize", None):
+        raise ValueError(f"--compile with --quantize {args.quantize} is not modelled: memfit "
+                         "traces a compiled step over float weights; drop --compile (or "
+                         "--quantize)")
     if args.compile and getattr(args, "hf_args", None):
         raise ValueError("--compile with --hf-args: memfit traces the Trainer's eager model; "
                          "drop --compile (or estimate the model without --hf-args)")

@@ -180,14 +180,18 @@ _BLOCK_KNOBS = ("checkpoint", "offload", "offload_params")     # hooks on blocks
 _OTHER_KNOBS = ("remat", "chunked_loss", "quantize_base")
 
 
-def refuse_with_compiled(knobs, layout, regions: list[Region]) -> None:
+def refuse_with_compiled(knobs, layout, regions: list[Region], model=None) -> None:
     """A ``ValueError`` for what memfit does not model of a compiled job yet (Note 3): per-block
     modes inside a compiled region (the compiler traces through their hooks; torch.compile's own
     lever is ``torch._functorch.config.activation_memory_budget``), DTR, the loss in pieces, a
-    quantized base, several GPUs."""
+    quantized base (the knob, or ``model``'s weights held in integer codes: bitsandbytes'),
+    several GPUs."""
     asked = [name for name in _BLOCK_KNOBS if getattr(knobs, name) not in (None, "none")]
     asked += [name for name in _OTHER_KNOBS if getattr(knobs, name) not in (None, "none", 0,
                                                                              False)]
+    if model is not None and "quantize_base" not in asked and \
+            any(not p.is_floating_point() for p in model.parameters()):
+        asked.append("a quantized base (weights held in integer codes)")
     if layout is not None:
         asked.append("gpus/sharding")
     if asked:
