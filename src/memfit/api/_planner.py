@@ -345,7 +345,9 @@ class Planner:
         tighter = self.margins.get(choice.key) - self.held[choice.precision]
         reasons = [] if found.attempt == 0 else [
             f"the first {found.attempt} choice(s) re-traced over the budget; the search ran "
-            f"again {format_bytes(tighter)} tighter"]
+            + (f"again {format_bytes(tighter)} tighter" if choice.key in self.margins.misses
+               else "again with their caps lowered by the shortfall and chose another "
+                    "configuration")]
         return weigh(self.remat, self._planned(choice, est, reasons))
 
     def floor_plan(self) -> Planned:
