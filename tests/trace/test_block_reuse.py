@@ -117,6 +117,32 @@ def test_zoo_models_compose_to_the_whole_trace(name, setting):
     assert_composed_is_whole(*_zoo(name), **SETTINGS[setting])
 
 
+def _lora(name, quantized=False):
+    """A zoo model under peft's LoRA (every linear layer), its base in NF4 for QLoRA."""
+    peft = pytest.importorskip("peft")
+    model, batch = _zoo(name)
+    if quantized:
+        from memfit.techniques.quantized_base import QuantizedBase
+
+        model.requires_grad_(False)
+        QuantizedBase(QuantizedBase.Config(kind="nf4")).apply(model)
+    return peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear",
+        task_type=peft.TaskType.CAUSAL_LM)), batch
+
+
+@pytest.mark.parametrize("name,quantized,setting", [
+    ("llama-1b", False, "cpu-fp32"),
+    pytest.param("llama-1b", True, "gpu-bf16-checkpoint", marks=pytest.mark.slow),
+    pytest.param("qwen2.5-7b", True, "gpu-fp16-8bit-clip", marks=pytest.mark.slow),
+    pytest.param("gpt2", False, "gpu-bf16-offload", marks=pytest.mark.slow)])
+def test_lora_and_qlora_compose_to_the_whole_trace(name, quantized, setting):
+    """LoRA's frozen embeddings end backward inside block 0: every attention's end (called by
+    keyword, measure._modules Note 5) landed there, and the twins were refused; and peft's
+    wrapper keeps a method bound to the whole model, which the twin copied whole."""
+    assert_composed_is_whole(*_lora(name, quantized), **SETTINGS[setting])
+
+
 def test_an_architecture_in_no_test_composes_to_the_whole_trace():
     assert_composed_is_whole(*_outside("gpt-neox"), checkpoint="all")
 

@@ -16,13 +16,16 @@ per-parameter ``torch.tensor(0.0)`` step counter has no tensor input); so the la
 resolved at the end, from what each op read and made. A global birth that one block alone
 reads is that block's (a KV cache's per-layer counters, made before the first block runs).
 
-Note 2 (weights fetched ahead). An op that copies what one block's parameters own on the host
-to the device (it reads only host storages of that block and makes device ones), run while
-another block runs or between blocks, makes storages of the block it read: parameter offload
-fetching a block's weights from their host twins ahead of its use (the next block's in
-forward, the previous one's in backward). They are kept in ``copied``: ``trace._step_log``
-names them by that block, not by where they were made. Host-to-host copies (gradients moved
-to the host) and device ops (a step in backward) keep the usual rules.
+Note 2 (fetched ahead). An op that copies host storages of one block to the device (it reads
+only host storages that block's parameters own, or that were made as that block's, and makes
+device ones), run while another block runs or between blocks, makes storages of the block it
+read: parameter offload fetching a block's weights from their host twins ahead of its use (the
+next block's in forward, the previous one's in backward), activation offload bringing a
+block's saved tensors back while backward runs the block after it. They are kept in
+``copied``: ``trace._step_log`` names them by that block, not by where they were made (named by
+where, the block after the first of a LoRA model held fewer: the first block's input needs no
+gradient, so it saved less). Host-to-host copies (gradients moved to the host) and device ops
+(a step in backward) keep the usual rules.
 """
 
 from __future__ import annotations
@@ -123,9 +126,9 @@ class StorageLabels:
         readers: dict[int, set[int]] = {}        # a global birth -> the labels of its readers
         for running, inputs, pairs, new, fetch in self.ops:
             lab = running
-            owners = {self.owned.get(sid) for sid in inputs} if fetch else ()
+            owners = {self.owned.get(sid, labels.get(sid)) for sid in inputs} if fetch else ()
             j = next(iter(owners)) if len(owners) == 1 else None
-            if j not in (None, GLOBAL, running):     # Note 2: a block's weights fetched ahead
+            if j not in (None, GLOBAL, running):     # Note 2: a block's storages fetched ahead
                 copied.update((sid, j) for sid in new)
                 if running != GLOBAL:
                     lab = j

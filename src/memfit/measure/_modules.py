@@ -2,8 +2,9 @@
 
 Forward is followed with per-module hooks on the tracked model (``with_kwargs`` so that keyword
 inputs count as inputs). Backward is followed the way PyTorch's ``ModTracker`` does it, with
-multi-grad hooks on module outputs ("any": the module's backward starts) and on its positional
-inputs ("all": it ends; a module without such inputs ends with the backward pass), so it adds
+multi-grad hooks on module outputs ("any": the module's backward starts) and on its inputs,
+keywords included ("all": it ends; a module without such inputs ends with the backward pass,
+Note 5), so it adds
 no tensors and changes no memory; but the hooks are memfit's own, so that they can be removed
 (Note 1).
 
@@ -37,6 +38,14 @@ dropout of ``p=0``, an identity) runs nothing in backward. Watched as the others
 fire together, end first, and leave it on the stack of running modules for the rest of the
 region: every tensor later saved was charged to it, so its totals grew with the model's depth.
 Its backward is not watched.
+
+Note 5 (keyword inputs). transformers calls a block's attention as ``self_attn(hidden_states=...)``.
+Watching the positional inputs alone (as ``ModTracker`` does) left such a module without any, so
+its backward "ended with the pass": every attention's backward span ran to the end of backward,
+and where nothing runs after the first block's backward (a LoRA model: the embeddings frozen)
+those ends landed inside block 0's, a run of references to every block that kept a deep
+model's step from composing from twins (``trace.block_reuse``). Its end is now the gradient of
+every tensor input that needs one, however it was passed.
 """
 
 from __future__ import annotations
@@ -150,7 +159,8 @@ class ModuleWatch:
         for name, m in watched_modules(self.model):    # a compiled region: its wrapper
             self._handles.append(m.register_forward_pre_hook(self._pre_fw, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post_fw, always_call=True))
-            self._handles.append(m.register_forward_pre_hook(self._bw_pre_fw, prepend=True))
+            self._handles.append(m.register_forward_pre_hook(self._bw_pre_fw, prepend=True,
+                                                             with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._bw_post_fw, prepend=True,
                                                          always_call=True))
             rec = self.records.setdefault(name, ModuleRecord(name, type(m).__name__, order=-1))
@@ -201,11 +211,11 @@ class ModuleWatch:
 
     # backward: multi-grad hooks on what the module is called with and returns, placed before
     # any other hook of the module may replace them (as ModTracker's global hooks are)
-    def _bw_pre_fw(self, m, args):
+    def _bw_pre_fw(self, m, args, kwargs):
         name = self._names.get(id(m))
         if name is None or torch._C._current_graph_task_id() != -1:
             return
-        inputs = [a for a in tree_flatten(args)[0]
+        inputs = [a for a in tree_flatten((args, kwargs))[0]     # Note 5: keywords too
                   if isinstance(a, torch.Tensor) and a.requires_grad]
         key = None
         if inputs:    # one tensor: "any" is "all" and holds no node (Note 1)

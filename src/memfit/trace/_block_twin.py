@@ -15,6 +15,7 @@ in forward has a layer per block, as the model's has.
 from __future__ import annotations
 
 import copy
+import types
 from dataclasses import dataclass
 
 import torch
@@ -86,13 +87,17 @@ class BlockList:
         config = self._config(indices)
         original = getattr(self.model, "config", None)
         root = _shallow(self.model, original, config)
+        copies = {id(self.model): root}
         parent = root
         *inner, last = self.path.split(".")
         for part in inner:
             child = _shallow(parent._modules[part], original, config)
+            copies[id(parent._modules[part])] = child
             parent._modules[part] = child
             parent = child
         parent._modules[last] = short
+        for module in copies.values():
+            _repointed(module, copies)
         return root
 
     def _config(self, indices: list[int]):
@@ -121,6 +126,20 @@ def _shallow(m: nn.Module, original, config) -> nn.Module:
     if config is not None and getattr(m, "config", None) is original:
         out.config = config
     return out
+
+
+def _repointed(module: nn.Module, copies: dict) -> None:
+    """A plain attribute of ``module`` that holds a module on the path, or a method bound to
+    one (peft's PeftModel keeps the base model's ``prepare_inputs_for_generation``), now holds
+    its twin's copy: else a deep copy of the twin would copy the whole model through it (and
+    fail on bitsandbytes' quantized weights, which do not deep-copy on meta)."""
+    for k, v in list(vars(module).items()):
+        if k.startswith("_"):
+            continue
+        if isinstance(v, nn.Module) and id(v) in copies:
+            module.__dict__[k] = copies[id(v)]
+        elif isinstance(v, types.MethodType) and id(v.__self__) in copies:
+            module.__dict__[k] = types.MethodType(v.__func__, copies[id(v.__self__)])
 
 
 def _renumbered(block: nn.Module, old: int, new: int) -> nn.Module:
