@@ -114,3 +114,14 @@ def test_packing_with_lora_is_the_api_s_peft_model(capsys, tiny_gpt2):
     api = memfit.estimate(wrapped, spec.make_batch(model, 2, seq_len=16, packing=True),
                           device="cpu")
     assert out["peak_bytes"] == api.peak_bytes
+
+
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+def test_a_batch_with_a_flag_prints_its_tensors_shapes(capsys, tmp_path, command):
+    """A contrastive batch holds return_loss=True beside its tensors: the shapes are the
+    tensors' (the CLI raised AttributeError on the bool)."""
+    zoo.get("clip-vit-base-patch32").build(tiny=True, device="meta").config.save_pretrained(
+        tmp_path)
+    out = cli_json(capsys, command, "--config", str(tmp_path / "config.json"), "--task",
+                   "contrastive", "--batch-size", "2", "--gpu", "cpu")
+    assert set(out["batch"]) == {"input_ids", "attention_mask", "pixel_values"}

@@ -359,6 +359,12 @@ def make_batch(spec, model, args, batch_size: int, seq_len: int | None):
                            packing=getattr(args, "packing", False))
 
 
+def batch_shapes(batch) -> dict:
+    """Each tensor's shape, by key: a batch also holds flags (a contrastive model's
+    ``return_loss=True``), which have none."""
+    return {k: list(v.shape) for k, v in batch.items() if hasattr(v, "shape")}
+
+
 def build_model_and_batch(args):
     """The model on the meta device (no memory) and a real batch for it."""
     spec, model = build_model(args)

@@ -14,7 +14,7 @@ from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
                               reshard_value)
 from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, hf_trainer
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
-                                add_target_args, build_model_and_batch, check_model_arg,
+                                add_target_args, batch_shapes, build_model_and_batch, check_model_arg,
                                 check_paths, optimizer_impl_knob, packing_fields, packing_words,
                                 resolve_target)
 from memfit.cli._json import byte_counts_checked, spare_and_short
@@ -176,7 +176,7 @@ def run(args) -> int:
             with _report_args.recording(args, model) as record:
                 est = estimate(model, batch, optimizer=args.optimizer, device=target.device,
                                budget=target.budget_bytes, allocator=allocator, **_knobs(args))
-    shapes = {k: list(v.shape) for k, v in batch.items()}
+    shapes = batch_shapes(batch)
     described = describe_batch(batch) + packing_words(args, model, batch)
     tracker = record.tracker if hf is None and record is not None else None
     if args.plot:
@@ -255,7 +255,7 @@ def describe_batch(batch) -> str:
     for key in ("input_ids", "pixel_values", "inputs_embeds"):
         if key in batch:
             return "batch " + " x ".join(str(d) for d in batch[key].shape)
-    return "batch " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items())
+    return "batch " + ", ".join(f"{k} {tuple(v)}" for k, v in batch_shapes(batch).items())
 
 
 def _print_human(console, spec, model, est, described, args, target) -> None:

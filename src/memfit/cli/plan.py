@@ -13,6 +13,7 @@ from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
                               add_optimizer_in_backward_arg, add_switch,
                               add_zero_grad_arg, positive_float, positive_int, progressive_spec)
 from memfit.cli._common import (OPTIMIZER_NAMES, adapted, add_model_args, add_optimizer_impl_arg,
+                                batch_shapes,
                                 add_target_args, build_model, check_model_arg, check_paths,
                                 make_batch, optimizer_impl_knob, packing_fields, packing_words,
                                 resolve_target)
@@ -174,7 +175,7 @@ def run(args) -> int:
         console.print(line, markup=False, highlight=False)
     if args.json:
         out.update({"model": spec.name, "task": args.task or spec.default_task,
-                    "batch": {k: list(v.shape) for k, v in batch.items()},
+                    "batch": batch_shapes(batch),
                     **packing_fields(args, model, batch),
                     "optimizer": args.optimizer, "reserve_bytes": target.reserve_bytes,
                     "trainable_parameters": sum(t.numel() for t in model.parameters()
