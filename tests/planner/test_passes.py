@@ -119,3 +119,23 @@ def test_planned_accumulating_step_fits_and_trains_the_same(gpt2):
     assert t.peak_bytes == runner.plan.predicted_peak_bytes
     assert losses == run_plain(ref, batch, fn, optimizer=sgd)
     assert_same_training(model, ref)
+
+
+def test_one_layer_applied_in_turn_is_kept_and_planned():
+    """ALBERT applies one shared layer num_hidden_layers times: its backward windows come out
+    empty after the first (each pass's input is the previous one's output), so the passes are
+    not paired and the layer can only be kept; the plan ran into an argmax of nothing."""
+    import transformers as T
+
+    cfg = T.AlbertConfig(vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=4,
+                         num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = T.AlbertForMaskedLM(cfg)
+    ids = torch.arange(48).reshape(2, 24) % 128
+    est = memfit.estimate(model, {"input_ids": ids, "labels": ids}, device="rtx-4090")
+    (layer,) = est.blocks
+    assert block_passes(est.modules[layer]) is None
+    p = memfit.plan(model, {"input_ids": ids, "labels": ids}, budget=est.device_bytes,
+                    device="rtx-4090")
+    assert dict(p.blocks) == {layer: MODES[0]}           # keep
+    assert p.predicted_device_bytes <= est.device_bytes

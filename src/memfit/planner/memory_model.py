@@ -396,8 +396,8 @@ def block_passes(r) -> list[tuple[tuple, tuple, int]] | None:
     calls = r.call_saved_bytes
     fws = [(span, saved) for span, saved in zip(r.fw_spans, calls) if saved > 0] \
         if len(calls) == len(r.fw_spans) else []
-    if not fws or len(r.bw_spans) != len(fws):
-        return None
+    if not fws or len(r.bw_spans) != len(fws) or any(e < s for s, e in r.bw_spans):
+        return None        # an empty backward: one layer applied in turn (ALBERT's), unpaired
     out, free = [], list(fws)
     for bw in r.bw_spans:
         before = [f for f in free if f[0][1] < bw[0]]
