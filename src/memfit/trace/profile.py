@@ -25,6 +25,7 @@ numpy's (SpecAugment masks). The trace puts all three generators back as it foun
 estimate changes nothing a later real step draws. An op the trace cannot run, in the warm-up or
 the step, is a ``TraceError`` that names the op and, for a value read back, the line that read
 it (``read_site``): the step's own code, or the library code it called (an optimizer's step).
+Nor does a trace leave its fakes in the model's own method caches (``trace._method_caches``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from memfit.trace.fake import FakeCopier, FakeDeepcopyMode
 from memfit.trace.fidelity import FidelityMode
 from memfit.trace.finite_grads import FiniteGradsMode
 from memfit.trace.known_values import known_values_readable
+from memfit.trace._method_caches import caches_cleared
 
 __all__ = ["StepProfile", "profile_step", "profile_of", "warm_up_optimizer", "read_site"]
 
@@ -111,8 +113,9 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
     ``blocks``: the model's block names, for a tracker that labels storages with them
     (``trace.block_reuse``).
     """
-    with (copier.mode, FidelityMode(copier.data), FiniteGradsMode(copier.data),
-          known_values_readable(copier.data), FakeDeepcopyMode(copier.mode), _generators_kept()):
+    with (caches_cleared(model), copier.mode, FidelityMode(copier.data),
+          FiniteGradsMode(copier.data), known_values_readable(copier.data),
+          FakeDeepcopyMode(copier.mode), _generators_kept()):
         if not two_steps:            # two steps need no warm-up: step 1 is it
             try:
                 (warm_up or (lambda: warm_up_optimizer(model, optimizer)))()
