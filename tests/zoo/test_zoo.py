@@ -373,6 +373,10 @@ def test_config_file_errors(tmp_path):
     with pytest.raises(ValueError, match="BertForPreTraining; pass task="):
         zoo.from_config_file(pretraining)
     assert zoo.from_config_file(pretraining, task="masked-lm").default_task == "masked-lm"
+    ctc = tmp_path / "ctc.json"           # a family memfit makes no batch for: no empty list
+    ctc.write_text(json.dumps({"model_type": "wav2vec2", "architectures": ["Wav2Vec2ForCTC"]}))
+    with pytest.raises(ValueError, match="batches for no head of wav2vec2 models.*your own batch"):
+        zoo.from_config_file(ctc)
 
 
 _POSITION_CONVENTIONS = {  # tiny models, 16 positions where the convention has a field for them

@@ -73,6 +73,10 @@ def from_config_file(path: str | Path, task: str | None = None) -> ModelSpec:
         architectures[arch_task] = arch
     architectures = {t: c for t, c in architectures.items() if c is not None}
     default_task = task or arch_task or _base_model_task(arch, model_type, architectures)
+    if default_task is None and not architectures:
+        raise ValueError(f"{file}: memfit makes batches for no head of {model_type} models (the "
+                         f"file names {arch}): build the model yourself and estimate it with "
+                         "your own batch, memfit.estimate(memfit.Job(model, batch))")
     if default_task is None:
         raise ValueError(f"{file}: memfit makes no batches for the head {arch}; pass task=NAME to "
                          f"build the {model_type} model with that head instead, NAME one of "
