@@ -16,6 +16,8 @@ shared):
   memfit whole;
 - Llama-2-7B, 1 x 512, bf16, A100 80GB: the same three;
 - a Llama-2-70B config (80 blocks), 1 x 512, bf16, A100 80GB: memfit composed, beside the 7B;
+- ``--lora``: Llama-2-7B under peft's LoRA (rank 16, every linear layer), 1 x 1024, bf16,
+  RTX 4090: memfit composed and whole (LoRA steps compose since session 20);
 - ``--plan``: ``memfit.plan`` of the README default (XLM-R large, batch 32 x 256, GTX 1080 Ti,
   precision "auto" as ``memfit`` runs it), and of the same job with the precision as given
   (the Python default: fp32, no low-bit state), beside MemTracker's time for one step of that
@@ -119,6 +121,8 @@ def main() -> None:
     ap.add_argument("--fronts", action="store_true",
                     help="also time the floor, what-if and compare-gpus of Llama-2-7B (about "
                          "10 minutes)")
+    ap.add_argument("--lora", action="store_true",
+                    help="also time Llama-2-7B under LoRA, composed and whole (about a minute)")
     ap.add_argument("--no-memtracker-7b", action="store_true",
                     help="skip MemTracker on Llama-2-7B (a few minutes)")
     args = ap.parse_args()
@@ -157,6 +161,17 @@ def main() -> None:
                  "device_bytes": est70.device_bytes})
     console.print(rows[-1])
 
+    if args.lora:
+        import peft
+
+        lora = peft.get_peft_model(spec7.build(device="meta"), peft.LoraConfig(
+            r=16, lora_alpha=32, target_modules="all-linear", task_type=peft.TaskType.CAUSAL_LM))
+        rows.append(_estimate_row(
+            "estimate llama-2-7b LoRA r16 (peft, every linear) 1x1024 bf16 rtx-4090", lora,
+            spec7.make_batch(lora.get_base_model(), 1, seq_len=1024), "rtx-4090",
+            precision="bf16"))
+        console.print(rows[-1])
+
     if args.plan:
         big = spec.make_batch(model, 32, seq_len=256)
         mt_s, _ = memtracker_seconds(lambda: spec.build(device="cpu"),
@@ -192,6 +207,7 @@ def main() -> None:
                       r.get("target", targets.get(i, "")))
     console.print(table)
     path = _record.write("speed", {"torch_threads": 1, "plan": args.plan, "fronts": args.fronts,
+                                   "lora": args.lora,
                                    "memtracker_7b": not args.no_memtracker_7b}, rows)
     console.print(f"recorded in {path}")
 
