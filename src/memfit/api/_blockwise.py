@@ -121,6 +121,7 @@ def blockwise_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, *,
         knobs_blocks={name: mode for name in blocks.names()} if a.knobs_blocks else {},
         sdpa_calls=_affine_calls(a.sdpa_calls, b.sdpa_calls, extra),
         unified_bytes=a.unified_bytes + extra * (a.unified_bytes - b.unified_bytes),
+        layerdrop=a.layerdrop,
         traced_as=f"composed from twins of {len(TWIN_A(n))} and {len(TWIN_B(n))} of its "
                   f"{n} blocks"), None
 

@@ -50,6 +50,7 @@ from memfit.trace.compiled import (check_budget, compile_failure, compiled_note,
                                    wrap_regions)
 from memfit.trace.cuda import CudaModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
+from memfit.trace._layerdrop import without_layerdrop
 from memfit.trace.packed_attention import check_attention_device, packing_note
 from memfit.trace.scaler import TraceGradScaler, warm_up_scaled
 from memfit.units import parse_bytes
@@ -81,6 +82,7 @@ class Traced:
     traced_as: str = "whole"
     regions: tuple = ()         # the compiled regions (trace.compiled), traced as compiled
     eager_calls: tuple = ()     # compiled code the step called that ran eagerly (trace.compiled)
+    layerdrop: tuple = ()       # LayerDrop probabilities set to 0 in the trace (trace._layerdrop)
 
 
 def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier, *,
@@ -128,6 +130,7 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
         stack.enter_context(eager_compiled_calls(eager_calls))
         fake_model = copier.module(model)
         fake_model.train(model.training)
+        layerdrop = without_layerdrop(fake_model) if model.training else ()
         if regions:
             stack.enter_context(compiled_trace())
             fake_model = wrap_regions(fake_model, regions, compiled,
@@ -197,7 +200,8 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
                   prof=prof, tracker=tracker, knobs_blocks=dict(runner.applied.blocks),
                   sdpa_calls=list(cuda.sdpa_calls) if cuda else [],
                   unified_bytes=cuda.unified_bytes(runner.optimizer) if cuda else 0,
-                  regions=tuple(regions), eager_calls=tuple(eager_calls))
+                  regions=tuple(regions), eager_calls=tuple(eager_calls),
+                  layerdrop=layerdrop)
 
 
 def figures(t: Traced) -> Estimate:
@@ -224,6 +228,9 @@ def figures(t: Traced) -> Estimate:
     notes += [compiled] if compiled else []
     eager = eager_calls_note(list(t.eager_calls))
     notes += [eager] if eager else []
+    if t.layerdrop:
+        notes.append(f"LayerDrop ({', '.join(t.layerdrop)}) is off in the trace: the figures are "
+                     "of a step that runs every layer, the most any training step holds")
     if user is not None:
         notes += step_notes(user, batch)
     sim = None

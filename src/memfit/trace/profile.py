@@ -19,7 +19,7 @@ check back, which it answers "finite" (``trace.finite_grads``). transformers rea
 where the real step does (``trace.known_values``). ``FakeDeepcopyMode`` copies a fake the step
 deep-copies into the trace's own fake mode (``trace.fake``).
 
-Note 3 (what the trace leaves). A random draw whose value the step reads (LayerDrop) is drawn
+Note 3 (what the trace leaves). A random draw whose value the step reads is drawn
 from torch's real generator (``trace.data_dependent``), and a step may draw from Python's or
 numpy's (SpecAugment masks). The trace puts all three generators back as it found them, so an
 estimate changes nothing a later real step draws. An op the trace cannot run, in the warm-up or
