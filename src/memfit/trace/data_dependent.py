@@ -42,9 +42,9 @@ knows as well as the real step. A random draw (``rand``, ``randint``, ... and th
 that is data or a scalar is drawn from torch's real CPU generator, as the real op draws it, within
 Note 3's size limit (a float noise tensor stays fake): a ``torch.rand([])`` takes the branch that
 draw gives (the trace restores the generator after it, ``trace.profile``); transformers'
-LayerDrop, which draws so, is off in the trace (``trace._layerdrop``: every layer runs). A real tensor
-lifted into the trace (``torch.tensor(...)``, ``torch.as_tensor``: ``lift_fresh``) is known by its
-values (an optimizer's learning rate, a SpecAugment mask drawn with numpy). And an in-place op whose
+LayerDrop, which draws so, is off in the trace (``trace._layerdrop``: every layer runs). A real
+tensor lifted into the trace (``torch.tensor(...)``, ``torch.as_tensor``: ``lift_fresh``) is known
+by its values (an optimizer's learning rate, a SpecAugment mask drawn with numpy). And an in-place op whose
 inputs are all known, and which writes no view, is run on copies of the real values written, which
 are then linked (an optimizer's step count ``+= 1``, ASGD's ``mu.copy_(...)``): the real values the
 trace was given are never written.
