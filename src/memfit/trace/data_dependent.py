@@ -38,16 +38,16 @@ is a copy of a weight's shape (``zeros_like(param)``: optimizer state, gradients
 would hold a real copy of each for nothing.
 
 Note 4 (draws, lifted values, in-place updates). Two more kinds of tensor have values the trace
-knows as well as the real step. A random draw (``rand``, ``randint``, ... and their ``_like`` forms)
-that is data or a scalar is drawn from torch's real CPU generator, as the real op draws it, within
-Note 3's size limit (a float noise tensor stays fake): a ``torch.rand([])`` takes the branch that
-draw gives (the trace restores the generator after it, ``trace.profile``); transformers'
+knows as well as the real step. A random draw (``rand``, ``randint``, ... and their ``_like``
+forms) that is data or a scalar is drawn from torch's real CPU generator, as the real op draws it,
+within Note 3's size limit (a float noise tensor stays fake): a ``torch.rand([])`` takes the branch
+that draw gives (the trace restores the generator after it, ``trace.profile``); transformers'
 LayerDrop, which draws so, is off in the trace (``trace._layerdrop``: every layer runs). A real
 tensor lifted into the trace (``torch.tensor(...)``, ``torch.as_tensor``: ``lift_fresh``) is known
-by its values (an optimizer's learning rate, a SpecAugment mask drawn with numpy). And an in-place op whose
-inputs are all known, and which writes no view, is run on copies of the real values written, which
-are then linked (an optimizer's step count ``+= 1``, ASGD's ``mu.copy_(...)``): the real values the
-trace was given are never written.
+by its values (an optimizer's learning rate, a SpecAugment mask drawn with numpy). And an in-place
+op whose inputs are all known, and which writes no view, is run on copies of the real values
+written, which are then linked (an optimizer's step count ``+= 1``, ASGD's ``mu.copy_(...)``): the
+real values the trace was given are never written.
 
 Note 5 (the weights as given). A real model's parameters and buffers keep their real values too
 (``link_weight``), for scalar reads only: an op with a weight among its known inputs is mirrored
