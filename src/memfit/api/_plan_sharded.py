@@ -179,7 +179,7 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
             say(f"verifying: re-tracing one rank of {c.describe()}, "
                 f"{describe(best.choice, best.rank_batch)}")
             verified = _verify(model, batch, optimizer, spec, loss_fn, count_fn, k, best,
-                               models.memory(c, *_card_bytes(spec))[0].blocks)
+                               models.memory(c, *_card_bytes(spec, models.est.op_log))[0].blocks)
             device_bytes = verified.device_bytes          # _sharded
             if device_bytes <= budget_bytes:
                 return _planned(k, best, verified, device_bytes, models, spec, budget_bytes,

@@ -26,7 +26,7 @@ from memfit.planner.sharding import Candidate, ShardedTime, shard_estimate, stat
 from memfit.planner.time_model import TimeModel
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
-from memfit.trace.card import step_workspace_bytes
+from memfit.trace.card import ran_convolution, step_workspace_bytes
 
 __all__ = ["Row", "fewest", "SHARDED_PRECISIONS"]
 
@@ -80,11 +80,15 @@ def _trace(model, batch, optimizer, loss_fn, count_fn, k: Knobs, p: str, say):
                     zero_grad=k.zero_grad, optimizer_impl=k.optimizer_impl)
 
 
-def _card_bytes(spec) -> tuple[int, int]:
-    """(bytes inside the allocator a step always adds, bytes outside it) for ``spec``."""
+def _card_bytes(spec, op_log) -> tuple[int, int]:
+    """(bytes inside the allocator a step always adds, bytes outside it) for ``spec``, of a
+    step that ran ``op_log``: cuDNN's kernels where a convolution ran, as a rank's card counts
+    them (trace.card; left out, the layout search found 1 GPU fitting under a conv model's
+    one-device floor)."""
     if spec.kind != "cuda":
         return 0, 0
-    return step_workspace_bytes(spec), spec.cuda_context_bytes
+    cudnn = spec.cudnn_bytes if ran_convolution(op_log) else 0
+    return step_workspace_bytes(spec), spec.cuda_context_bytes + cudnn
 
 
 class _Models:
@@ -103,7 +107,7 @@ class _Models:
         return self._memory[key]
 
     def pair(self, cand: Candidate, spec):
-        extra, context = _card_bytes(spec)
+        extra, context = _card_bytes(spec, self.est.op_log)
         memory, sh = self.memory(cand, extra, context)
         if spec.name not in self._time:     # per-op costs: the same for every layout
             self._time[spec.name] = TimeModel(sh, spec, self.p, self.b, memory)
