@@ -107,9 +107,6 @@ def apply_lora(model, rank: int, task: str | None, targets: str | None = None):
                      if isinstance(m, PackedInt4Linear)})
     modules = (packed or "all-linear") if targets is None else \
         [t.strip() for t in targets.split(",") if t.strip()]
-    if not modules:
-        raise ValueError(f"--lora-targets {targets!r}: give module names, comma-separated "
-                         "(q_proj,v_proj)")
     odd = _odd_linears(model) if targets is None else []       # Note 2
     if odd:
         if "exclude_modules" not in inspect.signature(peft.LoraConfig).parameters:

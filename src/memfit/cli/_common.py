@@ -266,7 +266,7 @@ def build_model(args):
     spec = zoo.from_config_file(args.config, task=args.task) if args.config else \
         zoo.resolve(args.model or DEFAULT_MODEL, revision=revision, task=args.task)
     spec.check_task(args.task)
-    _check_attention(args)
+    check_flags(args)
     model = spec.build(args.task, device="meta",
                        attn_implementation=getattr(args, "attn_implementation", None))
     if getattr(args, "packing", False):
@@ -281,26 +281,51 @@ def adapted(spec, model, args):
 
     if getattr(args, "packing", False):
         model.config.use_cache = False      # as the Trainer sets it (trace.packed_attention)
+    check_flags(args)
     lora, freeze = getattr(args, "lora_rank", None), getattr(args, "freeze", None)
     if getattr(args, "quantize", None):
         if lora:
             model.requires_grad_(False)      # a quantized base is frozen, LoRA trains beside it
-        elif freeze:
+        else:                                # check_flags: --freeze names the frozen layers
             apply_freeze(model, freeze)
             freeze = None
-        else:
-            raise ValueError(f"--quantize {args.quantize} holds frozen weights in fewer bits: "
-                             "add --lora-rank R (QLoRA) or --freeze PATTERN for the layers "
-                             "that do not train")
         apply_quantize(model, args.quantize, args.double_quant)
     if lora:
         model = apply_lora(model, lora, args.task or spec.default_task,
                            targets=getattr(args, "lora_targets", None))
-    elif getattr(args, "lora_targets", None):
-        raise ValueError("--lora-targets names the layers LoRA adapts: give --lora-rank R too")
     if freeze:
         apply_freeze(model, freeze)
     return model
+
+
+def check_flags(args) -> None:
+    """What the flags alone refuse, before torch is imported or a model built: the attention
+    kernel's precision, --packing's companions, LoRA's and --quantize's, a low-bit optimizer
+    state's optimizer."""
+    _check_attention(args)
+    if getattr(args, "packing", False):
+        _check_packing_flags(args)
+    lora, targets = getattr(args, "lora_rank", None), getattr(args, "lora_targets", None)
+    if targets is not None and not lora:
+        raise ValueError("--lora-targets names the layers LoRA adapts: give --lora-rank R too")
+    if targets is not None and not [t for t in targets.split(",") if t.strip()]:
+        raise ValueError(f"--lora-targets {targets!r}: give module names, comma-separated "
+                         "(q_proj,v_proj)")
+    quantize = getattr(args, "quantize", None)
+    if quantize and not lora and not getattr(args, "freeze", None):
+        raise ValueError(f"--quantize {quantize} holds frozen weights in fewer bits: add "
+                         "--lora-rank R (QLoRA) or --freeze PATTERN for the layers that do not "
+                         "train")
+    state = getattr(args, "optimizer_state", None)
+    if state not in (None, "fp32") and getattr(args, "optimizer", "adamw") not in _LOW_BIT_NAMES:
+        raise ValueError(f"--optimizer-state {state}: there are low-bit versions of Adam and "
+                         f"AdamW only (techniques.low_bit_optimizer), not of "
+                         f"{args.optimizer}: give --optimizer adamw (or adam), or leave "
+                         "--optimizer-state unset")
+
+
+# the --optimizer names whose class has low-bit states (low_bit_optimizer.LOW_BIT_CLASSES' keys)
+_LOW_BIT_NAMES = ("adam", "adamw")
 
 
 def _check_attention(args) -> None:
@@ -314,9 +339,13 @@ def _check_attention(args) -> None:
 
 
 def _check_packing(args, spec, model) -> None:
-    """--packing's refusals, before any trace."""
+    """--packing's refusal that needs the model (check_flags has the flags' own)."""
     from memfit.zoo._packing import check_packable
 
+    check_packable(model, args.task or spec.default_task)
+
+
+def _check_packing_flags(args) -> None:
     if args.padded:
         raise ValueError("--packing removes the padding: give --packing or --padded, not both")
     for flag in ("batch_size", "seq_len"):
@@ -326,7 +355,6 @@ def _check_packing(args, spec, model) -> None:
     if getattr(args, "hf_args", None):
         raise ValueError("--packing describes memfit's own batch; with --hf-args the Trainer's "
                          "collator makes it: drop one of them")
-    check_packable(model, args.task or spec.default_task)
 
 
 def packing_fields(args, model, batch) -> dict:

@@ -13,7 +13,7 @@ from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
                               add_optimizer_in_backward_arg, add_switch,
                               add_zero_grad_arg, positive_float, positive_int, progressive_spec)
 from memfit.cli._common import (OPTIMIZER_NAMES, adapted, add_model_args, add_optimizer_impl_arg,
-                                batch_shapes,
+                                batch_shapes, check_flags,
                                 add_target_args, build_model, check_model_arg, check_paths,
                                 make_batch, optimizer_impl_knob, packing_fields, packing_words,
                                 resolve_target)
@@ -117,6 +117,7 @@ def _check(args) -> None:
 
     check_paths(args, "--plot")
     check_model_arg(args)                      # without torch: refused in under a second
+    check_flags(args)
     from memfit.cli import _report_args
 
     _report_args.check(args)                   # --report, --snapshot: as --plot, before a trace
