@@ -161,3 +161,16 @@ def test_lora_leaves_out_a_linear_subclass_with_a_forward_of_its_own():
     adapted = {n.split(".lora_A")[0] for n, _ in wrapped.named_parameters() if ".lora_A" in n}
     assert adapted == {"base_model.model.up", "base_model.model.down"}
     wrapped(torch.randn(3, 8)).sum().backward()        # the step runs
+
+
+def test_a_quantized_base_counts_its_parameters_as_they_stand(capsys, tiny_gpt2):
+    """'trains X of Y parameters': Y counted bitsandbytes' packed 4-bit bytes, so a QLoRA
+    model had half the parameters of the same LoRA model."""
+    pytest.importorskip("peft")
+    lines = []
+    for extra in ([], ["--quantize", "nf4"], ["--quantize", "int8"]):
+        assert main(["estimate", "--config", tiny_gpt2, *SHAPE, "--lora-rank", "4",
+                     *extra]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        lines.append(out[out.index("trains "):].split(" parameters")[0])
+    assert len(set(lines)) == 1, lines

@@ -39,7 +39,8 @@ import re
 from memfit.techniques.packed_int4 import PackedInt4, PackedInt4Linear
 from memfit.techniques.quantized_base import QuantizedBase
 
-__all__ = ["apply_freeze", "apply_lora", "apply_quantize", "base_model", "LORA_TASK_TYPES"]
+__all__ = ["apply_freeze", "apply_lora", "apply_quantize", "base_model", "parameter_count",
+           "LORA_TASK_TYPES"]
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -134,6 +135,18 @@ def _odd_linears(model) -> list[str]:
     return [name for name, m in model.named_modules()
             if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward
             and not type(m).__module__.startswith("bitsandbytes")]
+
+
+def parameter_count(model) -> int:
+    """The model's parameters as its float weights count them: a 4-bit weight by the shape it
+    stands for (bitsandbytes packs two codes a byte: ``quant_state.shape``), a GPTQ layer by
+    its ``in_features x out_features`` (its codes are buffers)."""
+    total = 0
+    for p in model.parameters():
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)
+        total += shape.numel() if shape is not None else p.numel()
+    return total + sum(m.in_features * m.out_features for m in model.modules()
+                       if isinstance(m, PackedInt4Linear))
 
 
 def base_model(model):

@@ -244,7 +244,9 @@ def _trainable(model) -> int:
 
 def trainable_line(model, args) -> str:
     """"trains 1.2M of 125M parameters (LoRA rank 8; frozen: ...)" for --lora-rank/--freeze."""
-    total = sum(p.numel() for p in model.parameters())
+    from memfit.cli._adapt import parameter_count
+
+    total = parameter_count(model)
     how = [f"LoRA rank {args.lora_rank}"] if args.lora_rank else []
     how += [f"frozen: {' '.join(args.freeze)}"] if args.freeze else []
     return (f"trains {_trainable(model) / 1e6:.3g}M of {total / 1e6:.4g}M parameters "
