@@ -377,6 +377,11 @@ def test_config_file_errors(tmp_path):
     ctc.write_text(json.dumps({"model_type": "wav2vec2", "architectures": ["Wav2Vec2ForCTC"]}))
     with pytest.raises(ValueError, match="batches for no head of wav2vec2 models.*your own batch"):
         zoo.from_config_file(ctc)
+    audio = tmp_path / "audio.json"       # raw audio in: no text batch made for it
+    audio.write_text(json.dumps({"model_type": "hubert",
+                                 "architectures": ["HubertForSequenceClassification"]}))
+    with pytest.raises(ValueError, match="batches for no head of hubert models"):
+        zoo.from_config_file(audio)
 
 
 _POSITION_CONVENTIONS = {  # tiny models, 16 positions where the convention has a field for them

@@ -73,7 +73,8 @@ def from_config_file(path: str | Path, task: str | None = None) -> ModelSpec:
         architectures[arch_task] = arch
     architectures = {t: c for t, c in architectures.items() if c is not None}
     default_task = task or arch_task or _base_model_task(arch, model_type, architectures)
-    if default_task is None and not architectures:
+    if (default_task is None and not architectures) or _main_input(arch, model_type) not in \
+            _BATCHED_INPUTS:      # raw audio (input_values) among them
         raise ValueError(f"{file}: memfit makes batches for no head of {model_type} models (the "
                          f"file names {arch}): build the model yourself and estimate it with "
                          "your own batch, memfit.estimate(memfit.Job(model, batch))")
@@ -143,6 +144,15 @@ def _base_model_task(arch: str | None, model_type: str, architectures: dict[str,
     """Note 3: a bare ``{Prefix}Model`` class trains with its family's first head."""
     bare = arch is not None and _auto_class(modeling_auto.MODEL_MAPPING_NAMES, model_type) == arch
     return next(iter(architectures), None) if bare else None
+
+
+_BATCHED_INPUTS = ("input_ids", "pixel_values", "input_features", None)  # zoo._batches makes
+
+
+def _main_input(arch: str | None, model_type: str) -> str | None:
+    """The ``main_input_name`` of the file's class (else the family's bare model), or None."""
+    name = arch or _auto_class(modeling_auto.MODEL_MAPPING_NAMES, model_type)
+    return getattr(getattr(transformers, name, None), "main_input_name", None) if name else None
 
 
 def _auto_class(table: dict, model_type: str) -> str | None:
