@@ -3,7 +3,7 @@
 transformers' LayerDrop (``config.layerdrop``, ``encoder_layerdrop``, ``decoder_layerdrop``:
 wav2vec2, HuBERT, BART, Whisper, ...) skips each layer of a training forward when a draw of
 ``torch.rand([])`` falls under the probability. A trace draws as the real step would
-(``trace.data_dependent`` Note 4), so its figures were those of one random step: HuBERT's
+(``trace.data_dependent``), so its figures were those of one random step: HuBERT's
 estimate was 38% under the real peak whenever the draw skipped a layer, and the step it
 described had that layer's gradients missing. A budget must hold every step, so the trace's own
 copy of the model runs with each LayerDrop probability at 0 (on its configs and on the modules
