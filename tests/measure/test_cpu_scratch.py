@@ -53,6 +53,26 @@ def test_flash_attention_on_the_cpu_holds_what_the_rule_says(shape, dtype, threa
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("op", [aten._softmax.default, aten._log_softmax.default])
+@pytest.mark.parametrize("layout,dim", [("contiguous", 1), ("channels_last", 1),
+                                        ("channels_last", -1), ("transposed", 0)])
+def test_softmax_on_the_cpu_holds_a_contiguous_copy_of_a_strided_input(op, layout, dim):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8, 8)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        x = torch.randn(64, 32).t()
+    held = _held_beside_outputs(lambda: (op(x, dim, False),))
+    assert held == scratch_bytes(op, (x, dim, False), {}) == \
+        (0 if layout == "contiguous" else x.numel() * x.element_size())
+    out = op(x, dim, False)                          # its backward holds nothing more
+    backward = aten._softmax_backward_data.default if op is aten._softmax.default else \
+        aten._log_softmax_backward_data.default
+    grad = torch.randn_like(out)
+    assert _held_beside_outputs(lambda: (backward(grad, out, dim, x.dtype),)) == 0
+
+
 def test_other_ops_and_devices_hold_nothing_extra():
     x = torch.randn(4, 4)
     assert scratch_bytes(aten.mm.default, (x, x), {}) == 0
