@@ -174,3 +174,33 @@ def test_a_quantized_base_counts_its_parameters_as_they_stand(capsys, tiny_gpt2)
         out = " ".join(capsys.readouterr().out.split())
         lines.append(out[out.index("trains "):].split(" parameters")[0])
     assert len(set(lines)) == 1, lines
+
+
+def test_lora_keeps_a_linear_subclass_that_returns_a_tensor():
+    """Falcon builds every layer from FalconLinear(nn.Linear), a forward of its own that returns
+    a tensor: those are LoRA's targets (a rule on the class alone left none)."""
+    pytest.importorskip("peft")
+    import torch
+    import transformers as T
+
+    from memfit.cli._adapt import apply_lora
+
+    cfg = T.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4)
+    with torch.device("meta"):
+        model = T.FalconForCausalLM(cfg)
+    wrapped = apply_lora(model, 2, "causal-lm")
+    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1]
+               for n, _ in wrapped.named_parameters() if ".lora_A" in n}
+    assert adapted == {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_quantize_with_freeze_and_no_lora_is_estimated(capsys, tiny_gpt2, kind):
+    """--quantize needs LoRA or --freeze for the layers it holds (cli._common.check_flags):
+    with --freeze alone it is estimated, the frozen blocks in fewer bits."""
+    full = cli_json(capsys, "estimate", "--config", tiny_gpt2, *SHAPE,
+                    "--freeze", "transformer.h")
+    quantized = cli_json(capsys, "estimate", "--config", tiny_gpt2, *SHAPE, "--quantize", kind,
+                         "--freeze", "transformer.h")
+    assert quantized["breakdown"]["params"] < full["breakdown"]["params"]

@@ -35,7 +35,7 @@ def test_flags_are_the_api_knobs(tiny_gpt2, capsys, flags, knobs):
 
 
 @pytest.mark.parametrize("flags,says", [
-    (["--optimizer-state", "8bit", "--optimizer", "sgd"], "low-bit versions of Adam and AdamW only"),
+    (["--optimizer-state", "8bit", "--optimizer", "sgd"], "low-bit versions of Adam and AdamW"),
     (["--offload-params", "all"], "--offload-params all needs --offload-optimizer"),
     (["--optimizer-state", "int8"], "invalid choice: 'int8'"),
 ])

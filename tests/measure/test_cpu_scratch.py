@@ -66,11 +66,15 @@ def test_softmax_on_the_cpu_holds_a_contiguous_copy_of_a_strided_input(op, layou
     held = _held_beside_outputs(lambda: (op(x, dim, False),))
     assert held == scratch_bytes(op, (x, dim, False), {}) == \
         (0 if layout == "contiguous" else x.numel() * x.element_size())
-    out = op(x, dim, False)                          # its backward holds nothing more
+    out = op(x, dim, False)
     backward = aten._softmax_backward_data.default if op is aten._softmax.default else \
         aten._log_softmax_backward_data.default
-    grad = torch.randn_like(out)
-    assert _held_beside_outputs(lambda: (backward(grad, out, dim, x.dtype),)) == 0
+    for grad in (torch.randn_like(out), torch.randn_like(x)):   # contiguous, and as x lies
+        for output in (out, out.clone(memory_format=torch.channels_last)
+                       if out.dim() == 4 else out.t().contiguous().t()):
+            args = (grad, output, dim, x.dtype)
+            held = _held_beside_outputs(lambda: (backward(*args),))
+            assert held == scratch_bytes(backward, args, {}), (grad.stride(), output.stride())
 
 
 def test_other_ops_and_devices_hold_nothing_extra():

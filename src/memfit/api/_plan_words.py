@@ -35,6 +35,7 @@ from memfit.planner._explain import ratio_words
 from memfit.techniques.low_bit_optimizer import LIBRARY, NUMERICS_NOTE
 from memfit.techniques.packed_int4 import PackedInt4Linear
 from memfit.techniques.quantized_base import QuantizedBase
+from memfit.trace._coded_weights import holds_coded_weights
 from memfit.units import MiB, format_bytes
 
 __all__ = ["global_reasons", "host_bytes", "too_small", "excluded_levers", "counted_levers",
@@ -253,7 +254,7 @@ def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
 def _qlora_line(model) -> str | None:
     """QLoRA in numbers: the float linear weights and what bitsandbytes' NF4 layout holds them
     in (``techniques.quantized_base``), where they are float."""
-    if any(not p.is_floating_point() for p in model.parameters()) or \
+    if holds_coded_weights(model) or \
             any(isinstance(m, PackedInt4Linear) for m in model.modules()):
         return None        # a base held in fewer bits already (bitsandbytes' codes, GPTQ's)
     tech = QuantizedBase(QuantizedBase.Config("nf4"))

@@ -50,15 +50,14 @@ def check_batch(model: nn.Module, batch, loss_fn=None) -> None:
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):
         return
-    named = {n for n, p in sig.parameters.items()
-             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    named = _named(sig)
     if not named:       # forward(*args, **kwargs): a wrapper passes all on
         return
-    base = getattr(model, "get_base_model", None)    # peft's PeftModel passes the rest on
-    if callable(base) and isinstance(base(), nn.Module) and base() is not model:
+    get_base = getattr(model, "get_base_model", None)    # peft's PeftModel passes the rest on
+    base = get_base() if callable(get_base) else None
+    if isinstance(base, nn.Module) and base is not model:
         try:
-            named |= {n for n, p in inspect.signature(base().forward).parameters.items()
-                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+            named |= _named(inspect.signature(base.forward))
         except (TypeError, ValueError):
             return
     # A tensor the forward does not name would vanish into **kwargs (transformers accepts
@@ -69,6 +68,12 @@ def check_batch(model: nn.Module, batch, loss_fn=None) -> None:
             f"{type(model).__name__}.forward takes no input(s) {', '.join(extra)} (batch keys: "
             f"{sorted(batch)}); its inputs are: {', '.join(sorted(named))}"
         )
+
+
+def _named(sig: inspect.Signature) -> set[str]:
+    """The parameters a forward names (not its ``*args`` or ``**kwargs``)."""
+    return {n for n, p in sig.parameters.items()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
 def describe_batch_mismatch(model: nn.Module, batch, error: Exception) -> ValueError:

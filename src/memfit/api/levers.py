@@ -108,7 +108,7 @@ def largest_fitting(spec, model, lever: str, *, batch_size: int, seq_len: int | 
     limit = parse_bytes(budget) if budget is not None else dev.usable_bytes
     task = spec.check_task(task) if task is not None else None
     prober = _Prober(spec, model, lever, batch_size, seq_len, task, dev, limit, optimizer,
-                     knobs, say, budget=limit if budget is None else budget)
+                     knobs, say, budget=budget)
     low = prober.low()
     prober.learn(low)                       # the least-memory configuration, or BudgetTooSmall
     top, why = prober.top()

@@ -16,8 +16,9 @@ memfit counts what PEFT leaves trainable, as it would for the user's own PEFT mo
 --lora-targets q_proj,v_proj gives PEFT those module names instead of "all-linear". A class
 that subclasses ``nn.Linear`` with a forward of its own (PhiMoE's router returns a tuple) is
 no linear layer to LoRA, whose wrapper reads its output as a tensor and fails; "all-linear"
-would take it, so the default leaves such modules out (PEFT's ``exclude_modules``);
-bitsandbytes' quantized linears (QLoRA's base) are linear layers and stay in.
+would take it, so the default leaves out a subclass whose forward returns no tensor (PEFT's
+``exclude_modules``); Falcon's ``FalconLinear`` (a tensor) and bitsandbytes' quantized linears
+(QLoRA's base) stay in.
 
 Note 3 (a quantized base). --quantize nf4|fp4|int8 holds the frozen linear layers in 4 or 8 bits
 (``techniques.quantized_base``: bitsandbytes' own modules, the layers transformers keeps in full
@@ -128,13 +129,30 @@ def apply_lora(model, rank: int, task: str | None, targets: str | None = None):
 
 
 def _odd_linears(model) -> list[str]:
-    """Modules of a class that subclasses ``nn.Linear`` with a forward of its own, not one of
-    bitsandbytes' quantized linears (Note 2)."""
+    """Modules of a class that subclasses ``nn.Linear`` with a forward of its own that returns
+    no tensor (Note 2): each such class called once, on one row of zeros where its weight is.
+    Falcon's ``FalconLinear`` returns a tensor, and stays a target."""
+    import torch
     from torch import nn
 
-    return [name for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward
-            and not type(m).__module__.startswith("bitsandbytes")]
+    odd: dict[type, bool] = {}
+    names = []
+    for name, m in model.named_modules():
+        cls = type(m)
+        if not isinstance(m, nn.Linear) or cls.forward is nn.Linear.forward or \
+                cls.__module__.startswith("bitsandbytes"):
+            continue
+        if cls not in odd:
+            try:
+                with torch.no_grad():
+                    out = m(torch.zeros(1, m.in_features, device=m.weight.device,
+                                        dtype=m.weight.dtype))
+                odd[cls] = not isinstance(out, torch.Tensor)
+            except Exception:           # a forward that needs more: LoRA's own error decides
+                odd[cls] = False
+        if odd[cls]:
+            names.append(name)
+    return names
 
 
 def parameter_count(model) -> int:

@@ -18,7 +18,7 @@ from memfit.knobs import OPTIMIZER_IMPLS
 __all__ = ["DEFAULT_MODEL", "DEFAULT_GPU", "OPTIMIZER_NAMES", "add_model_args",
            "add_target_args", "add_optimizer_impl_arg", "optimizer_impl_knob", "Target",
            "resolve_target", "resolve_device", "check_paths", "check_model_arg", "build_model",
-           "make_batch", "build_model_and_batch",
+           "make_batch", "build_model_and_batch", "adapted", "batch_shapes", "check_flags",
            "packing_fields", "packing_words"]
 
 DEFAULT_MODEL = "xlm-roberta-large"
@@ -266,7 +266,6 @@ def build_model(args):
     spec = zoo.from_config_file(args.config, task=args.task) if args.config else \
         zoo.resolve(args.model or DEFAULT_MODEL, revision=revision, task=args.task)
     spec.check_task(args.task)
-    check_flags(args)
     model = spec.build(args.task, device="meta",
                        attn_implementation=getattr(args, "attn_implementation", None))
     if getattr(args, "packing", False):
@@ -346,6 +345,7 @@ def _check_packing(args, spec, model) -> None:
 
 
 def _check_packing_flags(args) -> None:
+    """--packing's refusals the flags alone decide."""
     if args.padded:
         raise ValueError("--packing removes the padding: give --packing or --padded, not both")
     for flag in ("batch_size", "seq_len"):

@@ -19,11 +19,14 @@ laid out so already (as the gradient reshaped from an output projection's is). A
 backward also makes per-block buffers one at a time (83,716 bytes for 256 rows of 32 values
 and 2 heads), not counted.
 
-Rule 2 (softmax on the CPU: ``_softmax`` and ``_log_softmax``, ``host_softmax`` in
+Rule 2 (softmax: ``_softmax`` and ``_log_softmax``, ``host_softmax`` in
 ``aten/src/ATen/native/SoftMax.cpp``). The kernel reads its input as ``input.contiguous()``: an
 input that is not contiguous (a channels_last segmentation logit, a transposed score) is copied
 whole, in its dtype, and the copy freed when the kernel returns (found on SegFormer, 1.2% under
-the real step without it). The backward kernels hold nothing more.
+the real step without it). Their backward kernels read the incoming gradient and the output so,
+each copied where it is not contiguous. CUDA's ``host_softmax`` (``SoftMax.cu``) reads them the
+same way, so a GPU target's trace, whose fakes are CPU tensors too, counts the copies (read from
+the source; not measured on a GPU).
 """
 
 from __future__ import annotations
@@ -66,17 +69,29 @@ def _flash_backward(grad_out, query, key, value, *args, **kwargs) -> int:
     return acc + reduced + copy
 
 
+def _copied(*tensors) -> int:
+    """Bytes of ``t.contiguous()`` for each tensor that is not (Rule 2)."""
+    return sum(0 if t.is_contiguous() else t.numel() * t.element_size() for t in tensors)
+
+
 def _softmax(x, *args, **kwargs) -> int:
-    return 0 if x.is_contiguous() else x.numel() * x.element_size()
+    return _copied(x)
+
+
+def _softmax_backward(grad, output, *args, **kwargs) -> int:
+    return _copied(grad, output)
 
 
 _RULES = {_FLASH_FW: _flash_forward, _FLASH_BW: _flash_backward,
-          _aten._softmax.default: _softmax, _aten._log_softmax.default: _softmax}
+          _aten._softmax.default: _softmax, _aten._log_softmax.default: _softmax,
+          _aten._softmax_backward_data.default: _softmax_backward,
+          _aten._log_softmax_backward_data.default: _softmax_backward}
 
 
 def scratch_bytes(func, args, kwargs) -> int:
-    """The bytes ``func``'s CPU kernel allocates and frees inside the call (the rules above), 0
-    for any other op or device."""
+    """The bytes ``func``'s kernel allocates and frees inside the call (the rules above), 0 for
+    any other op, or a tensor on another device than the CPU (a trace's fakes are CPU tensors
+    for every target)."""
     rule = _RULES.get(func)
     if rule is None or not args or not isinstance(args[0], torch.Tensor) or \
             args[0].device.type != "cpu":

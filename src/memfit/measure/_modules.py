@@ -4,9 +4,8 @@ Forward is followed with per-module hooks on the tracked model (``with_kwargs`` 
 inputs count as inputs). Backward is followed the way PyTorch's ``ModTracker`` does it, with
 multi-grad hooks on module outputs ("any": the module's backward starts) and on its inputs,
 keywords included ("all": it ends; a module without such inputs ends with the backward pass,
-Note 5), so it adds
-no tensors and changes no memory; but the hooks are memfit's own, so that they can be removed
-(Note 1).
+Note 5), so it adds no tensors and changes no memory; but the hooks are memfit's own, so that
+they can be removed (Note 1).
 
 Note 1 (nothing kept alive). A multi-grad "all" hook closes over the autograd nodes of the
 tensors it watches, and it is stored on those same nodes, from C++: node -> hook -> node is a
@@ -45,7 +44,10 @@ its backward "ended with the pass": every attention's backward span ran to the e
 and where nothing runs after the first block's backward (a LoRA model: the embeddings frozen)
 those ends landed inside block 0's, a run of references to every block that kept a deep
 model's step from composing from twins (``trace.block_reuse``). Its end is now the gradient of
-every tensor input that needs one, however it was passed.
+every tensor input that needs one, however it was passed. So a module given a tensor that
+others read too ends when that tensor's whole gradient is done, as a block always did: a BART
+decoder layer's cross-attention, given the encoder's output as ``key_value_states``, ends
+when the last layer's contribution to it is summed.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ before the trace (a real tensor cached by the user's own run is not a fake) and 
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 
 from torch import nn
 
@@ -19,8 +21,9 @@ __all__ = ["caches_cleared"]
 
 
 def _caches(model: nn.Module) -> list:
-    """The ``cache_clear``-able functions among the methods of the model's module classes
-    (a static or class method, or a wrapper holding one in its closure)."""
+    """The ``functools.lru_cache`` wrappers among the methods of the model's module classes:
+    a method (static, class or plain) that is one, or a plain function holding one in its
+    closure (transformers' wrapper). Nothing else of a class is read."""
     found, seen = {}, set()
     for m in model.modules():
         for cls in type(m).__mro__:
@@ -28,16 +31,21 @@ def _caches(model: nn.Module) -> list:
                 continue
             seen.add(cls)
             for value in vars(cls).values():
-                fn = getattr(value, "__func__", value)          # staticmethod, classmethod
-                for c in (fn, *_closure(fn)):
-                    if callable(getattr(c, "cache_clear", None)):
+                if isinstance(value, (staticmethod, classmethod)):
+                    value = value.__func__
+                inner = _closure(value) if isinstance(value, types.FunctionType) else []
+                for c in (value, *inner):
+                    if isinstance(c, _LRU):
                         found[id(c)] = c
     return list(found.values())
 
 
-def _closure(fn) -> list:
+_LRU = functools._lru_cache_wrapper
+
+
+def _closure(fn: types.FunctionType) -> list:
     out = []
-    for cell in getattr(fn, "__closure__", None) or ():
+    for cell in fn.__closure__ or ():
         try:
             out.append(cell.cell_contents)
         except ValueError:              # an empty cell

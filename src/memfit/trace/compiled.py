@@ -45,6 +45,7 @@ from torch import nn
 from memfit.measure._compile_aware import is_compiled_in_place, is_compiled_wrapper
 from memfit.measure._modules import find_blocks
 from memfit.trace._counted_compile import counted_backend
+from memfit.trace._coded_weights import holds_coded_weights
 
 __all__ = ["Region", "compiled_regions", "eager_view", "wrap_regions", "compiled_note",
            "compile_failure", "refuse_with_compiled", "compile_model", "check_budget",
@@ -190,7 +191,7 @@ def refuse_with_compiled(knobs, layout, regions: list[Region], model=None) -> No
     asked += [name for name in _OTHER_KNOBS if getattr(knobs, name) not in (None, "none", 0,
                                                                              False)]
     if model is not None and "quantize_base" not in asked and \
-            any(not p.is_floating_point() for p in model.parameters()):
+            holds_coded_weights(model):
         asked.append("a quantized base (weights held in integer codes)")
     if layout is not None:
         asked.append("gpus/sharding")
