@@ -189,3 +189,19 @@ def test_progressive_names_the_phase_that_cannot_fit():
     batch = SPEC.make_batch(model, 2, seq_len=32)
     with pytest.raises(memfit.BudgetTooSmall, match="short phase"):
         progressive(model, batch, 1000, short_seq_len=16, device="cpu")
+
+
+def test_what_if_scales_a_per_layer_list_with_the_depth():
+    """Qwen3's config holds one layer type per layer: a row at half the depth had 9 layers and
+    18 types, which transformers refused (the CLI's --what-if failed on such a config)."""
+    import transformers as T
+
+    from memfit.studies.what_if import _scaled_layers
+
+    config = T.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, layer_types=["sliding_attention", "full_attention"] * 3)
+    half = _scaled_layers(config, 0.5)
+    assert half == {"num_hidden_layers": 3,
+                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+    T.Qwen3Config(**{**config.to_dict(), **half})          # a valid config

@@ -33,6 +33,7 @@ from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._stages import Stages
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
+from memfit.trace._block_twin import PER_LAYER_NAMES
 from memfit.zoo._batches import DEFAULT_SEQ_LEN, position_limit
 
 __all__ = ["WhatIfRow", "what_if", "scaled_hidden", "WHAT_IF_LEVERS"]
@@ -85,10 +86,15 @@ def _scaled_layers(config, factor: float) -> dict:
     name = _field(config, _LAYERS)
     if name is None:
         raise ValueError(f"this {config.model_type} config has no layer count among {_LAYERS}")
-    out = {name: max(1, round(getattr(config, name) * factor))}
+    depth = getattr(config, name)
+    out = {name: max(1, round(depth * factor))}
     for extra in _MORE_LAYERS:
         if isinstance(vars(config).get(extra), int):
             out[extra] = max(1, round(getattr(config, extra) * factor))
+    for field in PER_LAYER_NAMES:         # one value per layer (Qwen3's layer_types): the
+        values = vars(config).get(field)  # pattern kept, cut or repeated to the new depth
+        if isinstance(values, list) and len(values) == depth:
+            out[field] = [values[i % depth] for i in range(out[name])]
     return out
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from memfit.measure._modules import find_blocks
 
-__all__ = ["BlockList", "TWIN_A", "TWIN_B", "MID"]
+__all__ = ["BlockList", "TWIN_A", "TWIN_B", "MID", "PER_LAYER_NAMES"]
 
 MID = 2                     # twin A's block that ``trace.block_reuse`` repeats
 
@@ -39,7 +39,7 @@ def TWIN_B(n: int) -> list[int]:
 
 # config fields that give the depth, and those that hold one value per layer
 _DEPTH_NAMES = frozenset({"num_hidden_layers", "n_layer", "num_layers", "n_layers"})
-_PER_LAYER_NAMES = frozenset({"layer_types", "sliding_window_pattern_list", "mlp_only_layers"})
+PER_LAYER_NAMES = frozenset({"layer_types", "sliding_window_pattern_list", "mlp_only_layers"})
 
 # attributes that number a layer without changing what it computes
 _INDEX_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "idx",
@@ -109,7 +109,7 @@ class BlockList:
             return None
         fields = {k: v for k, v in vars(config).items()
                   if (k in _DEPTH_NAMES and v == self.count) or
-                  (isinstance(v, list) and len(v) == self.count and k in _PER_LAYER_NAMES)}
+                  (isinstance(v, list) and len(v) == self.count and k in PER_LAYER_NAMES)}
         if not fields:
             return None
         twin = copy.copy(config)
