@@ -74,6 +74,7 @@ def test_lora_without_peft_says_how_to_install_it(capsys, tiny_gpt2, monkeypatch
     (["--freeze", "no.such.layer"], "matches no parameter"),
     (["--freeze", "*"], "nothing is left to train"),
     (["--lora-rank", "0"], "at least 1"),
+    (["--lora-rank", "4", "--lora-targets", "no_proj"], "for --lora-targets: c_attn, c_fc, c_proj"),
 ])
 def test_bad_freeze_or_rank_is_one_line(capsys, tiny_gpt2, flags, needle):
     try:

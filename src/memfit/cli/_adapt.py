@@ -124,8 +124,14 @@ def apply_lora(model, rank: int, task: str | None, targets: str | None = None):
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:
+        from torch import nn
+        from transformers.pytorch_utils import Conv1D        # GPT-2's linear layers
+
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                          if isinstance(m, (nn.Linear, Conv1D)) and n})
         raise ValueError(f"--lora-rank {rank}: PEFT cannot add LoRA to "
-                         f"{type(model).__name__}: {e}") from e
+                         f"{type(model).__name__}: {e} (its linear layers, by name, for "
+                         f"--lora-targets: {', '.join(linears)})") from e
 
 
 def _odd_linears(model) -> list[str]:
