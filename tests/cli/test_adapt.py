@@ -205,3 +205,12 @@ def test_quantize_with_freeze_and_no_lora_is_estimated(capsys, tiny_gpt2, kind):
     quantized = cli_json(capsys, "estimate", "--config", tiny_gpt2, *SHAPE, "--quantize", kind,
                          "--freeze", "transformer.h")
     assert quantized["breakdown"]["params"] < full["breakdown"]["params"]
+
+
+def test_lora_on_gptq_layers_warns_of_nothing(capsys, tiny_gpt2):
+    """PEFT warned 'Unsupported layer type PackedInt4Linear, proceed at your own risk' for the
+    GPTQ layers memfit itself maps to PEFT's GPTQ LoRA layer: nothing for a user to act on."""
+    pytest.importorskip("peft")
+    assert main(["estimate", "--config", tiny_gpt2, *SHAPE, "--quantize", "gptq",
+                 "--lora-rank", "4"]) == 0
+    assert "Unsupported layer type" not in capsys.readouterr().err

@@ -36,6 +36,7 @@ import difflib
 import fnmatch
 import inspect
 import re
+import warnings
 
 from memfit.techniques.packed_int4 import PackedInt4, PackedInt4Linear
 from memfit.techniques.quantized_base import QuantizedBase
@@ -122,7 +123,11 @@ def apply_lora(model, rank: int, task: str | None, targets: str | None = None):
         from peft.tuners.lora.gptq import GPTQLoraLinear
         config._register_custom_module({PackedInt4Linear: GPTQLoraLinear})
     try:
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # PEFT reads in/out_features off memfit's packed layer, and warns that it does not
+            # know the class it was just given a LoRA layer for (Note 3): nothing to act on
+            warnings.filterwarnings("ignore", message="Unsupported layer type .*PackedInt4Linear")
+            return peft.get_peft_model(model, config)
     except ValueError as e:
         from torch import nn
         from transformers.pytorch_utils import Conv1D        # GPT-2's linear layers
