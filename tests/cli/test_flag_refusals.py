@@ -36,7 +36,7 @@ def test_refused_before_torch_is_imported():
 
 
 def test_the_low_bit_names_are_the_classes():
-    from memfit.cli._common import _LOW_BIT_NAMES
+    from memfit.cli._flag_checks import _LOW_BIT_NAMES
     from memfit.techniques.low_bit_optimizer import LOW_BIT_CLASSES
 
     assert _LOW_BIT_NAMES == tuple(k.lower() for k in LOW_BIT_CLASSES)

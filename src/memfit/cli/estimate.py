@@ -15,8 +15,9 @@ from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
 from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, hf_trainer
 from memfit.cli._common import (OPTIMIZER_NAMES, add_model_args, add_optimizer_impl_arg,
                                 add_target_args, batch_shapes, build_model_and_batch,
-                                check_flags, check_model_arg, check_paths, optimizer_impl_knob,
+                                check_model_arg, check_paths, optimizer_impl_knob,
                                 packing_fields, packing_words, resolve_target)
+from memfit.cli._flag_checks import check_flags
 from memfit.cli._json import byte_counts_checked, spare_and_short
 from memfit.cli import _report_args, _static_plan
 from memfit.knobs import OPTIMIZER_STATES, PRECISIONS, SHARDINGS

@@ -13,9 +13,10 @@ from memfit.cli._args import (add_chunked_loss_arg, add_offload_gradients_arg,
                               add_optimizer_in_backward_arg, add_switch,
                               add_zero_grad_arg, positive_float, positive_int, progressive_spec)
 from memfit.cli._common import (OPTIMIZER_NAMES, adapted, add_model_args, add_optimizer_impl_arg,
-                                add_target_args, batch_shapes, build_model, check_flags,
-                                check_model_arg, check_paths, make_batch, optimizer_impl_knob,
-                                packing_fields, packing_words, resolve_target)
+                                add_target_args, batch_shapes, build_model, check_model_arg,
+                                check_paths, make_batch, optimizer_impl_knob, packing_fields,
+                                packing_words, resolve_target)
+from memfit.cli._flag_checks import check_flags
 from memfit.cli import _plan_sharding
 from memfit.cli._hf_args import add_hf_args_arg, check_hf_args, export_path, hf_trainer
 from memfit.cli._json import byte_counts_checked
