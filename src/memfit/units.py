@@ -3,14 +3,16 @@
 Note 1 (bare numbers). A number with no unit is a count of bytes, but ``"11"`` is almost always
 someone meaning 11 GiB: no training step fits in 11 bytes. So a *string* (or float) without a
 unit below 1 MiB (but above 0, which is 0 in any unit) is refused with the fix; write the unit,
-or ``"11B"`` / ``"11 bytes"`` when you do mean bytes. A Python ``int`` is bytes by definition in the API and always passes through.
+or ``"11B"`` / ``"11 bytes"`` when you do mean bytes. A Python ``int`` is bytes by definition in
+the API and always passes through; ``bare_count`` tells such an int apart, for a refusal that
+may name the unit it likely lacks.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["parse_bytes", "format_bytes", "GiB", "MiB", "KiB", "UNITS_HELP"]
+__all__ = ["parse_bytes", "format_bytes", "bare_count", "GiB", "MiB", "KiB", "UNITS_HELP"]
 
 KiB = 1024
 MiB = 1024**2
@@ -76,6 +78,11 @@ def parse_bytes(value: int | float | str) -> int:
             raise _bare_too_small(match.group(1), number)
         return int(number * _UNITS[unit])
     raise ValueError(f"a byte size must be an int or a string like '11GiB', got {type(value).__name__}")
+
+
+def bare_count(value) -> bool:
+    """Whether ``value`` was given as an int, a count of bytes with no unit (Note 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def format_bytes(n: int | float, precision: int = 2) -> str:

@@ -108,7 +108,7 @@ from memfit.planner.variants import IN_BACKWARD_PRECISIONS, auto_precisions
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
 from memfit.techniques.quantized_base import QuantizedBase
-from memfit.units import format_bytes, parse_bytes
+from memfit.units import bare_count, format_bytes, parse_bytes
 
 __all__ = ["PlanCall", "Planner"]
 
@@ -179,7 +179,7 @@ class PlanCall:
                                in_backward_open(k, user_step is not None, b),
                                bool(k.offload_gradients) or
                                grads_offload_open(k, user_step is not None),
-                               bare=_bare(budget))
+                               bare=bare_count(budget))
         common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
                       allocator=allocator, max_grad_norm=k.max_grad_norm,
                       zero_grad=k.zero_grad, step=user_step, scheduler=scheduler)
@@ -187,7 +187,7 @@ class PlanCall:
             common["quantize_base"] = k.quantize_base
         return cls(model, batch, original, b, k, spec, budget_bytes, user_step, recipe,
                    trainable, p, user, others, numerics, Constraints.of(model, k, b), common,
-                   state_knobs(k), Stages(on_progress), _bare(budget))
+                   state_knobs(k), Stages(on_progress), bare_count(budget))
 
     def trace(self, precision: str, **knobs):
         """The step at ``precision`` with ``knobs`` (the fixed state's unless given)."""
@@ -398,8 +398,3 @@ class Planner:
                                                 chunked=any(len(q) == 5 for q in self.models),
                                                 in_backward=any(len(q) == 6
                                                                 for q in self.models)))
-
-
-def _bare(budget) -> bool:
-    """A budget given as an int (bytes, where a unit may have been left out), not a string."""
-    return isinstance(budget, int) and not isinstance(budget, bool)

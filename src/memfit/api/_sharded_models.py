@@ -26,7 +26,7 @@ from memfit.planner.sharding import Candidate, ShardedTime, shard_estimate, stat
 from memfit.planner.time_model import TimeModel
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
-from memfit.trace.card import ran_convolution, step_workspace_bytes
+from memfit.trace.card import cudnn_bytes, step_workspace_bytes
 
 __all__ = ["Row", "fewest", "SHARDED_PRECISIONS"]
 
@@ -87,8 +87,7 @@ def _card_bytes(spec, op_log) -> tuple[int, int]:
     one-device floor)."""
     if spec.kind != "cuda":
         return 0, 0
-    cudnn = spec.cudnn_bytes if ran_convolution(op_log) else 0
-    return step_workspace_bytes(spec), spec.cuda_context_bytes + cudnn
+    return step_workspace_bytes(spec), spec.cuda_context_bytes + cudnn_bytes(spec, op_log)
 
 
 class _Models:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CardBreakdown", "card_breakdown", "ran_convolution", "LINES"]
+__all__ = ["CardBreakdown", "card_breakdown", "ran_convolution", "cudnn_bytes", "LINES"]
 
 LINES = ("allocator", "cublas_workspace", "cuda_context", "library_kernels", "cudnn", "nccl",
          "unified_memory")
@@ -104,6 +104,11 @@ def ran_convolution(op_log) -> bool:
     return any(op.startswith(("aten.convolution", "aten.cudnn_convolution")) for op in op_log)
 
 
+def cudnn_bytes(spec, op_log) -> int:
+    """cuDNN's kernels on ``spec``'s card where a convolution ran in ``op_log`` (Note 3)."""
+    return spec.cudnn_bytes if ran_convolution(op_log) else 0
+
+
 def card_breakdown(spec, reserved_bytes: int, op_log, workspace_bytes: int | None = None,
                    unified_memory_bytes: int = 0) -> CardBreakdown:
     """The card lines of a step on ``spec`` that reserves ``reserved_bytes`` (Notes 1-5), of
@@ -113,9 +118,9 @@ def card_breakdown(spec, reserved_bytes: int, op_log, workspace_bytes: int | Non
     if workspace_bytes is None:
         workspace_bytes = spec.cublas_workspace_bytes
     workspace = min(workspace_bytes, reserved_bytes)
-    conv = ran_convolution(op_log)
+    cudnn = cudnn_bytes(spec, op_log)
     notes = list(spec.figure_notes)
-    if conv and spec.cudnn_bytes:
+    if cudnn:
         notes.append(f"a convolution ran: cuDNN's kernels {spec.cudnn_bytes} B added")
     if unified_memory_bytes:
         notes.append(f"paged optimizer state: {unified_memory_bytes:,} B in unified memory "
@@ -126,7 +131,7 @@ def card_breakdown(spec, reserved_bytes: int, op_log, workspace_bytes: int | Non
         allocator_bytes=reserved_bytes - workspace, cublas_workspace_bytes=workspace,
         cuda_context_bytes=spec.cuda_context_bytes - spec.library_kernels_bytes,
         library_kernels_bytes=spec.library_kernels_bytes,
-        cudnn_bytes=spec.cudnn_bytes if conv else 0, nccl_bytes=0,
+        cudnn_bytes=cudnn, nccl_bytes=0,
         driver_reserved_bytes=(spec.nvml_total_bytes or spec.memory_bytes) - spec.usable_bytes,
         card_total_bytes=spec.nvml_total_bytes or spec.memory_bytes, notes=tuple(notes),
         unified_memory_bytes=unified_memory_bytes)
