@@ -10,7 +10,7 @@ import pytest
 
 import memfit
 from memfit import zoo
-from memfit.planner.memory_model import level_before, optimizer_rise_bytes
+from memfit.planner._trace_reads import level_before, optimizer_rise_bytes
 
 GPU, A100 = "gtx-1080-ti", "a100-80gb"
 

@@ -16,7 +16,8 @@ import torch
 import memfit
 from memfit.api._floor import first_samples
 from memfit.devices import get_device
-from memfit.planner.memory_model import MODES, MemoryModel, block_passes
+from memfit.planner._trace_reads import block_passes
+from memfit.planner.memory_model import MODES, MemoryModel
 from memfit.planner.time_model import TimeModel
 from memfit.step import prepare_batch
 from tests.api.test_user_step_plan import assert_same_training, run_fitted, run_plain, sgd

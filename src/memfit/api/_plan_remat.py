@@ -15,7 +15,7 @@ from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.measure import storages_of
 from memfit.planner import Plan
-from memfit.planner.memory_model import optimizer_rise_bytes
+from memfit.planner._trace_reads import optimizer_rise_bytes
 from memfit.planner.remat_choice import MARGIN, remat_on, remat_plan, static_seconds
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from memfit.knobs import Knobs
-from memfit.planner.memory_model import MemoryModel, optimizer_rise_bytes
+from memfit.planner._trace_reads import optimizer_rise_bytes
+from memfit.planner.memory_model import MemoryModel
 from memfit.planner.plan import Plan
 from memfit.planner.time_model import TimeModel
 

@@ -53,7 +53,8 @@ latest unpaired forward ending before the backward starts), and each pair is a *
 own spans and saved bytes: at a point, the pending units count, each saving what its pass
 saved; a block's mode applies to all its passes (block hooks act on every call). Forwards that
 saved nothing (under ``no_grad``) are no passes. A block with a forward left without a backward,
-or a backward without a forward, can only be kept.
+or a backward without a forward, or an empty backward window (one layer applied in turn, as
+ALBERT's), can only be kept. ``planner._trace_reads.block_passes`` pairs them.
 
 Note 9 (low-bit optimizer state). A low-bit Adam (``optimizer_state``) changes only the
 optimizer's bytes: its state, alive at every point, and its step's temporaries (on CPU
@@ -82,8 +83,9 @@ import numpy as np
 
 from memfit.techniques.checkpoint import SAVED_OPS
 from memfit.modes import Mode
+from memfit.planner._trace_reads import block_passes, level_before, optimizer_rise_bytes
 
-__all__ = ["MODES", "MemoryModel", "Rows", "block_passes", "optimizer_rise_bytes"]
+__all__ = ["MODES", "MemoryModel", "Rows"]
 
 MODES = (Mode.KEEP, Mode.RECOMPUTE, Mode.SELECTIVE, Mode.OFFLOAD)
 _STATE = ("params", "grads", "optimizer", "other")
@@ -356,22 +358,6 @@ class _Fit:
         return at_b - slope * self.b, slope
 
 
-def optimizer_rise_bytes(est) -> int:
-    """What the optimizer step of ``est`` allocates above the level it starts from (>= 0)."""
-    start = est.phases.get("optimizer")
-    if start is None or not 0 <= start < len(est.timeline):
-        return 0
-    return max(max(est.timeline[start:]) - level_before(est, start), 0)
-
-
-def level_before(est, op: int, category: str | None = None) -> int:
-    """Live bytes (of ``category``, else all) just before op ``op`` of ``est``'s timeline."""
-    if op > 0:
-        return (est.timeline_by_category[category] if category else est.timeline)[op - 1]
-    start = est.start_breakdown
-    return start.get(category, 0) if category else sum(start.values())
-
-
 def _at(pair: tuple[float, float], m: int) -> float:
     return pair[0] + pair[1] * m
 
@@ -386,26 +372,3 @@ def _selective_kept(est, r, fw_span, saved: int) -> int:
     made = sum(c[3] for c, op in zip(est.op_costs[a:e + 1], est.op_log[a:e + 1])
                if is_saved_op(op))
     return min(r.input_bytes + made, saved)
-
-
-def block_passes(r) -> list[tuple[tuple, tuple, int]] | None:
-    """A block's passes, ``(forward span, backward span, saved bytes)`` each, or None where the
-    trace cannot pair them (Note 8)."""
-    if r is None:
-        return None
-    calls = r.call_saved_bytes
-    fws = [(span, saved) for span, saved in zip(r.fw_spans, calls) if saved > 0] \
-        if len(calls) == len(r.fw_spans) else []
-    if not fws or len(r.bw_spans) != len(fws) or any(e < s for s, e in r.bw_spans):
-        return None        # an empty backward: one layer applied in turn (ALBERT's), unpaired
-    out, free = [], list(fws)
-    for bw in r.bw_spans:
-        before = [f for f in free if f[0][1] < bw[0]]
-        if not before:
-            return None
-        fw, saved = before[-1]
-        free.remove(before[-1])
-        if fw[0] < 1:
-            return None
-        out.append((fw, bw, saved))
-    return sorted(out)
