@@ -46,6 +46,7 @@ from memfit.measure import _ledger as L
 from memfit.measure._collectives import births
 from memfit.measure._compile_aware import CompileAware
 from memfit.measure._cpu_scratch import scratch_bytes
+from memfit.measure._grad_sums import GradSums
 from memfit.measure._leaves import leaves, tensors
 from memfit.measure._sizes import hint
 
@@ -102,6 +103,11 @@ class CountingMode(CompileAware, TorchDispatchMode):
     def __init__(self, tracker: "Tracker"):
         super().__init__()
         self.t = tracker
+        self.sums = GradSums()        # gradients autograd sums in place (measure._grad_sums)
+
+    def __exit__(self, *exc):
+        self.sums.close()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         t = self.t
@@ -167,6 +173,7 @@ class CountingMode(CompileAware, TorchDispatchMode):
             ledger.add(st, L.TEMPORARIES, entry=False, host=on_host)
         if t.labels is not None:
             t.labels.born(ledger, t.watch.stack, func, args, kwargs, out, new)
+        t.online_peak_before = t.online_peak_bytes
         if ledger.current_bytes > t.online_peak_bytes:
             t.online_peak_bytes = ledger.current_bytes
         t.op_events.append(ledger.num_events)
@@ -185,6 +192,20 @@ class CountingMode(CompileAware, TorchDispatchMode):
             t.watch.flops(n, backward)
         t.op_costs.append((n, touched, fixed, requested))
         t.op_backward.append(backward)
+        old = self.sums.in_place_sum(func, args, kwargs, out)
+        if old is not None and len(new) == 1 and not on_host:
+            for st in ledger.storages(old):
+                ledger.expect_in_place(st, new[0], self._merged)
+
+    def _merged(self, event: int, nbytes: int) -> None:
+        """The last op's output was a gradient sum made in place (``Ledger.expect_in_place``): its
+        birth event is gone, and so are the bytes it asked for."""
+        t = self.t
+        if t.op_events and t.op_events[-1] == event + 1:
+            t.op_events[-1] = event
+        n, touched, fixed, requested = t.op_costs[-1]
+        t.op_costs[-1] = (n, touched, fixed, requested - nbytes)
+        t.online_peak_bytes = max(t.online_peak_before, t.ledger.current_bytes)
 
 
 _STATE = (L.PARAMS, L.GRADS, L.OPTIMIZER, L.OTHER)

@@ -35,6 +35,13 @@ storage's size is a ``SymInt``. The ledger counts its value in the traced shape,
 does, and also keeps its expression per event, so that ``device_events(value)`` gives the same
 event log in another shape; the structure of the log (which storage is born and dies when) is
 the traced one, which the shared trace's guards ensure holds for that shape.
+
+Note 6 (a sum autograd makes in place). Where the engine's ``old + new`` would have been
+``old.add_(new)`` in a run without a dispatch mode (``measure._grad_sums``), the counter names
+the two storages (``expect_in_place``) right after the sum's birth. If ``old`` dies next, before
+any other event (nothing else held it), the sum's birth and ``old``'s death are taken back and
+the sum's storage goes on as ``old``'s id: ``old``'s bytes live until the sum dies, as the
+in-place add keeps them. ``on_merge`` tells the counter, which moves its per-op marks back.
 """
 
 from __future__ import annotations
@@ -128,6 +135,8 @@ class Ledger:
         self._size_expr: dict[int, object] = {}
         self._entry_expr: dict[int, object] = {}
         self._ev_expr: dict[int, object] = {}
+        self._alias: dict[int, int] = {}    # a sum's storage id -> the id it goes on as (Note 6)
+        self._pending: tuple | None = None  # (old id, sum id, sum's key, its birth, on_merge)
         self.open = True
 
     # -- registration -----------------------------------------------------------------------
@@ -167,6 +176,7 @@ class Ledger:
         return sid
 
     def _log(self, sid: int, delta: int, delta_expr=None) -> None:
+        self._pending = None
         if delta_expr is not None:
             self._ev_expr[len(self._ev_delta)] = delta_expr
         self._ev_sid.append(sid)
@@ -217,8 +227,38 @@ class Ledger:
                                                      if old_expr is None else old_expr)
             self._log(sid, delta, delta_expr)
 
+    def expect_in_place(self, old, total, on_merge) -> None:
+        """``total`` (just born) is the engine's sum of ``old`` and a new gradient, which a run
+        without a mode makes in place if ``old`` dies next (Note 6)."""
+        o, s = self.sid(old), self.sid(total)
+        if o is None or s is None or o in self._host or s in self._host or \
+                not self._ev_sid or self._ev_sid[-1] != s or self._ev_delta[-1] <= 0:
+            return
+        self._pending = (o, s, total._cdata, len(self._ev_delta) - 1, on_merge)
+
+    def _merge(self, key: int) -> None:
+        """Note 6: the sum goes on as ``old`` (whose storage, ``key``, just died)."""
+        old, total, total_key, event, on_merge = self._pending
+        self._pending = None
+        self._ev_sid.pop()
+        self._ev_delta.pop()
+        self._ev_expr.pop(event, None)
+        self.current_bytes -= self._nbytes[total]
+        self._alias[total] = old
+        self._category[old] = min(self._category[old], self._category[total])
+        if self._sid_of.get(key) == old:
+            del self._sid_of[key]
+        self._sid_of[total_key] = old
+        on_merge(event, self._nbytes[total])
+
     def _died(self, sid: int, key: int) -> None:
         if not self.open:
+            return
+        while sid in self._alias:       # a sum that went on as another id (Note 6)
+            sid = self._alias[sid]
+        p = self._pending
+        if p is not None and p[0] == sid and p[3] == len(self._ev_delta) - 1:
+            self._merge(key)
             return
         while sid in self._moved:       # moved to the host: the host copy dies (Note 4)
             sid = self._moved[sid]
