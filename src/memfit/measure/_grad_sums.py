@@ -35,6 +35,7 @@ something else held it, the sum was out of place in a run without a mode too, an
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -57,7 +58,16 @@ class GradSums:
     def __init__(self):
         self._hooked: set[tuple[int, str]] = set()
         self._handles: list = []
-        self._window: tuple[int, str] | None = None
+        self._local = threading.local()   # the window, per thread: a GPU's backward runs
+                                          # its nodes on a device thread beside the CPU's
+
+    @property
+    def _window(self) -> tuple[int, str] | None:
+        return getattr(self._local, "window", None)
+
+    @_window.setter
+    def _window(self, key: tuple[int, str] | None) -> None:
+        self._local.window = key
 
     def in_place_sum(self, func, args, kwargs, out) -> torch.Tensor | None:
         """``old`` where this op (just run) is the engine's sum of ``old`` and a new
