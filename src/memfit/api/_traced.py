@@ -83,18 +83,33 @@ class Traced:
     regions: tuple = ()         # the compiled regions (trace.compiled), traced as compiled
     eager_calls: tuple = ()     # compiled code the step called that ran eagerly (trace.compiled)
     layerdrop: tuple = ()       # LayerDrop probabilities set to 0 in the trace (trace._layerdrop)
+    warmed_all: bool = False    # its warm-up gave every trainable parameter a gradient, and the
+                                # counted step ran backward (trace.profile Note 4)
 
 
-def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier, *,
-               budget=None, count_fn=None, allocator=None, allocator_replay=True, step=None,
-               scheduler=None, cuda_version=None, layout: RankLayout | None = None,
-               blocks: list[str] | None = None, optimizer_only: bool = False) -> Traced:
+def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier,
+               **kwargs) -> Traced:
     """One step traced on fakes made by ``copier`` (``estimate`` says what each argument
     does); ``blocks``: label the tracker's storages with these block names
     (``trace.block_reuse``). With a data-parallel ``layout`` (default: the one the knobs
     ``gpus``, ``sharding``... ask for), one rank of it: the same trace on the fake model sharded
     by ``techniques.sharding`` (``api._rank_layout``). ``optimizer_only``: the step's
-    optimizer phase alone (Note 1)."""
+    optimizer phase alone (Note 1). A step that left trainable parameters without a gradient
+    is traced again, its warm-up leaving them without one or optimizer state
+    (``trace.profile`` Note 4)."""
+    t = _trace_once(model, batch, optimizer, device, loss_fn, k, copier, **kwargs)
+    if t.warmed_all and t.tracker.ungraded:
+        t = _trace_once(model, batch, optimizer, device, loss_fn, k, copier,
+                        skip=frozenset(t.tracker.ungraded), **kwargs)
+    return t
+
+
+def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier, *,
+                budget=None, count_fn=None, allocator=None, allocator_replay=True, step=None,
+                scheduler=None, cuda_version=None, layout: RankLayout | None = None,
+                blocks: list[str] | None = None, optimizer_only: bool = False,
+                skip=frozenset()) -> Traced:
+    """``trace_step``'s trace; ``skip``: parameters the warm-up leaves without a gradient."""
     k.check_available()
     layout = layout or RankLayout.of(k)
     if layout is not None:
@@ -177,13 +192,13 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
             warm_up = lambda: layout.warm_up(runner, fake_batch, copier)  # noqa: E731
         elif runner.scaler is not None:
             warm_up = lambda: warm_up_scaled(runner.model, runner.optimizer,  # noqa: E731
-                                             runner.scaler)
+                                             runner.scaler, skip)
         try:
             prof, tracker = profile_step(run, copier=copier, model=runner.model,
                                          optimizer=runner.optimizer, warm_up=warm_up,
                                          two_steps=replay or user is not None,
                                          on_state=host_state if cuda else None,
-                                         blocks=blocks)
+                                         blocks=blocks, skip=skip)
         except Exception as e:
             if user is not None and (clear := explain_step_error(e, user)) is not None:
                 raise clear from e
@@ -201,7 +216,9 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
                   sdpa_calls=list(cuda.sdpa_calls) if cuda else [],
                   unified_bytes=cuda.unified_bytes(runner.optimizer) if cuda else 0,
                   regions=tuple(regions), eager_calls=tuple(eager_calls),
-                  layerdrop=layerdrop)
+                  layerdrop=layerdrop,
+                  warmed_all=not skip and layout is None and not optimizer_only and
+                  not replay and user is None)
 
 
 def figures(t: Traced) -> Estimate:

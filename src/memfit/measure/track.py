@@ -112,6 +112,10 @@ class Tracker:
         # with ``blocks``, the block label of each storage and op
         self.marks: list[tuple[str, str, str, int, int]] = []
         self.labels = StorageLabels(blocks) if blocks else None
+        self._graded: set[int] = set()       # ids of the parameters a gradient reached
+        # after the region: the names of the model's trainable parameters no gradient reached
+        # and that hold none (a trace gives them none in its warm-up then: trace.profile)
+        self.ungraded: list[str] = []
 
     # -- context ----------------------------------------------------------------------------
     def __enter__(self) -> "Tracker":
@@ -161,6 +165,10 @@ class Tracker:
             self.cuda_max_allocated_bytes = torch.cuda.max_memory_allocated()
             self.cuda_max_reserved_bytes = torch.cuda.max_memory_reserved()
         self._finish_modules()
+        if self.model is not None:
+            self.ungraded = [name for name, p in self.model.named_parameters()
+                             if p.requires_grad and id(p) not in self._graded and p.grad is None]
+        self._graded = set()
         self.model = self.optimizer = None        # Note 2: the figures stay, the objects go
         self._host_tensors = []
         self.host_before = set()
@@ -296,6 +304,7 @@ class Tracker:
             h.remove()
 
     def _grad_ready(self, p) -> None:
+        self._graded.add(id(p))
         if p.grad is not None:
             self.ledger.mark_tensor(p.grad, L.GRADS)
 

@@ -27,8 +27,10 @@ class TraceGradScaler(torch.amp.GradScaler):
         return optimizer.step(*args, **kwargs)
 
 
-def warm_up_scaled(model: nn.Module, optimizer, scaler: torch.amp.GradScaler) -> None:
-    """The steady state of a step under ``scaler`` (Note 1), without running one."""
-    warm_up_optimizer(model, optimizer)
+def warm_up_scaled(model: nn.Module, optimizer, scaler: torch.amp.GradScaler,
+                   skip=frozenset()) -> None:
+    """The steady state of a step under ``scaler`` (Note 1), without running one; ``skip`` as
+    ``warm_up_optimizer`` takes it."""
+    warm_up_optimizer(model, optimizer, skip)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     scaler.scale(torch.zeros((), device=device))      # creates the scale and growth tracker
