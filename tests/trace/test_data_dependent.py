@@ -77,6 +77,34 @@ def test_an_in_place_op_on_known_values_is_mirrored_and_never_writes_the_real_ba
     assert torch.equal(labels, LABELS)
 
 
+@pytest.mark.parametrize("write", ["slice", "bool_mask"])
+def test_an_in_place_op_writing_a_view_of_known_values_is_mirrored(write):
+    """ProphetNet's ``_shift_right`` (``shifted[:, 1:] = ids[:, :-1]``, then ``.item()`` of a
+    check on it) and Longformer's ``mask[mask == 2] = max`` (a write into a view of its 4-D
+    mask) failed: a write into a view forgot the base."""
+    mask = MASK.clone()
+
+    def step(m):
+        shifted = m.new_zeros(m.shape)
+        if write == "slice":
+            shifted[:, 1:] = m[:, :-1].clone()
+            shifted[:, 0] = 7
+        else:
+            view = shifted[:, None, :]
+            view[m[:, None, :] == 1] = 5
+        return shifted
+
+    copier = FakeCopier("cpu")
+    fake = copier.tensor(mask)
+    values = DataValues.from_batch(copier, {"mask": mask})
+    with copier.mode, FidelityMode(values):
+        shifted = step(fake)
+        count = int((shifted > 0).sum())      # an .item(): refused if the values were lost
+    assert torch.equal(values.real(shifted), step(MASK))
+    assert count == int((step(MASK) > 0).sum())
+    assert torch.equal(mask, MASK)             # the batch itself is never written
+
+
 def test_an_in_place_op_with_an_unknown_input_forgets_the_values():
     copier = FakeCopier("cpu")
     fake = copier.tensor(LABELS)

@@ -45,9 +45,13 @@ that draw gives (the trace restores the generator after it, ``trace.profile``); 
 LayerDrop, which draws so, is off in the trace (``trace._layerdrop``: every layer runs). A real
 tensor lifted into the trace (``torch.tensor(...)``, ``torch.as_tensor``: ``lift_fresh``) is known
 by its values (an optimizer's learning rate, a SpecAugment mask drawn with numpy). And an in-place
-op whose inputs are all known, and which writes no view, is run on copies of the real values
-written, which are then linked (an optimizer's step count ``+= 1``, ASGD's ``mu.copy_(...)``): the
-real values the trace was given are never written.
+op whose inputs are all known is run on copies of the real values written, which are then
+linked (an optimizer's step count ``+= 1``, ASGD's ``mu.copy_(...)``): the real values the trace
+was given are never written. One that writes a view of a known base (a shifted copy of the ids,
+``shifted[:, 1:] = ids[:, :-1]``, as ProphetNet's ``_shift_right`` does; Longformer's mask
+``extended[mask == 2] = max``) runs on a copy of the base, through the same view of it; the
+base and the view are linked to it (before, both were forgotten, and the step's ``.item()`` on
+them failed).
 
 Note 5 (the weights as given). A real model's parameters and buffers keep their real values too
 (``link_weight``), for scalar reads only: an op with a weight among its known inputs is mirrored
@@ -195,9 +199,12 @@ class DataValues:
         """An in-place op on known tensors: mirrored on copies (Note 4), else forgotten (Note 1)."""
         written = _written_args(func, args, kwargs) or inputs
         storage = any(isinstance(x, torch.UntypedStorage) for x in leaves((args, kwargs)))
-        if storage or not (all_known and all(t in self._real and t._base is None for t in written)
-                and _elements(inputs) <= MAX_KNOWN_ELEMENTS and not _symbolic(inputs)):
+        if storage or not (all_known and all(t in self._real for t in written)
+                           and _elements(inputs) <= MAX_KNOWN_ELEMENTS and not _symbolic(inputs)):
             self._forget(written)
+            return
+        if any(t._base is not None for t in written):
+            self._written_view(func, args, kwargs, written)
             return
         with real_values():
             copies = {id(t): self._real[t].clone() for t in written}
@@ -208,6 +215,29 @@ class DataValues:
         self._forget(written)              # views of what was written keep the old values
         for t in written:
             self._real[t] = copies[id(t)]
+
+    def _written_view(self, func, args, kwargs, written) -> None:
+        """Note 4: an in-place op writing one view of a known base (``shifted[:, 1:] = ids``),
+        run on a copy of the base's real values, through the same view of the copy; the base
+        and the view are then linked to the copy (other views of it are forgotten)."""
+        view = written[0]
+        base = view._base
+        if len(written) != 1 or base not in self._real or _symbolic([base]) or \
+                _elements([base]) > MAX_KNOWN_ELEMENTS:
+            self._forget(written)
+            return
+        with real_values():
+            copy = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype)
+            copy.copy_(self._real[base])
+            real_view = copy.as_strided(view.shape, view.stride(),
+                                        view.storage_offset() - base.storage_offset())
+            real_args, real_kwargs = tree_map(
+                lambda t: real_view if t is view else self._value(t)
+                if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            func(*real_args, **real_kwargs)
+        self._forget([base, view])
+        self._real[base] = copy
+        self._real[view] = real_view
 
     def _link_all(self, fakes, real_out, into) -> None:
         reals = tensors(real_out)
