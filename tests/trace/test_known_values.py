@@ -108,8 +108,9 @@ def test_is_tracing_is_false_only_for_fakes_whose_values_the_trace_holds():
     assert import_utils.is_fake_tensor is original                # restored on an error too
 
 
-def test_factory_values_are_known_and_forgotten_when_written_through_a_view():
-    """DataValues Note 3 and Note 1: ``ones`` is known; writing a view makes its base unknown."""
+def test_factory_values_are_known_mirrored_through_a_view_and_forgotten_by_unknown_writes():
+    """DataValues Notes 1, 3 and 4: ``ones`` is known; a write of known values through a view
+    is mirrored on a copy of the base; one of an unknown value makes the base unknown."""
     from memfit.trace.fidelity import FidelityMode
 
     data = DataValues()
@@ -118,12 +119,16 @@ def test_factory_values_are_known_and_forgotten_when_written_through_a_view():
         made = data.real(mask)
         assert bool(mask.all())                                    # read, as the real step reads
         mask[:, 2:].zero_()
+        mirrored = data.real(mask)
+        assert not bool(mask.all())
+        weight = torch.nn.Parameter(torch.empty(4, 4))
+        mask[:, :1].copy_(weight[:2, :1].long())                  # a weight's value: unknown
         assert data.real(mask) is None
         with pytest.raises(torch._subclasses.fake_tensor.DataDependentOutputException):
             bool(mask.all())
-        weight = torch.nn.Parameter(torch.empty(4, 4))
         assert data.real(torch.zeros_like(weight)) is None        # optimizer state: no real copy
     assert torch.equal(made, torch.ones(2, 4, dtype=torch.long))
+    assert torch.equal(mirrored, torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0]]))
 
 
 def test_a_budget_at_the_real_need_is_planned_with_no_lever():

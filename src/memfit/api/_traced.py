@@ -84,7 +84,7 @@ class Traced:
     eager_calls: tuple = ()     # compiled code the step called that ran eagerly (trace.compiled)
     layerdrop: tuple = ()       # LayerDrop probabilities set to 0 in the trace (trace._layerdrop)
     warmed_all: bool = False    # its warm-up gave every trainable parameter a gradient, and the
-                                # counted step ran backward (trace.profile Note 4)
+                                # counted step ran backward (``trace_step``)
 
 
 def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier,
@@ -95,8 +95,8 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
     ``gpus``, ``sharding``... ask for), one rank of it: the same trace on the fake model sharded
     by ``techniques.sharding`` (``api._rank_layout``). ``optimizer_only``: the step's
     optimizer phase alone (Note 1). A step that left trainable parameters without a gradient
-    is traced again, its warm-up leaving them without one or optimizer state
-    (``trace.profile`` Note 4)."""
+    is traced again, its warm-up leaving them without one or optimizer state (a real step
+    gives them neither; ``trace.profile``)."""
     t = _trace_once(model, batch, optimizer, device, loss_fn, k, copier, **kwargs)
     if t.warmed_all and t.tracker.ungraded:
         t = _trace_once(model, batch, optimizer, device, loss_fn, k, copier,
