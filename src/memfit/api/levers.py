@@ -140,8 +140,8 @@ def _agree(prober, value: int, low: int, top: int):
     planned = prober.plan(value)
     if planned is None:                      # the probes were optimistic: bisect below
         good, bad, found = low, value, prober.plan(low)
-        if found is None:                    # the floor said it fits at low: cannot happen
-            raise AssertionError(f"plan refuses {prober.lever}={low} under its own floor")
+        if found is None:       # the traced floor fit at low, plan refuses it: plan decides
+            prober.refuse(low)
     elif value >= top or prober.plan(value + 1) is None:
         return value, planned
     else:                                    # a longer value plans too: gallop, then bisect
@@ -273,6 +273,16 @@ class _Prober:
         self.count += 1
         return plan_traced(self.model, self._batch(v), self.budget, self.optimizer, self.dev,
                            suggest_shorter=False, **extra, **self._fixed(v))
+
+    def refuse(self, v: int) -> None:
+        """``plan``'s own refusal at ``v`` (Note 1: plan decides, where a traced floor fit and
+        plan's bound from the parameters alone does not), as ``learn`` words one."""
+        try:
+            self._plan_at(v)
+        except BudgetTooSmall as e:
+            raise BudgetTooSmall(f"even {self.lever}={v} does not fit: {e}",
+                                 floor_bytes=e.floor_bytes, budget_bytes=self.limit) from None
+        raise AssertionError(f"plan at {self.lever}={v} refused, then planned")
 
     def plan(self, v: int):
         """``plan`` at ``v`` (memoised), or None where it refuses."""

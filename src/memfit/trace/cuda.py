@@ -94,6 +94,11 @@ class CudaModel:
         (An offloaded optimizer steps on the host, where the default is per-tensor.)"""
         if hasattr(optimizer, "host_tensors"):
             return
+        per_parameter = getattr(optimizer, "optimizers", None)   # stepped in backward: each
+        if isinstance(per_parameter, dict):                       # parameter's own optimizer
+            for one in per_parameter.values():
+                CudaModel.use_foreach(one)
+            return
         inner = getattr(optimizer, "inner", optimizer)
         if hasattr(inner, "use_cuda_kernel"):    # bitsandbytes' fused kernel, which allocates
             inner.use_cuda_kernel()              # nothing (techniques._bnb_optimizer)
