@@ -31,7 +31,7 @@ from __future__ import annotations
 from memfit.errors import BudgetTooSmall
 from memfit.modes import Mode
 from memfit.optimizers import IMPL_FLAGS
-from memfit.planner._explain import ratio_words
+from memfit.planner._explain import accumulated_words, ratio_words
 from memfit.techniques.low_bit_optimizer import LIBRARY, NUMERICS_NOTE
 from memfit.techniques.packed_int4 import PackedInt4Linear
 from memfit.techniques.quantized_base import QuantizedBase
@@ -67,11 +67,10 @@ def global_reasons(k, choice, memory, b: int, ctx, ratio: float) -> list[str]:
     elif k.precision == "auto":
         out.append(f"precision {choice.precision}: auto keeps fp32 on a CPU")
     if choice.micro_batch_size < b:
-        n = -(-b // choice.micro_batch_size)
         why = (f"your micro_batch_size={k.micro_batch_size}" if k.micro_batch_size is not None
                else "the largest micro-batch the fastest plan could afford (each extra "
                     "micro-batch repeats the launches and weight reads)")
-        out.append(f"micro-batch {choice.micro_batch_size} x {n} accumulated: {why}")
+        out.append(f"{accumulated_words(b, choice.micro_batch_size)}: {why}")
     modes = [m for m in choice.modes if m != Mode.KEEP]
     if modes:
         counts = ", ".join(f"{modes.count(m)} {m}" for m in

@@ -10,7 +10,7 @@ from memfit.units import format_bytes
 if TYPE_CHECKING:
     from memfit.planner.plan import Plan
 
-__all__ = ["explain", "ratio_words"]
+__all__ = ["explain", "ratio_words", "accumulated_words"]
 
 
 def ratio_words(r: float) -> str:
@@ -70,7 +70,7 @@ def _globals(plan: "Plan") -> list[str]:
                f"precision {k.mp_policy} compute, fp32 sharded weights (FSDP2 "
                "MixedPrecisionPolicy)"]
         if b and m and m < b:
-            out.append(f"micro-batch {m} x {-(-b // m)} accumulated (batch {b})")
+            out.append(f"{accumulated_words(b, m)} (batch {b})")
         elif b:
             out.append(f"batch {b} in one micro-batch")
     if getattr(k, "fsdp_offload", None):
@@ -122,3 +122,10 @@ def _names(run: list[dict]) -> str:
     if len(run) == 1:
         return run[0]["name"]
     return f"{run[0]['name']} .. {run[-1]['name'].rsplit('.', 1)[-1]} ({len(run)})"
+
+
+def accumulated_words(b: int, m: int) -> str:
+    """A batch of ``b`` in micro-batches of ``m``, as accumulation splits it: "micro-batch 3 x
+    10 + 2 accumulated" where the last one is short (it printed 3 x 11 for 32)."""
+    n, rest = divmod(b, m)
+    return f"micro-batch {m} x {n}" + (f" + {rest}" if rest else "") + " accumulated"
