@@ -38,7 +38,9 @@ their gradients and state were counted (LED +6.5%, Wav2Vec2-Conformer +1.5%, a m
 large unused layer three times its real step). The step is this batch's, every step: a
 parameter another batch would reach (an expert in a module of its own that no token of this
 batch is routed to) is counted as this batch leaves it. transformers 5 holds a mixture's
-experts in one parameter per layer, which every routed token reaches.
+experts in one parameter per layer, which every routed token reaches. A step that keeps its
+gradient buffers (``zero_grad="keep-buffers"``) keeps the warm-up's zeros on such a parameter
+too, so it is not told from one that got its gradient some other way, and stays counted.
 """
 
 from __future__ import annotations
@@ -100,6 +102,9 @@ def warm_up_optimizer(model: nn.Module, optimizer, skip=frozenset()) -> None:
     ``skip``: names of parameters the step gives no gradient (Note 4), left without."""
     check_steppable(optimizer)
     params = [p for name, p in model.named_parameters() if p.requires_grad and name not in skip]
+    for name, p in model.named_parameters():     # a fake copied again keeps its gradient
+        if name in skip:
+            p.grad = None
     for p in params:
         p.grad = torch.zeros_like(p)
     make = getattr(optimizer, "first_step_state", None)   # the state without the update's
