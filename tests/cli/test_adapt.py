@@ -104,6 +104,10 @@ def test_quantize_with_lora_estimates_the_qlora_model(capsys, tiny_gpt2):
     assert qlora["peak_bytes"] == api.peak_bytes
     assert qlora["breakdown"]["params"] < lora["breakdown"]["params"]
     assert qlora["trainable_parameters"] == lora["trainable_parameters"]
+    # the JSON says how the model was changed (the base is the model's own, no knob carries
+    # it): a reader could not tell a QLoRA figure from a LoRA one
+    assert (qlora["lora_rank"], qlora["quantize"], qlora["double_quant"]) == (4, "nf4", True)
+    assert "quantize" not in lora and lora["lora_rank"] == 4
 
 
 def test_quantize_kinds_are_the_techniques():

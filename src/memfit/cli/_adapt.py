@@ -42,6 +42,7 @@ from memfit.techniques.packed_int4 import PackedInt4, PackedInt4Linear
 from memfit.techniques.quantized_base import QuantizedBase
 
 __all__ = ["apply_freeze", "apply_lora", "apply_quantize", "base_model", "parameter_count",
+           "adaptation",
            "LORA_TASK_TYPES"]
 
 _PEFT_PREFIX = "base_model.model."
@@ -182,3 +183,18 @@ def base_model(model):
     """The transformers model inside a PEFT wrapper (the model itself otherwise)."""
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model
+
+
+def adaptation(args) -> dict:
+    """How the CLI changed the model before tracing, for ``--json`` (the quantized base is
+    the model's own, so the plan's ``knobs.quantize_base`` does not carry it)."""
+    out = {}
+    if getattr(args, "lora_rank", None):
+        out["lora_rank"] = args.lora_rank
+    if getattr(args, "quantize", None):
+        out["quantize"] = args.quantize
+        if args.quantize in ("nf4", "fp4"):
+            out["double_quant"] = bool(args.double_quant)
+    if getattr(args, "freeze", None):
+        out["freeze"] = list(args.freeze)
+    return out

@@ -192,6 +192,8 @@ def run(args) -> int:
         args, est, tracker, title=f"{spec.name}, {described}, {est.knobs.precision}, "
                                  f"{args.optimizer}", where=target.where(), allocator=allocator)
     if args.json:
+        from memfit.cli._adapt import adaptation
+
         out = {"model": spec.name, "task": args.task or spec.default_task, "batch": shapes,
                "optimizer": args.optimizer, "reserve_bytes": target.reserve_bytes,
                **({"hf_args": args.hf_args} if args.hf_args else {}),
@@ -199,6 +201,7 @@ def run(args) -> int:
                **({"optimizer_in_backward": True} if est.knobs.optimizer_in_backward else {}),
                **({"offload_gradients": True} if est.knobs.offload_gradients else {}),
                **packing_fields(args, model, batch),
+               **adaptation(args),
                "trainable_parameters": _trainable(model), **spare_and_short(est.to_dict())}
         if args.plot:
             out["plot"] = args.plot
@@ -249,6 +252,10 @@ def trainable_line(model, args) -> str:
 
     total = parameter_count(model)
     how = [f"LoRA rank {args.lora_rank}"] if args.lora_rank else []
+    if getattr(args, "quantize", None):        # the base as held (not a knob: the model's own)
+        how.append(f"{args.quantize} base" + (" with double quantization" if
+                                               args.quantize in ("nf4", "fp4") and
+                                               args.double_quant else ""))
     how += [f"frozen: {' '.join(args.freeze)}"] if args.freeze else []
     return (f"trains {_trainable(model) / 1e6:.3g}M of {total / 1e6:.4g}M parameters "
             f"({'; '.join(how)})")

@@ -175,10 +175,13 @@ def run(args) -> int:
                                         title=f"{spec.name}, {described}, {args.optimizer}"):
         console.print(line, markup=False, highlight=False)
     if args.json:
+        from memfit.cli._adapt import adaptation
+
         out.update({"model": spec.name, "task": args.task or spec.default_task,
                     "batch": batch_shapes(batch),
                     **packing_fields(args, model, batch),
                     "optimizer": args.optimizer, "reserve_bytes": target.reserve_bytes,
+                    **adaptation(args),
                     "trainable_parameters": sum(t.numel() for t in model.parameters()
                                                 if t.requires_grad),
                     "plain_precision": planned.plain.knobs.precision,
