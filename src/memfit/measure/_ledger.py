@@ -47,17 +47,17 @@ in-place add keeps them. ``on_merge`` tells the counter, which moves its per-op 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from memfit.measure._resolved import (ACTIVATIONS, CATEGORIES, GRADS, INPUTS, OPTIMIZER,
+                                      OTHER, PARAMS, TEMPORARIES, Resolved)
 from memfit.measure._sizes import expr as _expr
 from memfit.measure._sizes import hint as _hint
 
-# Categories, strongest first: a storage carries the strongest category it was ever marked with.
-CATEGORIES = ("params", "grads", "optimizer", "other", "inputs", "activations", "temporaries")
-PARAMS, GRADS, OPTIMIZER, OTHER, INPUTS, ACTIVATIONS, TEMPORARIES = range(len(CATEGORIES))
+__all__ = ["Ledger", "Resolved", "storages_of", "CATEGORIES", "PARAMS", "GRADS", "OPTIMIZER",
+           "OTHER", "INPUTS", "ACTIVATIONS", "TEMPORARIES"]  # the categories: measure._resolved
+
 
 
 def storages_of(t: torch.Tensor, device_type: str | None = None):
@@ -80,35 +80,6 @@ def storages_of(t: torch.Tensor, device_type: str | None = None):
     st = t.untyped_storage()
     if st.nbytes() > 0:
         yield st
-
-
-@dataclass
-class Resolved:
-    """The ledger resolved after the region: all byte figures include entry storages and
-    exclude host storages (counted apart in ``host_peak_bytes``)."""
-
-    series: np.ndarray        # device live bytes after each event (int64)
-    by_category: np.ndarray   # [events, categories] device live bytes per category
-    base_bytes: int           # device live bytes at the start of the region
-    base_by_category: np.ndarray
-    peak_bytes: int           # over the window (events >= window_start, and the value before)
-    peak_event: int           # index of the event at the peak; -1 = the start of the region
-    host_peak_bytes: int      # peak of storages marked as host memory, over the whole region
-    window_start: int = 0     # first event of the window the peak is taken over
-
-    def at(self, event: int) -> int:
-        return int(self.base_bytes if event < 0 else self.series[event])
-
-    def breakdown_at(self, event: int) -> dict[str, int]:
-        row = self.base_by_category if event < 0 else self.by_category[event]
-        return {name: int(row[i]) for i, name in enumerate(CATEGORIES)}
-
-    def max_between(self, start: int, end: int) -> int:
-        """Peak live bytes over events ``start..end`` (inclusive), with the value just before."""
-        before = self.at(start - 1)
-        if end < start:
-            return before
-        return max(before, int(self.series[start:end + 1].max()))
 
 
 class Ledger:
