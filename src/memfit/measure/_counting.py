@@ -32,6 +32,7 @@ not counted at all, as any storage born before the region).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -173,12 +174,16 @@ class CountingMode(CompileAware, TorchDispatchMode):
             ledger.add(st, L.TEMPORARIES, entry=False, host=on_host)
         if t.labels is not None:
             t.labels.born(ledger, t.watch.stack, func, args, kwargs, out, new)
-        t.online_peak_before = t.online_peak_bytes
+        backward = torch._C._current_graph_task_id() != -1
+        old = self.sums.in_place_sum(func, args, kwargs, out, backward)
+        if old is not None and len(new) == 1 and not on_host:
+            merged = functools.partial(self._merged, t.online_peak_bytes)
+            for st in ledger.storages(old):
+                ledger.expect_in_place(st, new[0], merged)
         if ledger.current_bytes > t.online_peak_bytes:
             t.online_peak_bytes = ledger.current_bytes
         t.op_events.append(ledger.num_events)
         t.op_log.append(func)
-        backward = torch._C._current_graph_task_id() != -1
         touched, fixed = _touched_bytes(ledger, args, kwargs, out)
         t.watch.touched(touched, backward)
         n = 0
@@ -192,20 +197,17 @@ class CountingMode(CompileAware, TorchDispatchMode):
             t.watch.flops(n, backward)
         t.op_costs.append((n, touched, fixed, requested))
         t.op_backward.append(backward)
-        old = self.sums.in_place_sum(func, args, kwargs, out)
-        if old is not None and len(new) == 1 and not on_host:
-            for st in ledger.storages(old):
-                ledger.expect_in_place(st, new[0], self._merged)
 
-    def _merged(self, event: int, nbytes: int) -> None:
+    def _merged(self, peak_before: int, event: int, nbytes: int) -> None:
         """The last op's output was a gradient sum made in place (``Ledger.expect_in_place``): its
-        birth event is gone, and so are the bytes it asked for."""
+        birth event is gone, and so are the bytes it asked for and the online peak it set
+        (``peak_before``: the peak before the op)."""
         t = self.t
         if t.op_events and t.op_events[-1] == event + 1:
             t.op_events[-1] = event
         n, touched, fixed, requested = t.op_costs[-1]
         t.op_costs[-1] = (n, touched, fixed, requested - nbytes)
-        t.online_peak_bytes = max(t.online_peak_before, t.ledger.current_bytes)
+        t.online_peak_bytes = max(peak_before, t.ledger.current_bytes)
 
 
 _STATE = (L.PARAMS, L.GRADS, L.OPTIMIZER, L.OTHER)

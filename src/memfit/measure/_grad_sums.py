@@ -69,12 +69,12 @@ class GradSums:
     def _window(self, key: tuple[int, str] | None) -> None:
         self._local.window = key
 
-    def in_place_sum(self, func, args, kwargs, out) -> torch.Tensor | None:
-        """``old`` where this op (just run) is the engine's sum of ``old`` and a new
-        contribution that a run without a mode adds in place (Note 1), if ``old`` is the last
-        holder of its storage (the caller's ledger sees that, Note 3); else None. Call it after
-        every op."""
-        if torch._C._current_graph_task_id() == -1:
+    def in_place_sum(self, func, args, kwargs, out, backward: bool) -> torch.Tensor | None:
+        """``old`` where this op (just run; ``backward``: inside a backward pass) is the
+        engine's sum of ``old`` and a new contribution that a run without a mode adds in place
+        (Note 1), if ``old`` is the last holder of its storage (the caller's ledger sees that,
+        Note 3); else None. Call it after every op."""
+        if not backward:
             if self._hooked:
                 self.close()
             return None

@@ -47,6 +47,7 @@ in-place add keeps them. ``on_merge`` tells the counter, which moves its per-op 
 from __future__ import annotations
 
 import weakref
+
 import numpy as np
 import torch
 
@@ -57,7 +58,6 @@ from memfit.measure._sizes import hint as _hint
 
 __all__ = ["Ledger", "Resolved", "storages_of", "CATEGORIES", "PARAMS", "GRADS", "OPTIMIZER",
            "OTHER", "INPUTS", "ACTIVATIONS", "TEMPORARIES"]  # the categories: measure._resolved
-
 
 
 def storages_of(t: torch.Tensor, device_type: str | None = None):

@@ -92,7 +92,6 @@ class Tracker:
         self.op_costs: list[tuple[int, int, int, int]] = []
         self.op_backward: list[bool] = []   # whether each op ran in a backward pass
         self.online_peak_bytes = 0
-        self.online_peak_before = 0         # before the last op (``_counting``'s in-place sums)
         self.fw_flops = 0
         self.bw_flops = 0
         self.last_op = None
