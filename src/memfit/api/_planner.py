@@ -321,12 +321,14 @@ class Planner:
         self.levers.add_chunked_loss()
         self.levers.add_optimizer_in_backward()
 
+        last_resorts = (self.levers.add_gradient_offload,          # Note 7, in this order
+                        self.levers.add_param_offload)
+
         def propose(margins: Margins):
             for q in self.models:
                 margins.start(q, self.held[q[0]])
             choice = search(self.models, job.b, job.budget_bytes, job.fixed, margins.bytes)
-            for last_resort in (self.levers.add_gradient_offload,      # Note 7
-                                self.levers.add_param_offload):
+            for last_resort in last_resorts:
                 if choice is None and last_resort():
                     for q in self.models:
                         margins.start(q, self.held[q[0]])
@@ -346,9 +348,8 @@ class Planner:
                                    est, device - est.device_bytes, job.budget_bytes))
 
         found = verified()
-        for last_resort in (self.levers.add_gradient_offload,      # Note 7: every pick of the
-                            self.levers.add_param_offload):         # models missed when traced
-            if found is None and last_resort():
+        for last_resort in last_resorts:        # Note 7: every pick of the models missed when
+            if found is None and last_resort():   # re-traced
                 found = verified()
         if found is None:
             return None

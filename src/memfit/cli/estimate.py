@@ -248,15 +248,15 @@ def _trainable(model) -> int:
 
 def trainable_line(model, args) -> str:
     """"trains 1.2M of 125M parameters (LoRA rank 8; frozen: ...)" for --lora-rank/--freeze."""
-    from memfit.cli._adapt import parameter_count
+    from memfit.cli._adapt import adaptation, parameter_count
 
     total = parameter_count(model)
-    how = [f"LoRA rank {args.lora_rank}"] if args.lora_rank else []
-    if getattr(args, "quantize", None):        # the base as held (not a knob: the model's own)
-        how.append(f"{args.quantize} base" + (" with double quantization" if
-                                               args.quantize in ("nf4", "fp4") and
-                                               args.double_quant else ""))
-    how += [f"frozen: {' '.join(args.freeze)}"] if args.freeze else []
+    done = adaptation(args)                    # what --json says, in words
+    how = [f"LoRA rank {done['lora_rank']}"] if "lora_rank" in done else []
+    if "quantize" in done:                     # the base as held (not a knob: the model's own)
+        how.append(f"{done['quantize']} base" +
+                   (" with double quantization" if done.get("double_quant") else ""))
+    how += [f"frozen: {' '.join(done['freeze'])}"] if "freeze" in done else []
     return (f"trains {_trainable(model) / 1e6:.3g}M of {total / 1e6:.4g}M parameters "
             f"({'; '.join(how)})")
 

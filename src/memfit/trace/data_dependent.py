@@ -208,10 +208,7 @@ class DataValues:
             return
         with real_values():
             copies = {id(t): self._real[t].clone() for t in written}
-            real_args, real_kwargs = tree_map(
-                lambda t: copies.get(id(t), self._value(t)) if isinstance(t, torch.Tensor) else t,
-                (args, kwargs))
-            func(*real_args, **real_kwargs)
+        self._run_real(func, args, kwargs, instead=copies)
         self._forget(written)              # views of what was written keep the old values
         for t in written:
             self._real[t] = copies[id(t)]
@@ -231,10 +228,7 @@ class DataValues:
             copy.copy_(self._real[base])
             real_view = copy.as_strided(view.shape, view.stride(),
                                         view.storage_offset() - base.storage_offset())
-            real_args, real_kwargs = tree_map(
-                lambda t: real_view if t is view else self._value(t)
-                if isinstance(t, torch.Tensor) else t, (args, kwargs))
-            func(*real_args, **real_kwargs)
+        self._run_real(func, args, kwargs, instead={id(view): real_view})
         self._forget([base, view])
         self._real[base] = copy
         self._real[view] = real_view
@@ -288,9 +282,13 @@ class DataValues:
         for t in inputs:
             self._real.pop(t, None)
 
-    def _run_real(self, func, args, kwargs):
-        real_args, real_kwargs = tree_map(lambda t: self._value(t) if isinstance(t, torch.Tensor)
-                                          else t, (args, kwargs))
+    def _run_real(self, func, args, kwargs, instead: dict | None = None):
+        """``func`` on the real values; ``instead``: a real tensor to pass for a fake, by the
+        fake's id (the copy an in-place op writes, Note 4)."""
+        instead = instead or {}
+        real_args, real_kwargs = tree_map(
+            lambda t: (instead[id(t)] if id(t) in instead else self._value(t))
+            if isinstance(t, torch.Tensor) else t, (args, kwargs))
         with real_values():
             return func(*real_args, **real_kwargs)
 
