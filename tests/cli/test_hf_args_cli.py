@@ -59,6 +59,10 @@ def test_plan_exports_the_changed_arguments_beside_the_file(tiny_gpt2, run_file,
     ("{", [], "not valid JSON"),
     ("{}", ["--checkpoint", "all"], "set gradient_checkpointing in the JSON"),
     ("{}", ["--micro-batch-size", "2"], "per_device_train_batch_size"),
+    # typed, even where the value is the flag's default (it would be silently ignored)
+    ("{}", ["--batch-size", "8"], "--batch-size with --hf-args"),
+    ("{}", ["--optimizer", "adamw"], "set optim in the JSON"),
+    ("{}", ["--precision", "fp32"], "set bf16 / fp16 in the JSON"),
 ])
 def test_bad_files_and_owned_flags_are_refused(tmp_path, capsys, content, flags, words):
     path = tmp_path / "bad.json"
@@ -70,3 +74,4 @@ def test_bad_files_and_owned_flags_are_refused(tmp_path, capsys, content, flags,
 def test_missing_file_is_refused(capsys):
     assert main(["plan", "--hf-args", "/nonexistent/run.json"]) == 2
     assert "no such file" in capsys.readouterr().err
+

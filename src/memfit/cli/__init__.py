@@ -24,7 +24,7 @@ from memfit.cli import plan as _plan
 from memfit.cli import train as _train
 from memfit.cli._cache_args import traces_cached
 from memfit.cli._replay import run_replayable
-from memfit.cli._args import join_dash_values
+from memfit.cli._args import given_dests, join_dash_values
 from memfit.cli._errors import cli_warnings, error_json, format_error, is_user_error
 
 __all__ = ["main", "build_parser"]
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.redirect_stderr(said):
             args = parser.parse_args(join_dash_values(argv))
     except SystemExit as e:         # --help, --version, or argparse refusing a value (2)
-        sys.stderr.write(said.getvalue())
         code = e.code if isinstance(e.code, int) else 2
+        sys.stderr.write(_short_usage(said.getvalue()) if code else said.getvalue())
         if code and "--json" in argv:       # refused under --json: JSON too, on stdout
             import json
 
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             print()
         return code
     sys.stderr.write(said.getvalue())
+    args.given = given_dests(parser, join_dash_values(argv))    # _args Note 3
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     flags = _option_strings(parser, args.command)
@@ -98,6 +99,17 @@ def main(argv: list[str] | None = None) -> int:
                 print()
             print(format_error(e, flags), file=sys.stderr)
             return 2
+
+
+def _short_usage(said: str) -> str:
+    """argparse's refusal without the whole usage it prints first (60 lines for ``plan``):
+    its error line, and where the flags are listed."""
+    lines = said.strip().splitlines()
+    error = next((line for line in reversed(lines) if ": error: " in line), None)
+    if error is None:
+        return said
+    command = error.split(": error: ", 1)[0]
+    return f"{error}\n(`{command} --help` lists every flag)\n"
 
 
 def _option_strings(parser: argparse.ArgumentParser, command: str | None) -> set[str] | None:

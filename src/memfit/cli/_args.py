@@ -10,6 +10,11 @@ every subcommand (``--offload-optimizer on``), and alone means on (``--offload-o
 ``estimate`` spelled it), so a command line copied from one subcommand to another means the
 same. ``--reshard-after-forward`` takes on, off or a group size N; its old true/false still
 work, with a deprecation warning.
+
+Note 3 (a flag typed, or its default). argparse gives a flag left out its default, so a check
+that must know whether the user typed a flag (``--batch-size 8`` under ``--hf-args``, where the
+JSON's batch size is the run's) cannot read it from the value. ``given_dests`` parses the same
+command line again with every default suppressed: what remains was typed.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from memfit.units import UNITS_HELP, parse_bytes
 __all__ = ["add_switch", "reshard_value", "budget_bytes", "reserve_bytes", "cuda_version", "positive_int", "positive_float", "int_or_auto",
            "join_dash_values", "check_output_path", "progressive_spec", "add_zero_grad_arg",
            "add_chunked_loss_arg", "chunk_count", "add_optimizer_in_backward_arg",
-           "add_offload_gradients_arg",
+           "add_offload_gradients_arg", "given_dests",
            "VALUE_FLAGS", "BYTES_HELP"]
 
 # flags whose value may start with '-' (Note 1)
@@ -47,6 +52,31 @@ def join_dash_values(argv: list[str]) -> list[str]:
         out.append(a)
         i += 1
     return out
+
+
+def given_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the flags ``argv`` types (Note 3); ``argv`` parses already."""
+    parsers, saved, positional = [parser], [], {"command"}
+    while parsers:
+        p = parsers.pop()
+        saved.append((p, dict(p._defaults)))
+        p._defaults.clear()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += action.choices.values()
+            if not action.option_strings:      # a positional's default must be a choice
+                positional.add(action.dest)
+                continue
+            saved.append((action, action.default))
+            action.default = argparse.SUPPRESS
+    try:
+        return set(vars(parser.parse_args(argv))) - positional
+    finally:
+        for owner, value in saved:
+            if isinstance(owner, argparse.ArgumentParser):
+                owner._defaults.update(value)
+            else:
+                owner.default = value
 
 
 def budget_bytes(text: str) -> int:

@@ -23,9 +23,14 @@ from pathlib import Path
 __all__ = ["add_hf_args_arg", "check_hf_args", "hf_trainer", "export_path"]
 
 # memfit flags whose setting is the JSON's under --hf-args (Note 1), with its keyword
-_OWNED = {"precision": "bf16 / fp16", "micro_batch_size": "per_device_train_batch_size and "
-          "gradient_accumulation_steps", "checkpoint": "gradient_checkpointing",
-          "max_grad_norm": "max_grad_norm", "optimizer_impl": "optim", "zero_grad": None}
+_OWNED = {"precision": "bf16 / fp16", "batch_size": "per_device_train_batch_size",
+          "micro_batch_size": "per_device_train_batch_size and gradient_accumulation_steps",
+          "checkpoint": "gradient_checkpointing", "max_grad_norm": "max_grad_norm",
+          "optimizer": "optim", "optimizer_impl": "optim", "zero_grad": None}
+
+# those a namespace built without the parser (no ``given``) can be checked by their value for
+_VALUED = ("precision", "micro_batch_size", "checkpoint", "max_grad_norm", "optimizer_impl",
+           "zero_grad")
 
 
 def add_hf_args_arg(g) -> None:
@@ -61,12 +66,20 @@ def check_hf_args(args, precision_default=None) -> dict | None:
         raise ValueError(f"--hf-args {path}: {unknown} are not TrainingArguments keywords of "
                          "the installed transformers")
     for knob, keyword in _OWNED.items():
-        value = getattr(args, knob, None)
-        if value not in (None, "auto", precision_default):
+        if _typed(args, knob, precision_default):
             flag = "--" + knob.replace("_", "-")
             where = f"set {keyword} in the JSON" if keyword else "the Trainer's loop is its own"
             raise ValueError(f"{flag} with --hf-args: the Trainer run is the file's; {where}")
     return values
+
+
+def _typed(args, knob: str, precision_default) -> bool:
+    """Whether the user set ``knob``: typed on the command line (``cli._args`` Note 3), or, for
+    a namespace built without the parser, a value that is not a default."""
+    typed = getattr(args, "given", None)
+    if typed is not None:
+        return knob in typed
+    return knob in _VALUED and getattr(args, knob, None) not in (None, "auto", precision_default)
 
 
 def hf_trainer(spec, model, args, values: dict, samples: int | None = None):
