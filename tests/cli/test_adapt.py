@@ -218,3 +218,24 @@ def test_lora_on_gptq_layers_warns_of_nothing(capsys, tiny_gpt2):
     assert main(["estimate", "--config", tiny_gpt2, *SHAPE, "--quantize", "gptq",
                  "--lora-rank", "4"]) == 0
     assert "Unsupported layer type" not in capsys.readouterr().err
+
+
+def test_lora_on_a_model_whose_only_linear_layer_is_its_head_says_so():
+    """'all-linear' on a convolutional classifier finds the head alone (PEFT's rule, so memfit
+    counts it): a warning says LoRA adapts the head only and how to adapt the rest (Note 4); a
+    transformer, whose blocks hold linear layers, gets none."""
+    pytest.importorskip("peft")
+    import warnings
+
+    from memfit.cli._adapt import apply_lora
+
+    resnet = zoo.get("resnet-50").build(tiny=True, device="meta")
+    with pytest.warns(UserWarning, match=r"only linear layer of ResNetForImageClassification is "
+                                         r"its head \(classifier\.1\).*--lora-targets"):
+        wrapped = apply_lora(resnet, 4, "image-classification")
+    trainable = {n for n, p in wrapped.named_parameters() if p.requires_grad}
+    assert trainable and all(".classifier.1." in n for n in trainable)
+    gpt2 = zoo.get("gpt2").build(tiny=True, device="meta")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*only linear layer")
+        apply_lora(gpt2, 4, "causal-lm")

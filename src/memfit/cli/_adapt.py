@@ -9,9 +9,9 @@ name (``.*\\.bias``). Under --lora-rank the names are also matched without PEFT'
 matches nothing is an error naming some parameters, not a silent no-op.
 
 Note 2 (LoRA). --lora-rank R wraps the model with ``peft.get_peft_model`` and a
-``LoraConfig(r=R, lora_alpha=2R, target_modules="all-linear")`` (every linear layer but the
-output head, PEFT's own rule); for the zoo's tasks PEFT's task type is set, so a
-classification head stays trainable as PEFT trains it. The base weights are frozen by PEFT;
+``LoraConfig(r=R, lora_alpha=2R, target_modules="all-linear")`` (every linear layer but a
+language model's output layer, PEFT's own rule, Note 4); for the zoo's tasks PEFT's task type
+is set, so a classification head stays trainable as PEFT trains it. The base weights are frozen by PEFT;
 memfit counts what PEFT leaves trainable, as it would for the user's own PEFT model.
 --lora-targets q_proj,v_proj gives PEFT those module names instead of "all-linear". A class
 that subclasses ``nn.Linear`` with a forward of its own (PhiMoE's router returns a tuple) is
@@ -28,6 +28,13 @@ the adapters, and a task's head as it always does), with --freeze only what the 
 The weights stay on ``meta``: a 70B base is described, never quantized for real. --quantize gptq
 packs them as GPTQ's int4 layout instead (``techniques.packed_int4``: memfit's own modules, no
 GPTQ library installs on a CPU), and LoRA goes on the packed layers by name.
+
+Note 4 (a model whose only linear layer is its head). "all-linear" leaves out the output
+embedding a language model ties to its vocabulary, not a classifier: on a convolutional
+classifier (ResNet, ConvNeXt's stages are convolutions) the head is the one linear layer, and
+LoRA adapts it alone. That is PEFT's rule, so memfit counts it, with a warning that says so and
+how to adapt the convolutions (``--lora-targets``). A head is a layer with the config's
+``num_labels`` outputs.
 """
 
 from __future__ import annotations
@@ -128,7 +135,7 @@ def apply_lora(model, rank: int, task: str | None, targets: str | None = None):
             # PEFT reads in/out_features off memfit's packed layer, and warns that it does not
             # know the class it was just given a LoRA layer for (Note 3): nothing to act on
             warnings.filterwarnings("ignore", message="Unsupported layer type .*PackedInt4Linear")
-            return peft.get_peft_model(model, config)
+            wrapped = peft.get_peft_model(model, config)
     except ValueError as e:
         from torch import nn
         from transformers.pytorch_utils import Conv1D        # GPT-2's linear layers
@@ -138,6 +145,27 @@ def apply_lora(model, rank: int, task: str | None, targets: str | None = None):
         raise ValueError(f"--lora-rank {rank}: PEFT cannot add LoRA to "
                          f"{type(model).__name__}: {e} (its linear layers, by name, for "
                          f"--lora-targets: {', '.join(linears)})") from e
+    if targets is None:
+        _warn_head_only(wrapped, rank)
+    return wrapped
+
+
+def _warn_head_only(wrapped, rank: int) -> None:
+    """Note 4: "all-linear" found the classification head alone."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted = [(n, m) for n, m in wrapped.named_modules() if isinstance(m, LoraLayer)]
+    labels = getattr(getattr(wrapped, "config", None), "num_labels", None)
+    if not adapted or labels is None or any(getattr(m, "out_features", None) != labels
+                                            for _, m in adapted):
+        return
+    names = ", ".join(n.removeprefix("base_model.model.") for n, _ in adapted)
+    base = type(wrapped.get_base_model()).__name__
+    warnings.warn(f"--lora-rank {rank}: the only linear layer of {base} is its head ({names}), "
+                  "so LoRA adapts the head alone and every other weight stays frozen. For "
+                  "adapters on its other layers give their names in --lora-targets (PEFT also "
+                  "adapts Conv2d layers); to train the whole model, leave --lora-rank out",
+                  stacklevel=3)
 
 
 def _odd_linears(model) -> list[str]:

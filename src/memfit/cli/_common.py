@@ -84,7 +84,8 @@ def add_model_args(p: argparse.ArgumentParser, batch_size: int = 8,
                         "weights (needs `pip install peft`)")
     g.add_argument("--lora-targets", default=None, metavar="NAMES",
                    help="with --lora-rank: the linear layers that get adapters, comma-separated "
-                        "module names (q_proj,v_proj); default: every linear layer but the head")
+                        "module names (q_proj,v_proj); default: every linear layer but a language "
+                        "model's output layer (PEFT's all-linear)")
     g.add_argument("--quantize", default=None, choices=QUANTIZE_KINDS,
                    help="hold the frozen base weights in 4 bits (nf4, fp4: QLoRA with "
                         "--lora-rank) or 8 bits (int8: LLM.int8) with bitsandbytes, as "
