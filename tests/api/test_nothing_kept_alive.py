@@ -16,7 +16,7 @@ from memfit.step import canonical_step, prepare_batch
 from tests.helpers import tiny
 
 # every knob fixed: the plan traces and verifies one configuration (a few seconds)
-FIXED = dict(precision="fp32", micro_batch_size=3, checkpoint="none", offload="none",
+FIXED = dict(precision="fp32", micro_batch_size=2, checkpoint="none", offload="none",
              offload_optimizer=False)
 
 

@@ -170,3 +170,12 @@ def test_optimizer_names_match_the_library():
     import memfit.knobs as k
     if hasattr(k, "OPTIMIZER_IMPLS"):
         assert OPTIMIZER_IMPLS == k.OPTIMIZER_IMPLS
+
+
+def test_a_micro_batch_larger_than_the_batch_is_refused(capsys):
+    """It would be the whole batch, silently: the estimate and the plan refuse it, naming the
+    most it can be (api._validate.check_micro_batch)."""
+    for command in ("estimate", "plan"):
+        assert main([command, "--model", "gpt2", "--batch-size", "4", "--micro-batch-size", "8",
+                     "--seq-len", "16", "--gpu", "cpu"]) == 2
+        assert "is larger than the batch (4 samples): give at most 4" in capsys.readouterr().err

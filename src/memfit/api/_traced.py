@@ -30,7 +30,7 @@ from memfit.api._setup import build_runner, resolve_device, resolve_precision
 from memfit.api._rank_layout import RankLayout
 from memfit.api._user_step import (as_user_step, check_cuda_autocast, check_step_knobs,
                                    explain_step_error, step_notes, with_backward_phase)
-from memfit.api._validate import check_batch, describe_batch_mismatch
+from memfit.api._validate import check_batch, check_micro_batch, describe_batch_mismatch
 from memfit.errors import TraceError
 from memfit.knobs import Knobs
 from memfit.memplan import storage_log
@@ -302,6 +302,7 @@ def _checked_step(model, batch, loss_fn, k: Knobs, step, scheduler, compiled: bo
     if user is None:               # a user step takes the batch as given (_user_step)
         batch = prepare_batch(batch, compiled)
         check_batch(model, batch, loss_fn)
+    check_micro_batch(k.micro_batch_size, batch_size_of(batch))
     check_in_backward(k, batch_size_of(batch))      # optimizer_in_backward's refusals
     return user, k, batch
 

@@ -14,12 +14,22 @@ from memfit.units import parse_bytes
 from memfit.zoo._batches import table_limit
 from memfit.zoo._model_arg import check_model
 
-__all__ = ["check_model", "check_batch", "describe_batch_mismatch", "check_order"]
+__all__ = ["check_model", "check_batch", "check_micro_batch", "describe_batch_mismatch",
+           "check_order"]
 
 # the three fronts' positional orders, named in the error (issue 26): they differ
 _ORDERS = {"estimate": "memfit.estimate(model, batch, optimizer, device, loss_fn)",
            "plan": "memfit.plan(model, batch, budget, optimizer, device, loss_fn)",
            "fit": "memfit.fit(model, optimizer, batch, budget, device, loss_fn)"}
+
+
+def check_micro_batch(micro_batch_size: int | None, batch_size: int) -> None:
+    """A micro-batch larger than the batch it splits: refused (it would silently be the whole
+    batch, and the figure the one of a step not asked for)."""
+    if micro_batch_size is not None and micro_batch_size > batch_size:
+        raise ValueError(f"micro_batch_size={micro_batch_size} is larger than the batch "
+                         f"({batch_size} samples): give at most {batch_size} (the whole batch "
+                         "in one micro-batch), or a larger batch")
 
 
 def check_batch(model: nn.Module, batch, loss_fn=None) -> None:
