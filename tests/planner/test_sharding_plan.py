@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 import memfit
-from memfit.api._compare_gpus import compare_gpus
+from memfit.api._compare_gpus import NO_BF16_AUTO, compare_gpus
 from memfit.api._plan_sharded import plan_sharded_traced
 from memfit.api.plan import plan_traced
 from memfit.devices import get_device
@@ -169,3 +169,14 @@ def test_the_layout_search_counts_the_card_a_rank_counts(op_log):
     _, outside = _card_bytes(spec, op_log)
     card = card_breakdown(spec, 1 << 30, op_log)
     assert outside == card.cuda_context_bytes + card.library_kernels_bytes + card.cudnn_bytes
+
+
+def test_compare_gpus_says_why_a_card_without_bf16_is_weighed_at_fp32(gpt2):
+    """Precision "auto" on a card without bf16 is weighed at fp32 (a sharded fp16 GradScaler
+    is not modelled): the row says so, a card with bf16 does not (_compare_gpus Note 2)."""
+    model, batch, _ = gpt2
+    pascal, ampere = get_device("gtx-1080-ti"), get_device("a100-40gb")
+    rows = {r.gpu: r for r in compare_gpus(model, batch, "adamw", specs=[pascal, ampere],
+                                           precision="auto", offload_optimizer=False)}
+    assert (rows["gtx-1080-ti"].precision, rows["gtx-1080-ti"].note) == ("fp32", NO_BF16_AUTO)
+    assert (rows["a100-40gb"].precision, rows["a100-40gb"].note) == ("bf16", "")

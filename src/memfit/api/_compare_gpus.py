@@ -9,7 +9,9 @@ step (cards x step time): what a rental costs in card-hours, before prices.
 
 Note 2 (cards without bf16). Where the precision asked is bf16 (or FSDP2's bf16
 ``mp_policy``) a card without bf16 cannot run it: its row says "no bf16" rather than stopping
-the comparison.
+the comparison. Where the precision is "auto", such a card is weighed at fp32, as
+``plan(gpus=...)`` weighs it: fp16 needs a GradScaler, whose sharded step is not modelled. Its
+row's ``note`` says so, and that ``memfit plan --gpu NAME`` weighs fp16 on one card.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from memfit.planner.search import Constraints
 from memfit.planner.sharding import interconnect, layout_tiers
 from memfit.techniques.accumulation import batch_size_of
 
-__all__ = ["compare_gpus", "fewest_gpus", "GpuRow"]
+__all__ = ["compare_gpus", "fewest_gpus", "GpuRow", "NO_BF16_AUTO"]
+
+NO_BF16_AUTO = ("fp32: no bf16 on this card, and fp16's GradScaler is not modelled sharded; "
+                "`memfit plan --gpu NAME` weighs fp16 on one card")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class GpuRow:
     step_s: float | None
     link: str
     why: str = ""                    # where gpus is None: why not (no bf16, nothing fits)
+    note: str = ""                   # how the precision was chosen, where it is not the asked
 
     @property
     def gpu_seconds(self) -> float | None:
@@ -77,8 +83,11 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
             traced[p] = _Models(_trace(model, prepared, optimizer, loss_fn, count_fn, k, p,
                                        say), p, batch_size_of(prepared))
         searching = f"({i} of {len(specs)} GPUs)"
-        rows.append(_fewest_on(model, spec, spec.usable_bytes, traced[p], k, p, link,
-                               lambda m: on_progress and on_progress(f"{m} {searching}")))
+        row = _fewest_on(model, spec, spec.usable_bytes, traced[p], k, p, link,
+                         lambda m: on_progress and on_progress(f"{m} {searching}"))
+        if asked.precision == "auto" and spec.kind == "cuda" and not spec.supports_bf16:
+            row = dataclasses.replace(row, note=NO_BF16_AUTO)           # Note 2
+        rows.append(row)
     return sorted(rows, key=lambda r: (r.gpu_seconds is None, r.gpu_seconds or 0.0))
 
 

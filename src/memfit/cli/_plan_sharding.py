@@ -161,6 +161,8 @@ def _print_rows(console, args, head: str, rows, seconds: float) -> int:
                       "optimizer state in host RAM, the optimizer stepping on the host); "
                       "`--gpus auto --gpu NAME` says how much host RAM; `--fsdp-offload off` "
                       "compares without it")
+    for note in dict.fromkeys(r.note for r in rows if r.note):
+        console.print(f"{', '.join(r.gpu for r in rows if r.note == note)}: {note}")
     console.print("modelled from one device's trace (memfit.api._compare_gpus); "
                   "`memfit plan --gpus auto --gpu NAME` re-traces one card's answer. "
                   f"Compared in {seconds:.1f} s")
