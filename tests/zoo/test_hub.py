@@ -32,6 +32,7 @@ from huggingface_hub.utils._http import default_client_factory
 
 import memfit
 from memfit import zoo
+from memfit.zoo import _hub
 from memfit.zoo._hub import hub_error_message, is_hub_id
 
 MAIN = "1" * 40
@@ -105,6 +106,7 @@ def fake_hub(monkeypatch):
     """huggingface_hub online, its HTTP answered by ``handler(request)`` (set by the test);
     every URL it asked for is in ``requests``."""
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(_hub, "_unresolved_host", lambda: None)   # the mock is the network
     state = {"handler": None, "requests": []}
 
     def answer(request):
@@ -225,6 +227,36 @@ def test_gated_and_missing_repos_say_so_through_hf_hub_download(status, code, cl
     assert type(info.value.__cause__).__name__ == cls
     for needle in needles:
         assert needle in str(info.value)
+
+
+def test_a_host_that_does_not_resolve_is_said_at_once(tmp_path, monkeypatch):
+    """No DNS (no network) and no proxy: the download is not tried, whose retries took 27 s
+    before the same error (_hub Note 3); with a proxy set it is (the proxy resolves)."""
+    import socket
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    asked = []
+
+    def download(*args, **kwargs):
+        asked.append(args)
+        raise LookupError("asked the hub")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    with pytest.raises(zoo.HubConfigError, match="the hub could not be reached .*Name or "
+                                                 "service not known.*check the network"):
+        zoo.from_pretrained_config("org/model", cache_dir=tmp_path)
+    assert asked == []
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    with pytest.raises(LookupError, match="asked the hub"):
+        zoo.from_pretrained_config("org/model", cache_dir=tmp_path)
+    assert len(asked) == 1
 
 
 def test_each_hub_error_is_said_in_the_users_words():

@@ -19,6 +19,10 @@ login`` or ``HF_TOKEN``), a repo that does not exist (or that this token cannot 
 revision it does not have, a repo without a ``config.json``. huggingface_hub's exception is
 kept as the ``__cause__``.
 
+Note 3 (no network). Where the hub's host name does not resolve (no network, no DNS) and no
+proxy is set to resolve it, the download is not tried: huggingface_hub would retry the
+connection for about 27 s before the same error.
+
 Which model a string names (a built-in name first, then a path, then a hub id) is
 ``memfit._zoo_names.model_source``'s answer, which ``resolve`` follows.
 """
@@ -26,7 +30,10 @@ Which model a string names (a built-in name first, then a path, then a hub id) i
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import huggingface_hub
 from huggingface_hub import constants as hub_constants
@@ -93,11 +100,29 @@ def _config_path(repo_id: str, revision: str | None, cache_dir, local_files_only
         "local_files_only=True" if local_files_only else None
     if offline is not None:
         raise HubConfigError(_not_cached(repo_id, revision, cache_dir, offline))
+    unresolved = _unresolved_host()                                    # Note 3
+    if unresolved is not None:
+        raise HubConfigError(_unreachable(repo_id, revision, cache_dir, unresolved)) \
+            from unresolved
     try:
         return huggingface_hub.hf_hub_download(repo_id, _CONFIG, revision=revision,
                                                cache_dir=cache_dir)
     except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
         raise HubConfigError(hub_error_message(err, repo_id, revision, cache_dir)) from err
+
+
+def _unresolved_host() -> OSError | None:
+    """Note 3: the error resolving the hub's host name, where no proxy resolves it for us."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    host = urlparse(hub_constants.ENDPOINT).hostname
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, 443)
+    except socket.gaierror as err:
+        return err
+    return None
 
 
 def _where(repo_id: str, revision: str | None) -> str:
@@ -146,7 +171,12 @@ def hub_error_message(err: Exception, repo_id: str, revision: str | None, cache_
         return (f"{where}: the hub answered {status} for its config.json "
                 f"({str(err).splitlines()[0]}); try again later, or log in (`hf auth login`) "
                 "if the repo is private")
-    reason = f" ({err.__cause__})" if err.__cause__ is not None else ""
+    return _unreachable(repo_id, revision, cache_dir, err.__cause__)
+
+
+def _unreachable(repo_id: str, revision: str | None, cache_dir, cause) -> str:
+    where = _where(repo_id, revision)
+    reason = f" ({cause})" if cause is not None else ""
     return (f"{where}: its config.json is not in the Hugging Face cache ({_cache_folder(cache_dir)}) "
             f"and the hub could not be reached{reason}: check the network (or HF_ENDPOINT and the "
             f"proxy), or fetch it where the hub is reachable ({_download_hint(repo_id, revision)}) "
