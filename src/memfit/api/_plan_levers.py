@@ -167,11 +167,14 @@ class Levers:
                             **{**fixed, **knobs}, **common)
         self.trace = trace
 
-    def traces_ahead(self) -> int:
+    def traces_ahead(self, precisions: list[str]) -> int:
         """The traces ``add_low_bit``, ``add_chunked_loss`` and ``add_optimizer_in_backward``
-        expect to run (an ETA's count: a state whose library is missing traces nothing)."""
+        expect to run where ``precisions`` are traced (an ETA's count: a state whose library
+        is missing traces nothing)."""
+        in_backward = in_backward_open(self.k, self.user_step, self.b) and \
+            any(q in IN_BACKWARD_PRECISIONS for q in precisions)
         return len(LOW_BIT_STATES) * self._low_bit_open() + 2 * self._chunked_open() + \
-            in_backward_open(self.k, self.user_step, self.b)
+            in_backward
 
     def _low_bit_open(self) -> bool:
         k = self.k
@@ -203,13 +206,11 @@ class Levers:
         """The optimizer in backward beside the plain model of the first precision it runs
         with (fp32 or bf16), where ``in_backward_open``."""
         k = self.k
-        if "in_backward" in self._done:
-            return
-        self._done.add("in_backward")
-        if not in_backward_open(k, self.user_step, self.b):
+        if "in_backward" in self._done or not in_backward_open(k, self.user_step, self.b):
             return
         first = next((q for q in self.traces if q in IN_BACKWARD_PRECISIONS), None)
-        if first is not None:
+        if first is not None:        # else again once a precision it runs with is traced
+            self._done.add("in_backward")
             add_optimizer_in_backward(self.models, self.trace, self.spec, self.b, self.say,
                                       (first, k.optimizer_impl))
 

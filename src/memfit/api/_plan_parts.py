@@ -167,4 +167,5 @@ def stages_ahead(b: int, user: str, p: str, others: list[str], variants: int, le
     stages as they come."""
     half = int(b > 1)
     others_stages = sum(half + (q != user) for q in others)
-    return 1 + (p != user) + half + variants + others_stages + levers.traces_ahead() + 2
+    return 1 + (p != user) + half + variants + others_stages + \
+        levers.traces_ahead([p, *others]) + 2

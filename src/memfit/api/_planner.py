@@ -91,6 +91,7 @@ from memfit.api._choice import describe, knob_values
 from memfit.api._compare_gpus import fewest_gpus
 from memfit.api._floor import least_memory, longest_sequence
 from memfit.api._plan_allocator import PLAIN_FITS, AllocatorChoice
+from memfit.api._plan_bound import held_back, may_beat
 from memfit.api._plan_levers import (Levers, grads_offload_open, in_backward_open,
                                      numerics_allowed, state_knobs)
 from memfit.api._plan_parts import (Context, as_choice, impl_variants, make_plan,
@@ -102,7 +103,7 @@ from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._sharded_models import SHARDED_PRECISIONS
 from memfit.api._stages import Stages
 from memfit.api._user_step import as_user_step, check_step_knobs
-from memfit.api._validate import check_batch
+from memfit.api._validate import check_batch, check_micro_batch
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe
@@ -161,6 +162,7 @@ class PlanCall:
             batch = prepare_batch(batch)
             check_batch(model, batch, loss_fn)
         b = batch_size_of(batch)
+        check_micro_batch(k.micro_batch_size, b)
         if user_step is not None:
             k = check_step_knobs(k, b, loss_fn).replace(micro_batch_size=b)
         trainable = [t for t in model.parameters() if t.requires_grad]
@@ -215,7 +217,9 @@ class Planner:
         self.models, traces = {}, {}
         self.levers = Levers(job.model, job.batch, self.models, traces, job.common, job.spec,
                              b, k, job.numerics, job.user_step is not None, say)
-        say.expect(stages_ahead(b, user, p, job.others, len(variants), self.levers))
+        self.later = held_back(user, job.others)      # api._plan_bound
+        first = [q for q in job.others if q not in self.later]
+        say.expect(stages_ahead(b, user, p, first, len(variants), self.levers))
         say(f"tracing the plain step ({user}, batch {b})")
         self.plain = job.trace(user, optimizer_impl=k.optimizer_impl)
         self.base = self.plain
@@ -249,11 +253,12 @@ class Planner:
         self.margins = Margins(job.budget_bytes)          # the verify loop's (planner.verify)
         self.traced_floor = None
 
-    def add_precisions(self) -> None:
-        """The other precisions "auto" weighs (Note 7), traced once each."""
+    def add_precisions(self, held_back=()) -> None:
+        """The other precisions "auto" weighs (Note 7), traced once each; ``held_back``: not
+        yet (``api._plan_bound``)."""
         job = self.job
         for q in job.others:
-            if (q, job.k.optimizer_impl) in self.models:
+            if (q, job.k.optimizer_impl) in self.models or q in held_back:
                 continue
             est = self.plain if q == job.user else None
             if est is None:
@@ -316,7 +321,8 @@ class Planner:
     def searched(self) -> Planned | None:
         """Search and verify (Note 1, ``planner.verify``), or None when nothing verified."""
         job = self.job
-        self.add_precisions()
+        later = self.later
+        self.add_precisions(held_back=later)     # traced if a plan at them may be faster
         self.levers.add_low_bit()
         self.levers.add_chunked_loss()
         self.levers.add_optimizer_in_backward()
@@ -328,6 +334,14 @@ class Planner:
             for q in self.models:
                 margins.start(q, self.held[q[0]])
             choice = search(self.models, job.b, job.budget_bytes, job.fixed, margins.bytes)
+            if any((q, job.k.optimizer_impl) not in self.models for q in later) and \
+                    may_beat(self.user_pair, job.b, choice and choice.step_s):
+                job.say.expect(len(later) * int(job.b > 1) + 3)   # api._plan_bound Note 1
+                self.add_precisions()
+                self.levers.add_optimizer_in_backward()
+                for q in self.models:
+                    margins.start(q, self.held[q[0]])
+                choice = search(self.models, job.b, job.budget_bytes, job.fixed, margins.bytes)
             for last_resort in last_resorts:
                 if choice is None and last_resort():
                     for q in self.models:
