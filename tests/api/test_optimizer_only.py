@@ -55,6 +55,12 @@ def test_the_optimizer_phase_alone_is_the_whole_steps(job, device, knobs):
     if device != "cpu":     # the state as the allocator-replayed step (two steps) starts it
         replayed = memfit.estimate(model, batch, device=device, **knobs)
         assert level_before(replayed, replayed.phases["optimizer"], "optimizer") == state
+        # the planner traces the phase alone without the replay (api._planner Note 5): what
+        # its models read is the same with it
+        again = memfit.estimate(model, batch, device=device, optimizer_only=True,
+                                allocator_replay=False, **knobs)
+        assert (again.timeline, again.op_costs, again.phases, again.start_breakdown) == \
+            (alone.timeline, alone.op_costs, alone.phases, alone.start_breakdown)
 
 
 def test_a_step_without_a_phase_of_its_own_is_traced_whole(job):

@@ -39,7 +39,8 @@ Note 5 (the optimizer implementation). With ``optimizer_impl`` unset and the opt
 by name or factory, the planner may switch the implementation on a GPU target
 (``memfit.optimizers``): each other one the class supports and that may need less than CUDA's
 default foreach (fused, for-loop) is traced once (its optimizer step alone:
-``estimate(optimizer_only=True)``), and the search weighs it like any other knob,
+``estimate(optimizer_only=True)``, without the allocator's replay: the models read its
+timeline and op costs, the same with or without), and the search weighs it like any other knob,
 before the optimizer state leaves the device. An optimizer instance keeps its own unless
 ``optimizer_impl`` is set.
 
@@ -233,7 +234,8 @@ class Planner:
                                                  job.state)
         for impl in variants:                                   # Note 5
             say(f"tracing the optimizer step with the {impl} implementation")
-            other = job.trace(p, optimizer_impl=impl, optimizer_only=True)
+            other = job.trace(p, optimizer_impl=impl, optimizer_only=True,
+                              allocator_replay=False)    # the models read no replay
             memory, time = self.models[self.key]
             self.models[(p, impl)] = (memory.with_optimizer_step(other),
                                       time.with_optimizer_step(other))
