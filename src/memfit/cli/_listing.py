@@ -27,10 +27,13 @@ def print_listing(args, rows: list[dict], title: str, columns: list[tuple[str, d
         json.dump(rows, sys.stdout, indent=2)
         print()
         return 0
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=title, title_justify="left")
+    # no vertical rules: the GPU table's last column keeps its width at 80 columns
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+              collapse_padding=True)
     for header, options in columns:
         t.add_column(header, **options)
     for r in rows:

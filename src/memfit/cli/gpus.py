@@ -37,10 +37,11 @@ def run(args) -> int:
     from memfit.units import GiB
 
     right = {"justify": "right", "no_wrap": True}
-    # one unit for both columns (issue 26): GiB, two decimals, so they compare at a glance
+    # one unit for both columns (issue 26): GiB, two decimals, so they compare at a glance;
+    # at 80 columns the throughput's header wraps and the card's name keeps a readable width
     columns = [("name", {"no_wrap": True}), ("memory GiB", right), ("usable GiB", right),
-               ("auto", {"no_wrap": True}), ("TFLOP/s 16-bit", right), ("GB/s", right),
-               ("GPU", {})]
+               ("auto", {"no_wrap": True}), ("TFLOP/s 16-bit", {"justify": "right"}),
+               ("GB/s", right), ("GPU", {"min_width": 12})]
     return print_listing(
         args, rows(), "GPUs (pass the name as --gpu; 'cpu' plans for this machine's RAM; "
                       "~: usable not published, estimated)",
