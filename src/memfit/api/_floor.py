@@ -3,7 +3,8 @@
 Note 1 (which candidates). ``planner.search.floor_candidates`` proposes them (search:
 the least-memory modes at micro-batch 1 and at the whole batch, and uniform recompute /
 offload beside them); each is traced and the least traced is the floor. Candidates the models
-put more than ``FLOOR_PRUNE`` above the least are not traced (the uniform variants are needed:
+put more than ``FLOOR_PRUNE`` above both their least and the least traced so far are not traced
+(``planner.verify`` Note 2; the uniform variants are needed:
 on tiny gpt2 the least traced is uniform recompute at micro-batch 1, which the models put above
 their mixed least).
 

@@ -10,10 +10,14 @@ times at most. A family that missed ``drop_after`` times is dropped where other 
 cost speed, never the budget.
 
 Note 2 (the floor). The least device bytes of the configurations the models call least-memory,
-each traced (``least_traced``): candidates the models put more than ``FLOOR_PRUNE`` above their
-least are not traced, and two candidates with the same ``ident`` are traced once. The floor is
-never above a verified plan of the same call (``Margins.seen``: the least verified bytes), so a
-budget of exactly the floor plans.
+each traced (``least_traced``): a candidate the models put more than ``FLOOR_PRUNE`` above both
+their least and the least traced so far is not traced, and two candidates with the same
+``ident`` are traced once. The least traced is part of the cutoff because a model can be far
+too optimistic: on llama-1b, 8 x 2 tokens on a GTX 1080 Ti, the parameter-offload model put its
+candidate lowest and the trace put it at 11.11 GiB, while the gradients on the host, put more
+than 1.5x above that prediction and so never traced, take 8.26 GiB: the floor said 11.11. The
+floor is never above a verified plan of the same call (``Margins.seen``: the least verified
+bytes), so a budget of exactly the floor plans.
 
 The estimator is passed in (``verify`` and ``trace`` callables): nothing here traces by itself.
 """
@@ -109,10 +113,11 @@ def least_traced(candidates: Iterable, *, predicted: Callable[[Any], int],
     candidates = sorted(candidates, key=predicted)
     if not candidates:
         raise ValueError("no floor candidate: the search space is empty")
-    cutoff = predicted(candidates[0]) * FLOOR_PRUNE
+    least = predicted(candidates[0])
     seen, traced = set(), []
     for c in candidates:
         i = ident(c)
+        cutoff = max(least, min(t[0] for t in traced) if traced else 0) * FLOOR_PRUNE
         if i in seen or predicted(c) > cutoff:
             continue
         seen.add(i)
