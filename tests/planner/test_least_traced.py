@@ -22,8 +22,8 @@ def _run(predicted: dict, traced: dict):
 
 
 def test_a_model_far_too_optimistic_does_not_hide_the_least():
-    """The llama-1b case (verify Note 2): parameter offload predicted lowest, traced at 11.11
-    GiB; the gradients on the host, predicted above 1.5x that prediction, trace at 8.26 GiB."""
+    """Parameter offload predicted lowest traces at 11.11 GiB; the gradients on the host,
+    predicted above 1.5x that prediction, trace at 8.26 GiB, and are the least."""
     predicted = {"params on host": 5.0 * GIB, "grads on host": 8.0 * GIB,
                  "recompute": 14.0 * GIB, "far": 40.0 * GIB}
     traced = {"params on host": int(11.11 * GIB), "grads on host": int(8.26 * GIB),
@@ -51,3 +51,13 @@ def test_a_pessimistic_model_still_traces_up_to_its_own_cutoff():
     traced = {"a": 5 * GIB, "b": 4 * GIB}
     (floor, choice, _), asked = _run(predicted, traced)
     assert (floor, choice) == (4 * GIB, "b") and asked == ["a", "b"]
+
+
+def test_every_traced_candidate_is_returned_least_first():
+    from memfit.planner.verify import traced_candidates
+
+    predicted = {"a": 10, "b": 11, "c": 12}
+    traced = {"a": 13, "b": 9, "c": 11}
+    out = traced_candidates(predicted, predicted=predicted.get, ident=lambda c: c,
+                            trace=lambda c: (traced[c], c))
+    assert [t[1] for t in out] == ["b", "c", "a"]

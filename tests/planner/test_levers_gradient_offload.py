@@ -101,3 +101,11 @@ def test_the_last_resorts_are_weighed_when_every_pick_misses_its_trace():
                         floor=True)
     assert plan.knobs.offload_gradients and plan.knobs == floor.knobs
     assert plan.predicted_device_bytes == floor.predicted_device_bytes <= plan.budget_bytes
+    # below it, the refusal's floor is no higher than that plan: the least of each way the
+    # state is placed is a floor candidate (planner.search Note 5); the parameter-offload
+    # model's optimistic least alone made it 11.11 GiB
+    below = plan.predicted_device_bytes - 2 ** 28
+    with pytest.raises(memfit.BudgetTooSmall) as refused:
+        memfit.plan(memfit.Job(model, batch), budget=below, device="gtx-1080-ti",
+                    precision="auto")
+    assert below < refused.value.floor_bytes <= plan.predicted_device_bytes

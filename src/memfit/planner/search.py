@@ -35,7 +35,12 @@ with one mode in every block it changes (all recomputed, or all offloaded; the b
 kept: e.g. the last block, whose backward follows its forward at once, so the models say changing it
 saves nothing at the peak), and with that mode in every block outright (the trace may disagree: on
 a tiny GPT-2 recomputing the last block too held 256 B less). The models can misjudge which is
-least, so the caller re-traces them all and takes the least traced.
+least, so the caller re-traces them all and takes the least traced. So beside the least
+overall, the least of each way the training state is placed (block weights on the host,
+gradients on the host, both on the device) is a candidate: the parameter-offload model, read
+off a trace whose weights come and go, can be far too optimistic (llama-1b, 8 x 2 tokens on a
+GTX 1080 Ti: its least predicted lowest, traced at 11.11 GiB, where the gradients on the host
+are the floor at 8.17 GiB and were no candidate).
 
 Note 6 (levers beyond the per-block modes). A key may be longer: ``(precision, impl,
 optimizer_state, offload_params)`` (``variant_key``), one model per low-bit optimizer state
@@ -365,12 +370,20 @@ def floor(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
     return min(floor_candidates(models, b, fixed), key=lambda c: c.device_bytes)
 
 
+def _placed(key: tuple) -> str:
+    """Where a model's key puts the training state (Note 5): the block weights on the host, the
+    gradients on the host, or both on the device."""
+    full = _unkey(key)
+    return "weights on the host" if full[3] else "gradients on the host" if full[6] else \
+        "on the device"
+
+
 def floor_candidates(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
                      fixed: Constraints = Constraints()) -> list[Choice]:
     """What may be the least-memory configuration (Note 5), fewest predicted bytes first."""
     out: list[Choice] = []
     for m in _sizes_for_floor(b, fixed):
-        least = None
+        per_family: dict[str, Choice] = {}      # per way the state is placed (Note 5)
         for key, (memory, time) in models.items():
             if not _sizes_of(memory, [m], b):
                 continue
@@ -378,12 +391,14 @@ def floor_candidates(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
                 if _host_stepped_variant(models, key, oo):
                     continue
                 c = _least_at(memory, time, key, m, b, oo, fixed)
-                if least is None or c.device_bytes < least.device_bytes:
-                    least = c
-        if least is None:
+                family = _placed(key)
+                if family not in per_family or c.device_bytes < per_family[family].device_bytes:
+                    per_family[family] = c
+        if not per_family:
             continue
+        out += [c for c in per_family.values() if c not in out]
+        least = min(per_family.values(), key=lambda c: c.device_bytes)
         memory, time = models[least.key]
-        out.append(least)
         for mode, every in itertools.product((Mode.RECOMPUTE, Mode.OFFLOAD), (False, True)):
             u = _uniform(memory, time, least, mode, b, fixed, every)
             if u is not None and u.modes != least.modes and u not in out:

@@ -13,11 +13,12 @@ Note 2 (the floor). The least device bytes of the configurations the models call
 each traced (``least_traced``): a candidate the models put more than ``FLOOR_PRUNE`` above both
 their least and the least traced so far is not traced, and two candidates with the same
 ``ident`` are traced once. The least traced is part of the cutoff because a model can be far
-too optimistic: on llama-1b, 8 x 2 tokens on a GTX 1080 Ti, the parameter-offload model put its
-candidate lowest and the trace put it at 11.11 GiB, while the gradients on the host, put more
-than 1.5x above that prediction and so never traced, take 8.26 GiB: the floor said 11.11. The
-floor is never above a verified plan of the same call (``Margins.seen``: the least verified
-bytes), so a budget of exactly the floor plans.
+too optimistic: where the candidate it puts lowest traces far above that, the candidates it put
+near the true least must still be traced (``tests/planner/test_least_traced.py``). The caller
+gets every traced candidate (``traced_candidates``), the least first, to confirm them in turn
+where its traces are bounds (``api._floor`` Note 3). The floor is never above a verified plan
+of the same call (``Margins.seen``: the least verified bytes), so a budget of exactly the floor
+plans.
 
 The estimator is passed in (``verify`` and ``trace`` callables): nothing here traces by itself.
 """
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ATTEMPTS", "SLACK_BYTES", "FLOOR_PRUNE", "Margins", "Verified", "verify_loop",
-           "least_traced"]
+           "least_traced", "traced_candidates"]
 
 ATTEMPTS = 5               # searches per call before the floor is asked (Note 1)
 SLACK_BYTES = 2 ** 20      # added to each verified shortfall, so a retry does not land on it
@@ -110,6 +111,16 @@ def least_traced(candidates: Iterable, *, predicted: Callable[[Any], int],
     """Note 2: ``(device bytes, candidate, its trace)`` of the least traced candidate;
     ``predicted(c)``: the models' bytes (for the pruning), ``trace(c)`` -> ``(device bytes,
     trace)``."""
+    return traced_candidates(candidates, predicted=predicted, ident=ident, trace=trace,
+                             say=say, describe=describe)[0]
+
+
+def traced_candidates(candidates: Iterable, *, predicted: Callable[[Any], int],
+                      ident: Callable[[Any], Hashable], trace: Callable[[Any], tuple[int, Any]],
+                      say: Callable[[str], None] = lambda message: None,
+                      describe: Callable[[Any], str] = str) -> list[tuple[int, Any, Any]]:
+    """Every candidate ``least_traced`` traces, as ``(device bytes, candidate, trace)``, the
+    least first."""
     candidates = sorted(candidates, key=predicted)
     if not candidates:
         raise ValueError("no floor candidate: the search space is empty")
@@ -124,4 +135,4 @@ def least_traced(candidates: Iterable, *, predicted: Callable[[Any], int],
         say(f"tracing a least-memory candidate: {describe(c)}")
         device_bytes, est = trace(c)
         traced.append((device_bytes, c, est))
-    return min(traced, key=lambda t: t[0])
+    return sorted(traced, key=lambda t: t[0])
