@@ -23,10 +23,12 @@ is then exact, as a plan's bytes are, and never above a plan the same search fin
 the bound from 2m samples plus the linear term, under the default allocator, was 2 KiB above a
 plan on tiny gpt2 and 416 MiB above one on gpt2, 4 x 128, on a GTX 1080 Ti). A trace without the
 replay counts allocated bytes, which the allocator's reserved bytes never go below, so it is a
-bound: the next candidate is confirmed too while its bound is below the least confirmed. Block
-weights fetched and dropped per block fragment the allocator most: on llama-1b, 8 x 2 tokens on
-a GTX 1080 Ti, parameter offload's 6.56 GiB without the replay is 11.11 GiB with it, and the
-gradients on the host, 7.54 GiB without, are the floor at 8.17 GiB.
+bound: the next candidate is confirmed too while its bound is below the least confirmed, one
+for each way the training state is placed (``planner.search`` Note 5: candidates placed alike
+fragment alike, so a second of them is not confirmed). Block weights fetched and dropped per
+block fragment the allocator most: on llama-1b, 8 x 2 tokens on a GTX 1080 Ti, parameter
+offload's 6.56 GiB without the replay is 11.11 GiB with it, and the gradients on the host,
+7.54 GiB without, are the floor at 8.17 GiB.
 
 Note 4 (the longest sequence). When even the floor misses the budget, ``BudgetTooSmall`` says
 how long an input the floor's configuration could hold: the batch's tensors that share its sequence
@@ -67,7 +69,7 @@ from torch.utils._pytree import tree_map
 from memfit.api._choice import describe, knob_values
 from memfit.api._stages import Stages
 from memfit.api.estimate import estimate
-from memfit.planner.search import floor_candidates
+from memfit.planner.search import floor_candidates, state_placement
 from memfit.planner.variants import GRAD_OFFLOAD_PRECISIONS, IN_BACKWARD_PRECISIONS
 from memfit.planner.verify import FLOOR_PRUNE, traced_candidates
 from memfit.techniques.accumulation import Accumulation
@@ -107,10 +109,13 @@ def least_memory(model, batch, models, fixed, k, common, held, b, say, alloc=Non
     if common["device"].kind != "cuda":          # a CPU trace is exact: nothing to confirm
         total, c, (values, est) = traced[0]
         return total, c, est
-    best = None
+    best, confirmed = None, set()
     for bound, c, (values, _) in traced:         # the least first; each a bound (Note 3)
         if best is not None and bound >= best[0]:
             break
+        if state_placement(c.key) in confirmed:  # one per way the state is placed (Note 3)
+            continue
+        confirmed.add(state_placement(c.key))
         say("confirming the least-memory configuration with the allocator replayed")
         est = estimate(model, batch, precision=c.precision, allocator_replay=True, **values,
                        **common)                  # whole: exact, not a bound (Note 3)

@@ -36,8 +36,10 @@ kept: e.g. the last block, whose backward follows its forward at once, so the mo
 saves nothing at the peak), and with that mode in every block outright (the trace may disagree: on
 a tiny GPT-2 recomputing the last block too held 256 B less). The models can misjudge which is
 least, so the caller re-traces them all and takes the least traced. So beside the least
-overall, the least of each way the training state is placed (block weights on the host,
-gradients on the host, both on the device) is a candidate: the parameter-offload model, read
+overall, each other way the training state is placed (block weights on the host, gradients on
+the host, both on the device) gives candidates: its least where that has one mode in every
+block, and its least with recompute, then offload, in every block (one mode throughout: the
+twins compose it, where a mix of modes is traced whole). The parameter-offload model, read
 off a trace whose weights come and go, can be far too optimistic (llama-1b, 8 x 2 tokens on a
 GTX 1080 Ti: its least predicted lowest, traced at 11.11 GiB, where the gradients on the host
 are the floor at 8.17 GiB and were no candidate).
@@ -87,7 +89,8 @@ from memfit.planner.memory_model import MODES, MemoryModel
 from memfit.planner.time_model import TimeModel
 from memfit.techniques._blocks import resolve_policy
 
-__all__ = ["Choice", "Constraints", "search", "floor", "floor_candidates", "variant_key"]
+__all__ = ["Choice", "Constraints", "search", "floor", "floor_candidates", "variant_key",
+           "state_placement"]
 
 _MIB = float(2 ** 20)
 NODE_LIMIT = 1000          # branch-and-bound nodes per MILP (Note 8)
@@ -370,7 +373,7 @@ def floor(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
     return min(floor_candidates(models, b, fixed), key=lambda c: c.device_bytes)
 
 
-def _placed(key: tuple) -> str:
+def state_placement(key: tuple) -> str:
     """Where a model's key puts the training state (Note 5): the block weights on the host, the
     gradients on the host, or both on the device."""
     full = _unkey(key)
@@ -391,16 +394,24 @@ def floor_candidates(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
                 if _host_stepped_variant(models, key, oo):
                     continue
                 c = _least_at(memory, time, key, m, b, oo, fixed)
-                family = _placed(key)
+                family = state_placement(key)
                 if family not in per_family or c.device_bytes < per_family[family].device_bytes:
                     per_family[family] = c
         if not per_family:
             continue
-        out += [c for c in per_family.values() if c not in out]
         least = min(per_family.values(), key=lambda c: c.device_bytes)
         memory, time = models[least.key]
+        out.append(least)
         for mode, every in itertools.product((Mode.RECOMPUTE, Mode.OFFLOAD), (False, True)):
             u = _uniform(memory, time, least, mode, b, fixed, every)
             if u is not None and u.modes != least.modes and u not in out:
                 out.append(u)
+        for c in per_family.values():   # another family: its one-mode configurations (they
+            if c is least:              # compose from twins, docs/block-reuse.md)
+                continue
+            memory, time = models[c.key]
+            uniform = [c] if len(set(c.modes)) == 1 else []
+            for mode in (Mode.RECOMPUTE, Mode.OFFLOAD):
+                uniform.append(_uniform(memory, time, c, mode, b, fixed, every=True))
+            out += [u for u in uniform if u is not None and u not in out]
     return sorted(out, key=lambda c: c.device_bytes)
