@@ -179,3 +179,11 @@ def test_a_micro_batch_larger_than_the_batch_is_refused(capsys):
         assert main([command, "--model", "gpt2", "--batch-size", "4", "--micro-batch-size", "8",
                      "--seq-len", "16", "--gpu", "cpu"]) == 2
         assert "is larger than the batch (4 samples): give at most 4" in capsys.readouterr().err
+
+
+def test_a_count_past_any_machine_is_refused_as_it_is_parsed(capsys):
+    """A batch of 10^20 samples was a C++ frame dump from torch.randint."""
+    assert main(["estimate", "--batch-size", "99999999999999999999"]) == 2
+    err = capsys.readouterr().err
+    assert "larger than any batch, length or count memfit can build" in err
+    assert "Traceback" not in err and "frame #" not in err

@@ -120,7 +120,13 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    if value > _LARGEST_COUNT:
+        raise argparse.ArgumentTypeError(f"{value} is larger than any batch, length or count "
+                                         f"memfit can build (at most {_LARGEST_COUNT:,})")
     return value
+
+
+_LARGEST_COUNT = 2 ** 40     # samples, tokens, pixels, ranks: far past any machine's memory
 
 
 def positive_float(text: str) -> float:

@@ -324,11 +324,23 @@ def packing_words(args, model, batch) -> str:
 
 
 def make_batch(spec, model, args, batch_size: int, seq_len: int | None):
+    """The zoo's batch for ``model``: real tensors (the trace reads the token ids), so a batch
+    larger than this machine's RAM is refused with the sizes that ask for it."""
     from memfit.cli._adapt import base_model
 
-    return spec.make_batch(base_model(model), batch_size, seq_len=seq_len,
-                           image_size=args.image_size, padded=args.padded, task=args.task,
-                           packing=getattr(args, "packing", False))
+    try:
+        return spec.make_batch(base_model(model), batch_size, seq_len=seq_len,
+                               image_size=args.image_size, padded=args.padded, task=args.task,
+                               packing=getattr(args, "packing", False))
+    except (RuntimeError, OverflowError, MemoryError) as e:
+        if isinstance(e, RuntimeError) and not any(
+                words in str(e) for words in ("allocate", "overflow", "Overflow", "too large")):
+            raise
+        shape = f"--batch-size {batch_size}" + (f" x --seq-len {seq_len}" if seq_len else "")
+        raise ValueError(f"{shape}: the batch cannot be built in this machine's memory (memfit "
+                         "makes the batch's tensors for real: the trace reads its token ids); "
+                         "give a smaller --batch-size (a plan for a larger effective batch: "
+                         f"--micro-batch-size)") from None
 
 
 def batch_shapes(batch) -> dict:
