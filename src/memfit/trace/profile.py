@@ -41,12 +41,18 @@ batch is routed to) is counted as this batch leaves it. transformers 5 holds a m
 experts in one parameter per layer, which every routed token reaches. A step that keeps its
 gradient buffers (``zero_grad="keep-buffers"``) keeps the warm-up's zeros on such a parameter
 too, so it is not told from one that got its gradient some other way, and stays counted.
+
+Note 5 (a config without a field the model reads). A config.json saved without a field the
+model's forward reads (``decoder_start_token_id`` of a T5 made from ``T5Config(...)``, which
+transformers no longer defaults) fails as an ``AttributeError`` on the config inside the step;
+it is refused as bad input that names the field and the file to set it in, not a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
+import re
 import time
 import traceback
 from collections.abc import Callable
@@ -158,6 +164,11 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
                 run_step(lambda name: phases.setdefault(name, tracker.ops - first_op))
         except _UNTRACEABLE as e:
             raise _trace_error(e, tracker) from e
+        except AttributeError as e:
+            missing = _missing_config_field(e, model)
+            if missing is None:
+                raise
+            raise missing from e
         seconds = time.perf_counter() - start
     return profile_of(tracker, phases, seconds), tracker
 
@@ -222,6 +233,23 @@ def describe_site(frame: traceback.FrameSummary) -> str:
     short = Path(*parts[installed[-1] + 1:]) if installed else Path(frame.filename)
     line = f": `{frame.line.strip()}`" if frame.line else ""
     return f"{short}:{frame.lineno} in {frame.name}{line}"
+
+
+def _missing_config_field(e: AttributeError, model: nn.Module) -> ValueError | None:
+    """Note 5: a field the model's forward reads off a config that does not set it."""
+    config = getattr(model, "config", None)
+    said = re.fullmatch(r"'(\w+)' object has no attribute '(\w+)'", str(e))
+    if config is None or said is None or said[1] != type(config).__name__:
+        return None             # transformers raises it itself: no ``obj`` to read
+    name = said[2]
+    site = next((f for f in reversed(traceback.extract_tb(e.__traceback__))
+                 if "modeling_" in Path(f.filename).name), None)     # the model's own line
+    where = f" ({describe_site(site)})" if site is not None else ""
+    return ValueError(
+        f"the model's {said[1]} has no {name!r}, which {type(model).__name__}'s step "
+        f"reads{where}: add \"{name}\": <value> to its config.json (the model's published "
+        "config sets it; for a decoder's start token, the pad token's id is what T5 and BART "
+        "use)")
 
 
 def _trace_error(e: Exception, tracker: Tracker | None) -> TraceError:
