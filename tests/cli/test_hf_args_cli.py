@@ -37,6 +37,17 @@ def test_estimate_equals_the_real_trainer_step(tiny_gpt2, run_file, capsys):
     cli = argparse.Namespace(seq_len=16, task=None, image_size=None, padded=True)
     measured = measure_trainer_step(hf_trainer(spec, model, cli, dict(RUN), samples=32))
     assert out["peak_bytes"] == measured.peak_bytes and out["hf_args"] == str(run_file)
+    assert (out["precision"], out["optimizer"]) == ("fp32", "adafactor")     # the file's run
+
+
+def test_the_runs_precision_and_optimizer_are_the_files(tiny_gpt2, tmp_path, capsys):
+    """--json says the Trainer run's precision and optim, not memfit's defaults (fp32, adamw)."""
+    path = tmp_path / "bf16.json"
+    path.write_text(json.dumps({**RUN, "bf16": True, "optim": "sgd"}))
+    assert main(["estimate", "--config", tiny_gpt2, *SHAPE, "--hf-args", str(path),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["precision"], out["optimizer"]) == ("bf16", "sgd")
 
 
 @pytest.mark.slow

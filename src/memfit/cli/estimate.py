@@ -237,6 +237,8 @@ def _trainer_estimate(args, values: dict, target):
 
     spec, model = build_model(args)
     trainer = hf_trainer(spec, model, args, values)
+    optim = trainer.args.optim                  # the run's optimizer is the file's (--optimizer
+    args.optimizer = getattr(optim, "value", optim)    # is refused with --hf-args): said so
     est = mf_hf.estimate(trainer, device=target.device, budget=target.budget_bytes)
     batch = make_batch(spec, model, args, trainer.args.per_device_train_batch_size, args.seq_len)
     return spec, model, est, batch
@@ -275,7 +277,8 @@ def _print_human(console, spec, model, est, described, args, target) -> None:
 
     if args.hf_args:
         console.print(f"[bold]{spec.name}[/bold] ({args.task or spec.default_task}), the Trainer "
-                      f"run of {args.hf_args}: {described} per micro-batch")
+                      f"run of {args.hf_args}: {described} per micro-batch, "
+                      f"{est.knobs.precision}, {args.optimizer}")
     else:
         console.print(f"[bold]{spec.name}[/bold] ({args.task or spec.default_task}), {described}, "
                       f"{est.knobs.precision}, {args.optimizer}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from memfit.api._setup import resolve_device
 from memfit.api.estimate import Estimate
 from memfit.api.estimate import estimate as _estimate
+from memfit.integrations._hf_precision import user_precision
 from memfit.integrations._hf_recompute import check
 from memfit.integrations._hf_step import (TrainerStep, check_supported, choose_batch,
                                           trainer_optimizer, trainer_scheduler)
@@ -50,6 +51,7 @@ def estimate(trainer, device=None, *, batch=None, budget=None, **knobs) -> Estim
     est = _estimate(trainer.model, batch, optimizer=optimizer, device=device, budget=budget,
                     step=step, scheduler=trainer_scheduler(trainer), **knobs)
     est.notes.append(chosen.note if chosen is not None else "batch: the one given (batch=)")
+    est.knobs = est.knobs.replace(precision=user_precision(trainer.args))   # the step's own
     return est
 
 
