@@ -28,7 +28,7 @@ for each way the training state is placed (``planner.search`` Note 5: candidates
 fragment alike, so a second of them is not confirmed). Block weights fetched and dropped per
 block fragment the allocator most: on llama-1b, 8 x 2 tokens on a GTX 1080 Ti, parameter
 offload's 6.56 GiB without the replay is 11.11 GiB with it, and the gradients on the host,
-7.54 GiB without, are the floor at 8.17 GiB.
+7.54 GiB without, are the floor at 8.21 GiB.
 
 Note 4 (the longest sequence). When even the floor misses the budget, ``BudgetTooSmall`` says
 how long an input the floor's configuration could hold: the batch's tensors that share its sequence

@@ -42,7 +42,7 @@ block, and its least with recompute, then offload, in every block (one mode thro
 twins compose it, where a mix of modes is traced whole). The parameter-offload model, read
 off a trace whose weights come and go, can be far too optimistic (llama-1b, 8 x 2 tokens on a
 GTX 1080 Ti: its least predicted lowest, traced at 11.11 GiB, where the gradients on the host
-are the floor at 8.17 GiB and were no candidate).
+are the floor at 8.21 GiB and were no candidate).
 
 Note 6 (levers beyond the per-block modes). A key may be longer: ``(precision, impl,
 optimizer_state, offload_params)`` (``variant_key``), one model per low-bit optimizer state
