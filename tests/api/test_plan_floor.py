@@ -96,8 +96,9 @@ def test_a_qlora_job_is_not_told_to_train_lora_or_quantize_its_base():
     QuantizedBase(QuantizedBase.Config(kind="nf4")).apply(model)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"],
                                                        task_type=peft.TaskType.CAUSAL_LM))
+    t4 = memfit.devices.get_device("t4")         # 64 KiB beside the CUDA context
     with pytest.raises(memfit.BudgetTooSmall) as info:
-        memfit.plan(model, batch, budget="64KiB", device="t4")
+        memfit.plan(model, batch, budget=t4.cuda_context_bytes + 2 ** 16, device=t4)
     text = str(info.value)
     assert "a lower LoRA rank or fewer target modules" in text
     assert "train LoRA adapters" not in text and "QLoRA" not in text
@@ -178,6 +179,14 @@ def test_the_bound_with_levers_fixed_counts_weights_gradients_and_adam_state(mon
         memfit.plan(model, batch, budget=need + gpu.cuda_context_bytes - 1, device=gpu,
                     precision="fp32", **fixed)
     assert info.value.floor_bytes == need + gpu.cuda_context_bytes
+    assert "CUDA context alone" not in str(info.value)      # the levers are named
+    # a budget the CUDA context alone fills: said so, and not the levers (none can help)
+    with pytest.raises(memfit.BudgetTooSmall) as info:
+        memfit.plan(model, batch, budget=gpu.cuda_context_bytes, device=gpu, precision="fp32",
+                    **fixed)
+    said = str(info.value)
+    assert "The CUDA context alone" in said and "Beyond memfit's levers" not in said
+    assert f"give a budget above {format_bytes(gpu.cuda_context_bytes)}" in said
 
 
 @pytest.mark.slow

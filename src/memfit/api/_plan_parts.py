@@ -54,7 +54,8 @@ def refuse_below_bound(model, spec, k: Knobs, recipe, trainable, budget_bytes: i
                     counted=counted_levers(k, numerics, user_step, sorted(precisions),
                                            in_backward=in_backward and
                                            not k.optimizer_in_backward),
-                    bound=True, model=model, bare=bare)
+                    bound=True, model=model, bare=bare,
+                    context_bytes=spec.cuda_context_bytes if spec.kind == "cuda" else 0)
 
 
 @dataclass

@@ -187,14 +187,16 @@ def _optimizer_reasons(k, choice, memory, ctx) -> list[str]:
 def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
               excluded: list[str] = (), seq: tuple[int | None, int] | None = None,
               gpus: int = 1, counted: list[str] = (), bound: bool = False,
-              layout=None, model=None, bare: bool = False) -> BudgetTooSmall:
+              layout=None, model=None, bare: bool = False,
+              context_bytes: int = 0) -> BudgetTooSmall:
     """The floor (re-traced over every lever memfit has) and what is beyond it
     (Note 3): ``excluded``, memfit's levers the caller's settings left out; ``seq``, (the
     longest sequence the floor's configuration fits, or None if none does; the batch's).
     ``bound``: ``floor_bytes`` is the floor's lower bound from the parameters alone (what every
     configuration holds), found before any trace: the floor is at least that. ``layout``: the
     fewest GPUs the layout search finds (``api._compare_gpus.fewest_gpus``'s row), for the
-    sharding line. ``model``: for the QLoRA line. One line per lever
+    sharding line. ``model``: for the QLoRA line. ``context_bytes``: the CUDA context, outside
+    every lever (a budget at or below it says so instead of the levers). One line per lever
     (Note 4)."""
     params, grads = memory.params_bytes, memory.grads_bytes
     state = memory.optimizer_state_bytes
@@ -236,6 +238,14 @@ def too_small(floor_bytes: int, memory, described: str, budget_bytes: int,
     needs = "needs at least" if bound else "needs"
     lines = [f"nothing memfit can do fits {format_bytes(budget_bytes)}: the least device memory "
              f"any plan {needs} {format_bytes(floor_bytes)} ({described})."]
+    if 0 < context_bytes and budget_bytes <= context_bytes:     # no lever of the step can help
+        return BudgetTooSmall(
+            "\n".join(lines + [
+                f"The CUDA context alone (the runtime and kernels on the card before any tensor, "
+                f"{format_bytes(context_bytes)}) is at least the budget, so no change to the "
+                f"model or the step fits it: give a budget above {format_bytes(context_bytes)} "
+                "(the card's usable memory counts the context)"]),
+            floor_bytes=floor_bytes, budget_bytes=budget_bytes, floor_is_bound=bound)
     if bare and 0 < budget_bytes < MiB:   # an int under a MiB: a unit left out, likely
         lines.append(f"The budget is {budget_bytes} bytes (an integer budget counts bytes): for "
                      f"{budget_bytes} GiB write budget='{budget_bytes}GiB'.")

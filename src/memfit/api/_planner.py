@@ -421,6 +421,7 @@ class Planner:
         return too_small(self.ctx.floor_bytes, on_device[0], describe(choice, job.b),
                          job.budget_bytes, excluded_levers(k, job.numerics, user_step), seq,
                          layout=layout, model=job.model, bare=job.bare_budget,
+                         context_bytes=on_device[0].context_bytes,
                          counted=counted_levers(k, job.numerics, user_step,
                                                 sorted({q[0] for q in self.models}),
                                                 chunked=any(len(q) == 5 for q in self.models),
