@@ -71,3 +71,12 @@ def test_the_job_fronts_take_a_group_as_its_flat_knobs():
     flat = memfit.estimate(job, "cpu", micro_batch_size=2, checkpoint="all")
     assert grouped.knobs == flat.knobs and grouped.knobs.micro_batch_size == 2
     assert grouped.peak_bytes == flat.peak_bytes and grouped.breakdown == flat.breakdown
+
+
+def test_a_plans_json_knobs_go_back_in_as_lists():
+    """``plan --json`` writes per-block policies as lists: Knobs takes them as the tuples they
+    were (a new-user sweep fed them back and was refused)."""
+    k = Knobs(checkpoint=["h.0", "h.1"], offload=["h.2"], offload_params=["h.3"])
+    assert (k.checkpoint, k.offload, k.offload_params) == (("h.0", "h.1"), ("h.2",), ("h.3",))
+    with pytest.raises(ValueError, match="a policy string or a tuple of block names"):
+        Knobs(checkpoint=["h.0", 1])

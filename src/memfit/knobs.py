@@ -177,9 +177,11 @@ class Knobs:
         if r is not None and not isinstance(r, bool) and (not isinstance(r, int) or r < 2):
             raise ValueError(f"reshard_after_forward must be True, False or a group size >= 2, "
                              f"got {r!r}")
-        _check_policy("checkpoint", self.checkpoint)
-        _check_policy("offload", self.offload)
-        _check_policy("offload_params", self.offload_params)
+        for name in ("checkpoint", "offload", "offload_params"):
+            value = getattr(self, name)
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                object.__setattr__(self, name, tuple(value))   # a plan's --json gives a list
+            _check_policy(name, getattr(self, name))
         for name in ("offload_optimizer", "remat", "fsdp_offload", "optimizer_in_backward",
                      "offload_gradients"):
             v = getattr(self, name)

@@ -187,3 +187,10 @@ def test_a_count_past_any_machine_is_refused_as_it_is_parsed(capsys):
     err = capsys.readouterr().err
     assert "larger than any batch, length or count memfit can build" in err
     assert "Traceback" not in err and "frame #" not in err
+
+
+def test_an_unknown_flag_points_to_its_subcommands_help(capsys):
+    assert main(["estimate", "--no-such-flag"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --no-such-flag" in err and "`memfit estimate --help`" in err
+    assert "usage:" not in err                       # the short form, not the whole usage

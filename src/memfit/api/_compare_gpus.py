@@ -32,7 +32,8 @@ from memfit.techniques.accumulation import batch_size_of
 
 __all__ = ["compare_gpus", "fewest_gpus", "GpuRow", "NO_BF16_AUTO"]
 
-NO_BF16_AUTO = ("fp32: no bf16 on this card, and fp16's GradScaler is not modelled sharded; "
+NO_BF16_AUTO = ("fp32: no bf16 on this card, and the layout search, one GPU or several, "
+                "does not weigh fp16 (its GradScaler is not modelled sharded); "
                 "`memfit plan --gpu NAME` weighs fp16 on one card")
 
 

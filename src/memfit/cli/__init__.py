@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             args = parser.parse_args(join_dash_values(argv))
     except SystemExit as e:         # --help, --version, or argparse refusing a value (2)
         code = e.code if isinstance(e.code, int) else 2
-        sys.stderr.write(_short_usage(said.getvalue()) if code else said.getvalue())
+        sys.stderr.write(_short_usage(said.getvalue(), argv[0]) if code else said.getvalue())
         if code and "--json" in argv:       # refused under --json: JSON too, on stdout
             import json
 
@@ -101,14 +101,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
 
-def _short_usage(said: str) -> str:
+def _short_usage(said: str, first: str) -> str:
     """argparse's refusal without the whole usage it prints first (60 lines for ``plan``):
-    its error line, and where the flags are listed."""
+    its error line, and where the flags are listed (the subcommand's help where ``first``, the
+    command line's first word, names one: argparse words an unknown flag as the top level's)."""
     lines = said.strip().splitlines()
     error = next((line for line in reversed(lines) if ": error: " in line), None)
     if error is None:
         return said
     command = error.split(": error: ", 1)[0]
+    if command == "memfit" and first in _COMMANDS:
+        command = f"memfit {first}"
     return f"{error}\n(`{command} --help` lists every flag)\n"
 
 

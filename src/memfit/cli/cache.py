@@ -17,6 +17,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "model's config, memfit's, torch's and transformers' versions), so a "
                     f"second run reads them at once (docs/cache.md); {CACHE_ENV_HELP}.")
     p.add_argument("action", nargs="?", default="info", choices=("info", "clear"),
+                   metavar="{info,clear}",
                    help="info: the folder, its entries and bytes against the limit (default); "
                         "clear: remove every entry")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
