@@ -194,3 +194,9 @@ def test_an_unknown_flag_points_to_its_subcommands_help(capsys):
     err = capsys.readouterr().err
     assert "unrecognized arguments: --no-such-flag" in err and "`memfit estimate --help`" in err
     assert "usage:" not in err                       # the short form, not the whole usage
+
+
+def test_seq_len_auto_on_an_image_model_is_refused_at_once(capsys):
+    """An image batch has no length to search: it spent 25 s searching before."""
+    assert main(["plan", "--model", "vit-base", "--seq-len", "auto", "--gpu", "rtx-4090"]) == 2
+    assert "--seq-len auto: vit-base takes images" in capsys.readouterr().err

@@ -288,6 +288,10 @@ def _resolve_levers(spec, model, args, target, status, out: dict):
     """--batch-size auto / --seq-len auto: the largest at which plan fits (memfit.api.levers);
     ``(batch size, sequence length, the plan at them or None)``."""
     batch_size, seq_len, planned = args.batch_size, args.seq_len, None
+    if seq_len == "auto" and spec.family == "vision":
+        raise ValueError(f"--seq-len auto: {spec.name} takes images, which have no sequence "
+                         "length to search; give --batch-size auto for the largest batch that "
+                         "fits, or --image-size N for another image size")
     for lever in ("seq_len", "batch_size"):
         if getattr(args, lever) != "auto":
             continue
