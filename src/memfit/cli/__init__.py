@@ -34,7 +34,7 @@ _COMMANDS = {"plan": _plan, "estimate": _estimate, "train": _train, "bench": _be
 # Libraries' import-time chatter that says nothing about the user's job: torchao (imported by
 # transformers when installed) logs each CUDA kernel library a CPU-only build cannot load, and
 # torch logs torchao's deprecated pytree registrations. Raised to errors for the CLI only.
-_QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+_QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
 
 def build_parser() -> argparse.ArgumentParser:
