@@ -68,3 +68,11 @@ def test_choice_plan_and_applied_hold_modes_and_json_round_trips():
     assert type(Applied(blocks={"a": "offload"}).blocks["a"]) is Mode
     with pytest.raises(ValueError, match="block mode 'fast'"):
         Plan(Knobs(), blocks={"a": "fast"})
+
+
+def test_the_plans_json_keeps_the_blocks_in_their_order():
+    """h.10 came before h.2 (the keys were sorted as text)."""
+    names = [f"h.{i}" for i in range(12)]
+    plan = Plan(Knobs(), blocks={n: "keep" for n in names})
+    assert list(json.loads(plan.to_json())["blocks"]) == names
+    assert list(Plan.from_json(plan.to_json()).blocks) == names

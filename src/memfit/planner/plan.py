@@ -92,7 +92,7 @@ class Plan:
         return d
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=2)      # the blocks in their order
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
