@@ -4,7 +4,8 @@ Note 1 (which candidates). ``planner.search.floor_candidates`` proposes them (se
 the least-memory modes at micro-batch 1 and at the whole batch, and uniform recompute /
 offload beside them); each is traced and the least traced is the floor. Candidates the models
 put more than ``FLOOR_PRUNE`` above both their least and the least traced so far are not traced
-(``planner.verify`` Note 2; the uniform variants are needed:
+(``planner.verify.least_traced``: a model far too optimistic must not hide the least; the
+uniform variants are needed:
 on tiny gpt2 the least traced is uniform recompute at micro-batch 1, which the models put above
 their mixed least).
 
@@ -24,8 +25,8 @@ the bound from 2m samples plus the linear term, under the default allocator, was
 plan on tiny gpt2 and 416 MiB above one on gpt2, 4 x 128, on a GTX 1080 Ti). A trace without the
 replay counts allocated bytes, which the allocator's reserved bytes never go below, so it is a
 bound: the next candidate is confirmed too while its bound is below the least confirmed, one
-for each way the training state is placed (``planner.search`` Note 5: candidates placed alike
-fragment alike, so a second of them is not confirmed). Block weights fetched and dropped per
+for each way the training state is placed (``planner.search.state_placement``: candidates
+placed alike fragment alike, so a second of them is not confirmed). Block weights fetched and dropped per
 block fragment the allocator most: on llama-1b, 8 x 2 tokens on a GTX 1080 Ti, parameter
 offload's 6.56 GiB without the replay is 11.11 GiB with it, and the gradients on the host,
 7.54 GiB without, are the floor at 8.21 GiB.

@@ -2,7 +2,7 @@
 fewer traces per plan).
 
 Note 1 (the bound). Precision "auto" weighs the user's own precision beside the 16-bit one it
-searches first (``api._planner`` Note 7): fp32 on a card whose fp16 the time model prices no
+searches first (``api._planner``'s other precisions): fp32 on a card whose fp16 the time model prices no
 faster, with its half-batch trace and the optimizer stepped in backward, two traces more. Yet
 every configuration at a precision takes at least that precision's forward and backward of the
 whole batch in one micro-batch (``TimeModel.forward_backward_s(1, b)``): more micro-batches

@@ -338,7 +338,9 @@ class Planner:
             choice = search(self.models, job.b, job.budget_bytes, job.fixed, margins.bytes)
             if any((q, job.k.optimizer_impl) not in self.models for q in later) and \
                     may_beat(self.user_pair, job.b, choice and choice.step_s):
-                job.say.expect(len(later) * int(job.b > 1) + 3)   # api._plan_bound Note 1
+                # the held-back precision may beat this pick (api._plan_bound): traced now;
+                # its half batch, in backward, a search and a verify more
+                job.say.expect(len(later) * int(job.b > 1) + 3)
                 self.add_precisions()
                 self.levers.add_optimizer_in_backward()
                 for q in self.models:

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             print()
         return code
     sys.stderr.write(said.getvalue())
-    args.given = given_dests(parser, join_dash_values(argv))    # _args Note 3
+    args.given = given_dests(parser, join_dash_values(argv))    # the flags typed
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     flags = _option_strings(parser, args.command)

@@ -74,7 +74,7 @@ def check_hf_args(args, precision_default=None) -> dict | None:
 
 
 def _typed(args, knob: str, precision_default) -> bool:
-    """Whether the user set ``knob``: typed on the command line (``cli._args`` Note 3), or, for
+    """Whether the user set ``knob``: typed on the command line (``cli._args.given_dests``), or, for
     a namespace built without the parser, a value that is not a default."""
     typed = getattr(args, "given", None)
     if typed is not None:

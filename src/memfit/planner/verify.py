@@ -16,7 +16,7 @@ their least and the least traced so far is not traced, and two candidates with t
 too optimistic: where the candidate it puts lowest traces far above that, the candidates it put
 near the true least must still be traced (``tests/planner/test_least_traced.py``). The caller
 gets every traced candidate (``traced_candidates``), the least first, to confirm them in turn
-where its traces are bounds (``api._floor`` Note 3). The floor is never above a verified plan
+where its traces are bounds (a GPU's, without the allocator replayed: ``api._floor``). The floor is never above a verified plan
 of the same call (``Margins.seen``: the least verified bytes), so a budget of exactly the floor
 plans.
 
