@@ -108,3 +108,21 @@ def test_a_field_the_models_step_reads_and_the_config_lacks(tmp_path):
                                          r"T5ForConditionalGeneration's step reads .*"
                                          r"modeling_t5\.py.*add \"decoder_start_token_id\""):
         memfit.estimate(memfit.Job(model, batch, optimizer="adamw"), device="cpu")
+
+
+def test_a_sequence_classifier_without_a_pad_token_is_told_where_to_set_it(tmp_path):
+    """transformers refuses a batch of two rows when pad_token_id is unset, in its words; memfit
+    adds the field and the file (trace.profile Note 5)."""
+    import memfit
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=100)
+    config.pad_token_id = None
+    config.save_pretrained(tmp_path)
+    spec = zoo.from_config_file(tmp_path / "config.json", task="sequence-classification")
+    model = spec.build()
+    batch = spec.make_batch(model, 2, seq_len=8)
+    with pytest.raises(ValueError, match=r"no padding token is defined.*Qwen2ForSequence"
+                                         r"Classification.*add \"pad_token_id\""):
+        memfit.estimate(memfit.Job(model, batch, optimizer="adamw"), device="cpu")

@@ -46,6 +46,8 @@ Note 5 (a config without a field the model reads). A config.json saved without a
 model's forward reads (``decoder_start_token_id`` of a T5 made from ``T5Config(...)``, which
 transformers no longer defaults) fails as an ``AttributeError`` on the config inside the step;
 it is refused as bad input that names the field and the file to set it in, not a traceback.
+A sequence classifier whose config has no ``pad_token_id`` (a Qwen2 config written by hand)
+refuses a batch of more than one row in transformers' words; the field and the file are added.
 """
 
 from __future__ import annotations
@@ -169,6 +171,14 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
             if missing is None:
                 raise
             raise missing from e
+        except ValueError as e:
+            if "no padding token is defined" not in str(e):
+                raise
+            raise ValueError(                                     # Note 5
+                f"{e} ({type(model).__name__} finds each row's last token by the config's "
+                "pad_token_id, which this config leaves unset): add \"pad_token_id\": <id> to "
+                "its config.json (the tokenizer's pad id, or its eos id where it has none)"
+            ) from e
         seconds = time.perf_counter() - start
     return profile_of(tracker, phases, seconds), tracker
 
