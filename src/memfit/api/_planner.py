@@ -332,10 +332,13 @@ class Planner:
         last_resorts = (self.levers.add_gradient_offload,          # Note 7, in this order
                         self.levers.add_param_offload)
 
-        def propose(margins: Margins):
+        def over_every_model(margins: Margins):
             for q in self.models:
                 margins.start(q, self.held[q[0]])
-            choice = search(self.models, job.b, job.budget_bytes, job.fixed, margins.bytes)
+            return search(self.models, job.b, job.budget_bytes, job.fixed, margins.bytes)
+
+        def propose(margins: Margins):
+            choice = over_every_model(margins)
             if any((q, job.k.optimizer_impl) not in self.models for q in later) and \
                     may_beat(self.user_pair, job.b, choice and choice.step_s):
                 # the held-back precision may beat this pick (api._plan_bound): traced now;
@@ -343,15 +346,10 @@ class Planner:
                 job.say.expect(len(later) * int(job.b > 1) + 3)
                 self.add_precisions()
                 self.levers.add_optimizer_in_backward()
-                for q in self.models:
-                    margins.start(q, self.held[q[0]])
-                choice = search(self.models, job.b, job.budget_bytes, job.fixed, margins.bytes)
+                choice = over_every_model(margins)
             for last_resort in last_resorts:
                 if choice is None and last_resort():
-                    for q in self.models:
-                        margins.start(q, self.held[q[0]])
-                    choice = search(self.models, job.b, job.budget_bytes, job.fixed,
-                                    margins.bytes)
+                    choice = over_every_model(margins)
             return choice
 
         def verify(choice: Choice):
