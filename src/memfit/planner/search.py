@@ -35,14 +35,15 @@ with one mode in every block it changes (all recomputed, or all offloaded; the b
 kept: e.g. the last block, whose backward follows its forward at once, so the models say changing it
 saves nothing at the peak), and with that mode in every block outright (the trace may disagree: on
 a tiny GPT-2 recomputing the last block too held 256 B less). The models can misjudge which is
-least, so the caller re-traces them all and takes the least traced. So beside the least
-overall, each other way the training state is placed (block weights on the host, gradients on
-the host, both on the device) gives candidates: its least where that has one mode in every
-block, and its least with recompute, then offload, in every block (one mode throughout: the
-twins compose it, where a mix of modes is traced whole). The parameter-offload model, read
-off a trace whose weights come and go, can be far too optimistic (llama-1b, 8 x 2 tokens on a
-GTX 1080 Ti: its least predicted lowest, traced at 11.11 GiB, where the gradients on the host
-are the floor at 8.21 GiB and were no candidate).
+least, so the caller re-traces them all and takes the least traced. Where that least turns out
+far off (``api._floor``: replayed far above its bound), the caller asks for the other ways of
+placing the training state (block weights on the host, gradients on the host, both on the
+device; ``other_placements``): each one's least where that has one mode in every block, and
+its least with recompute, then offload, in every block (one mode throughout: the twins compose
+it, where a mix of modes is traced whole). The parameter-offload model, read off a trace
+whose weights come and go, can be far too optimistic (llama-1b, 8 x 2 tokens on a GTX 1080 Ti:
+its least predicted lowest, replayed at 11.11 GiB, where the gradients on the host are the
+floor at 8.21 GiB and were no candidate).
 
 Note 6 (levers beyond the per-block modes). A key may be longer: ``(precision, impl,
 optimizer_state, offload_params)`` (``variant_key``), one model per low-bit optimizer state
@@ -382,8 +383,11 @@ def state_placement(key: tuple) -> str:
 
 
 def floor_candidates(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
-                     fixed: Constraints = Constraints()) -> list[Choice]:
-    """What may be the least-memory configuration (Note 5), fewest predicted bytes first."""
+                     fixed: Constraints = Constraints(), *, other_placements: bool = False
+                     ) -> list[Choice]:
+    """What may be the least-memory configuration (Note 5), fewest predicted bytes first;
+    ``other_placements``: instead, the one-mode configurations of each way of placing the
+    training state but the least's (Note 5)."""
     out: list[Choice] = []
     for m in _sizes_for_floor(b, fixed):
         per_family: dict[str, Choice] = {}      # per way the state is placed (Note 5)
@@ -400,14 +404,16 @@ def floor_candidates(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
         if not per_family:
             continue
         least = min(per_family.values(), key=lambda c: c.device_bytes)
-        memory, time = models[least.key]
-        out.append(least)
-        for mode, every in itertools.product((Mode.RECOMPUTE, Mode.OFFLOAD), (False, True)):
-            u = _uniform(memory, time, least, mode, b, fixed, every)
-            if u is not None and u.modes != least.modes and u not in out:
-                out.append(u)
-        for c in per_family.values():   # another family: its one-mode configurations (they
-            if c is least:              # compose from twins, docs/block-reuse.md)
+        if not other_placements:
+            memory, time = models[least.key]
+            out.append(least)
+            for mode, every in itertools.product((Mode.RECOMPUTE, Mode.OFFLOAD), (False, True)):
+                u = _uniform(memory, time, least, mode, b, fixed, every)
+                if u is not None and u.modes != least.modes and u not in out:
+                    out.append(u)
+            continue
+        for c in per_family.values():   # one mode throughout: twins compose it
+            if state_placement(c.key) == state_placement(least.key):
                 continue
             memory, time = models[c.key]
             uniform = [c] if len(set(c.modes)) == 1 else []
