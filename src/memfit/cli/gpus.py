@@ -41,7 +41,7 @@ def run(args) -> int:
     # at 80 columns the throughput's header wraps and the card's name keeps a readable width
     columns = [("name", {"no_wrap": True}), ("memory GiB", right), ("usable GiB", right),
                ("auto", {"no_wrap": True}), ("TFLOP/s 16-bit", {"justify": "right"}),
-               ("GB/s", right), ("GPU", {"min_width": 12})]
+               ("GB/s", right), ("GPU", {"min_width": 12, "overflow": "fold"})]
     return print_listing(
         args, rows(), "GPUs (pass the name as --gpu; 'cpu' plans for this machine's RAM; "
                       "~: usable not published, estimated)",
