@@ -200,3 +200,9 @@ def test_seq_len_auto_on_an_image_model_is_refused_at_once(capsys):
     """An image batch has no length to search: it spent 25 s searching before."""
     assert main(["plan", "--model", "vit-base", "--seq-len", "auto", "--gpu", "rtx-4090"]) == 2
     assert "--seq-len auto: vit-base takes images" in capsys.readouterr().err
+
+
+def test_a_bad_policy_names_block_tuples_as_the_python_apis(capsys):
+    """The flags take policies only; the block-name tuple is said to be the Python API's."""
+    assert main(["estimate", "--checkpoint", "bogus"]) == 2
+    assert "'selective', or, in Python, a tuple of block names" in capsys.readouterr().err

@@ -41,6 +41,8 @@ _PHRASES = {
     "a lower LoRA rank or fewer target modules": "a lower --lora-rank or fewer --lora-targets",
     "QLoRA (memfit.techniques.QuantizedBase, then peft's LoRA)":
         "QLoRA (--quantize nf4 --lora-rank R)",
+    # a policy's block names are the Python API's only: the flags take the policies
+    "or a tuple of block names": "or, in Python, a tuple of block names",
 }
 # API keyword -> CLI flag (Note 1)
 _FLAGS = {
