@@ -130,8 +130,8 @@ def least_memory(model, batch, models, fixed, k, common, held, b, say, alloc=Non
             est = estimate(model, batch, precision=c.precision, allocator_replay=True,
                            **values, **common)    # whole: exact, not a bound (Note 3)
             saved = alloc.saved(est) if alloc is not None else 0
-            confirmed[state_placement(c.key)] = bound, est.device_bytes + held[c.precision] - saved
-            total = confirmed[state_placement(c.key)][1]
+            total = est.device_bytes + held[c.precision] - saved
+            confirmed[state_placement(c.key)] = bound, total
             if best is None or total < best[0]:
                 best = total, c, est
         return best
@@ -140,7 +140,8 @@ def least_memory(model, batch, models, fixed, k, common, held, b, say, alloc=Non
     bound, replayed = confirmed[state_placement(best[1].key)]
     if replayed > FLOOR_PRUNE * bound:           # far off: the other placements (Note 3)
         others = floor_candidates(models, b, fixed, other_placements=True)
-        best = confirm(sorted(traced + traced_of(others), key=lambda t: t[0]), best)
+        if others:                               # a model of one placement has none
+            best = confirm(sorted(traced + traced_of(others), key=lambda t: t[0]), best)
     return best
 
 

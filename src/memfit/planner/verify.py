@@ -16,9 +16,9 @@ their least and the least traced so far is not traced, and two candidates with t
 too optimistic: where the candidate it puts lowest traces far above that, the candidates it put
 near the true least must still be traced (``tests/planner/test_least_traced.py``). The caller
 gets every traced candidate (``traced_candidates``), the least first, to confirm them in turn
-where its traces are bounds (a GPU's, without the allocator replayed: ``api._floor``). The floor is never above a verified plan
-of the same call (``Margins.seen``: the least verified bytes), so a budget of exactly the floor
-plans.
+where its traces are bounds (a GPU's, without the allocator replayed: ``api._floor``). The
+floor is never above a verified plan of the same call (``Margins.seen``: the least verified
+bytes), so a budget of exactly the floor plans.
 
 The estimator is passed in (``verify`` and ``trace`` callables): nothing here traces by itself.
 """
@@ -124,15 +124,15 @@ def traced_candidates(candidates: Iterable, *, predicted: Callable[[Any], int],
     candidates = sorted(candidates, key=predicted)
     if not candidates:
         raise ValueError("no floor candidate: the search space is empty")
-    least = predicted(candidates[0])
+    reference = predicted(candidates[0])       # the least predicted, or traced if above
     seen, traced = set(), []
     for c in candidates:
         i = ident(c)
-        cutoff = max(least, min(t[0] for t in traced) if traced else 0) * FLOOR_PRUNE
-        if i in seen or predicted(c) > cutoff:
+        if i in seen or predicted(c) > reference * FLOOR_PRUNE:
             continue
         seen.add(i)
         say(f"tracing a least-memory candidate: {describe(c)}")
         device_bytes, est = trace(c)
         traced.append((device_bytes, c, est))
+        reference = max(predicted(candidates[0]), min(t[0] for t in traced))
     return sorted(traced, key=lambda t: t[0])
