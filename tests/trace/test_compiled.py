@@ -9,6 +9,8 @@ The other tests need no C++ compiler: they check what is found, refused and left
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -18,7 +20,8 @@ from memfit import zoo
 from memfit.api._blockwise import blocks_or_why
 from memfit.errors import TraceError
 from memfit.knobs import Knobs
-from memfit.trace.compiled import compiled_regions, eager_view
+from memfit.trace._counted_compile import compiled_trace
+from memfit.trace.compiled import compiled_regions, eager_view, wrap_regions
 from tests.trace._compiled_oracle import build, estimated, measured_in_fresh_process
 
 
@@ -87,6 +90,45 @@ def test_regions_are_found_as_compiled():
     m[3] = torch.compile(m[3], backend="eager")
     found = {r.name: (r.backend_name, r.in_place) for r in compiled_regions(m)}
     assert found == {"0": ("aot_eager", True), "3": ("eager", False)}
+
+
+class _Block(nn.Module):          # a user's block (Dynamo skips torch.nn's own frames)
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return nn.functional.gelu(self.lin(x))
+
+
+def test_alike_regions_share_compiled_code_as_a_real_run_does():
+    """Dynamo keeps compiled code per code object, guarded, not per torch.compile call
+    (trace.compiled Note 4). In a real run of three blocks compiled one by one, block 0
+    compiles (its input needs no gradient), block 1 recompiles (its input does) and block 2
+    runs block 1's code: two graphs. The trace compiles the same two, and one for a region
+    compiled with another backend."""
+    from torch._dynamo.utils import counters
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(*(_Block() for _ in range(3)), nn.Linear(8, 8))
+        for block in m[:3]:
+            block.compile(backend="aot_eager")
+        return m
+
+    before = counters["stats"]["unique_graphs"]
+    model()(torch.randn(2, 8)).sum().backward()
+    real = counters["stats"]["unique_graphs"] - before
+
+    m = model()
+    m[3] = torch.compile(m[3], backend="eager")
+    regions = compiled_regions(m)
+    compiled: list[str] = []
+    wrapped = wrap_regions(copy.deepcopy(eager_view(m, regions)), regions, compiled)
+    with compiled_trace():
+        wrapped(torch.randn(2, 8)).sum().backward()
+    assert real == 2
+    assert compiled == ["0", "0", "3"]
 
 
 def test_the_eager_view_leaves_the_user_model_compiled():
