@@ -180,3 +180,43 @@ def test_compare_gpus_says_why_a_card_without_bf16_is_weighed_at_fp32(gpt2):
                                            precision="auto", offload_optimizer=False)}
     assert (rows["gtx-1080-ti"].precision, rows["gtx-1080-ti"].note) == ("fp32", NO_BF16_AUTO)
     assert (rows["a100-40gb"].precision, rows["a100-40gb"].note) == ("bf16", "")
+
+
+@pytest.fixture(scope="module")
+def gpt2_short():       # a step whose peak is the optimizer's (2 samples of 2 tokens)
+    return tiny("gpt2", batch_size=2, seq_len=2)
+
+
+def test_a_gpu_card_is_weighed_with_the_optimizer_a_gpu_steps(gpt2_short):
+    """On a GPU torch's AdamW defaults to ``foreach``, whose temporaries span every parameter;
+    the CPU trace the rows are read from would take the for-loop. The rows of an AdamW left
+    to its default are those of ``optimizer_impl="foreach"``, not the for-loop's (which put a
+    full fine-tune of Llama-2-7B on one H200 at 109.6 GB against the estimate's 147.4)."""
+    model, batch = gpt2_short
+    card = [get_device("a100-40gb")]
+
+    def row(**knobs):
+        (r,) = compare_gpus(model, batch, "adamw", specs=card, offload_optimizer=False, **knobs)
+        return r.gpus, r.rank_bytes
+
+    default, foreach = row(), row(optimizer_impl="foreach")
+    assert default == foreach
+    assert row(optimizer_impl="for-loop")[1] < foreach[1]
+
+
+def test_a_gpu_rank_steps_foreach_as_torch_does_there(gpt2_short):
+    """A rank of a GPU job steps AdamW's GPU default, ``foreach`` over its DTensor shards
+    (api._traced Note 2): the trace of the default is the trace of the knob, to the byte, and
+    under FSDP2's CPU offload (the shards step on the host) the for-loop's."""
+    from memfit.api._sharded import estimate_sharded
+
+    model, batch = gpt2_short
+
+    def peak(sharding, **knobs):
+        return estimate_sharded(model, batch, device="a100-40gb", world_size=2,
+                                sharding=sharding, **knobs).peak_bytes
+
+    assert peak("ddp") == peak("ddp", optimizer_impl="foreach") != \
+        peak("ddp", optimizer_impl="for-loop")
+    assert peak("fsdp", fsdp_offload=True) == \
+        peak("fsdp", fsdp_offload=True, optimizer_impl="for-loop")

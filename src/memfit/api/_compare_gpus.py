@@ -80,11 +80,11 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
                                "bf16", None, None, link, "no bf16"))
             continue
         k, _, p, prepared = _setup(model, batch, optimizer, spec, loss_fn, knobs, None, None)
-        if p not in traced:
-            traced[p] = _Models(_trace(model, prepared, optimizer, loss_fn, count_fn, k, p,
-                                       say), p, batch_size_of(prepared))
+        if (p, spec.kind) not in traced:
+            traced[p, spec.kind] = _Models(_trace(model, prepared, optimizer, loss_fn, count_fn,
+                                                  k, p, say, spec), p, batch_size_of(prepared))
         searching = f"({i} of {len(specs)} GPUs)"
-        row = _fewest_on(model, spec, spec.usable_bytes, traced[p], k, p, link,
+        row = _fewest_on(model, spec, spec.usable_bytes, traced[p, spec.kind], k, p, link,
                          lambda m: on_progress and on_progress(f"{m} {searching}"))
         if asked.precision == "auto" and spec.kind == "cuda" and not spec.supports_bf16:
             row = dataclasses.replace(row, note=NO_BF16_AUTO)           # Note 2
@@ -127,6 +127,6 @@ def fewest_gpus(model: nn.Module, batch, optimizer, spec, budget_bytes: int,
     single-device refusal (``api.plan``)."""
     say = on_progress or (lambda message: None)
     k, _, p, prepared = _setup(model, batch, optimizer, spec, loss_fn, knobs, None, None)
-    models = _Models(_trace(model, prepared, optimizer, loss_fn, count_fn, k, p, say), p,
+    models = _Models(_trace(model, prepared, optimizer, loss_fn, count_fn, k, p, say, spec), p,
                      batch_size_of(prepared))
     return _fewest_on(model, spec, budget_bytes, models, k, p, interconnect(spec)[0], say)

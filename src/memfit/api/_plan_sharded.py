@@ -131,7 +131,8 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
     if isinstance(k.gpus, int) and k.gpus > b:
         raise ValueError(f"gpus={k.gpus}: the batch has {b} samples, split over the ranks "
                          f"(memfit.api._plan_sharded Note 1); use gpus <= {b} or a larger batch")
-    models = _Models(_trace(model, batch, optimizer, loss_fn, count_fn, k, p, say), p, b)
+    models = _Models(_trace(model, batch, optimizer, loss_fn, count_fn, k, p, say, spec), p,
+                     b)
     fixed_modes = Constraints.of(model, k, b).modes        # the caller's fixed per-block modes
     before: list[Row] = []          # the rows of the tiers searched before (Note 4)
 

@@ -16,6 +16,7 @@ from memfit.api._validate import check_batch
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
 from memfit.modes import Mode
+from memfit.optimizers import OptimizerRecipe, impl_of
 
 # what a sharded step runs here: fp32, or bf16 autocast (fp16's GradScaler and bf16-pure are
 # not supported under FSDP2 in memfit)
@@ -71,13 +72,20 @@ def _setup(model, batch, optimizer, device, loss_fn, knobs: dict, step, schedule
     return k, spec, p, batch
 
 
-def _trace(model, batch, optimizer, loss_fn, count_fn, k: Knobs, p: str, say):
+def _trace(model, batch, optimizer, loss_fn, count_fn, k: Knobs, p: str, say, spec):
     """The one plain single-device trace a sharded plan's models are read from, on the CPU (as
-    estimate_sharded's)."""
+    estimate_sharded's), with the optimizer implementation ``spec`` runs: on a GPU torch's
+    default is ``foreach``, whose temporaries span every parameter (the CPU's is the for-loop;
+    a GPU rank steps ``foreach`` too, ``api._traced``)."""
     say(f"tracing the plain step on one device ({p}, batch {batch_size_of(batch)})")
+    impl = k.optimizer_impl
+    recipe = OptimizerRecipe(optimizer, impl=impl)
+    if impl is None and recipe.instance is None and spec.kind == "cuda":
+        params = [q for q in model.parameters() if q.requires_grad]
+        impl = impl_of(recipe.build(params, params), cuda=True)
     return estimate(model, batch, optimizer=optimizer, device="cpu", loss_fn=loss_fn,
                     count_fn=count_fn, precision=p, max_grad_norm=k.max_grad_norm,
-                    zero_grad=k.zero_grad, optimizer_impl=k.optimizer_impl)
+                    zero_grad=k.zero_grad, optimizer_impl=impl)
 
 
 def _card_bytes(spec, op_log) -> tuple[int, int]:

@@ -15,6 +15,13 @@ whole step's phase. There is no allocator replay (it needs the whole step's hist
 the step has no such phase of memfit's own (a user's ``step=fn``, the optimizer stepped in
 backward, the gradients moved to the host as backward makes them, a rank of several GPUs), the
 whole step is traced: its readers take the phase from ``phases["optimizer"]`` either way.
+
+Note 2 (a GPU rank's optimizer). memfit's CUDA models are not applied to a rank of several
+GPUs, but the optimizer's implementation is: a GPU rank steps torch's default, ``foreach``,
+over its shards (torch counts DTensor among the types ``foreach`` takes, and the shards are on
+the GPU), where the trace's fakes, on the CPU, would take the for-loop and miss the
+``foreach`` temporaries that span every parameter. Under FSDP2's CPU offload the shards step
+on the host, for-loop, as the trace's default does.
 """
 
 from __future__ import annotations
@@ -163,6 +170,8 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
             fake_batch = runner.prepare(fake_batch)
         if cuda:
             cuda.use_foreach(runner.optimizer)
+        elif spec.kind == "cuda" and layout is not None and not layout.config.offload:
+            CudaModel.use_foreach(runner.optimizer)   # a GPU rank's default too (Note 2)
         placement = layout.placement(runner, spec) if layout is not None else None
 
         def run(on_phase):
