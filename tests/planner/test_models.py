@@ -85,3 +85,37 @@ def test_time_model_orders_the_modes(traced):
     plain = ("keep",) * len(memory.blocks)
     steps = [time.step_s(m, B, plain, False) for m in (8, 4, 2, 1)]
     assert steps == sorted(steps)
+
+
+@pytest.mark.parametrize("tie", [0.0, 0.01, 1.0])
+def test_one_mode_in_every_block_is_answered_where_it_costs_little(traced, monkeypatch, tie):
+    """planner.search Note 9. Oracle: the MILP's fastest mix (``_best_for``) and every
+    assignment of one mode to every block, enumerated. At each cap the answer fits; it is the
+    mix unless one mode in every block fits and is predicted within ``NEAR_TIE`` of it, and
+    then it is the fastest such. A tie of 1.0 must take a uniform answer somewhere, 0.0 never."""
+    from memfit.planner import search as search_module
+
+    monkeypatch.setattr(search_module, "NEAR_TIE", tie)
+    _, _, memory, time = traced
+    nb = len(memory.blocks)
+    models = {("fp32", None): (memory, time)}
+    fixed = Constraints(micro_batch_size=B, offload_optimizer=False)
+    rows = memory.rows(B, B, False, False)
+    keep = rows.peak(_x(("keep",) * nb))
+    low = min(rows.peak(_x(c)) for c in itertools.product(MODES, repeat=nb))
+    changed = 0
+    for share in np.linspace(0.05, 0.95, 10):
+        cap = int(low + share * (keep - low))
+        mix = _best_for(memory, time, ("fp32", None), B, B, False, float(cap), fixed)
+        got = search_module.search(models, B, cap, fixed)
+        assert got is not None and got.allocated_bytes <= cap
+        uniform = [time.step_s(B, B, (m,) * nb, False) for m in set(mix.modes) - {"keep"}
+                   if rows.peak(_x((m,) * nb)) <= cap and
+                   time.step_s(B, B, (m,) * nb, False) <= mix.step_s * (1 + tie)]
+        if len(set(mix.modes)) > 1 and uniform:
+            assert len(set(got.modes)) == 1 and got.step_s == pytest.approx(min(uniform))
+            changed += 1
+        else:
+            assert got.modes == mix.modes
+    assert (changed > 0) if tie == 1.0 else True
+    assert changed == 0 if tie == 0.0 else True
