@@ -136,7 +136,8 @@ def test_the_plan_says_your_micro_batch_size_when_you_fixed_it():
     choice = SimpleNamespace(precision="fp32", micro_batch_size=2, modes=("recompute", "keep"),
                              optimizer_impl=None, offload_optimizer=False, optimizer_state=None,
                              offload_params=None, chunked_loss=None,
-                             optimizer_in_backward=None, offload_gradients=None)
+                             optimizer_in_backward=None, offload_gradients=None,
+                             mix_step_s=None)
     ctx = SimpleNamespace(user="fp32", spec=SimpleNamespace(kind="cpu"), default_impl=None,
                           impl_searched=False)
     memory = SimpleNamespace(optimizer_state_bytes=0)
