@@ -185,7 +185,7 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
             if device_bytes <= budget_bytes:
                 return _planned(k, best, verified, device_bytes, models, spec, budget_bytes,
                                 before + rows, margins.get(c)), rows
-            retry = margins.missed(c, device_bytes)
+            retry = margins.missed(c, device_bytes, best.choice.device_bytes)
             rows[rows.index(best)] = _search_row(models, c, spec, budget_bytes, k, fixed_modes,
                                                  margins.get(c)) if retry else \
                 Row(c, best.rank_batch, None, best.floor_bytes)

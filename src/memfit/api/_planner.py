@@ -361,7 +361,8 @@ class Planner:
         def verified():
             return verify_loop(propose, verify, lambda c: c.key, self.margins, say=job.say,
                                fits=lambda est, device: self.ctx.alloc.fits(
-                                   est, device - est.device_bytes, job.budget_bytes))
+                                   est, device - est.device_bytes, job.budget_bytes),
+                               predicted=lambda c: c.device_bytes + self.held[c.precision])
 
         found = verified()
         for last_resort in last_resorts:        # Note 7: every pick of the models missed when
