@@ -10,7 +10,7 @@ import pytest
 from memfit import Mode
 from memfit.knobs import Knobs
 from memfit.planner import Plan
-from memfit.planner.search import Choice
+from memfit.planner.choice import Choice
 from memfit.runtime import Applied
 from memfit.techniques._blocks import resolve_policy
 from tests.helpers import tiny

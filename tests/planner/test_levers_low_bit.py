@@ -17,7 +17,8 @@ from torch import nn
 
 import memfit
 from memfit.planner.memory_model import MODES, MemoryModel
-from memfit.planner.search import Constraints, search, variant_key
+from memfit.planner.choice import Constraints, variant_key
+from memfit.planner.search import search
 from memfit.planner.time_model import TimeModel
 from tests.helpers import tiny, track_runner_step
 

@@ -18,7 +18,8 @@ import torch
 import memfit
 from memfit.api.estimate import estimate
 from memfit.planner.memory_model import MemoryModel
-from memfit.planner.search import Constraints, floor_candidates, search, variant_key
+from memfit.planner.choice import Constraints, variant_key
+from memfit.planner.search import floor_candidates, search
 from memfit.planner.time_model import TimeModel
 from tests.live_bytes import LiveBytes, alive_storages, job_tensors
 from tests.techniques.test_optimizer_in_backward import _mlp, _mlp_batch, _mlp_loss

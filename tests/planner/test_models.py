@@ -14,7 +14,8 @@ from memfit.api._choice import knob_values as _knob_values
 from memfit.api._floor import first_samples as _first
 from memfit.devices import get_device
 from memfit.planner.memory_model import MODES, MemoryModel
-from memfit.planner.search import Choice, Constraints, _best_for
+from memfit.planner.choice import Choice, Constraints
+from memfit.planner.search import _best_for
 from memfit.planner.time_model import TimeModel
 from tests.planner.test_planner import _model
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from memfit.knobs import Knobs
 from memfit.modes import Mode
-from memfit.planner.search import Choice
+from memfit.planner.choice import Choice
 
 __all__ = ["knob_values", "describe"]
 

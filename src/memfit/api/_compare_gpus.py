@@ -26,7 +26,7 @@ from memfit.api._sharded_models import Row, _Models, _search_row, _setup, _trace
 from memfit.api._stages import Stages
 from memfit.devices import list_devices
 from memfit.knobs import Knobs
-from memfit.planner.search import Constraints
+from memfit.planner.choice import Constraints
 from memfit.planner.sharding import interconnect, layout_tiers
 from memfit.techniques.accumulation import batch_size_of
 

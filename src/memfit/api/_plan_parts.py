@@ -20,7 +20,7 @@ from memfit.optimizers import OptimizerRecipe, impl_of, supports_impl
 from memfit.planner import Plan
 from memfit.planner.build import block_costs, build_plan
 from memfit.planner.memory_model import MemoryModel
-from memfit.planner.search import Choice
+from memfit.planner.choice import Choice
 from memfit.planner.time_model import TimeModel
 from memfit.units import format_bytes
 

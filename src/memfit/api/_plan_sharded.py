@@ -65,7 +65,7 @@ from memfit.api._sharded_models import (Row, _card_bytes, _Models, _search_row, 
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.planner import Plan
-from memfit.planner.search import Constraints
+from memfit.planner.choice import Constraints
 from memfit.planner.build import block_costs, build_plan
 from memfit.planner.sharding import Candidate, interconnect, layout_tiers
 from memfit.planner.verify import ATTEMPTS, Margins

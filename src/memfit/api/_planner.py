@@ -108,7 +108,8 @@ from memfit.api._validate import check_batch, check_micro_batch
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
 from memfit.optimizers import OptimizerRecipe
-from memfit.planner.search import Choice, Constraints, search
+from memfit.planner.choice import Choice, Constraints
+from memfit.planner.search import search
 from memfit.planner.verify import Margins, verify_loop
 from memfit.planner.variants import IN_BACKWARD_PRECISIONS, auto_precisions
 from memfit.step import prepare_batch

@@ -22,7 +22,8 @@ from memfit.optimizers import OptimizerRecipe, impl_of
 # not supported under FSDP2 in memfit)
 SHARDED_PRECISIONS = ("fp32", "bf16")
 from memfit.planner.memory_model import MemoryModel
-from memfit.planner.search import Constraints, search
+from memfit.planner.choice import Constraints
+from memfit.planner.search import search
 from memfit.planner.sharding import Candidate, ShardedTime, shard_estimate, state_bytes
 from memfit.planner.time_model import TimeModel
 from memfit.step import prepare_batch

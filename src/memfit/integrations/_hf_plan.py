@@ -44,7 +44,8 @@ from memfit.api.estimate import Estimate
 from memfit.integrations._hf_estimate import estimate
 from memfit.integrations._hf_precision import at_precision, set_precision, user_precision
 from memfit.planner.memory_model import MemoryModel
-from memfit.planner.search import Choice, Constraints, floor_candidates, search
+from memfit.planner.choice import Choice, Constraints
+from memfit.planner.search import floor_candidates, search
 from memfit.planner.time_model import TimeModel
 from memfit.planner.verify import Margins, least_traced, verify_loop
 

@@ -33,7 +33,8 @@ import numpy as np
 from memfit.modes import Mode
 from memfit.planner.memory_model import MemoryModel
 from memfit.planner.plan import Plan
-from memfit.planner.search import Constraints, _best_for
+from memfit.planner.choice import Constraints
+from memfit.planner.search import _best_for
 from memfit.planner.time_model import TimeModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
 

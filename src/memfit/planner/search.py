@@ -19,10 +19,9 @@ tries ``m = b`` alone. That one can need *less* than ``m = 1``: without accumula
 alive during the forward (every micro-batch after the first runs with all gradients alive). The
 floor is therefore the lesser of ``m = 1`` and ``m = b``.
 
-Note 3 (what the caller fixed). Each knob constrains only its own side: a fixed ``checkpoint``
-fixes which blocks are recomputed (and how), so the others may still keep or offload; a fixed
-``offload`` fixes which blocks are offloaded, so the others may still keep or recompute. Per
-block that is a set of allowed modes (``Constraints.modes``); a block not named there is free.
+Note 3 (what the caller fixed). Each block takes only the modes ``Constraints`` allows it
+(``planner.choice``: a fixed ``checkpoint`` or ``offload`` fixes its own side, the other stays
+free), the micro-batch the caller fixed, and the optimizer placement.
 
 Note 4 (variants). ``models`` is keyed by ``(precision, optimizer_impl)``: one memory and time
 model per precision and optimizer implementation (``None``: the optimizer as given). The
@@ -90,115 +89,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from memfit.modes import Mode
+from memfit.planner.choice import Choice, Constraints, unkey, variant_key
 from memfit.planner.memory_model import MODES, MemoryModel
 from memfit.planner.time_model import TimeModel
-from memfit.techniques._blocks import resolve_policy
 
-__all__ = ["Choice", "Constraints", "search", "floor", "floor_candidates", "variant_key",
-           "state_placement"]
+__all__ = ["search", "floor", "floor_candidates", "state_placement", "NEAR_TIE"]
 
 _MIB = float(2 ** 20)
 NODE_LIMIT = 1000          # branch-and-bound nodes per MILP (Note 8)
 NEAR_TIE = 0.01            # a uniform choice this much slower than a mix is taken (Note 9)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One configuration and what the models predict for it."""
-
-    precision: str
-    micro_batch_size: int
-    modes: tuple[Mode, ...]          # per block, in execution order (strings are parsed)
-    offload_optimizer: bool
-    allocated_bytes: int             # predicted allocated peak
-    device_bytes: int                # predicted device bytes (allocated x traced reserve ratio)
-    step_s: float                    # predicted step time
-    optimizer_impl: str | None = None  # the optimizer implementation (None: as given)
-    optimizer_state: str | None = None   # a low-bit state memfit chose (None: as given)
-    offload_params: str | None = None    # block weights on the host (None: as given)
-    chunked_loss: int | None = None      # the loss in this many pieces (None: as given)
-    optimizer_in_backward: bool | None = None   # stepped in backward (None: as given)
-    offload_gradients: bool | None = None   # gradients to the host in backward (None: as given)
-    mix_step_s: float | None = None  # one mode taken over a mix this fast (Note 9), else None
-
-    def __post_init__(self):
-        object.__setattr__(self, "modes", tuple(Mode.parse(m) for m in self.modes))
-
-    @property
-    def key(self) -> tuple:
-        """The ``models`` key this choice was predicted with (Notes 4 and 6)."""
-        return variant_key(self.precision, self.optimizer_impl, self.optimizer_state,
-                           self.offload_params, self.chunked_loss, self.optimizer_in_backward,
-                           self.offload_gradients)
-
-
-def variant_key(precision: str, impl: str | None = None, state: str | None = None,
-                params: str | None = None, chunked: int | None = None,
-                in_backward: bool | None = None, grads: bool | None = None) -> tuple:
-    """A ``models`` key (Note 6): ``(precision, impl)``, longer only where a lever is set."""
-    if grads:
-        return precision, impl, state, params, chunked, in_backward, True
-    if in_backward:
-        return precision, impl, state, params, chunked, True
-    if chunked is not None:
-        return precision, impl, state, params, chunked
-    if state is None and params is None:
-        return precision, impl
-    return precision, impl, state, params
-
-
-def _unkey(key: tuple) -> tuple:
-    return tuple(key) + (None,) * (7 - len(key))
-
-
-@dataclass(frozen=True)
-class Constraints:
-    """What the user fixed (``None``: free)."""
-
-    micro_batch_size: int | None = None
-    modes: dict[str, tuple[Mode, ...]] | None = None   # block name -> modes it may take (Note 3)
-    offload_optimizer: bool | None = None
-
-    @classmethod
-    def of(cls, model, k, b: int) -> "Constraints":
-        """What the caller fixed in ``k`` (a ``Knobs``), knob by knob, for a batch of ``b``
-        (Note 3)."""
-        modes = None
-        if k.checkpoint is not None or k.offload is not None:
-            per = resolve_policy(model, k.checkpoint or "none", Mode.RECOMPUTE, "Checkpoint")
-            off = resolve_policy(model, k.offload or "none", Mode.OFFLOAD, "Offload")
-            modes = {}
-            for name in set(per) | set(off):
-                rec = per.get(name, Mode.KEEP) if k.checkpoint is not None else None
-                moved = off.get(name) == Mode.OFFLOAD if k.offload is not None else None
-                if moved:                   # offloaded (recomputed too: the search mirrors it)
-                    modes[name] = (Mode.OFFLOAD,)
-                elif rec not in (None, Mode.KEEP):
-                    modes[name] = (rec,)
-                elif rec == Mode.KEEP:      # not recomputed: kept, or offloaded if free
-                    modes[name] = (Mode.KEEP,) if moved is False else (Mode.KEEP, Mode.OFFLOAD)
-                else:                       # recompute free, not offloaded
-                    modes[name] = (Mode.KEEP, Mode.RECOMPUTE, Mode.SELECTIVE)
-        m = k.micro_batch_size
-        oo = k.offload_optimizer
-        if oo is None and (k.offload_params not in (None, "none") or
-                           getattr(k, "offload_gradients", None)):
-            oo = True       # parameter / gradient offload need it: the host copy is its twin
-        if getattr(k, "optimizer_in_backward", None):     # no accumulation, state on the device
-            m, oo = b if m is None else m, False if oo is None else oo
-        return cls(None if m is None else min(m, b), modes, oo)
-
-    def allowed(self, name: str) -> tuple[Mode, ...]:
-        return MODES if self.modes is None else self.modes.get(name, MODES)
-
-    def keep_allowed(self, blocks) -> bool:
-        return all(Mode.KEEP in self.allowed(n) for n in blocks)
 
 
 def _bounds(model: MemoryModel, fixed: Constraints) -> tuple[np.ndarray, np.ndarray]:
@@ -284,7 +188,7 @@ def _lower_bound(rows, hi: np.ndarray, nblocks: int) -> float:
 
 
 def _choice(memory, time, key, m, b, oo, allocated, modes) -> Choice:
-    precision, impl, state, params, chunked, in_backward, grads = _unkey(key)
+    precision, impl, state, params, chunked, in_backward, grads = unkey(key)
     return Choice(precision, m, modes, oo, int(allocated), memory.device_bytes(allocated),
                   time.step_s(m, b, modes, oo), impl, state, params, chunked, in_backward, grads)
 
@@ -292,7 +196,7 @@ def _choice(memory, time, key, m, b, oo, allocated, modes) -> Choice:
 def _host_stepped_variant(models, key, oo: bool) -> bool:
     """An optimizer on the host steps as given: another implementation changes nothing there
     (and its re-trace would differ only by its bookkeeping), so only the given one is tried."""
-    return oo and key[1] is not None and variant_key(key[0], None, *_unkey(key)[2:]) in models
+    return oo and key[1] is not None and variant_key(key[0], None, *unkey(key)[2:]) in models
 
 
 def _placements(memory: MemoryModel, fixed: Constraints) -> list[bool]:
@@ -409,7 +313,7 @@ def floor(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int,
 def state_placement(key: tuple) -> str:
     """Where a model's key puts the training state (Note 5): the block weights on the host, the
     gradients on the host, or both on the device."""
-    full = _unkey(key)
+    full = unkey(key)
     return "weights on the host" if full[3] else "gradients on the host" if full[6] else \
         "on the device"
 

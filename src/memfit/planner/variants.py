@@ -83,7 +83,7 @@ from collections.abc import Callable
 
 from memfit.modes import Mode
 from memfit.planner.memory_model import MemoryModel
-from memfit.planner.search import variant_key
+from memfit.planner.choice import variant_key
 from memfit.planner.time_model import TimeModel, flop_rate
 
 __all__ = ["LOW_BIT_STATES", "PARAM_OFFLOAD", "CHUNKED_LOSS", "IN_BACKWARD_PRECISIONS",
