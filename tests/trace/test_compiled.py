@@ -246,20 +246,24 @@ def test_activation_memory_budget_is_refused_for_an_eager_model_and_out_of_range
 
 @pytest.mark.slow          # a plan that fails, then plans again (about a minute)
 def test_the_plan_of_a_compiled_model_lowers_the_budget_when_nothing_else_fits():
-    """docs/compiled.md, the plan: with micro-batches and the optimizer's placement fixed, the
-    budget between the default partition's peak and budget 0.5's is met by planning again
-    at 0.5; the verified peak is under it."""
+    """docs/compiled.md, the plan: with micro-batches and the optimizer's placement fixed, a
+    budget under the default partition's peak is met by planning again at the largest of
+    ``COMPILE_BUDGETS`` whose step fits (each estimated here); the verified peak is under it."""
+    from memfit.api._plan_levers import COMPILE_BUDGETS
+
     model, batch = _tiny_gpt2_compiled()
     fixed = dict(precision="fp32", micro_batch_size=2, offload_optimizer=False)
     default = memfit.estimate(memfit.Job(model, batch), **fixed).peak_bytes
-    half = memfit.estimate(memfit.Job(model, batch), activation_memory_budget=0.5,
-                           **fixed).peak_bytes
+    peaks = {v: memfit.estimate(memfit.Job(model, batch), activation_memory_budget=v,
+                                **fixed).peak_bytes for v in COMPILE_BUDGETS}
+    half = peaks[0.5]
     assert half < default
     budget = (half + default) // 2
+    largest = next(v for v in COMPILE_BUDGETS if peaks[v] <= budget)
     p = memfit.plan(memfit.Job(model, batch), budget=budget, **fixed)
-    assert p.knobs.activation_memory_budget == 0.5
+    assert p.knobs.activation_memory_budget == largest
     assert p.predicted_peak_bytes <= budget
-    assert p.reasons[0].startswith("activation_memory_budget=0.5")
+    assert p.reasons[0].startswith(f"activation_memory_budget={largest}")
 
 
 @pytest.mark.slow          # three plans of a compiled model, each a few traces (a few minutes)
@@ -269,6 +273,7 @@ def test_the_plan_weighs_the_budget_against_a_plan_that_slows_the_step():
     weighed by predicted step time: the answer is predicted faster than the default
     partition's own plan (the budget fixed at torch's default, 1.0: nothing weighed), takes a
     budget and says so first, with both step times; its verified peak is under the budget."""
+    from memfit.api._plan_levers import COMPILE_BUDGETS
     from memfit.api.plan import plan_traced
     from memfit.trace.compiled import compile_model
 
@@ -283,7 +288,7 @@ def test_the_plan_weighs_the_budget_against_a_plan_that_slows_the_step():
     alone = plan_traced(model, batch, budget, activation_memory_budget=1.0)
     assert alone.plan.knobs.micro_batch_size < 4 or alone.plan.knobs.offload_optimizer
     weighed = plan_traced(model, batch, budget)
-    assert weighed.plan.knobs.activation_memory_budget in (0.5, 0.0)
+    assert weighed.plan.knobs.activation_memory_budget in COMPILE_BUDGETS
     assert weighed.step_s < alone.step_s
     assert weighed.plan.reasons[0].startswith("activation_memory_budget=")
     assert "predicted faster than the fastest plan at its default partition" in \

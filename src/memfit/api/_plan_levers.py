@@ -25,7 +25,7 @@ __all__ = ["Levers", "numerics_allowed", "state_knobs", "in_backward_open",
            "grads_offload_open", "LastLever", "last_levers", "QLORA", "COMPILE_BUDGETS"]
 
 QLORA = "nf4"                    # the base's quantization the planner weighs (QLoRA's)
-COMPILE_BUDGETS = (0.5, 0.0)     # activation_memory_budget values weighed, in turn
+COMPILE_BUDGETS = (0.75, 0.5, 0.25, 0.0)     # activation_memory_budget values weighed, in turn
 
 
 @dataclass(frozen=True)

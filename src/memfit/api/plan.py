@@ -23,8 +23,11 @@ Note 3 (a compiled model). Per-block modes are not applied inside a compiled reg
 (trace.compiled), so a compiled model's plan searches precision, micro-batches and the
 optimizer's levers; torch.compile's own lever, ``activation_memory_budget`` (the share of the
 activations the min-cut partitioner keeps), is planned as a whole: the plan is made again with
-it fixed at each of ``_plan_levers.COMPILE_BUDGETS`` (0.5, 0.0), each trace then compiling
-the regions under it. When nothing fits at torch's default, the first that fits is the answer;
+it fixed at each of ``_plan_levers.COMPILE_BUDGETS`` (0.75, 0.5, 0.25, 0.0: the steps
+PyTorch's own sweep of the budget takes), each trace then compiling the regions under it. One
+fraction serves every region of a group compiled alike: Dynamo runs the first block's compiled
+code for the blocks like it, partitioned once (trace.compiled). When nothing fits at torch's
+default, the first that fits, the largest budget, is the answer (it recomputes least);
 when a plan fits by slowing the step (anything but the plain step), each budget's plan is
 weighed against it by predicted step time (``Planned.step_s``, absolute seconds: each plan's
 ratio is to the plain step under its own budget) and the fastest is the answer. Either way the
