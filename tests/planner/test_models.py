@@ -120,3 +120,17 @@ def test_one_mode_in_every_block_is_answered_where_it_costs_little(traced, monke
             assert got.modes == mix.modes
     assert (changed > 0) if tie == 1.0 else True
     assert changed == 0 if tie == 0.0 else True
+
+
+def test_a_gpu_trace_s_own_configuration_is_predicted_as_traced():
+    """memory_model Note 6: on a GPU the traced allocated peak holds the workspaces, which no
+    tensor of the timeline stands for; the model holds them at every point, so the plain
+    step it was read from is predicted as traced, allocated and device bytes alike."""
+    model, batch = _model("gpt2")
+    est = memfit.estimate(model, batch, device="a100-40gb", precision="bf16")
+    memory = MemoryModel(est, B)
+    assert memory.outside_bytes > 0
+    keep = ("keep",) * len(memory.blocks)
+    allocated = memory.rows(B, B, False, False).peak(_x(keep))
+    assert allocated == est.peak_bytes
+    assert memory.device_bytes(allocated) == est.device_bytes

@@ -192,16 +192,27 @@ def test_a_gpu_card_is_weighed_with_the_optimizer_a_gpu_steps(gpt2_short):
     the CPU trace the rows are read from would take the for-loop. The rows of an AdamW left
     to its default are those of ``optimizer_impl="foreach"``, not the for-loop's (which put a
     full fine-tune of Llama-2-7B on one H200 at 109.6 GB against the estimate's 147.4)."""
+    from memfit.api._sharded_models import _setup, _trace
+
     model, batch = gpt2_short
-    card = [get_device("a100-40gb")]
+    card = get_device("a100-40gb")
 
     def row(**knobs):
-        (r,) = compare_gpus(model, batch, "adamw", specs=card, offload_optimizer=False, **knobs)
+        (r,) = compare_gpus(model, batch, "adamw", specs=[card], offload_optimizer=False,
+                            **knobs)
         return r.gpus, r.rank_bytes
 
-    default, foreach = row(), row(optimizer_impl="foreach")
-    assert default == foreach
-    assert row(optimizer_impl="for-loop")[1] < foreach[1]
+    assert row() == row(optimizer_impl="foreach")
+
+    def traced(spec, on_card):                 # the one trace the rows are read from
+        k, _, p, prepared = _setup(model, batch, "adamw", spec, None, {}, None, None)
+        est = _trace(model, prepared, "adamw", None, None, k, p, lambda m: None, spec,
+                     on_card=on_card)
+        return est.knobs.optimizer_impl, est.peak_bytes
+
+    on_gpu = traced(card, on_card=False)       # a CPU trace for a GPU: foreach, as there
+    assert on_gpu[0] == "foreach"
+    assert traced(get_device("cpu"), on_card=False)[1] < on_gpu[1]    # the CPU's for-loop
 
 
 def test_a_gpu_rank_steps_foreach_as_torch_does_there(gpt2_short):
@@ -220,3 +231,17 @@ def test_a_gpu_rank_steps_foreach_as_torch_does_there(gpt2_short):
         peak("ddp", optimizer_impl="for-loop")
     assert peak("fsdp", fsdp_offload=True) == \
         peak("fsdp", fsdp_offload=True, optimizer_impl="for-loop")
+
+
+def test_the_traced_card_s_one_gpu_row_is_its_estimate(gpt2_short):
+    """_compare_gpus Note 3: the rows are read off one trace made for the first card of the
+    precision, as ``estimate`` traces it (CUDA models, the allocator's replay): that card's
+    one-GPU row is its plain step's device bytes, to the byte; a card after it is a model."""
+    model, batch = gpt2_short
+    first, other = get_device("a100-40gb"), get_device("rtx-4090")
+    rows = {r.gpu: r for r in compare_gpus(model, batch, "adamw", specs=[first, other],
+                                           precision="bf16", offload_optimizer=False)}
+    est = memfit.estimate(memfit.Job(model, batch), device=first, precision="bf16")
+    assert rows["a100-40gb"].gpus == 1
+    assert rows["a100-40gb"].rank_bytes == est.device_bytes
+    assert rows["rtx-4090"].gpus == 1 and rows["rtx-4090"].rank_bytes > 0

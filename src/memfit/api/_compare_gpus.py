@@ -12,6 +12,15 @@ Note 2 (cards without bf16). Where the precision asked is bf16 (or FSDP2's bf16
 the comparison. Where the precision is "auto", such a card is weighed at fp32, as
 ``plan(gpus=...)`` weighs it: fp16 needs a GradScaler, whose sharded step is not modelled. Its
 row's ``note`` says so, and that ``memfit plan --gpu NAME`` weighs fp16 on one card.
+
+Note 3 (the trace, on a card). The one trace per precision is made for the first card of the
+table at that precision, as ``estimate`` traces one GPU (its CUDA models, the caching
+allocator's replay); every card's rows are read off it (``_sharded_models._Models``), so the
+one-GPU row of that card is ``memfit estimate``'s plain step on it. Another card's rows keep
+that trace's attention kernels and allocator ratio, with its own workspaces and context: a
+model, said as such. (From a CPU trace, as before session 23, the rows left out the
+allocator's reserve: Llama-2-7B, 1 x 512, bf16, on an H200 said 135.5 GB against
+``estimate``'s 147.40 GB; 147.41 GB now.)
 """
 
 from __future__ import annotations
@@ -80,9 +89,11 @@ def compare_gpus(model: nn.Module, batch, optimizer="adamw", loss_fn: Callable |
                                "bf16", None, None, link, "no bf16"))
             continue
         k, _, p, prepared = _setup(model, batch, optimizer, spec, loss_fn, knobs, None, None)
-        if (p, spec.kind) not in traced:
-            traced[p, spec.kind] = _Models(_trace(model, prepared, optimizer, loss_fn, count_fn,
-                                                  k, p, say, spec), p, batch_size_of(prepared))
+        if (p, spec.kind) not in traced:          # Note 3: on the first card of each precision
+            traced[p, spec.kind] = _Models(
+                _trace(model, prepared, optimizer, loss_fn, count_fn, k, p, say, spec,
+                       on_card=True), p, batch_size_of(prepared),
+                card=spec if spec.kind == "cuda" else None)
         searching = f"({i} of {len(specs)} GPUs)"
         row = _fewest_on(model, spec, spec.usable_bytes, traced[p, spec.kind], k, p, link,
                          lambda m: on_progress and on_progress(f"{m} {searching}"))

@@ -2,6 +2,14 @@
 (``api._plan_sharded``) and ``api._compare_gpus``: the knobs checked, the one single-device
 trace, its memory and time models per layout, the search of one layout, and the fewest GPUs
 that fit. How a sharded plan is made: docs/techniques/sharding.md.
+
+Note 1 (a trace on a card). ``card``: the GPU the trace was made for (``_trace(on_card=)``,
+``--compare-gpus``), its allocated bytes counting its workspaces. Each card's rows then hold
+what that trace holds, another card's workspaces in place of its own, and the allocator's
+reserve at the traced ratio of reserved to allocated bytes (the ratio the single-device planner
+takes for every configuration): the one-GPU row of the traced card is ``estimate``'s plain step
+there. A CPU trace (``card`` None) counts allocated bytes, the card's workspaces added, as a
+rank's re-trace does (``estimate_sharded``).
 """
 
 from __future__ import annotations
@@ -73,18 +81,22 @@ def _setup(model, batch, optimizer, device, loss_fn, knobs: dict, step, schedule
     return k, spec, p, batch
 
 
-def _trace(model, batch, optimizer, loss_fn, count_fn, k: Knobs, p: str, say, spec):
+def _trace(model, batch, optimizer, loss_fn, count_fn, k: Knobs, p: str, say, spec,
+           on_card: bool = False):
     """The one plain single-device trace a sharded plan's models are read from, on the CPU (as
     estimate_sharded's), with the optimizer implementation ``spec`` runs: on a GPU torch's
     default is ``foreach``, whose temporaries span every parameter (the CPU's is the for-loop;
-    a GPU rank steps ``foreach`` too, ``api._traced``)."""
+    a GPU rank steps ``foreach`` too, ``api._traced``). ``on_card``: traced for ``spec``
+    itself, as ``estimate`` traces one GPU (its CUDA models and the caching allocator's
+    replay: Note 1)."""
     say(f"tracing the plain step on one device ({p}, batch {batch_size_of(batch)})")
     impl = k.optimizer_impl
     recipe = OptimizerRecipe(optimizer, impl=impl)
     if impl is None and recipe.instance is None and spec.kind == "cuda":
         params = [q for q in model.parameters() if q.requires_grad]
         impl = impl_of(recipe.build(params, params), cuda=True)
-    return estimate(model, batch, optimizer=optimizer, device="cpu", loss_fn=loss_fn,
+    return estimate(model, batch, optimizer=optimizer,
+                    device=spec if on_card and spec.kind == "cuda" else "cpu", loss_fn=loss_fn,
                     count_fn=count_fn, precision=p, max_grad_norm=k.max_grad_norm,
                     zero_grad=k.zero_grad, optimizer_impl=impl)
 
@@ -100,22 +112,26 @@ def _card_bytes(spec, op_log) -> tuple[int, int]:
 
 
 class _Models:
-    """Memory and time models per layout, from the one trace (cached per card class)."""
+    """Memory and time models per layout, from the one trace (cached per card class;
+    ``card``: the GPU it was traced for, Note 1)."""
 
-    def __init__(self, est, p: str, b: int):
-        self.est, self.p, self.b = est, p, b
+    def __init__(self, est, p: str, b: int, card=None):
+        self.est, self.p, self.b, self.card = est, p, b, card
+        self._ratio = est.reserved_bytes / max(est.peak_bytes, 1) if card is not None else 1.0
         self._memory: dict = {}
         self._time: dict = {}
 
     def memory(self, cand: Candidate, extra: int, context: int) -> MemoryModel:
         key = (cand, extra, context)
         if key not in self._memory:
-            sh = shard_estimate(self.est, cand, extra, context)
+            sh = shard_estimate(self.est, cand, extra, context, self._ratio)
             self._memory[key] = MemoryModel(sh, self.b), sh
         return self._memory[key]
 
     def pair(self, cand: Candidate, spec):
         extra, context = _card_bytes(spec, self.est.op_log)
+        if self.card is not None:           # its own workspaces are in the trace (Note 1)
+            extra -= step_workspace_bytes(self.card)
         memory, sh = self.memory(cand, extra, context)
         if spec.name not in self._time:     # per-op costs: the same for every layout
             self._time[spec.name] = TimeModel(sh, spec, self.p, self.b, memory)

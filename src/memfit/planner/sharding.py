@@ -194,10 +194,12 @@ def state_bytes(est) -> float:
     return float(max(np.add(np.add(cats["params"], cats["grads"]), cats["optimizer"])))
 
 
-def shard_estimate(est, cand: Candidate, extra_bytes: int = 0, context_bytes: int = 0):
+def shard_estimate(est, cand: Candidate, extra_bytes: int = 0, context_bytes: int = 0,
+                   reserve_ratio: float = 1.0):
     """``est`` (one device's traced step) as one rank of ``cand`` predicts it (Note 1), with
     ``extra_bytes`` held throughout (e.g. cuBLAS workspaces) and ``context_bytes`` outside the
-    allocator."""
+    allocator; the allocator reserves ``reserve_ratio`` times the allocated peak (1: reserved
+    is allocated, as a rank's CPU trace counts it)."""
     cats = {c: np.asarray(v, dtype=np.float64) for c, v in est.timeline_by_category.items()}
     n = len(est.timeline)
     fw, bw = est.phases.get("forward", 0), est.phases.get("backward", n)
@@ -224,9 +226,12 @@ def shard_estimate(est, cand: Candidate, extra_bytes: int = 0, context_bytes: in
     new = {c: (cats[c] + add[c]).round().astype(np.int64).tolist() for c in cats}
     total = np.asarray(est.timeline, dtype=np.float64) + sum(add.values())
     timeline = total.round().astype(np.int64).tolist()
-    peak = int(max(timeline))
+    # what the traced peak holds beyond its timeline (a GPU trace's workspaces), kept
+    outside = max(int(est.peak_bytes) - int(max(est.timeline, default=0)), 0)
+    peak = int(max(timeline)) + outside
     return dataclasses.replace(est, timeline=timeline, timeline_by_category=new, peak_bytes=peak,
-                               reserved_bytes=peak, context_bytes=context_bytes)
+                               reserved_bytes=round(peak * reserve_ratio),
+                               context_bytes=context_bytes)
 
 
 class ShardedTime:
