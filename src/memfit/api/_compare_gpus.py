@@ -18,9 +18,10 @@ table at that precision, as ``estimate`` traces one GPU (its CUDA models, the ca
 allocator's replay); every card's rows are read off it (``_sharded_models._Models``), so the
 one-GPU row of that card is ``memfit estimate``'s plain step on it. Another card's rows keep
 that trace's attention kernels and allocator ratio, with its own workspaces and context: a
-model, said as such. (From a CPU trace, as before session 23, the rows left out the
-allocator's reserve: Llama-2-7B, 1 x 512, bf16, on an H200 said 135.5 GB against
-``estimate``'s 147.40 GB; 147.41 GB now.)
+model, said as such. Rows of several GPUs count a rank's allocated bytes, as ``plan --gpus``
+does: the traced ratio of reserved to allocated bytes is not a rank's. (From a CPU trace, as
+before session 23, the rows left out the allocator's reserve: Llama-2-7B, 1 x 512, bf16, on an
+H200 said 135.5 GB against ``estimate``'s 147.40 GB; 147.41 GB now.)
 """
 
 from __future__ import annotations

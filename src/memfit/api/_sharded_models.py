@@ -4,12 +4,14 @@ trace, its memory and time models per layout, the search of one layout, and the 
 that fit. How a sharded plan is made: docs/techniques/sharding.md.
 
 Note 1 (a trace on a card). ``card``: the GPU the trace was made for (``_trace(on_card=)``,
-``--compare-gpus``), its allocated bytes counting its workspaces. Each card's rows then hold
-what that trace holds, another card's workspaces in place of its own, and the allocator's
-reserve at the traced ratio of reserved to allocated bytes (the ratio the single-device planner
-takes for every configuration): the one-GPU row of the traced card is ``estimate``'s plain step
-there. A CPU trace (``card`` None) counts allocated bytes, the card's workspaces added, as a
-rank's re-trace does (``estimate_sharded``).
+``--compare-gpus``), its allocated bytes counting its workspaces. Each card's rows hold what
+that trace holds, with that card's workspaces in place of the traced card's. The one-GPU layout
+also keeps the traced ratio of reserved to allocated bytes (the ratio the single-device planner
+takes for every configuration), so the traced card's one-GPU row is ``estimate``'s plain step
+there. A layout of several GPUs counts allocated bytes, as its re-trace does
+(``estimate_sharded``, whose caching allocator is not modelled yet): the traced ratio is not a
+rank's (a tiny model's 2 MiB segments put it near 3 and would refuse every layout). A CPU trace
+(``card`` None) counts allocated bytes everywhere, the card's workspaces added.
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ class _Models:
     def memory(self, cand: Candidate, extra: int, context: int) -> MemoryModel:
         key = (cand, extra, context)
         if key not in self._memory:
-            sh = shard_estimate(self.est, cand, extra, context, self._ratio)
+            one = cand.gpus == 1 and cand.sharding == "none"          # Note 1
+            sh = shard_estimate(self.est, cand, extra, context, self._ratio if one else 1.0)
             self._memory[key] = MemoryModel(sh, self.b), sh
         return self._memory[key]
 
