@@ -162,11 +162,10 @@ def test_the_layout_search_counts_the_card_a_rank_counts(op_log):
     """The layout models' bytes outside the allocator are a rank's card's (trace.card): with a
     convolution, cuDNN's kernels too (left out, the layout search found one GPU fitting under
     a conv model's one-device floor, and the refusal said both)."""
-    from memfit.api._sharded_models import _card_bytes
-    from memfit.trace.card import card_breakdown
+    from memfit.trace.card import card_breakdown, fixed_bytes
 
     spec = get_device("rtx-4090")
-    _, outside = _card_bytes(spec, op_log)
+    _, outside = fixed_bytes(spec, op_log)
     card = card_breakdown(spec, 1 << 30, op_log)
     assert outside == card.cuda_context_bytes + card.library_kernels_bytes + card.cudnn_bytes
 

@@ -60,7 +60,7 @@ from torch import nn
 from memfit.api._choice import describe, knob_values
 from memfit.api._floor import first_samples
 from memfit.api._sharded import estimate_sharded
-from memfit.api._sharded_models import (Row, _card_bytes, _Models, _search_row, _setup, _trace,
+from memfit.api._sharded_models import (Row, _Models, _search_row, _setup, _trace,
                                         fewest)
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
@@ -70,6 +70,7 @@ from memfit.planner.build import block_costs, build_plan
 from memfit.planner.sharding import Candidate, interconnect, layout_tiers
 from memfit.planner.verify import ATTEMPTS, Margins
 from memfit.techniques.accumulation import batch_size_of
+from memfit.trace.card import fixed_bytes
 from memfit.units import format_bytes, parse_bytes
 
 __all__ = ["plan_sharded", "plan_sharded_traced", "ShardedPlanned"]
@@ -180,7 +181,7 @@ def plan_sharded_traced(model: nn.Module, batch, budget=None, optimizer="adamw",
             say(f"verifying: re-tracing one rank of {c.describe()}, "
                 f"{describe(best.choice, best.rank_batch)}")
             verified = _verify(model, batch, optimizer, spec, loss_fn, count_fn, k, best,
-                               models.memory(c, *_card_bytes(spec, models.est.op_log))[0].blocks)
+                               models.memory(c, *fixed_bytes(spec, models.est.op_log))[0].blocks)
             device_bytes = verified.device_bytes          # _sharded
             if device_bytes <= budget_bytes:
                 return _planned(k, best, verified, device_bytes, models, spec, budget_bytes,

@@ -38,7 +38,7 @@ from memfit.planner.sharding import Candidate, ShardedTime, shard_estimate, stat
 from memfit.planner.time_model import TimeModel
 from memfit.step import prepare_batch
 from memfit.techniques.accumulation import batch_size_of
-from memfit.trace.card import cudnn_bytes, step_workspace_bytes
+from memfit.trace.card import fixed_bytes, step_workspace_bytes
 
 __all__ = ["Row", "fewest", "SHARDED_PRECISIONS"]
 
@@ -103,16 +103,6 @@ def _trace(model, batch, optimizer, loss_fn, count_fn, k: Knobs, p: str, say, sp
                     zero_grad=k.zero_grad, optimizer_impl=impl)
 
 
-def _card_bytes(spec, op_log) -> tuple[int, int]:
-    """(bytes inside the allocator a step always adds, bytes outside it) for ``spec``, of a
-    step that ran ``op_log``: cuDNN's kernels where a convolution ran, as a rank's card counts
-    them (trace.card; left out, the layout search found 1 GPU fitting under a conv model's
-    one-device floor)."""
-    if spec.kind != "cuda":
-        return 0, 0
-    return step_workspace_bytes(spec), spec.cuda_context_bytes + cudnn_bytes(spec, op_log)
-
-
 class _Models:
     """Memory and time models per layout, from the one trace (cached per card class;
     ``card``: the GPU it was traced for, Note 1)."""
@@ -132,7 +122,7 @@ class _Models:
         return self._memory[key]
 
     def pair(self, cand: Candidate, spec):
-        extra, context = _card_bytes(spec, self.est.op_log)
+        extra, context = fixed_bytes(spec, self.est.op_log)
         if self.card is not None:           # its own workspaces are in the trace (Note 1)
             extra -= step_workspace_bytes(self.card)
         memory, sh = self.memory(cand, extra, context)

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CardBreakdown", "card_breakdown", "ran_convolution", "cudnn_bytes", "LINES"]
+__all__ = ["CardBreakdown", "card_breakdown", "ran_convolution", "cudnn_bytes",
+           "fixed_bytes", "LINES"]
 
 LINES = ("allocator", "cublas_workspace", "cuda_context", "library_kernels", "cudnn", "nccl",
          "unified_memory")
@@ -97,6 +98,16 @@ def step_workspace_bytes(spec) -> int:
     on ``spec`` (cuBLAS with cuBLASLt's, autograd's); 0 off CUDA."""
     return spec.cublas_workspace_bytes + spec.autograd_workspace_bytes \
         if spec.kind == "cuda" else 0
+
+
+def fixed_bytes(spec, op_log) -> tuple[int, int]:
+    """(bytes inside the allocator a step always adds, bytes outside it) on ``spec``, of a step
+    that ran ``op_log``: the workspaces, and the CUDA context with the kernels a step loads and
+    cuDNN's where a convolution ran; (0, 0) off CUDA. What a trace without the allocator
+    replayed leaves out of the card, beside the allocator's rounding."""
+    if spec.kind != "cuda":
+        return 0, 0
+    return step_workspace_bytes(spec), spec.cuda_context_bytes + cudnn_bytes(spec, op_log)
 
 
 def ran_convolution(op_log) -> bool:
