@@ -253,21 +253,31 @@ def wrap_regions(fake: nn.Module, regions: list[Region], compiled: list[str],
     it). Regions compiled alike share one Dynamo context, so they share compiled code as in a
     real run (Note 4); ``compiled`` hears, as each graph compiles, the name of the first
     region of its group."""
-    contexts: list[tuple[Region, object]] = []     # (a region, its group's context); backends
-    for r in regions:                              # compare equal but do not hash
+    groups: list[tuple[Region, list[Region]]] = []     # backends compare equal, do not hash
+    for r in regions:
         alike = dataclasses.replace(r, name="", in_place=False)
-        ctx = next((c for a, c in contexts if a == alike), None)
-        if ctx is None:
-            ctx = torch._dynamo.optimize(backend=counted_backend(r, compiled, budget),
-                                         nopython=r.fullgraph, dynamic=bool(r.dynamic),
-                                         isolate_recompiles=True)
-            contexts.append((alike, ctx))
-        if r.name == "":
-            fake = ctx(fake)
-            continue
-        parent_name, _, last = r.name.rpartition(".")
-        parent = fake.get_submodule(parent_name) if parent_name else fake
-        parent._modules[last] = ctx(parent._modules[last])
+        group = next((g for a, g in groups if a == alike), None)
+        if group is None:
+            groups.append((alike, [r]))
+        else:
+            group.append(r)
+    for _, group in groups:
+        first = group[0]
+        if len(group) == 1:          # nothing to share: compiled as the user compiled it
+            ctx = lambda m, r=first: torch.compile(  # noqa: E731
+                m, backend=counted_backend(r, compiled, budget), fullgraph=r.fullgraph,
+                dynamic=bool(r.dynamic), isolate_recompiles=True)
+        else:
+            ctx = torch._dynamo.optimize(backend=counted_backend(first, compiled, budget),
+                                         nopython=first.fullgraph,
+                                         dynamic=bool(first.dynamic), isolate_recompiles=True)
+        for r in group:
+            if r.name == "":
+                fake = ctx(fake)
+                continue
+            parent_name, _, last = r.name.rpartition(".")
+            parent = fake.get_submodule(parent_name) if parent_name else fake
+            parent._modules[last] = ctx(parent._modules[last])
     return fake
 
 
