@@ -20,13 +20,14 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
+from memfit.api._plan_parts import modelled_impl
 from memfit.api._rank_layout import refuse_fsdp_knobs_with_ddp
 from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._validate import check_batch
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
 from memfit.modes import Mode
-from memfit.optimizers import OptimizerRecipe, impl_of
+from memfit.optimizers import OptimizerRecipe
 
 # what a sharded step runs here: fp32, or bf16 autocast (fp16's GradScaler and bf16-pure are
 # not supported under FSDP2 in memfit)
@@ -92,11 +93,10 @@ def _trace(model, batch, optimizer, loss_fn, count_fn, k: Knobs, p: str, say, sp
     itself, as ``estimate`` traces one GPU (its CUDA models and the caching allocator's
     replay: Note 1)."""
     say(f"tracing the plain step on one device ({p}, batch {batch_size_of(batch)})")
-    impl = k.optimizer_impl
-    recipe = OptimizerRecipe(optimizer, impl=impl)
-    if impl is None and recipe.instance is None and spec.kind == "cuda":
-        params = [q for q in model.parameters() if q.requires_grad]
-        impl = impl_of(recipe.build(params, params), cuda=True)
+    recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
+    params = [q for q in model.parameters() if q.requires_grad]
+    impl = k.optimizer_impl if recipe.instance is not None else \
+        modelled_impl(recipe, params, spec)         # an instance keeps its own
     return estimate(model, batch, optimizer=optimizer,
                     device=spec if on_card and spec.kind == "cuda" else "cpu", loss_fn=loss_fn,
                     count_fn=count_fn, precision=p, max_grad_norm=k.max_grad_norm,

@@ -33,8 +33,8 @@ which the card's fixed bytes are added (its workspaces and CUDA context, ``trace
 out, a 2-block model under 700 MiB on an RTX 4090, whose context is 620 MiB of it, probed
 1,365 samples where 76 fit); the answer is then confirmed with the allocator replayed (CUDA
 targets; a CPU probe is already exact). If the confirmation does not fit (the allocator's
-rounding is what the probes leave out), the difference it showed is added to the fast probes to find a
-candidate below, and confirmations bisect between the candidate and the failed value (or
+rounding is what the probes leave out), the difference it showed is added to the fast probes
+to find a candidate below, and confirmations bisect between the candidate and the failed value (or
 below the candidate, if it fails too). Device bytes on a GPU move in allocator segments, so
 they are monotone steps, not a line: the bisection by confirmations is what makes the answer
 exact, the fast probes only make it cheap.

@@ -116,6 +116,12 @@ class Rows:
         return float(np.max(self.const + self.A @ x))
 
 
+def outside_bytes(est) -> int:
+    """Bytes of ``est``'s traced allocated peak that no tensor of its timeline stands for (Note
+    6: a GPU trace's workspaces); 0 for a CPU trace."""
+    return max(int(est.peak_bytes) - int(max(est.timeline, default=0)), 0)
+
+
 class MemoryModel:
     """Predicted allocated bytes of a step for any micro-batch and per-block modes (Notes)."""
 
@@ -145,9 +151,7 @@ class MemoryModel:
             a0, self._act = fit.line(state + act, hstate + hact)
             i0, self._inp = fit.line(inp, hinp)
             self._fixed = a0 + i0
-        # bytes the allocator holds that no tensor of the timeline stands for (Note 6)
-        self.outside_bytes = max(float(est.peak_bytes) - float(max(est.timeline, default=0)),
-                                 0.0)
+        self.outside_bytes = float(outside_bytes(est))                     # Note 6
         self._fixed = self._fixed + self.outside_bytes
         self._grads = np.asarray(cats["grads"], dtype=np.float64)
         self._new_grads = np.diff(self._grads, prepend=self._grads[:1]).clip(min=0.0)

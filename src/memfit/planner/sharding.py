@@ -85,6 +85,7 @@ import numpy as np
 from memfit import _gpu_table
 from memfit.devices import DeviceSpec
 from memfit.knobs import Knobs
+from memfit.planner.memory_model import outside_bytes
 
 __all__ = ["Candidate", "LINK_EFFICIENCY", "ShardedTime", "candidates", "interconnect",
            "layout_tiers", "shard_estimate", "state_bytes"]
@@ -226,9 +227,7 @@ def shard_estimate(est, cand: Candidate, extra_bytes: int = 0, context_bytes: in
     new = {c: (cats[c] + add[c]).round().astype(np.int64).tolist() for c in cats}
     total = np.asarray(est.timeline, dtype=np.float64) + sum(add.values())
     timeline = total.round().astype(np.int64).tolist()
-    # what the traced peak holds beyond its timeline (a GPU trace's workspaces), kept
-    outside = max(int(est.peak_bytes) - int(max(est.timeline, default=0)), 0)
-    peak = int(max(timeline)) + outside
+    peak = int(max(timeline)) + outside_bytes(est)     # a GPU trace's workspaces, kept
     return dataclasses.replace(est, timeline=timeline, timeline_by_category=new, peak_bytes=peak,
                                reserved_bytes=round(peak * reserve_ratio),
                                context_bytes=context_bytes)
