@@ -57,6 +57,7 @@ from memfit.trace.compiled import (check_budget, compile_failure, compiled_note,
                                    wrap_regions)
 from memfit.trace.cuda import CudaModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
+from memfit.trace.per_parameter import repeats_allowed
 from memfit.trace._layerdrop import without_layerdrop
 from memfit.trace.packed_attention import check_attention_device, packing_note
 from memfit.trace.scaler import TraceGradScaler, warm_up_scaled
@@ -180,7 +181,8 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
                     contextlib.nullcontext(on_phase) as mark:
                 if optimizer_only:            # Note 1
                     mark("optimizer")
-                    runner.optimizer_phase()
+                    with repeats_allowed():   # each kind of parameter's update traced once
+                        runner.optimizer_phase()
                 else:
                     runner.run(fake_batch, mark)
                 if runner.scheduler is not None:

@@ -59,6 +59,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.measure._bnb_kernels import CpuKernels
 from memfit.optimizers import OptimizerRecipe, rebuild_optimizer
+from memfit.trace.per_parameter import once_per_kind
 
 _PAGED_MIN_NUMEL = 100_000     # bitsandbytes' get_state_buffer pages tensors of 1e5 values or more
 
@@ -159,7 +160,26 @@ class BnbStep:
         return buff
 
     @torch.no_grad()
+    def first_step_state(self) -> None:
+        """The state of each parameter with a gradient, as bitsandbytes' first ``step`` makes
+        it, without the update (a trace's warm-up needs the state, not the step's ops:
+        ``trace.profile.warm_up_optimizer``)."""
+        if not self.initialized:
+            self.check_overrides()
+            self.to_gpu()
+            self.initialized = True
+        for gindex, group in enumerate(self.param_groups):
+            for pindex, p in enumerate(group["params"]):
+                if p.grad is not None and len(self.state[p]) == 0:
+                    self.init_state(group, p, gindex, pindex)
+
+    @torch.no_grad()
+    @once_per_kind(lambda self, group, p, gindex, pindex: (
+        p, p.grad, self.state[p], self.get_config(gindex, pindex, group), self.cuda_kernel,
+        self.is_paged, self.optimizer_name))
     def update_step(self, group, p, gindex, pindex):
+        """One parameter's update; in a trace of the optimizer phase, run once per kind of
+        parameter (``trace.per_parameter``)."""
         if self.cuda_kernel:
             return super().update_step(group, p, gindex, pindex)
         with CpuKernels(bnb_modules()[1]):

@@ -36,6 +36,8 @@ import sys
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memfit.trace.per_parameter import once_per_kind
+
 __all__ = ["EagerStep", "torchao_modules", "eager_class", "is_torchao", "unrolled_adam"]
 
 
@@ -86,7 +88,11 @@ class EagerStep:
                              self.bf16_stochastic_round and p.dtype is torch.bfloat16)
         return loss
 
+    @once_per_kind(lambda self, p, grad, state, group, sr: (p, grad, state, group, sr,
+                                                           self.is_adamw))
     def _update(self, p, grad, state: dict, group: dict, stochastic_round: bool) -> None:
+        """One parameter's update; in a trace of the optimizer phase, run once per kind of
+        parameter (``trace.per_parameter``)."""
         unrolled_adam(p, grad, state, group, self.is_adamw, stochastic_round)
 
     @torch.no_grad()

@@ -1,0 +1,94 @@
+"""An optimizer that steps each parameter by itself, traced once per kind of parameter.
+
+Note 1 (why and what). memfit's low-bit optimizers update one parameter at a time
+(torchao's step unrolled, ``techniques._torchao_optimizer``: about 130 ops a parameter; the
+8-bit step of bitsandbytes, ``techniques._bnb_optimizer``), and a transformer's parameters come
+in a few kinds (a block's 16 are 5 shapes, repeated in every block). At the steady state an
+update allocates only temporaries, freed before it returns, and writes the parameter and its
+state in place, so what it adds to the trace depends only on the metadata of what it reads:
+the parameter, its gradient, its state and the settings of its group. ``once_per_kind`` wraps
+such an update: inside ``repeats_allowed`` (a fake trace of the optimizer phase alone,
+``api._traced``), the first call of each kind runs and is recorded, and every later call of
+that kind appends a copy of the recorded ops and events (``measure._repeats``) instead of
+running: the same timeline, peak, breakdown and op costs, event by event
+(tests/trace/test_per_parameter.py holds every figure to the trace that runs every update).
+A call whose stretch is not closed (the first step making state, a storage first read there)
+is not recorded, and the next call of its kind runs. Outside ``repeats_allowed``, and in a
+real run always, every call runs.
+
+Note 2 (the kind). The key is the metadata of every tensor the update reads (type, shape,
+stride, offset, dtype, device, storage size; a tensor subclass by its inner tensors and
+context), and the value of everything else: numbers, strings and flags as they are, an
+object by its identity. A group's ``params`` list is left out (it names every parameter of
+the group, the same for each of them). The caller passes what the update reads, settings
+resolved (bitsandbytes' per-parameter overrides by ``get_config``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from memfit.measure._repeats import opening, recorded, repeat
+from memfit.measure.track import active_tracker
+
+__all__ = ["repeats_allowed", "once_per_kind"]
+
+_memos: list[dict] = []           # one per ``repeats_allowed`` region, innermost last
+
+
+@contextlib.contextmanager
+def repeats_allowed():
+    """Let ``once_per_kind`` updates repeat their kind's recorded stretch (Note 1)."""
+    _memos.append({})
+    try:
+        yield
+    finally:
+        _memos.pop()
+
+
+def once_per_kind(reads):
+    """Decorate a per-parameter update ``method(self, *args)`` that returns None; ``reads(self,
+    *args)``: what it reads (Note 2)."""
+    def wrap(method):
+        @functools.wraps(method)
+        def update(self, *args):
+            tracker = active_tracker()
+            if not _memos or tracker is None or not tracker.ledger.fake or \
+                    tracker.labels is not None:
+                return method(self, *args)
+            memo = _memos[-1]
+            key = (id(tracker), type(self), method.__name__, _kind(reads(self, *args)))
+            stretch = memo.get(key)
+            if stretch is not None:
+                repeat(tracker, stretch)
+                return None
+            mark = opening(tracker)
+            out = method(self, *args)
+            if out is None and (stretch := recorded(tracker, mark)) is not None:
+                memo[key] = stretch
+            return out
+        return update
+    return wrap
+
+
+def _kind(x):
+    """A hashable description of ``x`` (Note 2)."""
+    if isinstance(x, torch.Tensor):
+        flatten = getattr(x, "__tensor_flatten__", None)
+        if flatten is not None and not isinstance(x, FakeTensor):
+            names, ctx = flatten()
+            return (type(x), tuple(x.shape), x.dtype, _kind(ctx),
+                    tuple((n, _kind(getattr(x, n))) for n in names))
+        return (type(x), tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device,
+                x.requires_grad, x.untyped_storage().nbytes())
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _kind(v)) for k, v in x.items() if k != "params"))
+    if isinstance(x, (list, tuple)):
+        return (type(x), tuple(_kind(v) for v in x))
+    if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device)):
+        return x
+    return (type(x), id(x))
