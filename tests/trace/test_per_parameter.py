@@ -17,9 +17,9 @@ from memfit.planner._trace_reads import level_before
 from memfit.trace.per_parameter import repeats_allowed
 
 
-def _neox():
-    """A GPT-NeoX (in no test of the zoo), 4 layers of width 64."""
-    config = transformers.GPTNeoXConfig(hidden_size=64, num_hidden_layers=4,
+def _neox(layers: int = 4):
+    """A GPT-NeoX (in no test of the zoo) of width 64."""
+    config = transformers.GPTNeoXConfig(hidden_size=64, num_hidden_layers=layers,
                                         num_attention_heads=4, intermediate_size=128,
                                         vocab_size=300, max_position_embeddings=64)
     with torch.device("meta"):
@@ -50,12 +50,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("layers", [4, 16])
 @pytest.mark.parametrize("device,knobs,library", CASES)
 def test_the_phase_with_each_kind_updated_once_is_the_whole_steps(device, knobs, library,
-                                                                    monkeypatch):
+                                                                    layers, monkeypatch):
+    """4 layers: traced whole; 16: composed from twins of 5 and 4 layers (trace.block_reuse),
+    each twin's updates once per kind, the copies labelled by their parameter's block."""
     pytest.importorskip(library)
-    model, batch = _neox()
-    whole = memfit.estimate(model, batch, device=device, allocator_replay=False, **knobs)
+    model, batch = _neox(layers)
+    whole = memfit.estimate(model, batch, device=device, allocator_replay=False,
+                            compose_blocks=False, **knobs)
     ran = []
     if library == "bitsandbytes":      # what memfit's BnbStep calls, once per update run
         import bitsandbytes.optim.optimizer as bnb_optimizer
@@ -68,11 +72,12 @@ def test_the_phase_with_each_kind_updated_once_is_the_whole_steps(device, knobs,
         monkeypatch.setattr(ao, "unrolled_adam", lambda *a: ran.append(1) or real(*a))
     alone = memfit.estimate(model, batch, device=device, optimizer_only=True,
                             allocator_replay=False, **knobs)
-    assert alone.traced_as.startswith("whole")
+    assert alone.traced_as.startswith("whole" if layers == 4 else "composed")
     assert _phase(alone, 0) == _phase(whole, whole.phases["optimizer"])
     assert alone.peak_bytes == max(alone.timeline)
     params = sum(p.requires_grad for p in model.parameters())
-    assert len(ran) == _kinds(model) < params
+    traces = 1 if layers == 4 else 2         # the whole model, or each twin
+    assert len(ran) == traces * _kinds(model) < params
 
 
 def test_a_plan_weighs_the_low_bit_states_from_the_phase_alone():

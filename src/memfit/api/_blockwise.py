@@ -14,10 +14,6 @@ not composed and must be traced whole:
 - several GPUs (a rank's collectives), a shared symbolic trace, a quantized base (its twin is
   quantized whole), a compiled model (its regions are compiled for the model's own shapes,
   trace.compiled);
-- the optimizer phase alone (``optimizer_only``) of a low-bit optimizer state: memfit's
-  low-bit optimizers update one parameter at a time, and the whole model's phase, each kind of
-  parameter's update traced once and repeated (``trace.per_parameter``), costs less than the
-  twins' (the 4-bit phase of XLM-R large: 1.9 s against 4.3 s);
 - a per-block mix of modes (a tuple or ``every:K`` of ``checkpoint``, ``offload`` or
   ``offload_params``): the twins would need one block per mode. Activation and parameter
   offload of every block compose (docs/block-reuse.md: the host pool's buffers freed
@@ -44,20 +40,16 @@ from memfit.trace.block_reuse import (MIN_BLOCKS, TWIN_A, TWIN_B, NotComposable,
                                       compose)
 from memfit.trace.profile import profile_of
 
-__all__ = ["blockwise_estimate", "TOO_FEW", "PER_PARAMETER"]
+__all__ = ["blockwise_estimate", "TOO_FEW"]
 
 TOO_FEW = "blocks are too few to gain from composing"
-PER_PARAMETER = ("a low-bit optimizer's phase is traced whole, each kind of parameter's update "
-                 "once (trace.per_parameter)")
 
 _UNIFORM = (None, "none", "all", "selective")
 
 
-def blocks_or_why(model, k: Knobs, optimizer_only: bool = False) -> BlockList | str:
+def blocks_or_why(model, k: Knobs) -> BlockList | str:
     """The model's blocks, as many as the twins take at least, or why this job's step is
     traced whole (module docstring)."""
-    if optimizer_only and k.optimizer_state not in (None, "fp32"):
-        return PER_PARAMETER
     if RankLayout.of(k) is not None:
         return "several GPUs are traced whole"
     if k.quantize_base not in (None, "none"):
@@ -80,7 +72,7 @@ def blockwise_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, *,
     """(the composed step as ``figures`` takes it, None), or (None, why it was not composed).
     ``min_blocks``: fewer blocks are traced whole (default ``MIN_BLOCKS``: the twins would
     cost about as much)."""
-    blocks = blocks_or_why(model, k, kwargs.get("optimizer_only", False))
+    blocks = blocks_or_why(model, k)
     if isinstance(blocks, str):
         return None, blocks
     n = blocks.count

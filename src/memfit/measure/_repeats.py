@@ -10,9 +10,16 @@ and placement, each op's mark, aten op, cost and FLOPs) instead of running the o
 figure read from the ledger afterwards (timeline, peak, breakdown, the allocator's replay) is
 the one the ops would have given. ``recorded`` refuses a run that is not closed: a storage
 first read there (an entry, which a copy could not register again), one born there that
-outlives it or one older that dies there, a resize, a move to the host, a symbolic size, a
-gradient sum merged in place, or a tracker that labels storages by block (``trace.block_reuse``
-reads the labels per storage). Who may call it with which calls: ``trace.per_parameter``.
+outlives it or one older that dies there, a resize, a move to the host, a symbolic size, or a
+gradient sum merged in place. Who may call it with which calls: ``trace.per_parameter``.
+
+Note 2 (block labels). A tracker that labels storages and ops by block (``measure._labels``,
+for ``trace.block_reuse``) keeps, per op, the storages it read and made, and labels them once
+the region is over: a per-parameter update's temporaries take the block of the parameter it
+read. A copy's ops read the other call's parameter, gradient and state, so the caller gives
+the storages each call reads (``reads``, the same structure in both): a recorded op's input
+that is one of the recorded call's reads becomes the same read of the copy's call, one born in
+the stretch becomes its copy, and any other (a storage every call shares) stays.
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ class Stretch:
     events: tuple[tuple[int, int], ...]                  # (storage index, +/- bytes)
     # per op: (events before its mark, the aten op, its cost tuple, whether in backward)
     ops: tuple[tuple[int, object, tuple, bool], ...]
+    first: int = 0                  # the recorded storages' first id (Note 2)
+    reads: tuple[int, ...] = ()     # the storage ids the recorded call read (Note 2)
+    labelled: tuple = ()            # its ops' entries in the tracker's labels (Note 2)
 
 
 @dataclass(frozen=True)
@@ -39,20 +49,23 @@ class _Mark:
     storages: int
     entries: int
     merged: int
+    labelled: int
 
 
 def opening(tracker) -> _Mark:
     """Where a stretch that may be recorded starts."""
     led = tracker.ledger
+    labels = tracker.labels
     return _Mark(led.num_events, len(tracker.op_events), len(led._nbytes), len(led._entry),
-                 len(led._alias))
+                 len(led._alias), len(labels.ops) if labels is not None else 0)
 
 
-def recorded(tracker, mark: _Mark) -> Stretch | None:
-    """The stretch from ``mark`` to now, or None where it is not closed (Note 1)."""
+def recorded(tracker, mark: _Mark, reads: tuple[int, ...] = ()) -> Stretch | None:
+    """The stretch from ``mark`` to now, or None where it is not closed (Note 1); ``reads``:
+    the storage ids the call read (Note 2)."""
     led = tracker.ledger
-    if not led.fake or tracker.labels is not None or len(led._entry) != mark.entries or \
-            len(led._alias) != mark.merged or len(tracker.op_events) == mark.ops:
+    if not led.fake or len(led._entry) != mark.entries or len(led._alias) != mark.merged or \
+            len(tracker.op_events) == mark.ops:
         return None
     first, last = mark.storages, len(led._nbytes)
     sids, deltas = led._ev_sid[mark.events:], led._ev_delta[mark.events:]
@@ -64,16 +77,26 @@ def recorded(tracker, mark: _Mark) -> Stretch | None:
     if any(net) or any(sid in led._size_expr or sid in led._moved
                        for sid in range(first, last)):
         return None
+    labelled = ()
+    if tracker.labels is not None:
+        labelled = tuple(tracker.labels.ops[mark.labelled:])
+        if len(labelled) != len(tracker.op_events) - mark.ops:
+            return None
     storages = tuple((led._nbytes[s], led._category[s], s in led._host, s in led._unified)
                      for s in range(first, last))
     ops = tuple((tracker.op_events[j] - mark.events, tracker.op_log[j], tracker.op_costs[j],
                  tracker.op_backward[j]) for j in range(mark.ops, len(tracker.op_events)))
-    return Stretch(storages, tuple((s - first, d) for s, d in zip(sids, deltas)), ops)
+    return Stretch(storages, tuple((s - first, d) for s, d in zip(sids, deltas)), ops, first,
+                   tuple(reads), labelled)
 
 
-def repeat(tracker, stretch: Stretch) -> None:
+def repeat(tracker, stretch: Stretch, reads: tuple[int, ...] = ()) -> bool:
     """Append a copy of ``stretch`` to ``tracker``: what running its ops again would count
-    (Note 1)."""
+    (Note 1); ``reads``: the storage ids this call reads, as the recorded call's (Note 2).
+    False, and nothing appended, where the labels cannot follow the copy (reads that do not
+    match)."""
+    if tracker.labels is not None and len(reads) != len(stretch.reads):
+        return False
     led = tracker.ledger
     base = len(led._nbytes)
     for nbytes, category, host, unified in stretch.storages:
@@ -86,6 +109,8 @@ def repeat(tracker, stretch: Stretch) -> None:
             led._host.add(sid)
         if unified:
             led._unified.add(sid)
+    if tracker.labels is not None:
+        _relabelled(tracker.labels, stretch, base, dict(zip(stretch.reads, reads)))
     done = 0
     for before, func, cost, backward in stretch.ops:
         done = _emit(led, stretch, base, done, before)
@@ -106,6 +131,23 @@ def repeat(tracker, stretch: Stretch) -> None:
                 tracker.fw_flops += flops
             tracker.watch.flops(flops, backward)
     _emit(led, stretch, base, done, len(stretch.events))
+    return True
+
+
+def _relabelled(labels, stretch: Stretch, base: int, read_of: dict[int, int]) -> None:
+    """The copy's ops' entries in ``labels``: the recorded ones, their storages mapped (Note 2)."""
+    end = stretch.first + len(stretch.storages)
+
+    def sid(s: int) -> int:
+        if stretch.first <= s < end:
+            return base + s - stretch.first
+        return read_of.get(s, s)
+
+    for running, inputs, pairs, made, fetch in stretch.labelled:
+        labels.ops.append((running, tuple(sid(s) for s in inputs),
+                           tuple((tuple(sid(s) for s in src), tuple(sid(s) for s in out))
+                                 for src, out in pairs),
+                           tuple(sid(s) for s in made), fetch))
 
 
 def _emit(led, stretch: Stretch, base: int, start: int, end: int) -> int:

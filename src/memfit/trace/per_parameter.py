@@ -14,7 +14,9 @@ running: the same timeline, peak, breakdown and op costs, event by event
 (tests/trace/test_per_parameter.py holds every figure to the trace that runs every update).
 A call whose stretch is not closed (the first step making state, a storage first read there)
 is not recorded, and the next call of its kind runs. Outside ``repeats_allowed``, and in a
-real run always, every call runs.
+real run always, every call runs. In a twin's trace, whose tracker labels storages by block
+(``trace.block_reuse``), the copy's ops take the block of the parameter it reads: the storages
+each call reads go with it (``measure._repeats``, on block labels).
 
 Note 2 (the kind). The key is the metadata of every tensor the update reads (type, shape,
 stride, offset, dtype, device, storage size; a tensor subclass by its inner tensors and
@@ -57,22 +59,48 @@ def once_per_kind(reads):
         @functools.wraps(method)
         def update(self, *args):
             tracker = active_tracker()
-            if not _memos or tracker is None or not tracker.ledger.fake or \
-                    tracker.labels is not None:
+            if not _memos or tracker is None or not tracker.ledger.fake:
                 return method(self, *args)
             memo = _memos[-1]
-            key = (id(tracker), type(self), method.__name__, _kind(reads(self, *args)))
+            what = reads(self, *args)
+            key = (id(tracker), type(self), method.__name__, _kind(what))
             stretch = memo.get(key)
-            if stretch is not None:
-                repeat(tracker, stretch)
+            sids = _read_sids(tracker.ledger, what)
+            if stretch is not None and sids is not None and repeat(tracker, stretch, sids):
                 return None
             mark = opening(tracker)
             out = method(self, *args)
-            if out is None and (stretch := recorded(tracker, mark)) is not None:
+            if out is None and sids is not None and \
+                    (stretch := recorded(tracker, mark, sids)) is not None:
                 memo[key] = stretch
             return out
         return update
     return wrap
+
+
+def _read_sids(ledger, what) -> tuple[int, ...] | None:
+    """The ledger's ids of the storages of every tensor in ``what``, in order (Note 1); None
+    where one is not counted yet (running the call would count it first)."""
+    out = []
+    for t in _tensors(what):
+        for st in ledger.storages(t):
+            sid = ledger.sid(st)
+            if sid is None:
+                return None
+            out.append(sid)
+    return tuple(out)
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            if k != "params":
+                yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
 
 
 def _kind(x):
