@@ -77,3 +77,27 @@ def test_a_step_without_a_phase_of_its_own_is_traced_whole(job):
         whole = memfit.estimate(model, batch, **knobs)
         assert "forward" in alone.phases
         assert (alone.peak_bytes, alone.op_log) == (whole.peak_bytes, whole.op_log)
+
+
+def test_the_phase_alone_is_one_cache_entry_for_every_batch(tmp_path):
+    """It reads no batch (api._traced.phase_alone): under a front's cache, another batch of
+    the same model reads the entry, with the figures a fresh trace at that batch gives; a step
+    traced whole (the optimizer in backward) still keys its batch."""
+    from memfit import zoo
+    from memfit._cache import Cache
+    from memfit._trace_cache_scope import using
+
+    spec = zoo.get("gpt2")
+    model = spec.build(tiny=True, device="meta")
+    small, large = spec.make_batch(model, 2, seq_len=8), spec.make_batch(model, 5, seq_len=16)
+    knobs = dict(device=A100, precision="bf16", optimizer_impl="for-loop", optimizer_only=True)
+    with using(Cache(tmp_path)):
+        memfit.estimate(model, small, **knobs)
+        kept = memfit.estimate(model, large, **knobs)
+        memfit.estimate(model, small, optimizer_in_backward=True, **knobs)
+        whole = memfit.estimate(model, large, optimizer_in_backward=True, **knobs)
+    fresh = memfit.estimate(model, large, **knobs)
+    assert kept.traced_as.endswith("read from memfit's cache")
+    assert (kept.timeline, kept.op_costs, kept.start_breakdown, kept.notes) == \
+        (fresh.timeline, fresh.op_costs, fresh.start_breakdown, fresh.notes)
+    assert "read from memfit's cache" not in whole.traced_as and "forward" in whole.phases

@@ -15,6 +15,8 @@ whole step's phase. There is no allocator replay (it needs the whole step's hist
 the step has no such phase of memfit's own (a user's ``step=fn``, the optimizer stepped in
 backward, the gradients moved to the host as backward makes them, a rank of several GPUs), the
 whole step is traced: its readers take the phase from ``phases["optimizer"]`` either way.
+The phase alone reads no batch (nor says anything of it: no packing note), so ``estimate``
+keys its cache entry without one, and every batch of the model reads it.
 
 Note 2 (a GPU rank's optimizer). memfit's CUDA models are not applied to a rank of several
 GPUs, but the optimizer's implementation is: a GPU rank steps torch's default, ``foreach``,
@@ -64,7 +66,7 @@ from memfit.trace.scaler import TraceGradScaler, warm_up_scaled
 from memfit.units import parse_bytes
 from memfit.units import format_bytes
 
-__all__ = ["Traced", "trace_step", "figures"]
+__all__ = ["phase_alone", "Traced", "trace_step", "figures"]
 
 
 @dataclass
@@ -95,6 +97,14 @@ class Traced:
                                 # counted step ran backward (``trace_step``)
 
 
+def phase_alone(k: Knobs, step=None, layout: RankLayout | None = None) -> bool:
+    """Whether the step has an optimizer phase of memfit's own to trace alone (Note 1): not a
+    user's step, the optimizer in backward, the gradients moved to the host as backward makes
+    them, or a rank of several GPUs."""
+    return (layout or RankLayout.of(k)) is None and step is None and \
+        not k.optimizer_in_backward and not k.offload_gradients
+
+
 def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeCopier,
                **kwargs) -> Traced:
     """One step traced on fakes made by ``copier`` (``estimate`` says what each argument
@@ -122,8 +132,7 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
     layout = layout or RankLayout.of(k)
     if layout is not None:
         layout.refuse(k, step=step, scheduler=scheduler, allocator=allocator)
-    if layout is not None or step is not None or k.optimizer_in_backward or \
-            k.offload_gradients:
+    if not phase_alone(k, step, layout):
         optimizer_only = False        # Note 1: no optimizer phase to trace alone
     spec = resolve_device(model, device, cuda_version)        # checks the model first
     regions = compiled_regions(model)          # a backend memfit does not model: refused
@@ -246,7 +255,9 @@ def figures(t: Traced) -> Estimate:
         reserved, context, card, notes = layout.card(peak, prof.op_log, spec)
     if t.replay:
         peak, reserved, breakdown, context, card, notes = _on_the_card(t)
-    packed = packing_note(runner.model, batch, cuda and t.sdpa_calls, cuda and spec.display_name)
+    alone = prof.phases == {"optimizer": 0}          # Note 1: the phase alone reads no batch
+    packed = None if alone else packing_note(runner.model, batch, cuda and t.sdpa_calls,
+                                             cuda and spec.display_name)
     notes += [packed] if packed else []
     notes += list(t.quantized.notes) if t.quantized else []
     for note in (torchao_note(runner.optimizer, spec.kind),

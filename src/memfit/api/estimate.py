@@ -10,7 +10,7 @@ from memfit.api import _trace_cache as trace_cache
 from memfit.api._blockwise import TOO_FEW, blockwise_estimate
 from memfit.api._estimate_result import Estimate
 from memfit.api._rank_layout import RankLayout
-from memfit.api._traced import figures, trace_step
+from memfit.api._traced import figures, phase_alone, trace_step
 from memfit.api._validate import check_order
 from memfit.knobs import Knobs
 from memfit.trace import FakeCopier
@@ -81,7 +81,10 @@ def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
     """
     check_order("estimate", optimizer=optimizer)
     k = Knobs.from_kwargs(**knobs)
-    key = trace_cache.key_for(model, batch, optimizer, device, dict(
+    # the optimizer phase traced alone reads no batch (api._traced.phase_alone): one entry
+    # serves every batch of the model (a --batch-size auto search plans at many)
+    alone = optimizer_only and phase_alone(k, step)
+    key = trace_cache.key_for(model, None if alone else batch, optimizer, device, dict(
         knobs=k, budget=budget, allocator=allocator, allocator_replay=allocator_replay,
         cuda_version=cuda_version, compose_blocks=compose_blocks, loss_fn=loss_fn,
         count_fn=count_fn, step=step, scheduler=scheduler, optimizer_only=optimizer_only))
