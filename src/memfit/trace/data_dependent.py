@@ -75,7 +75,6 @@ enclosing real tracker counted them (112 B of arange/ones per estimate of tiny G
 from __future__ import annotations
 
 from collections.abc import Mapping
-import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -84,6 +83,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.measure._leaves import leaves, tensors
+from memfit.trace._known_storages import KnownOnStorages
 
 __all__ = ["DataValues", "MAX_KNOWN_ELEMENTS", "real_values"]
 
@@ -99,36 +99,11 @@ def real_values():
     return _disable_current_modes()
 
 
-class _Known(WeakIdKeyDictionary):
-    """Fake tensor -> its real values, with the fakes on each storage at hand: an in-place op
-    forgets those (Note 1), and scanning every known tensor for each one made an optimizer's
-    step, a write on each parameter's known step counter, quadratic in the parameters."""
-
-    def __init__(self):
-        super().__init__()
-        self._on_storage: dict[int, list[weakref.ref]] = {}
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        self._on_storage.setdefault(key.untyped_storage()._cdata, []).append(weakref.ref(key))
-
-    def on_storages(self, storages: set[int]) -> list[torch.Tensor]:
-        """The known fakes on these storages (by ``_cdata``)."""
-        out = []
-        for cdata in storages:
-            refs = [r for r in self._on_storage.pop(cdata, ()) if r() is not None]
-            if refs:
-                self._on_storage[cdata] = refs
-            out += [t for r in refs if (t := r()) is not None and t in self and
-                    t.untyped_storage()._cdata == cdata]
-        return out
-
-
 class DataValues:
     """Fake tensor -> the real CPU tensor it stands for (Note 1)."""
 
     def __init__(self):
-        self._real = _Known()
+        self._real = KnownOnStorages()
         self._weights = WeakIdKeyDictionary()     # fake weight -> its real values as given (Note 5)
 
     @classmethod

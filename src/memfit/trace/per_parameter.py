@@ -91,13 +91,17 @@ def _read_sids(ledger, what) -> tuple[int, ...] | None:
     return tuple(out)
 
 
+def _entries(d: dict):
+    """A dict's entries but a group's ``params`` list (Note 2)."""
+    return ((k, v) for k, v in d.items() if k != "params")
+
+
 def _tensors(x):
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, dict):
-        for k, v in x.items():
-            if k != "params":
-                yield from _tensors(v)
+        for _, v in _entries(x):
+            yield from _tensors(v)
     elif isinstance(x, (list, tuple)):
         for v in x:
             yield from _tensors(v)
@@ -114,7 +118,7 @@ def _kind(x):
         return (type(x), tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device,
                 x.requires_grad, x.untyped_storage().nbytes())
     if isinstance(x, dict):
-        return ("dict", tuple((k, _kind(v)) for k, v in x.items() if k != "params"))
+        return ("dict", tuple((k, _kind(v)) for k, v in _entries(x)))
     if isinstance(x, (list, tuple)):
         return (type(x), tuple(_kind(v) for v in x))
     if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device)):
