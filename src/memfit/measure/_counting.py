@@ -27,6 +27,13 @@ of such memory registers itself (``register_host_owner``; it lives in a weak set
 kept alive); a tracker notes the storages of the live owners' ``host_tensors()`` when it opens,
 and one of them first read in the region is counted as host memory (one that is never read is
 not counted at all, as any storage born before the region).
+
+Note 5 (the device query). PyTorch's C++ code asks a fake tensor its device through the
+dispatcher (``prim.device``: a fake tensor reports a device it does not live on), about twice
+per op a trace runs (10,290 of 16,220 dispatches in XLM-R large's fp16 step). Passed down, each
+crossed every mode under this one to reach the fake mode's answer. The counter, on top of a
+trace's modes, gives that answer itself (``fake_tensor._device_handler``'s: the fake device, or
+meta while the fake mode runs a kernel); it allocates nothing and none of those modes acts on it.
 """
 
 from __future__ import annotations
@@ -113,6 +120,8 @@ class CountingMode(CompileAware, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         t = self.t
         kwargs = kwargs or {}
+        if func is _DEVICE and isinstance(args[0], FakeTensor):                 # Note 5
+            return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         if func in _METADATA:    # queries that allocate nothing (asked often by fake tensors)
             return func(*args, **kwargs)
         flat_in = leaves((args, kwargs))
@@ -233,7 +242,9 @@ def _touched_bytes(ledger, args, kwargs, out) -> tuple[int, int]:
 # input is born here, not alive since the start, so it is counted as the lift's output.
 _LIFT = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default, _aten.lift.default}
 
-_METADATA = {torch.ops.prim.device.default, _aten.sym_size.int, _aten.sym_stride.int,
+_DEVICE = torch.ops.prim.device.default
+_META = torch.device("meta")
+_METADATA = {_DEVICE, _aten.sym_size.int, _aten.sym_stride.int,
              _aten.sym_numel.default, _aten.sym_storage_offset.default,
              _aten.is_contiguous.default, _aten.is_contiguous.memory_format}
 
