@@ -32,8 +32,9 @@ Note 5 (the device query). PyTorch's C++ code asks a fake tensor its device thro
 dispatcher (``prim.device``: a fake tensor reports a device it does not live on), about twice
 per op a trace runs (10,290 of 16,220 dispatches in XLM-R large's fp16 step). Passed down, each
 crossed every mode under this one to reach the fake mode's answer. The counter, on top of a
-trace's modes, gives that answer itself (``fake_tensor._device_handler``'s: the fake device, or
-meta while the fake mode runs a kernel); it allocates nothing and none of those modes acts on it.
+trace's modes, gives that answer itself (``fake_device``: ``fake_tensor._device_handler``'s, the
+fake device, or meta while the fake mode runs a kernel); it allocates nothing and none of those
+modes acts on it. The top mode of a trace's warm-up (``trace.finite_grads``) does the same.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from memfit.measure._sizes import hint
 if TYPE_CHECKING:
     from memfit.measure.track import Tracker
 
-__all__ = ["CountingMode", "host_allocations", "host_allocations_open", "allocates_and_writes",
+__all__ = ["CountingMode", "fake_device", "host_allocations", "host_allocations_open", "allocates_and_writes",
            "written_args", "register_host_owner", "registered_host_tensors"]
 
 _aten = torch.ops.aten
@@ -121,7 +122,7 @@ class CountingMode(CompileAware, TorchDispatchMode):
         t = self.t
         kwargs = kwargs or {}
         if func is _DEVICE and isinstance(args[0], FakeTensor):                 # Note 5
-            return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+            return fake_device(args[0])
         if func in _METADATA:    # queries that allocate nothing (asked often by fake tensors)
             return func(*args, **kwargs)
         flat_in = leaves((args, kwargs))
@@ -250,6 +251,11 @@ _METADATA = {_DEVICE, _aten.sym_size.int, _aten.sym_stride.int,
 
 _RESIZING = {_aten.resize_.default, _aten.set_.source_Storage, _aten.set_.source_Tensor,
              _aten.set_.source_Storage_storage_offset}
+
+
+def fake_device(x: FakeTensor) -> torch.device:
+    """The answer to ``prim.device`` on a fake tensor, as the fake mode gives it (Note 5)."""
+    return _META if x.fake_mode.in_kernel_invocation else x.fake_device
 
 
 def allocates_and_writes(func) -> bool:

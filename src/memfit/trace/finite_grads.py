@@ -20,10 +20,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.measure._compile_aware import CompileAware
+from memfit.measure._counting import fake_device
 from memfit.trace.data_dependent import DataValues, real_values
 
 __all__ = ["FiniteGradsMode"]
 
+_DEVICE = torch.ops.prim.device.default
 _CHECK = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 
 
@@ -35,6 +37,8 @@ class FiniteGradsMode(CompileAware, TorchDispatchMode):
         self.data = data
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and isinstance(args[0], FakeTensor):  # the top mode of a warm-up
+            return fake_device(args[0])                          # (measure._counting Note 5)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is _CHECK:
