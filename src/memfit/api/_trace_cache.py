@@ -10,8 +10,9 @@ model's structure (each module's class and ``repr``, each parameter's and buffer
 shape, dtype, device, class, ``requires_grad`` and attached state; its config), the batch
 (each tensor's shape and dtype, and the values of its integer and bool tensors, which a trace
 reads: masks, labels), the optimizer's name, the device (a name, or a profile's every field),
-the knobs and the other options, and the versions of memfit's code (``_versions.code_version``:
-every edit is a new key) and of the libraries it traces through. A job whose trace can read
+the knobs and the other options, the versions of memfit's code (``_versions.code_version``:
+every edit is a new key) and of the libraries it traces through, and the host's thread count
+and instruction set (a CPU kernel's own buffers follow them). A job whose trace can read
 what a key cannot name is traced every time: a model with weights (a router's values decide
 its experts), one with hooks of its own, a user's step, loss, counter, scheduler or optimizer
 instance.
@@ -70,9 +71,16 @@ def key_for(model, batch, optimizer, device, options: dict) -> str | None:
                   batch=batch_part, optimizer=optimizer,
                   device=_plain(device), options=_plain({k: v for k, v in options.items()
                                                          if k not in _CALLABLES}),
-                  code=code_version(),
+                  code=code_version(), host=_host(),
                   libraries={name: library_version(name)
                              for name in ("torch", *TRACED_LIBRARIES)})
+
+
+def _host() -> tuple:
+    """The CPU a trace runs on, as far as a figure depends on it (Note 1): the kernels a CPU
+    target's step runs hold buffers that follow the thread count and the instruction set
+    (``measure._cpu_scratch``)."""
+    return torch.get_num_threads(), torch.backends.cpu.get_cpu_capability()
 
 
 def lookup(key: str | None):

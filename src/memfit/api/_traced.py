@@ -42,6 +42,7 @@ from memfit.api._user_step import (as_user_step, check_cuda_autocast, check_step
 from memfit.api._validate import check_batch, check_micro_batch, describe_batch_mismatch
 from memfit.errors import TraceError
 from memfit.knobs import Knobs
+from memfit.measure._cpu_scratch import target as scratch_target
 from memfit.memplan import storage_log
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
@@ -159,6 +160,7 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
     compiled: list[str] = []                  # the regions whose graphs were compiled
     eager_calls: list[str] = []               # compiled code that ran eagerly (trace.compiled)
     with contextlib.ExitStack() as stack:     # a rank's fake process group, until counted
+        stack.enter_context(scratch_target(spec.kind))   # a GPU's trace runs no CPU kernel
         stack.enter_context(eager_compiled_calls(eager_calls))
         fake_model = copier.module(model)
         fake_model.train(model.training)

@@ -27,13 +27,49 @@ the real step without it). Their backward kernels read the incoming gradient and
 each copied where it is not contiguous. CUDA's ``host_softmax`` (``SoftMax.cu``) reads them the
 same way, so a GPU target's trace, whose fakes are CPU tensors too, counts the copies (read from
 the source; not measured on a GPU).
+
+Rule 3 (convolution: ``convolution`` and ``convolution_backward``, what ``F.conv1d``/``conv2d``/
+``conv3d`` and their transposes reach dispatch as, eagerly and from Inductor's generated code).
+``_select_conv_backend`` (``aten/src/ATen/native/Convolution.cpp``) sends a CPU float or bf16
+convolution to oneDNN (``mkldnn_convolution`` and ``mkldnn_convolution_backward`` in
+``aten/src/ATen/native/mkldnn/Conv.cpp``), and fp64 and some small shapes to the im2col kernels
+(``slow_conv2d`` in ``ConvolutionMM2d.cpp``, ``slow_conv3d``), which hold a ``columns`` buffer.
+oneDNN's path holds: each operand's ``contiguous(memory_format)`` copy where it is not so laid
+out (a gradient sliced from a sequence, as ViT's patch embedding gets it); reorders of the
+input, weight and gradient into the primitive's blocked formats (channels padded to the ISA's
+block, 16 on AVX-512, 8 on AVX2); the weight and bias gradients computed in oneDNN's format and
+then copied to dense tensors, and for a channels_last weight copied once more by
+``.to(ChannelsLast)``; and oneDNN's scratchpad, whose size depends on the jit kernel chosen, the
+ISA and the thread count. The blocked formats alone make the sizes ISA-specific: the patch
+embedding's 64 x 3 x 8 x 8 weight is reordered with its 3 input channels padded to 16 (262,144
+bytes for 49,152) for the input gradient, and a channels_last depthwise 7 x 7 (32 groups)
+computes its weight gradient with each group's 1 x 1 channels padded to 16 x 16 (1,605,632 bytes
+for 6,272; ``ONEDNN_VERBOSE=1`` names the formats). These cannot be derived portably from the
+source, so the rule measures them: the real kernel runs once at the traced metadata (fresh
+tensors of the same sizes, strides, offset and dtype) under ``torch.profiler``, and the peak of
+the allocator's events less its outputs is the figure, kept per op, metadata, thread count and
+oneDNN's switches (``measure._cpu_conv_scratch``). ViT's patch embedding backward compiled by
+Inductor (channels_last operands, a strided gradient, no input gradient) holds 106,752 bytes
+beside its 49,408 of outputs: an 8,192 gradient copy, the weight and bias gradients in oneDNN's
+format (49,152 + 256) and the dense weight gradient before its channels_last copy (49,152).
+Checked against the allocator's events on 1-3-d, strided, transposed, channels_last, grouped and
+depthwise convolutions, fp32, bf16 and fp64, with and without bias and input gradient, at 1 and 2
+threads. Only a CPU target runs these kernels: a trace for a GPU target, whose fakes are CPU
+tensors too, says so with ``target("cuda")`` around it, and Rule 3 adds nothing there (a trace
+that says nothing is taken as a CPU target's).
 """
 
 from __future__ import annotations
 
-import torch
+import contextlib
+import threading
 
-__all__ = ["scratch_bytes"]
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from memfit.measure._cpu_conv_scratch import CONV_OPS, conv_scratch
+
+__all__ = ["scratch_bytes", "target"]
 
 _aten = torch.ops.aten
 _FLASH_FW = _aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -88,12 +124,33 @@ _RULES = {_FLASH_FW: _flash_forward, _FLASH_BW: _flash_backward,
           _aten._log_softmax_backward_data.default: _softmax_backward}
 
 
-def scratch_bytes(func, args, kwargs) -> int:
+_RULES.update({op: None for op in CONV_OPS})       # Rule 3, measured on the kernel
+_target = threading.local()
+
+
+@contextlib.contextmanager
+def target(kind: str):
+    """Inside, a trace estimates a step on a ``kind`` device ("cpu", "cuda"): its fakes are CPU
+    tensors for every target, and only a CPU target runs the CPU kernels of Rule 3."""
+    before = getattr(_target, "kind", None)
+    _target.kind = kind
+    try:
+        yield
+    finally:
+        _target.kind = before
+
+
+def scratch_bytes(func, args, kwargs, target: str | None = None) -> int:
     """The bytes ``func``'s kernel allocates and frees inside the call (the rules above), 0 for
     any other op, or a tensor on another device than the CPU (a trace's fakes are CPU tensors
-    for every target)."""
-    rule = _RULES.get(func)
-    if rule is None or not args or not isinstance(args[0], torch.Tensor) or \
+    for every target). ``target``: the device a trace of fakes estimates for (default: the
+    one ``target()`` says, else the CPU); real tensors run where they are."""
+    if func not in _RULES or not args or not isinstance(args[0], torch.Tensor) or \
             args[0].device.type != "cpu":
         return 0
+    rule = _RULES[func]
+    if rule is None:                                               # Rule 3
+        fake = isinstance(args[0], FakeTensor)
+        kind = (target or getattr(_target, "kind", None) or "cpu") if fake else "cpu"
+        return conv_scratch(func, args, kwargs) if kind == "cpu" else 0
     return int(rule(*args, **kwargs))

@@ -38,7 +38,7 @@ class FiniteGradsMode(CompileAware, TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE and isinstance(args[0], FakeTensor):  # the top mode of a warm-up
-            return fake_device(args[0])                          # (measure._counting Note 5)
+            return fake_device(args[0])           # answers it, as the counter does in a step
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is _CHECK:
