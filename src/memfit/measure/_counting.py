@@ -62,7 +62,7 @@ from memfit.measure._sizes import hint
 if TYPE_CHECKING:
     from memfit.measure.track import Tracker
 
-__all__ = ["CountingMode", "fake_device", "host_allocations", "host_allocations_open", "allocates_and_writes",
+__all__ = ["CountingMode", "fake_device", "count_first_reads", "host_allocations", "host_allocations_open", "allocates_and_writes",
            "written_args", "register_host_owner", "registered_host_tensors"]
 
 _aten = torch.ops.aten
@@ -129,11 +129,8 @@ class CountingMode(CompileAware, TorchDispatchMode):
         ledger = t.ledger
         if not ledger.fake and any(isinstance(x, FakeTensor) for x in flat_in):
             return func(*args, **kwargs)              # Note 3
-        for x in () if func in _LIFT else flat_in:
-            if isinstance(x, torch.Tensor):
-                for st in ledger.storages(x):
-                    if ledger.sid(st) is None:                     # Note 4
-                        ledger.add(st, L.INPUTS, entry=True, host=st._cdata in t.host_before)
+        if func not in _LIFT:
+            count_first_reads(t, flat_in)
         t.ops += 1
         t.last_op = func
         scratch = scratch_bytes(func, args, kwargs)       # the kernel's own, while it runs
@@ -251,6 +248,17 @@ _METADATA = {_DEVICE, _aten.sym_size.int, _aten.sym_stride.int,
 
 _RESIZING = {_aten.resize_.default, _aten.set_.source_Storage, _aten.set_.source_Tensor,
              _aten.set_.source_Storage_storage_offset}
+
+
+def count_first_reads(t: "Tracker", flat) -> None:
+    """Count each storage of the tensors in ``flat`` that ``t`` has not seen yet: born before the
+    region, it is an input from the region's start (Note 4 for memfit's host memory)."""
+    ledger = t.ledger
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            for st in ledger.storages(x):
+                if ledger.sid(st) is None:
+                    ledger.add(st, L.INPUTS, entry=True, host=st._cdata in t.host_before)
 
 
 def fake_device(x: FakeTensor) -> torch.device:

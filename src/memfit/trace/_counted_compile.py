@@ -11,11 +11,13 @@ extern kernels (matmuls, with ``out=``) and generated C++ kernels, and returns t
 the saved tensors. memfit loads that module with its own allocation and view functions swapped
 for dispatching ones (the originals are C++ that skips every mode), and with each generated
 kernel a no-op: on fake tensors a kernel writes nothing anyone reads, and its buffers are
-already counted where ``call`` made them. The C++ is never compiled. So the trace sees exactly
-the buffers the generated code holds and when, the saved tensors the partitioner kept, and the
-matmuls' FLOPs; the fused pointwise kernels run no op and count no FLOPs. The backward is
-compiled with the forward (``force_non_lazy_backward_lowering``), while the counting modes are
-off.
+already counted where ``call`` made them. What a kernel reads is still read: a storage no op
+read before it (ViT's image batch, which only a kernel's channels_last copy reads) is counted
+from the step's start, as an op's first read counts it. The C++ is never compiled. So the
+trace sees exactly the buffers the generated code holds and when, the saved tensors the
+partitioner kept, and the matmuls' FLOPs; the fused pointwise kernels run no op and count no
+FLOPs. The backward is compiled with the forward (``force_non_lazy_backward_lowering``), while
+the counting modes are off.
 A function compiled inside the step, not a module (an optimizer's step, torchao's update of
 each parameter), is compiled the same way: ``counted_function``, ``counted_compile``.
 
@@ -34,8 +36,12 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_leaves
 
 from memfit.measure._compile_aware import following_compiled
+from memfit.measure._counting import count_first_reads
+from memfit.measure.track import active_tracker
 
 __all__ = ["activation_budget", "counted_backend", "counted_function", "counted_compile",
            "compiled_trace", "eager_compiled_calls", "eager_calls_note"]
@@ -155,7 +161,11 @@ def eager_calls_note(found: list[str]) -> str | None:
 
 
 def _noop_kernel(*args, **kwargs) -> None:
-    return None
+    """A generated C++ kernel, not run: what it reads is still read (Note 1)."""
+    tracker = active_tracker()
+    if tracker is not None and tracker.ledger.fake:
+        count_first_reads(tracker, [x for x in tree_leaves((args, kwargs))
+                                    if isinstance(x, FakeTensor)])
 
 
 def _empty_strided(size, stride, dtype, *args, **kwargs) -> torch.Tensor:
