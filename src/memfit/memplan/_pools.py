@@ -136,6 +136,7 @@ def replay_reserved(log: StorageLog, keys: list[str], config: AllocatorConfig,
         [(int(d), 0, v) for v, d in enumerate(log.death_event.tolist()) if d < log.num_events])
     pools: dict[str, CachingAllocator] = {}
     handles: dict[int, int] = {}
+    nbytes = log.nbytes.tolist()
 
     def pool(key: str) -> CachingAllocator:
         if key not in pools:
@@ -152,14 +153,13 @@ def replay_reserved(log: StorageLog, keys: list[str], config: AllocatorConfig,
             reserved, allocated = _totals(pools)
             ws_done = True
         a = pool(keys[v])
-        before = a.stats
+        reserved_before, allocated_before = a.reserved_bytes, a.allocated_bytes
         if is_birth:
-            handles[v] = a.malloc(int(log.nbytes[v]))
+            handles[v] = a.malloc(nbytes[v])
         elif v in handles:
             a.free(handles.pop(v))
-        after = a.stats
-        reserved += after.reserved_bytes - before.reserved_bytes
-        allocated += after.allocated_bytes - before.allocated_bytes
+        reserved += a.reserved_bytes - reserved_before
+        allocated += a.allocated_bytes - allocated_before
         if ev >= log.window_event:
             res_peak, alloc_peak = max(res_peak, reserved), max(alloc_peak, allocated)
     if not ws_done:
@@ -171,8 +171,8 @@ def replay_reserved(log: StorageLog, keys: list[str], config: AllocatorConfig,
 
 
 def _totals(pools: dict[str, CachingAllocator]) -> tuple[int, int]:
-    return (sum(p.stats.reserved_bytes for p in pools.values()),
-            sum(p.stats.allocated_bytes for p in pools.values()))
+    return (sum(p.reserved_bytes for p in pools.values()),
+            sum(p.allocated_bytes for p in pools.values()))
 
 
 def workspaces(estimate) -> list[int]:

@@ -135,6 +135,17 @@ class CachingAllocator(ExpandableSegments):
             self._num_malloc_segments + len(self._expandable), self._num_allocs, self._num_frees,
             self._max_idle, self._num_retries)
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes in allocated blocks now (``stats.allocated_bytes``, without building stats:
+        a replay reads it after every event)."""
+        return self._allocated
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes reserved from the device now (``stats.reserved_bytes``)."""
+        return self._reserved
+
     def block_of(self, handle: int) -> tuple[int, int] | None:
         """(address, block bytes) of a live allocation; None for a zero-byte one."""
         block = self._live[handle]

@@ -180,10 +180,9 @@ class CudaModel:
             elif sid in handles:
                 allocator.free(handles.pop(sid))
             if ev >= window:
-                stats = allocator.stats
-                if stats.allocated_bytes > alloc_peak:
-                    alloc_peak, peak_event = stats.allocated_bytes, ev
-                reserved_peak = max(reserved_peak, stats.reserved_bytes)
+                if allocator.allocated_bytes > alloc_peak:
+                    alloc_peak, peak_event = allocator.allocated_bytes, ev
+                reserved_peak = max(reserved_peak, allocator.reserved_bytes)
         if not workspace_done:
             for key, size in workspaces.items():
                 handles[key] = allocator.malloc(size)
