@@ -50,6 +50,7 @@ import weakref
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.measure._resolved import (ACTIVATIONS, CATEGORIES, GRADS, INPUTS, OPTIMIZER,
                                       OTHER, PARAMS, TEMPORARIES, Resolved)
@@ -58,6 +59,9 @@ from memfit.measure._sizes import hint as _hint
 
 __all__ = ["Ledger", "Resolved", "storages_of", "CATEGORIES", "PARAMS", "GRADS", "OPTIMIZER",
            "OTHER", "INPUTS", "ACTIVATIONS", "TEMPORARIES"]  # the categories: measure._resolved
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)   # no inner tensors of their own
 
 
 def storages_of(t: torch.Tensor, device_type: str | None = None):
@@ -113,9 +117,13 @@ class Ledger:
     # -- registration -----------------------------------------------------------------------
     def storages(self, t: torch.Tensor):
         """The storages of ``t`` this ledger counts: on its device, real or fake (Note 3)."""
-        for st in storages_of(t, self.device_type):
-            if (st.device.type == "meta") == self.fake:
-                yield st
+        if type(t) in _PLAIN:        # one storage at most: ``storages_of`` without its walk
+            if t.layout is not torch.strided or t.device.type != self.device_type:
+                return ()
+            st = t.untyped_storage()
+            return (st,) if st.nbytes() > 0 and (st.device.type == "meta") == self.fake else ()
+        return [st for st in storages_of(t, self.device_type)
+                if (st.device.type == "meta") == self.fake]
 
     def sid(self, storage) -> int | None:
         return self._sid_of.get(storage._cdata)
