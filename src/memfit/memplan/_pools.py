@@ -127,13 +127,25 @@ def _pool_keys(log: StorageLog, scheme: str, phases: dict[str, int]) -> list[str
     return keys
 
 
+def event_order(log: StorageLog) -> list[tuple[int, int, int]]:
+    """The log's births and deaths as a replay meets them: (event, 1 for a birth and 0 for a
+    death, storage), a death before a birth at one event (``sorted`` of those tuples)."""
+    n = len(log.birth_event)
+    ids = np.arange(n, dtype=np.int64)
+    dead = np.asarray(log.death_event) < log.num_events
+    ev = np.concatenate([np.asarray(log.birth_event, dtype=np.int64),
+                         np.asarray(log.death_event, dtype=np.int64)[dead]])
+    flag = np.concatenate([np.ones(n, dtype=np.int64), np.zeros(int(dead.sum()), np.int64)])
+    who = np.concatenate([ids, ids[dead]])
+    idx = np.lexsort((who, flag, ev))
+    return list(zip(ev[idx].tolist(), flag[idx].tolist(), who[idx].tolist()))
+
+
 def replay_reserved(log: StorageLog, keys: list[str], config: AllocatorConfig,
-                    workspaces: list[int] = ()) -> tuple[int, int]:
+                    workspaces: list[int] = (), order=None) -> tuple[int, int]:
     """(reserved peak, allocated peak) over the counted step, each pool its own allocator
-    (Note 3)."""
-    order = sorted(
-        [(int(b), 1, v) for v, b in enumerate(log.birth_event.tolist())] +
-        [(int(d), 0, v) for v, d in enumerate(log.death_event.tolist()) if d < log.num_events])
+    (Note 3); ``order``: the log's ``event_order``, where the caller replays it several times."""
+    order = event_order(log) if order is None else order
     pools: dict[str, CachingAllocator] = {}
     handles: dict[int, int] = {}
     nbytes = log.nbytes.tolist()
@@ -213,12 +225,12 @@ def allocator_options(estimate, schemes: tuple[str, ...] = SCHEMES) -> Allocator
                          f"got {', '.join(schemes)}")
     log, _ = step_lifetimes(estimate)
     ws = workspaces(estimate)
-    options = []
+    options, order = [], event_order(log)
     for scheme in ("default",) + tuple(s for s in schemes if s != "default"):
         keys = _pool_keys(log, scheme, getattr(estimate, "phases", None) or {})
         for expandable in (False, True):
             reserved, allocated = replay_reserved(
-                log, keys, AllocatorConfig(expandable_segments=expandable), ws)
+                log, keys, AllocatorConfig(expandable_segments=expandable), ws, order)
             options.append(AllocatorOption(scheme, expandable, reserved, allocated,
                                            scheme in APPLICABLE))
     return AllocatorOptions(options, _classes(log))
