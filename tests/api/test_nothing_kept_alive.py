@@ -115,3 +115,15 @@ def test_estimate_inside_track_keeps_nothing_either():
     counts = grows(call)
     assert counts == [counts[0]] * len(counts), counts
     assert_dead(call())
+
+
+def test_an_fsdp_offload_estimate_keeps_no_fake_tensor():
+    """A rank of FSDP2 with CPU offload, traced for a GPU: its placement's gradient hooks on the
+    fake shards held the placement (a bound method), hence its optimizer and every shard, a
+    cycle through C++ the gc cannot see: each estimate left its fake sharded model alive."""
+    from memfit.api._sharded import estimate_sharded
+
+    model, batch, _ = build()
+    counts = grows(lambda: estimate_sharded(model, batch, device="a100-40gb", world_size=2,
+                                            sharding="fsdp", fsdp_offload=True))
+    assert counts == [counts[0]] * len(counts), counts

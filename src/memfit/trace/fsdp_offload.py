@@ -49,6 +49,19 @@ from memfit.measure.track import active_tracker
 __all__ = ["OffloadPlacement"]
 
 
+def _fake_tracker():
+    t = active_tracker()
+    return t if t is not None and t.fake else None      # the trace's, not a real run's
+
+
+def _grad_set(param) -> None:
+    """A shard's gradient lives on the host (Note 2)."""
+    tracker = _fake_tracker()
+    if tracker is not None and param.grad is not None:
+        for st in tracker.ledger.storages(param.grad):
+            tracker.ledger.move_to_host(st)
+
+
 class OffloadPlacement:
     """Tell a fake trace of an FSDP2 model with ``CPUOffloadPolicy`` what a GPU places on the
     host (Note 2). ``model``: the sharded fake model; ``optimizer``: the fake optimizer."""
@@ -56,8 +69,9 @@ class OffloadPlacement:
     def __init__(self, model: nn.Module, optimizer):
         self.optimizer = optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._grad_set)
+        for p in self.params:     # a plain function: a parameter holds its hooks from C++, and
+            p.register_post_accumulate_grad_hook(_grad_set)  # a bound method would hold this
+            # placement, its optimizer and so every parameter, a cycle the gc cannot see
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The parameters, their gradients and the optimizer state: host memory at the start."""
@@ -66,23 +80,12 @@ class OffloadPlacement:
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return out
 
-    @staticmethod
-    def _tracker():
-        t = active_tracker()
-        return t if t is not None and t.fake else None      # the trace's, not a real run's
-
-    def _grad_set(self, param) -> None:
-        tracker = self._tracker()
-        if tracker is not None and param.grad is not None:
-            for st in tracker.ledger.storages(param.grad):
-                tracker.ledger.move_to_host(st)
-
     @contextlib.contextmanager
     def step(self, on_phase):
         """Around one Runner step: yields the ``on_phase`` to give it; the forward and backward
         read host shards through device copies, the optimizer phase allocates on the host."""
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_HostReads(self._tracker))
+            stack.enter_context(_HostReads(_fake_tracker))
 
             def mark(name: str) -> None:
                 if name == "optimizer":
