@@ -66,17 +66,20 @@ _reachable = [0]
 
 
 def _reachable_cpu_bytes() -> int:
+    """Bytes of the real CPU storages behind reachable tensors: a wrapper subclass's inner ones
+    (a DTensor's local shard), none of a fake's (meta storages)."""
     import gc
+
+    from memfit.measure._ledger import storages_of
     gc.collect()
     seen, total = set(), 0
     for t in gc.get_objects():
-        if (not isinstance(t, torch.Tensor) or t.is_meta or t.layout is not torch.strided
-                or isinstance(t, torch._subclasses.FakeTensor) or t.device.type != "cpu"):
+        if not isinstance(t, torch.Tensor):
             continue
-        st = t.untyped_storage()
-        if st._cdata not in seen:
-            seen.add(st._cdata)
-            total += st.nbytes()
+        for st in storages_of(t, "cpu"):
+            if st.device.type != "meta" and st._cdata not in seen:
+                seen.add(st._cdata)
+                total += st.nbytes()
     return total
 
 
