@@ -62,8 +62,9 @@ from memfit.measure._sizes import hint
 if TYPE_CHECKING:
     from memfit.measure.track import Tracker
 
-__all__ = ["CountingMode", "fake_device", "count_first_reads", "host_allocations", "host_allocations_open", "allocates_and_writes",
-           "written_args", "register_host_owner", "registered_host_tensors"]
+__all__ = ["CountingMode", "fake_device", "count_first_reads", "host_allocations",
+           "host_allocations_open", "allocates_and_writes", "written_args", "register_host_owner",
+           "registered_host_tensors"]
 
 _aten = torch.ops.aten
 _host = threading.local()

@@ -52,10 +52,12 @@ __all__ = ["Tracker", "track", "host_allocations", "active_tracker", "gradient_r
 _running: list["Tracker"] = []     # trackers inside their ``with`` block, innermost last
 
 
-def active_tracker() -> "Tracker | None":
+def active_tracker(fake: bool | None = None) -> "Tracker | None":
     """The innermost ``track`` region running now, or None (the Runner's optimizer-step
-    check reads its live bytes on the CPU)."""
-    return _running[-1] if _running else None
+    check reads its live bytes on the CPU); ``fake=True``: only a trace's, ``False``: only a
+    real run's (what each counts, Note 2)."""
+    t = _running[-1] if _running else None
+    return t if t is None or fake is None or t.fake == fake else None
 
 
 def gradient_ready(p: torch.Tensor) -> None:

@@ -36,7 +36,6 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
 
 from memfit.measure._compile_aware import following_compiled
@@ -162,10 +161,9 @@ def eager_calls_note(found: list[str]) -> str | None:
 
 def _noop_kernel(*args, **kwargs) -> None:
     """A generated C++ kernel, not run: what it reads is still read (Note 1)."""
-    tracker = active_tracker()
-    if tracker is not None and tracker.ledger.fake:
-        count_first_reads(tracker, [x for x in tree_leaves((args, kwargs))
-                                    if isinstance(x, FakeTensor)])
+    tracker = active_tracker(fake=True)       # a fake ledger counts fake storages only
+    if tracker is not None:
+        count_first_reads(tracker, tree_leaves((args, kwargs)))
 
 
 def _empty_strided(size, stride, dtype, *args, **kwargs) -> torch.Tensor:

@@ -50,8 +50,7 @@ __all__ = ["OffloadPlacement"]
 
 
 def _fake_tracker():
-    t = active_tracker()
-    return t if t is not None and t.fake else None      # the trace's, not a real run's
+    return active_tracker(fake=True)                    # the trace's, not a real run's
 
 
 def _grad_set(param) -> None:
