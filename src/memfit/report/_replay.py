@@ -81,11 +81,11 @@ class _Cuda:
 
     @property
     def allocated(self) -> int:
-        return self.a.stats.allocated_bytes
+        return self.a.allocated_bytes
 
     @property
     def reserved(self) -> int:
-        return self.a.stats.reserved_bytes
+        return self.a.reserved_bytes
 
     def malloc(self, nbytes: int):
         before = self.reserved
