@@ -5,8 +5,9 @@ own events beside memfit's estimate of it, row by row, in one run.
 
 Each row's real step runs in a fresh process (tests/trace/_compiled_oracle.py: tiny config,
 random weights, Inductor, the third step's peak from ``torch.profiler``'s allocator events);
-memfit's estimate is made in this one. ``pytest --runslow tests/trace/test_compiled.py`` holds
-the same rows within 1%; this prints the figures. Nothing here is a GPU measurement.
+memfit's estimate is made in this one. The rows are ``_compiled_oracle.ROWS``; ``pytest
+--runslow tests/trace/test_compiled.py`` holds each within 1% but the known gap; this prints the
+figures. Nothing here is a GPU measurement.
 """
 
 from __future__ import annotations
@@ -22,23 +23,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import _record  # noqa: E402
-from tests.trace._compiled_oracle import estimated, measured_in_fresh_process  # noqa: E402
-
-_GPT2 = {"model": "gpt2", "batch": 2, "seq_len": 32}
-_LLAMA = {"model": "llama-1b", "batch": 2, "seq_len": 32}
-ROWS = [
-    {**_GPT2, "compile": "model"},
-    {**_GPT2, "compile": "blocks"},
-    {**_GPT2, "compile": "model", "activation_memory_budget": 0.5},
-    {**_GPT2, "compile": "model", "activation_memory_budget": 0.5, "use_cache": False},
-    {**_GPT2, "compile": "model", "activation_memory_budget": 0.0},
-    {**_LLAMA, "compile": "model"},
-    {**_LLAMA, "compile": "blocks", "use_cache": False},
-    {**_LLAMA, "compile": "model", "activation_memory_budget": 0.0},
-    {"model": "vit-base", "batch": 2, "compile": "blocks"},
-    {"model": "vit-base", "batch": 2, "compile": "model"},
-    {**_LLAMA, "compile": "blocks", "use_cache": True},     # the known gap (docs/compiled.md)
-]
+from tests.trace._compiled_oracle import (ROWS, estimated,  # noqa: E402
+                                          measured_in_fresh_process)
 
 
 def main() -> None:
