@@ -223,6 +223,25 @@ def test_what_eager_and_transposed_convolutions_dispatch_is_the_rule_s():
             assert rule == held > 0, (fn, func)
 
 
+def test_a_gpu_target_s_trace_counts_no_cpu_flash_attention():
+    """Rule 1's kernel is a CPU one too: a GPU target's trace (Inductor's CPU code calls it for
+    a compiled model) counts none of it; a CPU target's and real CPU tensors count it."""
+    from memfit.measure._cpu_scratch import target
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 32, 16) for _ in range(3))
+    args = (q, k, v, 0.0, True)
+    held = _held_beside_outputs(lambda: FW(*args))
+    mode, fakes = _faked(*args)
+    with mode:
+        assert scratch_bytes(FW, fakes, {}, target="cuda") == 0
+        assert scratch_bytes(FW, fakes, {}) == held > 0
+        with target("cuda"):
+            assert scratch_bytes(FW, fakes, {}) == 0
+    with target("cuda"):
+        assert scratch_bytes(FW, args, {}) == held
+
+
 def test_a_gpu_target_s_trace_counts_no_cpu_convolution():
     """A trace's fakes are CPU tensors for every target: only a CPU target's (the default, or
     ``target("cpu")``) counts the CPU kernel's buffers; real CPU tensors run on the CPU."""

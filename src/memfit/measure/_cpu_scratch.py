@@ -55,8 +55,8 @@ format (49,152 + 256) and the dense weight gradient before its channels_last cop
 Checked against the allocator's events on 1-3-d, strided, transposed, channels_last, grouped and
 depthwise convolutions, fp32, bf16 and fp64, with and without bias and input gradient, at 1 and 2
 threads. Only a CPU target runs these kernels: a trace for a GPU target, whose fakes are CPU
-tensors too, says so with ``target("cuda")`` around it, and Rule 3 adds nothing there (a trace
-that says nothing is taken as a CPU target's).
+tensors too, says so with ``target("cuda")`` around it, and Rules 1 and 3 add nothing there (a
+trace that says nothing is taken as a CPU target's).
 """
 
 from __future__ import annotations
@@ -124,14 +124,18 @@ _RULES = {_FLASH_FW: _flash_forward, _FLASH_BW: _flash_backward,
           _aten._log_softmax_backward_data.default: _softmax_backward}
 
 
-_RULES.update({op: None for op in CONV_OPS})       # Rule 3, measured on the kernel
+_RULES.update({op: (lambda *args, _op=op, **kwargs: conv_scratch(_op, args, kwargs))
+               for op in CONV_OPS})                     # Rule 3, measured on the kernel
+# kernels only a CPU target runs: Rules 1 and 3 (a GPU target's SDPA and convolution are its
+# own kernels; Inductor's CPU code for a GPU target's compiled trace calls the CPU flash one)
+_CPU_ONLY = frozenset({_FLASH_FW, _FLASH_BW, *CONV_OPS})
 _target = threading.local()
 
 
 @contextlib.contextmanager
 def target(kind: str):
     """Inside, a trace estimates a step on a ``kind`` device ("cpu", "cuda"): its fakes are CPU
-    tensors for every target, and only a CPU target runs the CPU kernels of Rule 3."""
+    tensors for every target, and only a CPU target runs the CPU kernels of Rules 1 and 3."""
     before = getattr(_target, "kind", None)
     _target.kind = kind
     try:
@@ -145,12 +149,11 @@ def scratch_bytes(func, args, kwargs, target: str | None = None) -> int:
     any other op, or a tensor on another device than the CPU (a trace's fakes are CPU tensors
     for every target). ``target``: the device a trace of fakes estimates for (default: the
     one ``target()`` says, else the CPU); real tensors run where they are."""
-    if func not in _RULES or not args or not isinstance(args[0], torch.Tensor) or \
+    rule = _RULES.get(func)
+    if rule is None or not args or not isinstance(args[0], torch.Tensor) or \
             args[0].device.type != "cpu":
         return 0
-    rule = _RULES[func]
-    if rule is None:                                               # Rule 3
-        fake = isinstance(args[0], FakeTensor)
-        kind = (target or getattr(_target, "kind", None) or "cpu") if fake else "cpu"
-        return conv_scratch(func, args, kwargs) if kind == "cpu" else 0
+    if func in _CPU_ONLY and isinstance(args[0], FakeTensor) and \
+            (target or getattr(_target, "kind", None) or "cpu") != "cpu":
+        return 0
     return int(rule(*args, **kwargs))
