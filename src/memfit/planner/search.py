@@ -83,6 +83,13 @@ composes from two shallow twins (docs/block-reuse.md), a quarter of the trace on
 and its predicted step is within ``NEAR_TIE`` of the mix's, the search answers it: a difference
 that small is below what the time model resolves, and the uniform choice holds no more memory
 than the mix (each block it changes gives up what keeping it held).
+
+Note 10 (a bound on time). No mode is faster than keep (``TimeModel.mode_s`` of keep is 0, of
+every other mode >= 0), so every block kept at a micro-batch size and optimizer placement is
+the fastest anything there can be. Where that is no faster than the best choice found so far,
+nothing there can replace it (a later choice must be strictly faster), and neither its rows
+nor its MILP are built: the answer is the one the full search gives. The README's plan solved
+85 MILPs before this bound.
 """
 
 from __future__ import annotations
@@ -177,6 +184,12 @@ def _best_for(memory: MemoryModel, time: TimeModel, key, m: int, b: int,
     return _choice(memory, time, key, m, b, oo, rows.peak(x), _modes_of(x, nb))
 
 
+def _keep_s(memory: MemoryModel, time: TimeModel, m: int, b: int, oo: bool) -> float:
+    """The predicted step with every block kept at (m, oo): no choice there is faster (Note
+    10)."""
+    return time.step_s(m, b, (Mode.KEEP,) * len(memory.blocks), oo)
+
+
 def _lower_bound(rows, hi: np.ndarray, nblocks: int) -> float:
     """The least any one-hot ``x`` within ``hi`` can make the highest peak point (Note 7)."""
     if nblocks == 0 or not len(rows.A):
@@ -224,6 +237,8 @@ def search(models: dict[tuple, tuple[MemoryModel, TimeModel]], b: int, budget_by
             if _host_stepped_variant(models, key, oo):
                 continue
             for m in sizes:
+                if best is not None and _keep_s(memory, time, m, b, oo) >= best.step_s:
+                    continue      # Note 10: nothing at (key, m, oo) is faster than best
                 found = _best_for(memory, time, key, m, b, oo, cap, fixed)
                 if found is False and m < b and b in sizes:     # Note 2: only m = b is left
                     found = _best_for(memory, time, key, b, b, oo, cap, fixed)
