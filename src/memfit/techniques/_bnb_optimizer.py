@@ -46,9 +46,21 @@ buffers are fake CPU tensors, so the override below makes them without that warn
 the paged ones in ``paged_state``: the trace counts them in unified memory, on the card beside
 the allocator (``trace.cuda.CudaModel.unified_tensors``; docs/measurement.md, "Paged optimizer
 state").
+
+Note 4 (importing it). bitsandbytes' default backend wraps four of its kernels in
+``torch.compile`` as it is imported (``backends/default/ops.py``, ``_try_torch_compile``);
+the first ``torch.compile`` of a process imports Inductor, 0.7 s of CPU, a sixth of the
+8-bit lever's trace in the README's plan, for kernels that a trace never runs (a fake tensor
+runs their fake implementations) and a CPU step runs only where bitsandbytes has no kernel
+of its own. So while it is imported, ``torch.compile(fn, **kw)`` returns a function that
+compiles ``fn`` with the same arguments when it is first called, and calls that ever after:
+what bitsandbytes' wrapper runs is unchanged (its fallback to ``fn`` on a compile error now
+meets that error at the first call, which is where it met errors of compiling anyway).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import functools
 import importlib.util
@@ -71,18 +83,45 @@ def import_bitsandbytes():
     """``import bitsandbytes``, quietly: on a CPU with AVX-512 bf16 its CPU backend tries to
     fetch a 4-bit matmul kernel from the Hugging Face hub as it is imported, and logs a warning
     when it cannot (offline, untrusted); memfit runs none of its 4-bit matmuls on the CPU's
-    fast path, so that warning says nothing to a memfit user."""
+    fast path, so that warning says nothing to a memfit user. Its compiled kernels are
+    wrapped as they are first called, not as it is imported (Note 4)."""
     import logging
 
     log = logging.getLogger("bitsandbytes.backends.cpu.ops")
     level = log.level
     log.setLevel(logging.ERROR)
     try:
-        import bitsandbytes
-        import bitsandbytes.backends.cpu.ops  # noqa: F401  (the import that warns)
+        with _compile_on_first_call():
+            import bitsandbytes
+            import bitsandbytes.backends.cpu.ops  # noqa: F401  (the import that warns)
     finally:
         log.setLevel(level)
     return bitsandbytes
+
+
+@contextlib.contextmanager
+def _compile_on_first_call():
+    """``torch.compile(fn, **kw)`` made lazy while bitsandbytes is imported (Note 4)."""
+    real = torch.compile
+
+    def lazy(model=None, **kwargs):
+        if model is None:                                  # used as @torch.compile(...)
+            return lambda fn: lazy(fn, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kw):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **kwargs)
+            return compiled(*args, **kw)
+        return call
+
+    torch.compile = lazy
+    try:
+        yield
+    finally:
+        torch.compile = real
 
 
 def bnb_modules():
