@@ -134,3 +134,39 @@ def test_a_gpu_trace_s_own_configuration_is_predicted_as_traced():
     allocated = memory.rows(B, B, False, False).peak(_x(keep))
     assert allocated == est.peak_bytes
     assert memory.device_bytes(allocated) == est.device_bytes
+
+
+def test_the_time_bound_skips_work_and_changes_no_answer(traced, monkeypatch):
+    """planner.search Note 10. Oracle: the same search with the bound off (every (m, oo)
+    solved). At caps from the least peak to the plain step's, the answer is the same choice,
+    and the bound leaves some (m, oo) unsolved."""
+    from memfit.planner import search as search_module
+
+    _, _, memory, time = traced
+    nb = len(memory.blocks)
+    models = {("fp32", None): (memory, time)}
+    low = min(memory.rows(m, B, m < B, oo).peak(_x(c)) for m in (1, B) for oo in (False, True)
+              for c in [(md,) * nb for md in MODES])
+    keep = memory.rows(B, B, False, False).peak(_x(("keep",) * nb))
+    solved = []
+    real_best_for = search_module._best_for
+
+    def counted(*args):
+        solved.append(args[4:6])
+        return real_best_for(*args)
+
+    monkeypatch.setattr(search_module, "_best_for", counted)
+    bounded = skipped = 0
+    for share in np.linspace(0.0, 1.1, 12):
+        cap = int(low + share * (keep - low))
+        solved.clear()
+        got = search_module.search(models, B, cap)
+        with_bound = len(solved)
+        with monkeypatch.context() as off:
+            off.setattr(search_module, "_keep_s", lambda *a: -np.inf)
+            solved.clear()
+            want = search_module.search(models, B, cap)
+        assert got == want
+        bounded += got is not None
+        skipped += len(solved) - with_bound
+    assert bounded > 0 and skipped > 0
