@@ -6,7 +6,8 @@ step's first act, ``zero_grad(set_to_none=True)``, frees them). Before the count
 therefore give every trainable parameter a gradient and run one untracked ``optimizer.step``,
 which creates the state exactly as the real first step does; an optimizer with
 ``first_step_state()`` (memfit's eager torchao step, whose update is about sixty ops a parameter)
-makes that same state without the update. An optimizer stepped in backward
+makes that same state without the update, as torch's Adam and AdamW do by their ``_init_group``
+(Note 6). An optimizer stepped in backward
 (``steps_in_backward``: one per parameter, run by gradient hooks) frees each gradient as it
 steps it, so its steady state starts with no gradient alive; an optimizer that moves each
 gradient to the host (``offload_gradients``) starts it with them alive on the host only.
@@ -48,11 +49,25 @@ transformers no longer defaults) fails as an ``AttributeError`` on the config in
 it is refused as bad input that names the field and the file to set it in, not a traceback.
 A sequence classifier whose config has no ``pad_token_id`` (a Qwen2 config written by hand)
 refuses a batch of more than one row in transformers' words; the field and the file are added.
+
+Note 6 (the state of torch's Adam without its update). ``Adam.step`` (and ``AdamW``'s, the
+same code) makes each parameter's state in ``_init_group`` (``step``, ``exp_avg``,
+``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad), then updates every parameter in the functional
+``adam``: for the for-loop implementation about fifteen ops a parameter, as many as the counted
+step's own, so the warm-up cost as much as the step it prepared (1.5 s of the 7B floor's 28 s).
+The warm-up calls ``_init_group`` alone, on every group, under ``no_grad`` as ``step`` runs it:
+the same tensors of the same sizes, dtypes, devices and layouts. What differs is values only:
+``step`` is 0 where a first step leaves 1, and the moments are zeros (as a first step leaves
+them for the zero gradients it is given). Where that could differ in more, the whole ``step``
+runs: a subclass (it may make state elsewhere), hooks on the step (a hook may act on the
+first step: optimizer offload moves the state), ``differentiable`` groups, or an
+``_init_group`` whose arguments are not those of the torch this was written against.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import random
 import re
 import time
@@ -67,6 +82,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import (DataDependentOutputException,
                                            DynamicOutputShapeException,
                                            UnsupportedOperatorException)
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from memfit.errors import TraceError
 from memfit.measure import ModuleRecord, Tracker
@@ -115,14 +131,38 @@ def warm_up_optimizer(model: nn.Module, optimizer, skip=frozenset()) -> None:
             p.grad = None
     for p in params:
         p.grad = torch.zeros_like(p)
-    make = getattr(optimizer, "first_step_state", None)   # the state without the update's
-    (make if callable(make) else optimizer.step)()          # ops, where it can (Note 1)
+    _first_step_state(optimizer)()        # the state without the update's ops where it can
     if getattr(optimizer, "steps_in_backward", False):
         return                 # its step freed them, as its hooks do in every backward
     if getattr(optimizer, "offload_gradients", False):
         return                 # its step moved them to the host, where they stay alive
     for p in params:           # the previous step's gradients, alive at the next step's start
         p.grad = torch.zeros_like(p)
+
+
+_ADAM_LISTS = ("params_with_grad", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
+               "state_steps")
+
+
+def _first_step_state(optimizer) -> Callable[[], object]:
+    """What makes ``optimizer``'s state as its first step does (Note 6): its own
+    ``first_step_state``, torch's Adam/AdamW's ``_init_group``, else a whole ``step``."""
+    make = getattr(optimizer, "first_step_state", None)
+    if callable(make):
+        return make
+    init = getattr(type(optimizer), "_init_group", None)
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or init is None or \
+            optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or \
+            _global_optimizer_pre_hooks or _global_optimizer_post_hooks or \
+            tuple(inspect.signature(init).parameters)[2:] != _ADAM_LISTS or \
+            any(g.get("differentiable") for g in optimizer.param_groups):
+        return optimizer.step
+
+    def init_groups():
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                optimizer._init_group(group, *([] for _ in _ADAM_LISTS))
+    return init_groups
 
 
 def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier: FakeCopier,
