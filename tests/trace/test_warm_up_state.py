@@ -70,3 +70,34 @@ def test_a_whole_step_runs_where_the_short_way_may_miss_something(case):
     changed = [not torch.equal(v, before[n]) for n, v in model.state_dict().items()]
     assert any(changed)                                          # the update ran
     assert calls == ([1] if case == "step hook" else [])
+
+
+@pytest.mark.parametrize("grads_on_host", [False, True])
+@pytest.mark.parametrize("inner", ["adamw", "for-loop"])
+def test_an_offloaded_optimizer_s_state_is_a_first_step_s(grads_on_host, inner):
+    """OffloadedOptimizer.first_step_state: the inner state on the host twins and the host
+    gradients as a real first step leaves them (Note 6 inside: no update ran)."""
+    from memfit.techniques.optimizer_offload import OptimizerOffload
+
+    def build(params):
+        return torch.optim.AdamW(params, lr=0.1, weight_decay=0.5,
+                                 foreach=inner != "for-loop")
+
+    made = []
+    for _ in range(2):
+        model = _model()
+        opt = OptimizerOffload(OptimizerOffload.Config()).apply(model, build).optimizer
+        if grads_on_host:
+            opt.gradients_to_host()
+        made.append((model, opt))
+    (model, opt), (real, ref) = made
+    before = [h.detach().clone() for h in opt.host_params]
+    warm_up_optimizer(model, opt)
+    for p in real.parameters():
+        p.grad = torch.zeros_like(p)
+    ref.step()
+    assert _layout(opt.inner, nn.ParameterList(opt.host_params)) == \
+        _layout(ref.inner, nn.ParameterList(ref.host_params))
+    assert [h.grad is not None for h in opt.host_params] == \
+        [h.grad is not None for h in ref.host_params] == [grads_on_host] * len(before)
+    assert all(torch.equal(h, b) for h, b in zip(opt.host_params, before))   # no update

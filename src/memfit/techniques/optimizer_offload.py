@@ -74,6 +74,7 @@ from memfit.techniques._bnb_optimizer import is_bnb, rebuild_bnb
 from memfit.techniques._protocol import Change
 from memfit.techniques._torchao_optimizer import is_torchao
 from memfit.techniques._torchao_user import rebuild_torchao
+from memfit.trace.profile import first_step_state_of
 
 __all__ = ["OptimizerOffload", "OffloadedOptimizer"]
 
@@ -128,6 +129,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step(self.inner.step)
+        return loss
+
+    @torch.no_grad()
+    def first_step_state(self) -> None:
+        """What a first ``step`` leaves, without the inner update (trace.profile Notes 1 and
+        6): the same step, its transfers and releases included, with the inner optimizer's
+        state made as that optimizer makes it for a trace's warm-up."""
+        self._step(first_step_state_of(self.inner))
+
+    def _step(self, update) -> None:
+        """``step``'s body around ``update``, the inner optimizer's step of each chunk."""
         on_host = self.offload_gradients          # the host gradients are there (Note 5)
         for p, h in zip(self.params, self.host_params) if on_host else ():
             if p.grad is not None:       # set, not made by backward: moved as a hook would
@@ -141,13 +154,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     h.grad = self._empty_host(h)
                     self._copy_to_host(h.grad, p.grad)
                 self._synchronize()
-                self.inner.step()
+                update()
                 self._sync_hyperparameters(to_inner=False)
                 for _, h in chunk if not on_host else ():
                     h.grad = None
             for p, h in chunk:
                 self._copy_to_device(p, h)
-        return loss
 
     # -- gradients offloaded as they are produced (Note 5) ----------------------------------
     def gradients_to_host(self) -> list:

@@ -93,7 +93,8 @@ from memfit.trace.finite_grads import FiniteGradsMode
 from memfit.trace.known_values import known_values_readable
 from memfit.trace._method_caches import caches_cleared
 
-__all__ = ["StepProfile", "profile_step", "profile_of", "warm_up_optimizer", "read_site"]
+__all__ = ["StepProfile", "profile_step", "profile_of", "warm_up_optimizer", "first_step_state_of",
+           "read_site"]
 
 _UNTRACEABLE = (DataDependentOutputException, UnsupportedOperatorException,
                 DynamicOutputShapeException, NotImplementedError)
@@ -131,7 +132,7 @@ def warm_up_optimizer(model: nn.Module, optimizer, skip=frozenset()) -> None:
             p.grad = None
     for p in params:
         p.grad = torch.zeros_like(p)
-    _first_step_state(optimizer)()        # the state without the update's ops where it can
+    first_step_state_of(optimizer)()      # the state without the update's ops where it can
     if getattr(optimizer, "steps_in_backward", False):
         return                 # its step freed them, as its hooks do in every backward
     if getattr(optimizer, "offload_gradients", False):
@@ -144,7 +145,7 @@ _ADAM_LISTS = ("params_with_grad", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_
                "state_steps")
 
 
-def _first_step_state(optimizer) -> Callable[[], object]:
+def first_step_state_of(optimizer) -> Callable[[], object]:
     """What makes ``optimizer``'s state as its first step does (Note 6): its own
     ``first_step_state``, torch's Adam/AdamW's ``_init_group``, else a whole ``step``."""
     make = getattr(optimizer, "first_step_state", None)
