@@ -11,7 +11,8 @@ the weight, on its device, and the step's kernels read them; they are the weight
 replaced by ``fn(tensor)``: in a tensor, a list/tuple/dict of them, or an object (such as
 ``QuantState``) whose own attributes hold one, copied shallowly (to ``DEPTH`` levels:
 ``quant_state.state2.absmax``); the other attributes (``quant_type``, ``CB=None``, flags) as
-they are. Modules (``Params4bit.module``, a back-reference) are left out. The fake copy of a
+they are. Modules (``Params4bit.module``, a back-reference) and dispatch modes (a fake tensor's
+``fake_mode``) are left out. The fake copy of a
 model (``trace.fake``) gives its fakes these attributes with fake tensors, and the counter
 (``measure.track``) counts them as parameters from the start, so a trace and a real step see
 the same weight.
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["attached", "attached_tensors", "module_tensors", "DEPTH"]
 
@@ -39,12 +41,17 @@ _MODULE_OWN = frozenset(vars(nn.Module()))
 
 DEPTH = 3
 
+# never a weight's state: a module (a back-reference), and a dispatch mode (every fake tensor
+# holds its ``fake_mode``, whose caches the walk would otherwise search on every fake it is
+# asked about: a twentieth of a plan's time went there)
+_NOT_STATE = (nn.Module, TorchDispatchMode)
+
 
 def attached(p: torch.Tensor, fn: Callable[[torch.Tensor], object]) -> dict[str, object]:
     """``{name: value with every tensor t replaced by fn(t)}`` for the attributes of ``p``
     that hold a tensor (the module note)."""
     return {name: _mapped(value, fn, DEPTH) for name, value in vars(p).items()
-            if not isinstance(value, nn.Module)}
+            if not isinstance(value, _NOT_STATE)}
 
 
 def attached_tensors(p: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -73,7 +80,7 @@ def _collected(walk) -> Iterator[torch.Tensor]:
 def _holds_tensor(value, depth: int) -> bool:
     if isinstance(value, torch.Tensor):
         return True
-    if depth == 0 or isinstance(value, (nn.Module, str, bytes, type)):
+    if depth == 0 or isinstance(value, (*_NOT_STATE, str, bytes, type)):
         return False
     if isinstance(value, (list, tuple)):
         return any(_holds_tensor(v, depth - 1) for v in value)
