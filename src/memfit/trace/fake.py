@@ -88,6 +88,13 @@ class FakeCopier:
         meta = t.untyped_storage()
         with self.mode:
             _, storage = self._meta_storages.get(meta._cdata, (None, None))
+            if storage is None and t.storage_offset() == 0:
+                # the usual weight, the whole of its storage: made in one op, not three
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                           device=self.device)
+                if fake.untyped_storage().nbytes() == meta.nbytes():
+                    self._meta_storages[meta._cdata] = (meta, fake.untyped_storage())
+                    return fake
             if storage is None:
                 storage = torch.empty(meta.nbytes(), dtype=torch.uint8,
                                       device=self.device).untyped_storage()
