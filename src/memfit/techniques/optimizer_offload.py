@@ -134,9 +134,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def first_step_state(self) -> None:
-        """What a first ``step`` leaves, without the inner update (trace.profile Notes 1 and
-        6): the same step, its transfers and releases included, with the inner optimizer's
-        state made as that optimizer makes it for a trace's warm-up."""
+        """What a first ``step`` leaves, for a trace's warm-up: the same step, its transfers
+        and releases included, with the inner optimizer's state made without its update where
+        that optimizer can (``trace.profile.first_step_state_of``)."""
         self._step(first_step_state_of(self.inner))
 
     def _step(self, update) -> None:
