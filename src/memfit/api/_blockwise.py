@@ -38,6 +38,7 @@ from memfit.trace import FakeCopier
 from memfit.trace._block_twin import BlockList
 from memfit.trace.block_reuse import (MIN_BLOCKS, TWIN_A, TWIN_B, NotComposable, StepLog,
                                       compose)
+from memfit.trace.per_parameter import kinds_shared
 from memfit.trace.profile import profile_of
 
 __all__ = ["blockwise_estimate", "TOO_FEW"]
@@ -86,17 +87,18 @@ def blockwise_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, *,
     if n < least and None in kept:      # the twins would cost about what the model does
         return None, f"{n} {TOO_FEW}"
     logs, traced = [], []
-    for twin, depth, key, got in zip(twins, depths, keys, kept):
-        if got is None:
-            t = trace_step(twin, batch, optimizer, device, loss_fn, k, FakeCopier("cpu"),
-                           blocks=blocks.names(depth), **kwargs)
-            got = (t, StepLog.of(t.tracker, blocks.path, depth))
-            trace_cache.twin_store(key, got)
-        t, log = got
-        if len(set(t.knobs_blocks.values())) > 1:
-            return None, "the knobs give the blocks different modes"
-        traced.append(t)
-        logs.append(log)
+    with kinds_shared():          # twin B repeats twin A's per-parameter updates
+        for twin, depth, key, got in zip(twins, depths, keys, kept):
+            if got is None:
+                t = trace_step(twin, batch, optimizer, device, loss_fn, k, FakeCopier("cpu"),
+                               blocks=blocks.names(depth), **kwargs)
+                got = (t, StepLog.of(t.tracker, blocks.path, depth))
+                trace_cache.twin_store(key, got)
+            t, log = got
+            if len(set(t.knobs_blocks.values())) > 1:
+                return None, "the knobs give the blocks different modes"
+            traced.append(t)
+            logs.append(log)
     try:
         composed = compose(logs[0], logs[1], n)
     except NotComposable as e:

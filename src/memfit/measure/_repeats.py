@@ -20,6 +20,13 @@ read. A copy's ops read the other call's parameter, gradient and state, so the c
 the storages each call reads (``reads``, the same structure in both): a recorded op's input
 that is one of the recorded call's reads becomes the same read of the copy's call, one born in
 the stretch becomes its copy, and any other (a storage every call shares) stays.
+
+Note 3 (another tracker). A stretch holds sizes, categories, events relative to its own
+storages, ops and costs: nothing of the tracker it was recorded in but its labels' storage
+ids. So it may be copied into another tracker of a trace made alike (the two twins of one
+step, ``trace.per_parameter``) where its labels name only the call's reads and its own
+births; one that names a storage every call shares (an id of the other tracker) is refused
+there.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ class Stretch:
     first: int = 0                  # the recorded storages' first id (Note 2)
     reads: tuple[int, ...] = ()     # the storage ids the recorded call read (Note 2)
     labelled: tuple = ()            # its ops' entries in the tracker's labels (Note 2)
+    ledger: int = 0                 # id of the ledger it was recorded in (Note 3)
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,7 @@ def recorded(tracker, mark: _Mark, reads: tuple[int, ...] = ()) -> Stretch | Non
     ops = tuple((tracker.op_events[j] - mark.events, tracker.op_log[j], tracker.op_costs[j],
                  tracker.op_backward[j]) for j in range(mark.ops, len(tracker.op_events)))
     return Stretch(storages, tuple((s - first, d) for s, d in zip(sids, deltas)), ops, first,
-                   tuple(reads), labelled)
+                   tuple(reads), labelled, id(led))
 
 
 def repeat(tracker, stretch: Stretch, reads: tuple[int, ...] = ()) -> bool:
@@ -95,7 +103,8 @@ def repeat(tracker, stretch: Stretch, reads: tuple[int, ...] = ()) -> bool:
     (Note 1); ``reads``: the storage ids this call reads, as the recorded call's (Note 2).
     False, and nothing appended, where the labels cannot follow the copy (reads that do not
     match)."""
-    if tracker.labels is not None and len(reads) != len(stretch.reads):
+    if tracker.labels is not None and (len(reads) != len(stretch.reads) or (
+            stretch.ledger != id(tracker.ledger) and not _portable(stretch))):
         return False
     led = tracker.ledger
     base = len(led._nbytes)
@@ -132,6 +141,13 @@ def repeat(tracker, stretch: Stretch, reads: tuple[int, ...] = ()) -> bool:
             tracker.watch.flops(flops, backward)
     _emit(led, stretch, base, done, len(stretch.events))
     return True
+
+
+def _portable(stretch: Stretch) -> bool:
+    """Its labels name no storage but the call's own reads and births (Note 3)."""
+    own = set(range(stretch.first, stretch.first + len(stretch.storages))) | set(stretch.reads)
+    return all(s in own for running, inputs, pairs, made, fetch in stretch.labelled
+               for s in (*inputs, *made, *(x for src, out in pairs for x in (*src, *out))))
 
 
 def _relabelled(labels, stretch: Stretch, base: int, read_of: dict[int, int]) -> None:
