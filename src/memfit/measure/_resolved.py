@@ -31,6 +31,20 @@ class Resolved:
     def at(self, event: int) -> int:
         return int(self.base_bytes if event < 0 else self.series[event])
 
+    def series_at(self, events: np.ndarray) -> np.ndarray:
+        """``at`` of each event, as an array."""
+        if not len(self.series):
+            return np.full(len(events), self.base_bytes, dtype=np.int64)
+        return np.where(events < 0, self.base_bytes, self.series[np.maximum(events, 0)])
+
+    def by_category_at(self, events: np.ndarray) -> np.ndarray:
+        """``breakdown_at`` of each event, as rows in ``CATEGORIES`` order."""
+        base = np.asarray(self.base_by_category, dtype=np.int64).reshape(1, -1)
+        if not len(self.by_category):
+            return np.repeat(base, len(events), axis=0)
+        rows = self.by_category[np.maximum(events, 0)]
+        return np.where((events < 0)[:, None], base, rows)
+
     def breakdown_at(self, event: int) -> dict[str, int]:
         row = self.base_by_category if event < 0 else self.by_category[event]
         return {name: int(row[i]) for i, name in enumerate(CATEGORIES)}

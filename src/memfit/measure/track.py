@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -238,17 +239,16 @@ class Tracker:
     @property
     def timeline(self) -> list[int]:
         """Live bytes after each op, in order (frees before the next op included)."""
-        r = self.resolved
-        return [r.at(e - 1) for e in self.op_events[self._window_op:]]
+        return self.resolved.series_at(self._window_events()).tolist()
 
     @property
     def timeline_by_category(self) -> dict[str, list[int]]:
-        r = self.resolved
-        out = {c: [] for c in L.CATEGORIES}
-        for e in self.op_events[self._window_op:]:
-            for name, v in r.breakdown_at(e - 1).items():
-                out[name].append(v)
-        return out
+        rows = self.resolved.by_category_at(self._window_events())
+        return {name: rows[:, i].tolist() for i, name in enumerate(L.CATEGORIES)}
+
+    def _window_events(self) -> np.ndarray:
+        """The ledger event after each op of the window (-1: none yet)."""
+        return np.asarray(self.op_events[self._window_op:], dtype=np.int64) - 1
 
     @property
     def modules(self) -> dict[str, ModuleRecord]:
