@@ -11,7 +11,7 @@ import torch
 import memfit
 from memfit.measure import Tracker
 from memfit.step import canonical_step, compute_loss
-from memfit.techniques import optimizer_offload
+from memfit.techniques import _offloaded_optimizer
 from memfit.techniques.optimizer_offload import OffloadedOptimizer, OptimizerOffload
 from memfit.trace.fake import FakeCopier
 from tests.helpers import tiny
@@ -273,7 +273,7 @@ def test_injected_copies_are_used_once_per_parameter_with_a_grad():
 
 
 def test_warns_once_per_process_on_the_cpu(monkeypatch):
-    monkeypatch.setattr(optimizer_offload, "_warned_unpinned", False)
+    monkeypatch.setattr(_offloaded_optimizer, "_warned_unpinned", False)
     model, _ = tiny("gpt2")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -285,7 +285,7 @@ def test_warns_once_per_process_on_the_cpu(monkeypatch):
 
 
 def test_fakes_do_not_warn(monkeypatch):
-    monkeypatch.setattr(optimizer_offload, "_warned_unpinned", False)
+    monkeypatch.setattr(_offloaded_optimizer, "_warned_unpinned", False)
     model, _ = tiny("gpt2")
     copier = FakeCopier("cpu")
     fake_model = copier.module(model)
