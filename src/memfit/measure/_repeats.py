@@ -48,6 +48,7 @@ class Stretch:
     reads: tuple[int, ...] = ()     # the storage ids the recorded call read (Note 2)
     labelled: tuple = ()            # its ops' entries in the tracker's labels (Note 2)
     ledger: int = 0                 # id of the ledger it was recorded in (Note 3)
+    portable: bool = True           # its labels name only its reads and births (Note 3)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def recorded(tracker, mark: _Mark, reads: tuple[int, ...] = ()) -> Stretch | Non
     ops = tuple((tracker.op_events[j] - mark.events, tracker.op_log[j], tracker.op_costs[j],
                  tracker.op_backward[j]) for j in range(mark.ops, len(tracker.op_events)))
     return Stretch(storages, tuple((s - first, d) for s, d in zip(sids, deltas)), ops, first,
-                   tuple(reads), labelled, id(led))
+                   tuple(reads), labelled, id(led), _portable(labelled, first, last, reads))
 
 
 def repeat(tracker, stretch: Stretch, reads: tuple[int, ...] = ()) -> bool:
@@ -104,7 +105,7 @@ def repeat(tracker, stretch: Stretch, reads: tuple[int, ...] = ()) -> bool:
     False, and nothing appended, where the labels cannot follow the copy (reads that do not
     match)."""
     if tracker.labels is not None and (len(reads) != len(stretch.reads) or (
-            stretch.ledger != id(tracker.ledger) and not _portable(stretch))):
+            stretch.ledger != id(tracker.ledger) and not stretch.portable)):
         return False
     led = tracker.ledger
     base = len(led._nbytes)
@@ -143,10 +144,11 @@ def repeat(tracker, stretch: Stretch, reads: tuple[int, ...] = ()) -> bool:
     return True
 
 
-def _portable(stretch: Stretch) -> bool:
-    """Its labels name no storage but the call's own reads and births (Note 3)."""
-    own = set(range(stretch.first, stretch.first + len(stretch.storages))) | set(stretch.reads)
-    return all(s in own for running, inputs, pairs, made, fetch in stretch.labelled
+def _portable(labelled: tuple, first: int, last: int, reads) -> bool:
+    """Labels that name no storage but the call's reads and its births ``first..last-1``
+    (Note 3)."""
+    own = set(range(first, last)) | set(reads)
+    return all(s in own for running, inputs, pairs, made, fetch in labelled
                for s in (*inputs, *made, *(x for src, out in pairs for x in (*src, *out))))
 
 
