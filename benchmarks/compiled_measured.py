@@ -4,10 +4,10 @@ own events beside memfit's estimate of it, row by row, in one run.
     python benchmarks/compiled_measured.py
 
 Each row's real step runs in a fresh process (tests/trace/_compiled_oracle.py: tiny config,
-random weights, Inductor, the third step's peak from ``torch.profiler``'s allocator events);
-memfit's estimate is made in this one. The rows are ``_compiled_oracle.ROWS``; ``pytest
---runslow tests/trace/test_compiled.py`` holds each within 1% but the known gap; this prints the
-figures. Nothing here is a GPU measurement.
+random weights, Inductor, the third step's peak from ``torch.profiler``'s allocator events,
+Python's cycle collector off while the steps run); memfit's estimate is made in this one. The
+rows are ``_compiled_oracle.ROWS``; ``pytest --runslow tests/trace/test_compiled.py`` holds
+each within 1%; this prints the figures. Nothing here is a GPU measurement.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ from memfit.techniques.quantized_base import QuantizedBase
 from memfit.techniques.optimizer_in_backward import check_knobs as check_in_backward
 from memfit.trace import FakeCopier, profile_step
 from memfit.trace.card import card_breakdown
+from memfit.trace._compile_garbage import CompileGarbage
 from memfit.trace._counted_compile import compiled_trace, eager_calls_note, eager_compiled_calls
 from memfit.trace.compiled import (check_budget, compile_failure, compiled_note,
                                    compiled_regions, eager_view, refuse_with_compiled,
@@ -62,7 +63,7 @@ from memfit.trace.cuda import CudaModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
 from memfit.trace.per_parameter import repeats_allowed
 from memfit.trace._layerdrop import without_layerdrop
-from memfit.trace.packed_attention import check_attention_device, packing_note
+from memfit.trace.packed_attention import check_attention_device, packing_note, uses_cache
 from memfit.trace.scaler import TraceGradScaler, warm_up_scaled
 from memfit.units import parse_bytes
 from memfit.units import format_bytes
@@ -93,6 +94,7 @@ class Traced:
     traced_as: str = "whole"
     regions: tuple = ()         # the compiled regions (trace.compiled), traced as compiled
     eager_calls: tuple = ()     # compiled code the step called that ran eagerly (trace.compiled)
+    garbage_bytes: int = 0      # what a compile's garbage holds through the step (trace.compiled)
     layerdrop: tuple = ()       # LayerDrop probabilities set to 0 in the trace (trace._layerdrop)
     warmed_all: bool = False    # its warm-up gave every trainable parameter a gradient, and the
                                 # counted step ran backward (``trace_step``)
@@ -165,8 +167,10 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
         fake_model = copier.module(model)
         fake_model.train(model.training)
         layerdrop = without_layerdrop(fake_model) if model.training else ()
+        garbage = None
         if regions:
             stack.enter_context(compiled_trace())
+            garbage = stack.enter_context(CompileGarbage())
             fake_model = wrap_regions(fake_model, regions, compiled,
                                       k.activation_memory_budget)
         fake_batch = copier.tree(batch)
@@ -199,7 +203,11 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
                 if runner.scheduler is not None:
                     runner.scheduler.step()
 
-        def host_state(tracker):
+        def between_steps(tracker):
+            if garbage is not None:           # what the compile left, alive as in a real run
+                garbage.keep()
+            if cuda is None:
+                return
             for t in cuda.host_tensors(runner.optimizer):
                 tracker.mark_host(t)
             for t in cuda.unified_tensors(runner.optimizer):
@@ -208,7 +216,8 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
         # steady state: optimizer state exists (and, under fp16, the scaler's scale: a warm-up
         # without a step, scaler); for a GPU, two whole steps for the allocator's history
         # (cuda); a rank, one micro-batch (RankLayout.warm_up). A user step always
-        # runs twice (_user_step)
+        # runs twice (_user_step), and so does a compiled model: Dynamo compiles in the first
+        # and leaves garbage holding what it compiled (trace._compile_garbage)
         warm_up = None
         if layout is not None:
             warm_up = lambda: layout.warm_up(runner, fake_batch, copier)  # noqa: E731
@@ -218,8 +227,10 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
         try:
             prof, tracker = profile_step(run, copier=copier, model=runner.model,
                                          optimizer=runner.optimizer, warm_up=warm_up,
-                                         two_steps=replay or user is not None,
-                                         on_state=host_state if cuda else None,
+                                         two_steps=replay or user is not None or
+                                         garbage is not None,
+                                         on_state=None if cuda is None and garbage is None
+                                         else between_steps,
                                          blocks=blocks, skip=skip)
         except Exception as e:
             if user is not None and (clear := explain_step_error(e, user)) is not None:
@@ -238,9 +249,10 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
                   sdpa_calls=list(cuda.sdpa_calls) if cuda else [],
                   unified_bytes=cuda.unified_bytes(runner.optimizer) if cuda else 0,
                   regions=tuple(regions), eager_calls=tuple(eager_calls),
+                  garbage_bytes=garbage.kept_bytes if garbage is not None else 0,
                   layerdrop=layerdrop,
                   warmed_all=not skip and layout is None and not optimizer_only and
-                  not replay and user is None)
+                  not replay and user is None and not regions)
 
 
 def figures(t: Traced) -> Estimate:
@@ -265,7 +277,8 @@ def figures(t: Traced) -> Estimate:
     for note in (torchao_note(runner.optimizer, spec.kind),
                  compiled_step_note(runner.optimizer, spec.kind)):
         notes += [note] if note else []
-    compiled = compiled_note(list(t.regions), spec.kind, runner.model)
+    compiled = compiled_note(list(t.regions), spec.kind, t.garbage_bytes,
+                             t.garbage_bytes > 0 and uses_cache(runner.model, batch))
     notes += [compiled] if compiled else []
     eager = eager_calls_note(list(t.eager_calls))
     notes += [eager] if eager else []

@@ -24,11 +24,9 @@ and ``aot_eager_decomp_partition`` run as described; any other backend is refuse
 Inductor generates the code for the traced device: the CPU's (C++) code for every trace, so for
 a GPU target the buffers are those Inductor plans for CPU code (its CUDA code fuses by other
 rules), which ``compiled_note`` says. CUDA graphs (``mode="reduce-overhead"``) keep a private
-pool memfit does not model, also said. So is a transformers KV cache (``config.use_cache``)
-under per-block compile: the blocks write keys and values into a Python object, and Dynamo's
-record of that side effect keeps the object of the call it compiled alive as long as the
-compiled code lives (docs/compiled.md, "Measured"); the trace counts only what the step
-touches, and training needs no cache. Compiled code memfit does not compile itself (a
+pool memfit does not model, also said. What the first step's compile leaves alive (its
+garbage holds the objects of the call it compiled, a transformers KV cache among them, until
+Python's next full collection) is counted and said (``trace._compile_garbage``). Compiled code memfit does not compile itself (a
 ``torch.compile``d function in a loss or a user's step) runs eagerly under the trace's modes;
 ``trace._counted_compile.eager_compiled_calls`` finds it and the estimate says so.
 
@@ -55,8 +53,9 @@ from torch import nn
 
 from memfit.measure._compile_aware import is_compiled_in_place, is_compiled_wrapper
 from memfit.measure._modules import find_blocks
-from memfit.trace._counted_compile import counted_backend
 from memfit.trace._coded_weights import holds_coded_weights
+from memfit.trace._counted_compile import counted_backend
+from memfit.units import format_bytes
 
 __all__ = ["Region", "compiled_regions", "eager_view", "wrap_regions", "compiled_note",
            "compile_failure", "refuse_with_compiled", "compile_model", "check_budget",
@@ -318,8 +317,11 @@ def compile_failure(error: Exception, regions: list[Region]) -> str:
             f"see whether it compiles, or estimate the model uncompiled")
 
 
-def compiled_note(regions: list[Region], device_kind: str, model: nn.Module) -> str | None:
-    """What the estimate of a compiled job says about how it was modelled (Note 3)."""
+def compiled_note(regions: list[Region], device_kind: str, garbage_bytes: int = 0,
+                  cache_on: bool = False) -> str | None:
+    """What the estimate of a compiled job says about how it was modelled (Note 3);
+    ``garbage_bytes``: what the compile's garbage held through the step (Note 3), of which the
+    model's KV cache where ``cache_on``."""
     if not regions:
         return None
     words = [f"compiled: {_listed(regions)}; traced through Dynamo "
@@ -327,14 +329,12 @@ def compiled_note(regions: list[Region], device_kind: str, model: nn.Module) -> 
              f"as the backend's generated code allocates them"]
     if device_kind == "cuda" and any(r.backend_name == "inductor" for r in regions):
         words.append(CPU_CODE_NOTE)
-    can_generate = getattr(model, "can_generate", None)
-    if any(r.name for r in regions) and \
-            getattr(getattr(model, "config", None), "use_cache", False) and \
-            callable(can_generate) and can_generate():       # a decoder that makes a KV cache
-        words.append("the model's KV cache is on (config.use_cache): with blocks compiled one "
-                     "by one, Dynamo keeps the keys and values of the call it compiled alive, "
-                     "which the trace does not count; training needs no cache: set "
-                     "model.config.use_cache = False")
+    if garbage_bytes:
+        words.append(f"{format_bytes(garbage_bytes)} of the first step stay alive, held by the "
+                     "compile's garbage until Python's next full collection: counted, as a "
+                     "run's first steps hold them" + (
+                         " (the model's KV cache: training needs none, set "
+                         "model.config.use_cache = False)" if cache_on else ""))
     if any(r.mode and "reduce-overhead" in r.mode for r in regions):
         words.append("CUDA graphs (mode reduce-overhead) keep a private memory pool memfit "
                      "does not count")

@@ -29,7 +29,7 @@ import torch
 from memfit.trace.cuda_flash_attn import is_open as flash_attn_open
 from memfit.units import format_bytes
 
-__all__ = ["packed_sequences", "packing_note", "check_attention_device"]
+__all__ = ["packed_sequences", "packing_note", "check_attention_device", "uses_cache"]
 
 
 def packed_sequences(batch) -> tuple[int, int] | None:
@@ -62,7 +62,8 @@ def check_attention_device(model, device_kind: str, sharded: bool = False) -> No
                          "(gpus > 1): estimate one GPU, or use sdpa for the sharded estimate")
 
 
-def _uses_cache(model, batch) -> bool:
+def uses_cache(model, batch) -> bool:
+    """Whether the model's forward builds a KV cache for this batch (transformers' rule)."""
     value = batch.get("use_cache") if isinstance(batch, Mapping) else None
     if value is None:
         value = getattr(getattr(model, "config", None), "use_cache", False)
@@ -83,7 +84,7 @@ def packing_note(model, batch, sdpa_calls: list[str] | None = None,
     if attn == "flash_attention_2":
         return head + ("; flash_attention_2 runs flash_attn_varlen_func on them: no tokens x "
                        "tokens mask")
-    if _uses_cache(model, batch):
+    if uses_cache(model, batch):
         return head + (f", but the forward builds a cache (config.use_cache is True), and "
                        f"transformers then ignores the packing under {attn}: each sequence "
                        "attends to the ones before it, and no mask is made. Set "
