@@ -148,14 +148,8 @@ def _every_layer(fn):
     return run
 
 
-# A known gap, found by a sweep of architectures in no test (session 20): BART's estimate is
-# 4-16 KB (0.5%) above the real step, in its backward; it failed this test's older form too.
-# The test fails the day it closes (strict)
-_BART_GAP = pytest.mark.xfail(strict=True, reason="BART's backward is 0.5% above the real step")
-
-
 @pytest.mark.parametrize("arch", ["wav2vec2", pytest.param("hubert", marks=pytest.mark.slow),
-                                  pytest.param("bart", marks=[pytest.mark.slow, _BART_GAP])])
+                                  pytest.param("bart", marks=pytest.mark.slow)])
 def test_layerdrop_is_off_in_the_trace_and_ctc_is_traced_with_the_real_draws(arch):
     """A budget must hold every step: the estimate is the real step that runs every layer
     (trace._layerdrop), whatever the generators' state; a step that drops layers holds less.
@@ -165,20 +159,44 @@ def test_layerdrop_is_off_in_the_trace_and_ctc_is_traced_with_the_real_draws(arc
     runs = {seed: layers_run(model, batch, seed) for seed in range(6)}
     fewest, most = min(runs, key=runs.get), max(runs, key=runs.get)
     assert runs[fewest] < runs[most]                 # the two seeds drop different layers
-    every = real_second_step(model, batch, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                             _every_layer(memfit_step), seed=0)
+    host_scalars = 0            # what the allocator may count above the device's bytes
+    if arch == "bart":
+        every, host_scalars = _bart_by_the_allocator()
+    else:
+        every = real_second_step(model, batch, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                 _every_layer(memfit_step), seed=0)
     for seed in (fewest, most):
         model, batch = MODELS[arch](0.5)
         torch.manual_seed(seed)
         np.random.seed(seed)
         est = memfit.estimate(model, batch, optimizer="adamw")
-        assert est.peak_bytes == every, (seed, runs[seed])
+        assert 0 <= every - est.peak_bytes <= host_scalars, (seed, runs[seed])
         assert any(n.startswith("LayerDrop (") for n in est.notes)
         assert model.config.to_dict().get("layerdrop", 0.5) == 0.5 and \
             getattr(model.config, "encoder_layerdrop", 0.5) == 0.5        # the user's, as given
     dropped = real_second_step(model, batch, torch.optim.AdamW(model.parameters(), lr=1e-4),
                                memfit_step, seed=fewest, first=_every_layer(canonical_step_fn))
     assert dropped < every
+
+
+def _bart_by_the_allocator() -> tuple[int, int]:
+    """BART's second step, every layer run, by the CPU allocator's own events (no mode: the
+    ``LiveBytes`` oracle is a dispatch mode, which sees no CPU attention kernel's scratch and
+    turns the engine's in-place gradient sums off): (its peak, the bytes of the 8-byte CPU
+    tensors the scaled embeddings' ``* embed_scale`` save for backward, one each: a Python
+    number, kept on the host on a GPU, which the trace does not count)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.trace._compiled_oracle import allocator_peak
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, batch = bart_model(0.5)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for i in range(2):
+            with torch.profiler.record_function(f"step{i}"):
+                _every_layer(memfit_step)(model, batch, optimizer)
+    scalars = sum(type(m).__name__ == "BartScaledWordEmbedding" for m in model.modules())
+    return allocator_peak(prof, "step1"), 8 * scalars
 
 
 def canonical_step_fn(m, b, o):

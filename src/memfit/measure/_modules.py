@@ -48,6 +48,11 @@ every tensor input that needs one, however it was passed. So a module given a te
 others read too ends when that tensor's whole gradient is done, as a block always did: a BART
 decoder layer's cross-attention, given the encoder's output as ``key_value_states``, ends
 when the last layer's contribution to it is summed.
+
+Note 6 (the end of a module with several inputs). torch's "all" multi-grad hook keeps each
+gradient it is handed until the last arrives; a module whose inputs' gradients complete far
+apart (a cross-attention, given the encoder's output) held the early ones that long. Its end
+is watched by ``measure._grad_hooks.when_all_gradients``, which counts and holds none.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from memfit.measure._compile_aware import watched_modules
+from memfit.measure._grad_hooks import when_all_gradients
 from memfit.measure._ledger import storages_of
 from memfit.measure._sizes import hint
 
@@ -251,7 +257,8 @@ class ModuleWatch:
         key = self._next_key
         self._next_key += 1
         fn = functools.partial(hook, weakref.ref(self), key, name)      # Note 1: weak
-        self._bw_handles[key] = register_multi_grad_hook(tensors, fn, mode=mode)
+        self._bw_handles[key] = register_multi_grad_hook(tensors, fn, mode="any") \
+            if mode == "any" else when_all_gradients(tensors, fn)    # Note 6: holds none
         return key
 
     def _begin_pass(self) -> None:
@@ -345,7 +352,7 @@ def _started(ref, key: int, name: str, grad) -> None:
         watch._pre_bw(name)
 
 
-def _ended(ref, key: int, name: str, grads) -> None:
+def _ended(ref, key: int, name: str, grad=None) -> None:
     """A module's backward ends: every gradient of its inputs that this pass computes."""
     watch = ref()
     if watch is not None and watch._open:
