@@ -41,6 +41,15 @@ ROWS = [
     {"model": "vit-base", "batch": 2, "compile": "blocks"},
     {"model": "vit-base", "batch": 2, "compile": "model"},
     {**_LLAMA, "compile": "blocks", "use_cache": True},
+    {**_LLAMA, "compile": "model", "activation_memory_budget": 0.5},
+    {**_LLAMA, "compile": "blocks", "activation_memory_budget": 0.5},
+    {**_GPT2, "compile": "blocks", "activation_memory_budget": 0.5},
+    {**_GPT2, "compile": "blocks", "activation_memory_budget": 0.0},
+    {**_LLAMA, "compile": "blocks", "activation_memory_budget": 0.0},
+    {"model": "vit-base", "batch": 2, "compile": "blocks", "activation_memory_budget": 0.5},
+    {"model": "vit-base", "batch": 2, "compile": "model", "activation_memory_budget": 0.5},
+    {"model": "vit-base", "batch": 2, "compile": "model", "activation_memory_budget": 0.0},
+    {"model": "vit-base", "batch": 2, "compile": "blocks", "activation_memory_budget": 0.0},
 ]
 
 
