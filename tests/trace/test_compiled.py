@@ -24,6 +24,7 @@ from memfit.knobs import Knobs
 from memfit.trace import FakeCopier
 from memfit.trace._counted_compile import compiled_trace
 from memfit.trace.compiled import compiled_regions, eager_view, wrap_regions
+from memfit.units import format_bytes
 from tests.trace._compiled_oracle import (DEFAULT_ROW, ROWS, build, estimated,
                                           measured_in_fresh_process)
 
@@ -308,3 +309,24 @@ def test_compiled_code_memfit_does_not_compile_is_said_to_run_eagerly():
     assert [n for n in said.notes if "ran eagerly in the trace" in n and "<lambda>" in n]
     quiet = memfit.estimate(memfit.Job(model, batch, loss_fn=plain_loss))
     assert not [n for n in quiet.notes if "ran eagerly" in n]
+
+
+def test_cuda_graphs_are_found_however_torch_records_them_and_bounded():
+    """torch keeps ``mode="reduce-overhead"`` as the option ``triton.cudagraphs``, not as a
+    mode, so the note that the pool is not modelled never showed; it now does, with an upper
+    bound: every byte the counted step allocates, and what was alive at its start that is not
+    a parameter, gradient or optimizer state (the graphs' inputs they may copy)."""
+    for mode in ("reduce-overhead", "max-autotune"):
+        (region,) = compiled_regions(torch.compile(_mlp(), mode=mode))
+        assert region.cuda_graphs
+    assert not compiled_regions(torch.compile(_mlp()))[0].cuda_graphs
+    x = torch.randn(4, 16)
+    est = memfit.estimate(memfit.Job(torch.compile(_mlp(), mode="reduce-overhead"), x,
+                                     loss_fn=_sum))
+    bound = sum(c[3] for c in est.op_costs) + est.start_breakdown["inputs"] + \
+        est.start_breakdown["other"]
+    assert bound >= est.peak_bytes - sum(est.start_breakdown.values()) > 0   # what it adds
+    (note,) = [n for n in est.notes if "CUDA graphs" in n]
+    assert format_bytes(bound) in note
+    plain = memfit.estimate(memfit.Job(torch.compile(_mlp()), x, loss_fn=_sum))
+    assert not any("CUDA graphs" in n for n in plain.notes)

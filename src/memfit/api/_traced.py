@@ -56,7 +56,7 @@ from memfit.trace import FakeCopier, profile_step
 from memfit.trace.card import card_breakdown
 from memfit.trace._compile_garbage import CompileGarbage
 from memfit.trace._counted_compile import compiled_trace, eager_calls_note, eager_compiled_calls
-from memfit.trace.compiled import (check_budget, compile_failure, compiled_note,
+from memfit.trace.compiled import (check_budget, compile_failure, compiled_note, graph_pool_bound,
                                    compiled_regions, eager_view, refuse_with_compiled,
                                    wrap_regions)
 from memfit.trace.cuda import CudaModel
@@ -277,8 +277,11 @@ def figures(t: Traced) -> Estimate:
     for note in (torchao_note(runner.optimizer, spec.kind),
                  compiled_step_note(runner.optimizer, spec.kind)):
         notes += [note] if note else []
+    graphs = any(r.cuda_graphs for r in t.regions)
     compiled = compiled_note(list(t.regions), spec.kind, t.garbage_bytes,
-                             t.garbage_bytes > 0 and uses_cache(runner.model, batch))
+                             t.garbage_bytes > 0 and uses_cache(runner.model, batch),
+                             graph_pool_bound(prof.op_costs, prof.start_breakdown)
+                             if graphs else 0)
     notes += [compiled] if compiled else []
     eager = eager_calls_note(list(t.eager_calls))
     notes += [eager] if eager else []

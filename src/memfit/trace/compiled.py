@@ -23,10 +23,12 @@ Note 3 (what is modelled). The backends ``inductor`` (the default), ``eager``, `
 and ``aot_eager_decomp_partition`` run as described; any other backend is refused by name.
 Inductor generates the code for the traced device: the CPU's (C++) code for every trace, so for
 a GPU target the buffers are those Inductor plans for CPU code (its CUDA code fuses by other
-rules), which ``compiled_note`` says. CUDA graphs (``mode="reduce-overhead"``) keep a private
-pool memfit does not model, also said. What the first step's compile leaves alive (its
-garbage holds the objects of the call it compiled, a transformers KV cache among them, until
-Python's next full collection) is counted and said (``trace._compile_garbage``). Compiled code memfit does not compile itself (a
+rules), which ``compiled_note`` says. CUDA graphs (``mode="reduce-overhead"``, kept by torch
+as the option ``triton.cudagraphs``) keep a private pool memfit does not model, also said, with
+an upper bound (``graph_pool_bound``). What the first step's compile leaves alive (its garbage
+holds the objects of the call it compiled, a transformers KV cache among them, until Python's
+next full collection) is counted and said (``trace._compile_garbage``). Compiled code memfit
+does not compile itself (a
 ``torch.compile``d function in a loss or a user's step) runs eagerly under the trace's modes;
 ``trace._counted_compile.eager_compiled_calls`` finds it and the estimate says so.
 
@@ -58,8 +60,9 @@ from memfit.trace._counted_compile import counted_backend
 from memfit.units import format_bytes
 
 __all__ = ["Region", "compiled_regions", "eager_view", "wrap_regions", "compiled_note",
-           "compile_failure", "refuse_with_compiled", "compile_model", "check_budget",
-           "optimizer_step_region", "COMPILE_WAYS", "MODELLED_BACKENDS", "CPU_CODE_NOTE"]
+           "graph_pool_bound", "compile_failure", "refuse_with_compiled", "compile_model",
+           "check_budget", "optimizer_step_region", "COMPILE_WAYS", "MODELLED_BACKENDS",
+           "CPU_CODE_NOTE"]
 
 MODELLED_BACKENDS = ("inductor", "eager", "aot_eager", "aot_eager_decomp_partition")
 # said of an Inductor-compiled piece of a GPU target's step (Note 3)
@@ -97,6 +100,14 @@ class Region:
     mode: str | None         # inductor's mode, None for the default
     options: tuple           # inductor's options, as sorted (key, value) pairs
     in_place: bool           # module.compile(), not a wrapper
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether its code runs as CUDA graphs: ``mode="reduce-overhead"`` (or
+        "max-autotune"), which torch keeps as the option ``triton.cudagraphs``, not as a mode."""
+        return bool(self.mode and ("reduce-overhead" in self.mode or
+                                   self.mode == "max-autotune")) or \
+            ("triton.cudagraphs", "True") in self.options
 
     def describe(self) -> str:
         where = self.name or "the model"
@@ -317,11 +328,22 @@ def compile_failure(error: Exception, regions: list[Region]) -> str:
             f"see whether it compiles, or estimate the model uncompiled")
 
 
+def graph_pool_bound(op_costs, start_breakdown: dict[str, int]) -> int:
+    """The most a CUDA graph tree's private pool can hold over a step (Note 3): its memory
+    is allocated while the graphs run, so at most every byte the step allocates (``op_costs``,
+    ``measure._counting``'s, the allocations last), plus the copies it makes of the graphs'
+    inputs from outside them (the batch, the module buffers: at most what was alive at the
+    step's start that is not a parameter, a gradient or optimizer state)."""
+    outside = start_breakdown.get("inputs", 0) + start_breakdown.get("other", 0)
+    return sum(c[3] for c in op_costs) + outside
+
+
 def compiled_note(regions: list[Region], device_kind: str, garbage_bytes: int = 0,
-                  cache_on: bool = False) -> str | None:
+                  cache_on: bool = False, graph_pool_bound: int = 0) -> str | None:
     """What the estimate of a compiled job says about how it was modelled (Note 3);
     ``garbage_bytes``: what the compile's garbage held through the step (Note 3), of which the
-    model's KV cache where ``cache_on``."""
+    model's KV cache where ``cache_on``; ``graph_pool_bound``: the most a CUDA graph pool can
+    add (``graph_pool_bound``)."""
     if not regions:
         return None
     words = [f"compiled: {_listed(regions)}; traced through Dynamo "
@@ -335,7 +357,9 @@ def compiled_note(regions: list[Region], device_kind: str, garbage_bytes: int = 
                      "run's first steps hold them" + (
                          " (the model's KV cache: training needs none, set "
                          "model.config.use_cache = False)" if cache_on else ""))
-    if any(r.mode and "reduce-overhead" in r.mode for r in regions):
-        words.append("CUDA graphs (mode reduce-overhead) keep a private memory pool memfit "
-                     "does not count")
+    if any(r.cuda_graphs for r in regions):
+        words.append("CUDA graphs (mode reduce-overhead) keep a private memory pool across "
+                     "steps that memfit does not model: the card may hold up to "
+                     f"{format_bytes(graph_pool_bound)} more (an upper bound: every byte the "
+                     "step allocates, and the inputs the graphs copy, held at once)")
     return "; ".join(words)
