@@ -51,3 +51,20 @@ def test_the_collector_comes_back_on_without_keep():
     except RuntimeError:
         pass
     assert gc.isenabled() == was
+
+
+def test_garbage_from_before_the_trace_is_not_its_own():
+    """An earlier trace's compile left its garbage (frozen while this trace runs): not kept,
+    and collected after it as before."""
+    held = torch.ones(128)
+    cache = LazyCache(held, LocalSource("y"))
+    cache.me = cache
+    ref = _storage_ref(held)
+    del held, cache
+    with CompileGarbage() as garbage:
+        garbage.keep()
+        assert garbage.kept_bytes == 0
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert _expired(ref)
+    torch.UntypedStorage._free_weak_ref(ref)
