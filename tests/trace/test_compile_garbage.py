@@ -50,7 +50,7 @@ def test_the_collector_comes_back_on_without_keep():
             raise RuntimeError("the first step failed")
     except RuntimeError:
         pass
-    assert gc.isenabled() == was
+    assert gc.isenabled() == was and gc.get_freeze_count() == 0
 
 
 def test_garbage_from_before_the_trace_is_not_its_own():
