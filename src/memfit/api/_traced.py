@@ -32,26 +32,21 @@ import contextlib
 from collections import Counter
 from dataclasses import dataclass
 
-from torch.utils.checkpoint import CheckpointError
-
 from memfit.api._estimate_result import Estimate
 from memfit.api._setup import build_runner, resolve_device, resolve_precision
 from memfit.api._rank_layout import RankLayout
-from memfit.api._user_step import (as_user_step, check_cuda_autocast, check_step_knobs,
-                                   explain_step_error, step_notes, with_backward_phase)
-from memfit.api._validate import check_batch, check_micro_batch, describe_batch_mismatch
+from memfit.api._step_args import checked_step, described
+from memfit.api._user_step import (check_cuda_autocast, explain_step_error, step_notes,
+                                   with_backward_phase)
 from memfit.errors import TraceError
 from memfit.knobs import Knobs
 from memfit.measure._cpu_scratch import target as scratch_target
 from memfit.memplan import storage_log
 from memfit.optimizers import OptimizerRecipe
 from memfit.planner import Plan
-from memfit.step import prepare_batch
 from memfit.techniques._torchao_user import step_note as torchao_note
-from memfit.techniques.accumulation import batch_size_of
 from memfit.techniques.compiled_optimizer import step_note as compiled_step_note
 from memfit.techniques.quantized_base import QuantizedBase
-from memfit.techniques.optimizer_in_backward import check_knobs as check_in_backward
 from memfit.trace import FakeCopier, profile_step
 from memfit.trace.card import card_breakdown
 from memfit.trace._compile_garbage import CompileGarbage
@@ -139,7 +134,7 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
         optimizer_only = False        # Note 1: no optimizer phase to trace alone
     spec = resolve_device(model, device, cuda_version)        # checks the model first
     regions = compiled_regions(model)          # a backend memfit does not model: refused
-    user, k, batch = _checked_step(model, batch, loss_fn, k, step, scheduler,
+    user, k, batch = checked_step(model, batch, loss_fn, k, step, scheduler,
                                    compiled=bool(regions))
     k = k.replace(precision=resolve_precision(k.precision, spec))
     if layout is not None:
@@ -229,15 +224,14 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
                                          optimizer=runner.optimizer, warm_up=warm_up,
                                          two_steps=replay or user is not None or
                                          garbage is not None,
-                                         on_state=None if cuda is None and garbage is None
-                                         else between_steps,
+                                         on_state=between_steps,
                                          blocks=blocks, skip=skip)
         except Exception as e:
             if user is not None and (clear := explain_step_error(e, user)) is not None:
                 raise clear from e
             if regions and type(e).__module__.startswith("torch._dynamo"):
                 raise TraceError(compile_failure(e, regions)) from e
-            raise _described(e, model, batch, loss_fn)
+            raise described(e, model, batch, loss_fn)
         if regions and not compiled:
             raise TraceError(f"torch.compile ran {regions[0].describe()} eagerly in the trace "
                              f"(Dynamo compiled none of its graphs), so memfit cannot say what "
@@ -308,43 +302,6 @@ def figures(t: Traced) -> Estimate:
         traced_as=t.traced_as,
     )
     return est
-
-
-def _described(e: Exception, model, batch, loss_fn) -> Exception:
-    """A trace's exception as the user's mistake it reveals (the batch does not fit the
-    model's forward), chained to it; else the exception itself."""
-    if isinstance(e, TypeError) and loss_fn is None and (
-            "unexpected keyword argument" in str(e) or "required positional argument" in str(e)):
-        err = ValueError(f"the batch does not match {type(model).__name__}.forward: {e}")
-    elif isinstance(e, RuntimeError) and not isinstance(e, (TraceError, CheckpointError)) and \
-            ("shape" in str(e) or "size" in str(e)):
-        err = describe_batch_mismatch(model, batch, e)
-    else:
-        return e
-    err.__cause__ = e
-    return err
-
-
-def _checked_step(model, batch, loss_fn, k: Knobs, step, scheduler, compiled: bool = False):
-    """(the user's step or None, the knobs it leaves, the batch as the step takes it), each
-    checked before any trace; ``compiled``: the model has compiled regions
-    (``memfit.step.prepare_batch``)."""
-    user = as_user_step(step)
-    if scheduler is not None and (hasattr(scheduler, "step") or not callable(scheduler)):
-        raise ValueError("estimate traces on a fake optimizer, so a scheduler built on the real "
-                         "one cannot be used: pass scheduler=a factory, e.g. "
-                         "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
-    if user is not None:
-        k = check_step_knobs(k, batch_size_of(batch), loss_fn)
-    if k.precision == "auto":
-        raise ValueError("estimate needs a fixed precision (fp32, fp16, bf16, bf16-pure); "
-                         "'auto' is for memfit.plan and memfit.fit")
-    if user is None:               # a user step takes the batch as given (_user_step)
-        batch = prepare_batch(batch, compiled)
-        check_batch(model, batch, loss_fn)
-    check_micro_batch(k.micro_batch_size, batch_size_of(batch))
-    check_in_backward(k, batch_size_of(batch))      # optimizer_in_backward's refusals
-    return user, k, batch
 
 
 def _on_the_card(t: "Traced"):
