@@ -49,10 +49,9 @@ others read too ends when that tensor's whole gradient is done, as a block alway
 decoder layer's cross-attention, given the encoder's output as ``key_value_states``, ends
 when the last layer's contribution to it is summed.
 
-Note 6 (the end of a module with several inputs). torch's "all" multi-grad hook keeps each
-gradient it is handed until the last arrives; a module whose inputs' gradients complete far
-apart (a cross-attention, given the encoder's output) held the early ones that long. Its end
-is watched by ``measure._grad_hooks.when_all_gradients``, which counts and holds none.
+Note 6 (several inputs). torch's "all" multi-grad hook keeps each gradient until the last
+arrives (a cross-attention's, given the encoder's output, held the early one that long); the
+end is watched by ``measure._grad_hooks.when_all_gradients``, which counts and holds none.
 """
 
 from __future__ import annotations

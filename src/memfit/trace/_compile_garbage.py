@@ -35,6 +35,8 @@ import gc
 
 import torch
 
+from memfit.measure._ledger import storages_of
+
 __all__ = ["CompileGarbage"]
 
 
@@ -82,11 +84,9 @@ class CompileGarbage:
             reached.add(id(o))
             stack += [r for r in gc.get_referents(o) if id(r) in by_id]
         self.kept = [by_id[i] for i in reached]
-        storages = {}
-        for o in self.kept:
-            if issubclass(type(o), torch.Tensor) and o.device.type != "meta":   # not a proxy
-                st = o.untyped_storage()
-                storages[st._cdata] = st.nbytes()
+        storages = {st._cdata: st.nbytes() for o in self.kept      # issubclass: not a proxy
+                    if issubclass(type(o), torch.Tensor) and o.device.type != "meta"
+                    for st in storages_of(o)}
         self.kept_bytes = sum(storages.values())
         del garbage, by_id, stack
         gc.collect()             # the rest, unreachable again: freed before the counted step
