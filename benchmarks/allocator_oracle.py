@@ -35,12 +35,10 @@ MODELS = ("bert-base", "gpt2", "llama-1b", "t5-base", "whisper-small", "deberta-
 
 def one(name: str) -> dict:
     """The real step's peak and memfit's estimate of ``name`` (run in a fresh process)."""
-    from torch.profiler import ProfilerActivity, profile
-
     import memfit
     from memfit import zoo
     from memfit.step import canonical_step, prepare_batch
-    from tests.trace._compiled_oracle import allocator_peak
+    from tests.trace._compiled_oracle import last_step_peak
 
     spec = zoo.get(name)
 
@@ -49,16 +47,14 @@ def one(name: str) -> dict:
         model = spec.build(tiny=True, device="cpu")
         return model, prepare_batch(spec.make_batch(model, 2))
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    def make():
         model, batch = build()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        for i in range(3):
-            with torch.profiler.record_function(f"step{i}"):
-                canonical_step(model, optimizer, batch)
+        return model, batch, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    measured = last_step_peak(make, lambda m, b, o: canonical_step(m, o, b))
     model, batch = build()
     est = memfit.estimate(memfit.Job(model, batch), device="cpu")
-    return {"model": name, "measured_bytes": allocator_peak(prof, "step2"),
-            "memfit_bytes": est.peak_bytes}
+    return {"model": name, "measured_bytes": measured, "memfit_bytes": est.peak_bytes}
 
 
 def main() -> None:

@@ -148,23 +148,38 @@ def measured_peak(job: dict) -> int:
             gc.enable()
 
 
-def _measured_peak(job: dict) -> int:
+def last_step_peak(make, step, steps: int = 3) -> int:
+    """The peak of the last of ``steps`` real steps, from the CPU allocator's own events:
+    ``make()`` builds what the steps use inside the profile (so every live byte is one the
+    profiler saw allocated) and ``step(*made)`` runs one."""
     from torch.profiler import ProfilerActivity, profile
 
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        made = make()
+        for i in range(steps):
+            with torch.profiler.record_function(f"step{i}"):
+                step(*made)
+    return allocator_peak(prof, f"step{steps - 1}")
+
+
+def _measured_peak(job: dict) -> int:
     if "torchao" in job:
         return _torchao_peak(job)
     if job.get("compiled_optimizer"):
         return _compiled_optimizer_peak(job)
-    with budget(job), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+
+    def make():
         _, model, batch = build(job)
-        run = compile_as(model, job["compile"])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for i in range(3):
-            with torch.profiler.record_function(f"step{i}"):
-                opt.zero_grad(set_to_none=True)
-                run(**batch).loss.backward()
-                opt.step()
-    return allocator_peak(prof, "step2")
+        return compile_as(model, job["compile"]), batch, \
+            torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(run, batch, opt):
+        opt.zero_grad(set_to_none=True)
+        run(**batch).loss.backward()
+        opt.step()
+
+    with budget(job):
+        return last_step_peak(make, step)
 
 
 def optimizer_job(job: dict):
@@ -176,34 +191,26 @@ def optimizer_job(job: dict):
     return model, batch, None
 
 
-def _compiled_optimizer_peak(job: dict) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
+def _canonical(model, batch, loss_fn, optimizer):
     from memfit.step import canonical_step
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    canonical_step(model, optimizer, batch, loss_fn)
+
+
+def _compiled_optimizer_peak(job: dict) -> int:
+    def make():
         model, batch, loss_fn = optimizer_job(job)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         optimizer.step = torch.compile(optimizer.step)
-        for i in range(3):
-            with torch.profiler.record_function(f"step{i}"):
-                canonical_step(model, optimizer, batch, loss_fn)
-    return allocator_peak(prof, "step2")
+        return model, batch, loss_fn, optimizer
+
+    return last_step_peak(make, _canonical)
 
 
 def _torchao_peak(job: dict) -> int:
     """Three steps of memfit's plain loop (``canonical_step``) with torchao's own class, its
     step compiled by torchao; the third step's peak."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from memfit.step import canonical_step
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model, batch, loss_fn, optimizer = torchao_job(job)
-        for i in range(3):
-            with torch.profiler.record_function(f"step{i}"):
-                canonical_step(model, optimizer, batch, loss_fn)
-    return allocator_peak(prof, "step2")
+    return last_step_peak(lambda: torchao_job(job), _canonical)
 
 
 if __name__ == "__main__":

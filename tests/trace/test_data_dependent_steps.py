@@ -185,18 +185,16 @@ def _bart_by_the_allocator() -> tuple[int, int]:
     turns the engine's in-place gradient sums off): (its peak, the bytes of the 8-byte CPU
     tensors the scaled embeddings' ``* embed_scale`` save for backward, one each: a Python
     number, kept on the host on a GPU, which the trace does not count)."""
-    from torch.profiler import ProfilerActivity, profile
+    from tests.trace._compiled_oracle import last_step_peak
 
-    from tests.trace._compiled_oracle import allocator_peak
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    def make():
         model, batch = bart_model(0.5)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        for i in range(2):
-            with torch.profiler.record_function(f"step{i}"):
-                _every_layer(memfit_step)(model, batch, optimizer)
-    scalars = sum(type(m).__name__ == "BartScaledWordEmbedding" for m in model.modules())
-    return allocator_peak(prof, "step1"), 8 * scalars
+        return model, batch, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    peak = last_step_peak(make, _every_layer(memfit_step), steps=2)
+    scalars = sum(type(m).__name__ == "BartScaledWordEmbedding"
+                  for m in bart_model(0.5)[0].modules())
+    return peak, 8 * scalars
 
 
 def canonical_step_fn(m, b, o):
