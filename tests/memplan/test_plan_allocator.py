@@ -224,3 +224,30 @@ def test_the_planned_trace_every_front_draws_is_the_plans_bytes(mlp_case):
     fig = before_after_figure(planned.plain, chosen, limit_bytes=p.budget_bytes)
     level = [ln for ln in fig.axes[1].get_lines() if ln.get_label().startswith(RESERVED_LEVEL_LABEL)]
     assert level and f"{memfit.format_bytes(p.predicted_device_bytes)};" in level[0].get_label()
+
+
+@pytest.mark.parametrize("name, knobs, gpu", [
+    ("gpt2", dict(precision="fp16"), "gtx-1080-ti"),
+    ("llama-1b", dict(precision="bf16", checkpoint="all"), GPU),
+    ("bert-base", dict(precision="fp16", offload="all", optimizer_state="8bit"), "t4"),
+    ("gpt2", dict(micro_batch_size=2), "gtx-1080-ti"),
+])
+def test_no_setting_reserves_below_the_allocated_peak_and_the_default_is_the_traces(
+        name, knobs, gpu):
+    """Note 6's premises, on steps of several kinds; the bound they give skips the replays."""
+    from memfit import zoo
+    from memfit.memplan import allocator_options
+
+    spec = zoo.get(name)
+    model = spec.build(tiny=True, device="meta")
+    est = memfit.estimate(model, spec.make_batch(model, 4), device=gpu, **knobs)
+    opts = allocator_options(est, ("default", "optimizer-pool", "phase-pools"))
+    assert opts.default.reserved_bytes == est.reserved_bytes
+    assert all(o.allocated_bytes == est.peak_bytes <= o.reserved_bytes for o in opts.options)
+    assert est.reserved_bytes > est.peak_bytes          # a case where a setting could save
+    choice = AllocatorChoice(model, memfit.get_device(gpu), None)
+    most = est.reserved_bytes - est.peak_bytes
+    assert not choice.fits(est, 0, est.device_bytes - most - 1)
+    assert choice._options == {}                        # refused without a replay
+    choice.fits(est, 0, est.device_bytes - most)
+    assert id(est) in choice._options                   # within reach: replayed

@@ -15,7 +15,7 @@ Note 2 (the budget). The saved bytes count: a trace that misses the budget under
 allocator but fits under the best setting is accepted (the plain-step check and the search's
 verification, ``fits``), so a setting is worth a configuration, not only a figure. The options
 are replayed only where they matter: for the accepted trace, and for a trace that misses by
-the default's figure.
+the default's figure by less than a setting can save (Note 6).
 
 Note 3 (what can still be applied). ``expandable_segments`` is read once, when CUDA's
 allocator starts (from ``PYTORCH_CUDA_ALLOC_CONF``). A model whose tensors are already on a GPU has
@@ -35,6 +35,14 @@ plot and ``--json`` draw) is the one under the chosen setting (``under_setting``
 reserved bytes and card are the default's less ``saved_bytes``, as the plan's predicted bytes
 are, so every front prints the same device bytes (they printed the default's, 392 MiB above
 the console's on the default job).
+
+Note 6 (a trace no setting can save). Every setting allocates the same blocks (the rounding is
+the block's size's, not the pool's), so each one's reserved peak is at least the trace's
+allocated peak, and the default's replay is the trace's own (the same events through the same
+allocator model). A setting can therefore save at most ``reserved - allocated``; a trace that
+misses the budget by more is refused without replaying the six settings (the plain fp32 and
+16-bit steps of a job that needs a plan: 0.7 s of the README plan's 13).
+tests/memplan/test_plan_allocator.py holds both premises on several steps.
 """
 
 from __future__ import annotations
@@ -97,7 +105,11 @@ class AllocatorChoice:
     def fits(self, est, held: int, budget: int) -> bool:
         """The trace fits the budget under the default, or else under the best setting."""
         bytes_ = est.device_bytes + held
-        return bytes_ <= budget or (self.free and bytes_ - self.saved(est) <= budget)
+        if bytes_ <= budget:
+            return True
+        if not self.free or bytes_ - (est.reserved_bytes - est.peak_bytes) > budget:
+            return False                       # Note 6: no setting can save that much
+        return bytes_ - self.saved(est) <= budget
 
     def under_setting(self, est):
         """``est`` as the chosen setting reserves it: the saved bytes off its reservation and
