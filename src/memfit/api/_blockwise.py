@@ -38,6 +38,8 @@ from memfit.trace import FakeCopier
 from memfit.trace._block_twin import BlockList
 from memfit.trace.block_reuse import (MIN_BLOCKS, TWIN_A, TWIN_B, NotComposable, StepLog,
                                       compose)
+from memfit.trace.first_step import NotMade
+from memfit.trace.first_step import make as make_first_step
 from memfit.trace.per_parameter import kinds_shared
 from memfit.trace.profile import profile_of
 
@@ -105,6 +107,12 @@ def blockwise_estimate(model, batch, optimizer, device, loss_fn, k: Knobs, *,
         return None, str(e)
     a, b = traced
     tracker = composed.tracker
+    if a.first_made:              # the replay's first step, made on the composed step
+        try:
+            make_first_step(tracker)
+        except NotMade:
+            return blockwise_estimate(model, batch, optimizer, device, loss_fn, k,
+                                      min_blocks=min_blocks, **{**kwargs, "first_step": False})
     window_a = len(a.tracker.op_events) - len(a.tracker.window_op_log)
     window = len(tracker.op_events) - len(tracker.window_op_log)
     phases = {}

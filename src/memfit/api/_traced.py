@@ -24,6 +24,13 @@ over its shards (torch counts DTensor among the types ``foreach`` takes, and the
 the GPU), where the trace's fakes, on the CPU, would take the for-loop and miss the
 ``foreach`` temporaries that span every parameter. Under FSDP2's CPU offload the shards step
 on the host, for-loop, as the trace's default does.
+
+Note 3 (one step for a replay). A GPU target's replay needs the step before the counted one.
+Where ``trace.first_step`` can make it from the counted step (torch's Adam or AdamW, not a
+user's step, a compiled model, a rank or a shared symbolic trace), one step is traced after
+the warm-up, with the marks it needs, and the first step is made on its tracker: here for a
+step traced whole, in ``api._blockwise`` for a step composed from twins. Where it cannot
+(``NotMade``), the step is traced again with two steps.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ from memfit.trace.compiled import (check_budget, compile_failure, compiled_note,
                                    wrap_regions)
 from memfit.trace.cuda import CudaModel
 from memfit.trace.dtr_sim import simulate_dtr, spans_from_modules
+from memfit.trace.first_step import NotMade, Recorder, may_make
+from memfit.trace.first_step import make as make_first_step
 from memfit.trace.per_parameter import repeats_allowed
 from memfit.trace._layerdrop import without_layerdrop
 from memfit.trace.packed_attention import check_attention_device, packing_note, uses_cache
@@ -93,6 +102,7 @@ class Traced:
     layerdrop: tuple = ()       # LayerDrop probabilities set to 0 in the trace (trace._layerdrop)
     warmed_all: bool = False    # its warm-up gave every trainable parameter a gradient, and the
                                 # counted step ran backward (``trace_step``)
+    first_made: bool = False    # its replay's first step is to be made (Note 3)
 
 
 def phase_alone(k: Knobs, step=None, layout: RankLayout | None = None) -> bool:
@@ -117,6 +127,12 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
     if t.warmed_all and t.tracker.ungraded:
         t = _trace_once(model, batch, optimizer, device, loss_fn, k, copier,
                         skip=frozenset(t.tracker.ungraded), **kwargs)
+    if t.first_made and kwargs.get("blocks") is None:    # a twin's is made once composed
+        try:
+            make_first_step(t.tracker)
+        except NotMade:
+            kwargs["first_step"] = False
+            return trace_step(model, batch, optimizer, device, loss_fn, k, copier, **kwargs)
     return t
 
 
@@ -124,8 +140,9 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
                 budget=None, count_fn=None, allocator=None, allocator_replay=True, step=None,
                 scheduler=None, cuda_version=None, layout: RankLayout | None = None,
                 blocks: list[str] | None = None, optimizer_only: bool = False,
-                skip=frozenset()) -> Traced:
-    """``trace_step``'s trace; ``skip``: parameters the warm-up leaves without a gradient."""
+                skip=frozenset(), first_step: bool = True) -> Traced:
+    """``trace_step``'s trace; ``skip``: parameters the warm-up leaves without a gradient;
+    ``first_step``: a replay's first step may be made from the counted one (Note 3)."""
     k.check_available()
     layout = layout or RankLayout.of(k)
     if layout is not None:
@@ -185,7 +202,18 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
             CudaModel.use_foreach(runner.optimizer)   # a GPU rank's default too (Note 2)
         placement = layout.placement(runner, spec) if layout is not None else None
 
+        made = replay and first_step and user is None and not regions and layout is None and \
+            getattr(copier, "shape_env", None) is None and may_make(runner.optimizer)
+        recorder = Recorder(runner.model, runner.optimizer, runner.scaler) if made else None
+
         def run(on_phase):
+            try:
+                counted(on_phase)
+            finally:
+                if recorder is not None:
+                    recorder.after_step()
+
+        def counted(on_phase):
             with cuda.kernels() if cuda else contextlib.nullcontext(), \
                     placement.step(on_phase) if placement else \
                     contextlib.nullcontext(on_phase) as mark:
@@ -207,12 +235,15 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
                 tracker.mark_host(t)
             for t in cuda.unified_tensors(runner.optimizer):
                 tracker.mark_unified(t)
+            if recorder is not None:
+                recorder.on_state(tracker)
 
         # steady state: optimizer state exists (and, under fp16, the scaler's scale: a warm-up
         # without a step, scaler); for a GPU, two whole steps for the allocator's history
         # (cuda); a rank, one micro-batch (RankLayout.warm_up). A user step always
         # runs twice (_user_step), and so does a compiled model: Dynamo compiles in the first
         # and leaves garbage holding what it compiled (trace._compile_garbage)
+        two_steps = (replay and not made) or user is not None or garbage is not None
         warm_up = None
         if layout is not None:
             warm_up = lambda: layout.warm_up(runner, fake_batch, copier)  # noqa: E731
@@ -222,8 +253,7 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
         try:
             prof, tracker = profile_step(run, copier=copier, model=runner.model,
                                          optimizer=runner.optimizer, warm_up=warm_up,
-                                         two_steps=replay or user is not None or
-                                         garbage is not None,
+                                         two_steps=two_steps,
                                          on_state=between_steps,
                                          blocks=blocks, skip=skip)
         except Exception as e:
@@ -244,9 +274,9 @@ def _trace_once(model, batch, optimizer, device, loss_fn, k: Knobs, copier: Fake
                   unified_bytes=cuda.unified_bytes(runner.optimizer) if cuda else 0,
                   regions=tuple(regions), eager_calls=tuple(eager_calls),
                   garbage_bytes=garbage.kept_bytes if garbage is not None else 0,
-                  layerdrop=layerdrop,
+                  layerdrop=layerdrop, first_made=made,
                   warmed_all=not skip and layout is None and not optimizer_only and
-                  not replay and user is None and not regions)
+                  not two_steps)
 
 
 def figures(t: Traced) -> Estimate:

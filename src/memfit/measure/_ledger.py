@@ -42,6 +42,14 @@ the two storages (``expect_in_place``) right after the sum's birth. If ``old`` d
 any other event (nothing else held it), the sum's birth and ``old``'s death are taken back and
 the sum's storage goes on as ``old``'s id: ``old``'s bytes live until the sum dies, as the
 in-place add keeps them. ``on_merge`` tells the counter, which moves its per-op marks back.
+
+Note 7 (a first step made, not traced). A GPU replay needs the step before the counted one.
+``trace.first_step`` may make it from the counted step (``first``: ``measure._first_step_log``);
+its events then come before the log in ``device_events``, and the storages it makes leave the
+entries there. Optimizer state older than the first step (``first.before``: bitsandbytes' maps)
+comes last among the entries: a traced first step finds it only when its optimizer step reads
+it, after everything the forward and backward read. The ledger's own events, ``resolve`` and every figure of the counted step are
+unchanged.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memfit.measure._first_step_log import FirstStep
 from memfit.measure._resolved import (ACTIVATIONS, CATEGORIES, GRADS, INPUTS, OPTIMIZER,
                                       OTHER, PARAMS, TEMPORARIES, Resolved)
 from memfit.measure._sizes import expr as _expr
@@ -112,6 +121,7 @@ class Ledger:
         self._ev_expr: dict[int, object] = {}
         self._alias: dict[int, int] = {}    # a sum's storage id -> the id it goes on as (Note 6)
         self._pending: tuple | None = None  # (old id, sum id, sum's key, its birth, on_merge)
+        self.first = FirstStep()            # a first step made, not traced (Note 7)
         self.open = True
 
     # -- registration -----------------------------------------------------------------------
@@ -341,7 +351,9 @@ class Ledger:
 
     def device_events(self, value=None) -> list[tuple[int, int, int, bool]]:
         """(log index or -1 for an entry storage, storage id, +/- bytes, is an in-place
-        resize) on the device: entry storages first (their size on entry), then the log.
+        resize) on the device: entry storages first (their size on entry), then the log; with
+        a first step made (Note 7), its events come before the log and every index after them
+        is shifted by their number (``first.length``).
         ``value(expr) -> int``: the bytes in another shape of a symbolic trace (Note 5)."""
         if value is None:
             entry, log = self._entry, self._ev_delta
@@ -350,11 +362,36 @@ class Ledger:
                      for sid, n in self._entry.items()}
             log = [value(self._ev_expr[i]) if i in self._ev_expr else d
                    for i, d in enumerate(self._ev_delta)]
-        out = [(-1, sid, n, False) for sid, n in entry.items() if sid not in self._host]
-        out += [(i, s, d, i in self._resizes)
+        made, late = (self.first.made.keys() | self.first.grads.keys(), self.first.before) \
+            if self.first.events is not None else ((), ())
+        out = [(-1, sid, n, False) for sid, n in entry.items()
+               if sid not in self._host and sid not in made and sid not in late]
+        out += [(-1, sid, entry[sid], False) for sid in entry if sid in late and
+                sid not in self._host]
+        shift = self.first.length          # Note 7: the first step made, before the log
+        if shift:
+            if value is not None:
+                raise ValueError("a first step made from the counted one has no other shape")
+            out += [(i, s, d, r) for i, (s, d, r) in enumerate(self.first.events)
+                    if s not in self._host]
+        out += [(shift + i, s, d, i in self._resizes)
                 for i, (s, d) in enumerate(zip(self._ev_sid, log))
                 if s not in self._host]
         return out
+
+    def fresh_copy(self, sid: int) -> int:
+        """A new storage id like ``sid`` (size, category, placement) with no event of the
+        log: a storage of a first step made from the counted one (Note 7)."""
+        new = len(self._nbytes)
+        self._nbytes.append(self._nbytes[sid])
+        self._category.append(self._category[sid])
+        self._ptr.append(0)
+        self._refs.append(None)
+        if sid in self._host:
+            self._host.add(new)
+        if sid in self._unified:
+            self._unified.add(new)
+        return new
 
     def resolve(self, window_start: int = 0) -> Resolved:
         ncat = len(CATEGORIES)

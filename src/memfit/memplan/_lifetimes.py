@@ -87,7 +87,8 @@ def storage_log(tracker) -> StorageLog:
     """The ``StorageLog`` of a finished ``Tracker`` (``trace.profile_step``'s or ``track``'s):
     device storages only, host ones (offload) left out."""
     ledger = tracker.ledger
-    end = ledger.num_events
+    shift = ledger.first.length       # a first step made, not traced: its events come first
+    end = ledger.num_events + shift
     nbytes, cat, birth, death = [], [], [], []
     current: dict[int, int] = {}               # storage id -> its live version
     categories = ledger.categories()             # final category per storage id (known late)
@@ -113,8 +114,12 @@ def storage_log(tracker) -> StorageLog:
             death[current.pop(sid)] = ev
     window_op = len(tracker.op_log) - len(tracker.window_op_log)
     as_array = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+    op_events = as_array(tracker.op_events) + shift
+    if shift:                         # the made first step's ops, then the counted step's
+        window_op += len(ledger.first.op_events)
+        op_events = np.concatenate([as_array(ledger.first.op_events), op_events])
     return StorageLog(as_array(nbytes), as_array(cat), as_array(birth), as_array(death),
-                      as_array(tracker.op_events), end, tracker.resolved.window_start, window_op)
+                      op_events, end, tracker.resolved.window_start + shift, window_op)
 
 
 def step_lifetimes(estimate) -> tuple[StorageLog, Lifetimes]:

@@ -115,9 +115,10 @@ def replay(est, tracker, *, allocator: AllocatorConfig | None = None,
     cuda = est.basis == "cuda-model"
     mem = _Cuda(allocator or AllocatorConfig()) if cuda else _Exact()
     ledger = tracker.ledger
-    window = tracker.resolved.window_start
+    shift = ledger.first.length      # a first step made, not traced: its events come first
+    window = tracker.resolved.window_start + shift
     n = len(est.timeline)
-    ops = tracker.op_events[len(tracker.op_events) - n:]
+    ops = [e + shift for e in tracker.op_events[len(tracker.op_events) - n:]]
     last = n - 1 if stop_after_op is None else stop_after_op
     cats = ledger.categories()                     # storage id -> final category (known late)
     live: dict = {}                              # key -> (handle, addr, block bytes, req, cat, fr)

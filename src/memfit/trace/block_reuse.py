@@ -29,6 +29,12 @@ atom by atom, up to the figures that belong to no block (a foreach op's cost, a 
 storage's size, a module's totals): those are affine in the number of blocks, and A - B is
 their slope. Any other difference, or a block-1/2/3 mismatch, is a ``NotComposable`` with the
 reason, and the caller traces the model whole.
+
+Note 4 (a first step to make). A twin traced for a GPU target counts one step, and
+``trace.first_step`` makes the step before it for the allocator's replay on the composed
+tracker. What it reads goes with the entries: the mark where the first step makes a storage
+(``first.made``) is kept, and a gradient alive at the start is paired again with the gradient
+its block's copy makes in the step (``first.grads``); its marks are atoms of the global part.
 """
 from __future__ import annotations
 
@@ -105,6 +111,15 @@ def _slot_map(log: StepLog, n: int):
     return cs, ref
 
 
+def _renamed(log: StepLog, name: str, block: int) -> str:
+    """``name`` (a module's or a parameter's) in composed block ``block`` where it is in a
+    block, as the marks of a copy are named."""
+    if log.slot_of_module(name) == GLOBAL:
+        return name
+    rest = name[len(log.prefix) + 1:].partition(".")[2]
+    return f"{log.prefix}.{block}" + (f".{rest}" if rest else "")
+
+
 def _mid_runs(labels: list[int]) -> list[tuple[int, int]]:
     """(start, end) of each maximal run of ``labels`` that go with block 2: the atoms (or the
     entries) copied per middle block (Note 1)."""
@@ -157,8 +172,7 @@ def _stream(log: StepLog, n: int) -> _Out:
             kind, name, phase, _, _ = a[1]
             slot = log.slot_of_module(name)
             if slot != GLOBAL:        # a block's backward ends after the next one's starts
-                rest = name[len(log.prefix) + 1:].partition(".")[2]
-                name = f"{log.prefix}.{ref(slot, ctx, copy)}" + (f".{rest}" if rest else "")
+                name = _renamed(log, name, ref(slot, ctx, copy))
             out.items.append(("mk", kind, name, phase))
         out.source.append(i if copy is None else None)
 
@@ -289,6 +303,7 @@ def compose(a: StepLog, b: StepLog, n: int) -> Composed:
     t = Tracker(device=ta.device_type, fake=ta.fake)
     led = t.ledger
     sids: dict[tuple, int] = {}
+    grads: list[tuple[int, int, int]] = []   # composed entry gradient, its block, A's sid
     op_of: dict[int, int] = {}           # A op index (not copied) -> composed op index
     starts: dict[tuple[str, str], list[tuple[int, int]]] = {}
     op_windows: list[tuple[str, str, int, int]] = []       # name, phase, first op, end op
@@ -315,6 +330,12 @@ def compose(a: StepLog, b: StepLog, n: int) -> Composed:
             slope = extra * slopes.entry.get(a_sid, 0) if src is not None else 0
             sid = new_sid(it[1], a_sid, la._nbytes[a_sid] + slope)
             led._entry[sid] = la._entry[a_sid] + slope
+            if a_sid in la.first.made:                  # Note 4
+                led.first.made[sid] = _renamed(a, la.first.made[a_sid], it[1][0])
+            if a_sid in la.first.grads:
+                grads.append((sid, it[1][0], a_sid))
+            if a_sid in la.first.before:
+                led.first.before.add(sid)
         elif kind == "ev":
             i = it[2]
             a_sid = la._ev_sid[i]
@@ -347,10 +368,19 @@ def compose(a: StepLog, b: StepLog, n: int) -> Composed:
                 t._window_event, t._window_op = led.num_events, len(t.op_events)
             elif mk == "enter":
                 starts.setdefault((name, phase), []).append((led.num_events, len(t.op_events)))
-            elif starts.get((name, phase)):
+            elif mk == "exit" and starts.get((name, phase)):
                 ev, op = starts[(name, phase)].pop()
                 t._windows.append((name, phase, ev, led.num_events - 1))
                 op_windows.append((name, phase, op, len(t.op_events)))
+    ref = _slot_map(a, n)[1]
+    for sid, lab, a_sid in grads:        # Note 4: the gradient made for the same parameter
+        plab, kind, rank = a.key[la.first.grads[a_sid]]
+        copy = lab - MID if a.key[a_sid][0] == MID else None
+        if plab == MID and copy is None:
+            continue                     # unpaired: the first step is traced (NotMade)
+        partner = sids.get((ref(plab, GLOBAL, copy), kind, rank))
+        if partner is not None:
+            led.first.grads[sid] = partner
     for (name, phase), s in starts.items():          # still open at the end
         t._windows += [(name, phase, ev, led.num_events - 1) for ev, _ in s]
         op_windows += [(name, phase, op, len(t.op_events)) for _, op in s]

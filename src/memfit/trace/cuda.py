@@ -159,7 +159,8 @@ class CudaModel:
         """(allocated peak, reserved peak, ledger event at the allocated peak, workspace bytes)
         of step 2 through the caching allocator; ``value``: the ledger's sizes in another
         shape of a shared trace (``Ledger.device_events``: each size's symbolic expression)."""
-        window = tracker.resolved.window_start
+        shift = tracker.ledger.first.length      # a first step made, not traced (ledger Note 7)
+        window = tracker.resolved.window_start + shift
         allocator, handles, sizes = CachingAllocator(self.allocator), {}, {}
         alloc_peak, reserved_peak, peak_event = -1, 0, window - 1
         workspaces = {_CUBLAS: self.spec.cublas_workspace_bytes,      # kept from the 1st matmul
@@ -189,4 +190,4 @@ class CudaModel:
         if alloc_peak < 0:
             stats = allocator.stats
             alloc_peak, reserved_peak = stats.allocated_bytes, stats.reserved_bytes
-        return alloc_peak, reserved_peak, peak_event, sum(workspaces.values())
+        return alloc_peak, reserved_peak, peak_event - shift, sum(workspaces.values())

@@ -94,7 +94,7 @@ from memfit.trace.known_values import known_values_readable
 from memfit.trace._method_caches import caches_cleared
 
 __all__ = ["StepProfile", "profile_step", "profile_of", "warm_up_optimizer", "first_step_state_of",
-           "read_site"]
+           "makes_state_in_init_group", "read_site"]
 
 _UNTRACEABLE = (DataDependentOutputException, UnsupportedOperatorException,
                 DynamicOutputShapeException, NotImplementedError)
@@ -145,18 +145,24 @@ _ADAM_LISTS = ("params_with_grad", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_
                "state_steps")
 
 
+def makes_state_in_init_group(optimizer) -> bool:
+    """Whether ``optimizer`` is torch's Adam or AdamW making its state in ``_init_group`` as
+    this torch does, nothing on its step that could act on the first one (Note 6)."""
+    init = getattr(type(optimizer), "_init_group", None)
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and init is not None and \
+        not (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or
+             _global_optimizer_pre_hooks or _global_optimizer_post_hooks) and \
+        tuple(inspect.signature(init).parameters)[2:] == _ADAM_LISTS and \
+        not any(g.get("differentiable") for g in optimizer.param_groups)
+
+
 def first_step_state_of(optimizer) -> Callable[[], object]:
     """What makes ``optimizer``'s state as its first step does (Note 6): its own
     ``first_step_state``, torch's Adam/AdamW's ``_init_group``, else a whole ``step``."""
     make = getattr(optimizer, "first_step_state", None)
     if callable(make):
         return make
-    init = getattr(type(optimizer), "_init_group", None)
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or init is None or \
-            optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or \
-            _global_optimizer_pre_hooks or _global_optimizer_post_hooks or \
-            tuple(inspect.signature(init).parameters)[2:] != _ADAM_LISTS or \
-            any(g.get("differentiable") for g in optimizer.param_groups):
+    if not makes_state_in_init_group(optimizer):
         return optimizer.step
 
     def init_groups():

@@ -1,0 +1,272 @@
+"""A GPU trace's first step, made from the counted step instead of traced.
+
+Note 1 (why, and what differs). The caching allocator's replay (``trace.cuda``) needs what came
+before the counted step: the blocks the first step split, cached and left free. Tracing that
+step costs as much as the counted one (half of a plan's traces: the plain steps and the
+verify). The first step of a step whose optimizer makes its state as torch's Adam does differs
+from the steady one in three things, and in nothing else (``tests/trace/test_first_step.py``):
+
+- no gradient is alive at its start, so its ``zero_grad`` frees none; it makes each gradient
+  where the counted step makes the gradient of the same parameter, and that gradient is the
+  one alive at the counted step's start (the one its ``zero_grad`` frees);
+- its optimizer makes the state: torch's Adam and AdamW in ``_init_group``, group by group
+  before the group's update, each parameter with a gradient in order, its tensors in the order
+  of its state dict (the order the warm-up made them in, which the tracker registered);
+- a GradScaler makes its scale and growth tracker at its first ``scale()``.
+
+So the first step is the counted step's events with those changes, placed at marks recorded
+while the counted step ran (``Recorder``: ``("first", tag)`` marks where ``_init_group`` and
+the first ``scale()`` were called), each storage it makes afresh given an id of its own
+(``Ledger.fresh_copy``). ``make`` puts the events on the ledger (``measure._first_step_log``),
+before its own in ``device_events`` (ledger Note 7); every figure of the counted step is the
+traced one, and every replay reads the first step as if it had been traced. A composed step
+carries the marks and the pairs through ``block_reuse.compose`` (its Note 4).
+
+Note 2 (when the first step is traced instead). Only torch's Adam or AdamW making its state
+in ``_init_group`` (``trace.profile.makes_state_in_init_group``) and bitsandbytes' 8-bit step on
+its fused kernel (Note 3) are known well enough. And the
+counted step must be a steady one: it frees nothing alive before it but gradients, leaves
+nothing alive it made but gradients (a cache a model fills on its first call would be one), and
+reaches each mark once. Otherwise ``make`` raises ``NotMade`` and the step is traced twice, as
+it is for any other optimizer, a user's step, a compiled model, a rank of several GPUs and a
+shared symbolic trace (``api._traced``). ``traced_first_steps()`` traces every first step
+(the oracle of the tests, and the benchmarks' side-by-side).
+
+Note 3 (bitsandbytes). Its ``step`` makes each parameter's state (``init_state``) right before
+that parameter's ``update_step``, so the mark is per parameter, tagged with the parameter's
+name (a block's parameter is copied per block when composed, as its ops are). Its quantization
+maps (``name2qmap``) are made with the optimizer, before any step, and shared by every
+parameter's state: they are not the first step's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from contextvars import ContextVar
+
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from memfit.measure._ledger import GRADS, OPTIMIZER, TEMPORARIES
+from memfit.trace.profile import makes_state_in_init_group
+
+__all__ = ["NotMade", "Recorder", "may_make", "make", "traced_first_steps"]
+
+_TRACED: ContextVar[bool] = ContextVar("memfit_traced_first_steps", default=False)
+_SCALER = "scaler"
+
+
+class NotMade(Exception):
+    """A first step this module cannot make (Note 2): trace it."""
+
+
+@contextlib.contextmanager
+def traced_first_steps():
+    """Trace every first step instead of making it (Note 2)."""
+    token = _TRACED.set(True)
+    try:
+        yield
+    finally:
+        _TRACED.reset(token)
+
+
+def may_make(optimizer) -> bool:
+    """Whether the first step of a step with ``optimizer`` may be made (Note 2)."""
+    return not _TRACED.get() and (makes_state_in_init_group(optimizer) or
+                                  _bnb_fused(optimizer))
+
+
+def _bnb_fused(optimizer) -> bool:
+    """bitsandbytes' 8-bit step on its fused CUDA kernel (``trace.cuda``), its ``step`` its
+    own (Note 3)."""
+    mod = sys.modules.get("bitsandbytes.optim.optimizer")
+    return mod is not None and isinstance(optimizer, mod.Optimizer8bit) and \
+        inspect.unwrap(type(optimizer).step) is inspect.unwrap(mod.Optimizer8bit.step) and \
+        getattr(optimizer, "cuda_kernel", False) is True and \
+        not (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or
+             _global_optimizer_pre_hooks or _global_optimizer_post_hooks)
+
+
+def _group_tag(g: int) -> str:
+    return f"optimizer group {g}"
+
+
+class Recorder:
+    """What ``make`` needs, recorded around the counted step (Note 1): ``on_state`` before it
+    (inside the tracker), ``after_step`` once it has run."""
+
+    def __init__(self, model, optimizer, scaler):
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.per_group = makes_state_in_init_group(optimizer)   # else per parameter (Note 3)
+        self.tracker = None
+        self._names: dict[int, str] = {}
+        self._grads: list[tuple[object, int]] = []     # (parameter, its gradient's entry sid)
+        self._undo: list = []
+
+    def on_state(self, tracker) -> None:
+        """Tag the state the first step makes, pair each gradient with its parameter, and mark
+        where ``_init_group`` and the first ``scale()`` run."""
+        self.tracker = tracker
+        led = tracker.ledger
+        first = led.first
+
+        def sids(t):
+            return [s for s in (led.sid(st) for st in led.storages(t)) if s in led._entry]
+
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        maps = {sid for v in getattr(self.optimizer, "name2qmap", {}).values()
+                for sid in sids(v)}                # bitsandbytes' maps: made with it
+        first.before |= maps
+        for g, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                tag = _group_tag(g) if self.per_group else names.get(id(p))
+                for v in _tensors(self.optimizer.state.get(p, {})):
+                    for sid in sids(v):
+                        if sid not in maps and tag is not None:
+                            first.made.setdefault(sid, tag)
+        self._names = names
+        params = {id(p): p for p in self.model.parameters()}
+        for group in self.optimizer.param_groups:      # fp32 masters too
+            params.update({id(p): p for p in group["params"]})
+        for p in params.values():
+            if p.grad is not None:
+                self._grads += [(p, sid) for sid in sids(p.grad)]
+        if self.scaler is not None and self.scaler._scale is not None:
+            for t in (self.scaler._scale, self.scaler._growth_tracker):
+                led.mark_tensor(t, TEMPORARIES, entry=True)   # the first step makes them
+                for sid in sids(t):
+                    first.made[sid] = _SCALER
+        self._patch()
+
+    def _mark(self, tag: str) -> None:
+        t = self.tracker
+        t.marks.append(("first", tag, "", t.ledger.num_events, len(t.op_events)))
+
+    def _patch(self) -> None:
+        opt, scaler = self.optimizer, self.scaler
+        if self.per_group:
+            init = opt._init_group
+
+            def init_group(group, *args, **kwargs):
+                g = next(i for i, q in enumerate(opt.param_groups) if q is group)
+                self._mark(_group_tag(g))
+                return init(group, *args, **kwargs)
+            opt._init_group = init_group
+            self._undo.append(lambda: opt.__dict__.pop("_init_group", None))
+        else:
+            update = opt.update_step
+
+            def update_step(group, p, *args, **kwargs):
+                self._mark(self._names.get(id(p), "?"))
+                return update(group, p, *args, **kwargs)
+            opt.update_step = update_step
+            self._undo.append(lambda: opt.__dict__.pop("update_step", None))
+        if scaler is None:
+            return
+        scale, seen = scaler.scale, []
+
+        def first_scale(outputs):
+            if not seen:
+                seen.append(True)
+                self._mark(_SCALER)
+            return scale(outputs)
+        scaler.scale = first_scale
+        self._undo.append(lambda: scaler.__dict__.pop("scale", None))
+
+    def after_step(self) -> None:
+        """Pair each gradient alive before the step with the one the step made for the same
+        parameter, and take the marks' hooks off."""
+        for undo in self._undo:
+            undo()
+        self._undo = []
+        if self.tracker is None:
+            return
+        led = self.tracker.ledger
+        for p, entry in self._grads:
+            if p.grad is None:
+                continue
+            made = [led.sid(st) for st in led.storages(p.grad)]
+            if len(made) == 1 and made[0] is not None and made[0] != entry:
+                led.first.grads[entry] = made[0]
+
+
+def _tensors(state: dict) -> list:
+    import torch
+    from torch.utils._pytree import tree_flatten
+    return [v for v in tree_flatten(state)[0] if isinstance(v, torch.Tensor)]
+
+
+def make(tracker) -> None:
+    """Put the first step, made from the counted one, on ``tracker``'s ledger (Note 1), or
+    raise ``NotMade`` (Note 2)."""
+    led = tracker.ledger
+    first = led.first
+    made, grads, entries = first.made, first.grads, led._entry
+    if first.events is not None:
+        return
+    reached = [m[1] for m in tracker.marks if m[0] == "first"]
+    by_tag: dict[str, list[int]] = {}
+    for sid in entries:
+        if sid in made:
+            by_tag.setdefault(made[sid], []).append(sid)
+    for tag in by_tag:
+        if reached.count(tag) != 1:
+            raise NotMade(f"the step reached {tag} {reached.count(tag)} times")
+    for sid in entries:
+        category = led._category[sid]
+        if category == OPTIMIZER and sid not in made and sid not in first.before:
+            raise NotMade("optimizer state the first step does not make as torch's Adam does")
+        if category == GRADS and sid not in grads:
+            raise NotMade("a gradient alive before the step that the step makes no other of")
+    partner = {b: e for e, b in grads.items()}
+    for b, e in partner.items():
+        if b in entries or led._nbytes[b] != entries[e]:
+            raise NotMade("a gradient the step makes is not like the one alive before it")
+    events: list[tuple[int, int, bool]] = []
+    op_events: list[int] = []             # the first step's events after each of its ops
+    fresh: dict[int, int] = {}
+    alive: set[int] = set()
+    # what happened between the counted step's events, in order: its ops' ends (an op ends
+    # once its events are in) and the marks, each at (events so far, ops so far)
+    between = sorted([(e, j + 1, 0, "") for j, e in enumerate(tracker.op_events)] +
+                     [(m[3], m[4], 1, m[1]) for m in tracker.marks if m[0] == "first"])
+    nxt = 0
+
+    def flush(upto: int) -> None:
+        nonlocal nxt
+        while nxt < len(between) and between[nxt][0] <= upto:
+            _, _, is_mark, tag = between[nxt]
+            if is_mark:
+                events.extend((sid, entries[sid], False) for sid in by_tag.get(tag, ()))
+            else:
+                op_events.append(len(events))
+            nxt += 1
+
+    for i, (s, d) in enumerate(zip(led._ev_sid, led._ev_delta)):
+        flush(i)
+        resize = i in led._resizes
+        if s in grads and d < 0 and not resize:
+            continue                        # its zero_grad frees a gradient step 1 has not
+        if s in entries:
+            raise NotMade("the step frees or resizes a storage alive before it")
+        if s in partner:
+            s1 = partner[s]
+        elif s in fresh:
+            s1 = fresh[s]
+        elif d > 0 and not resize:
+            s1 = fresh[s] = led.fresh_copy(s)
+        else:
+            raise NotMade("the step changes a storage it did not make")
+        if d > 0 and not resize:
+            alive.add(s1)
+        elif d < 0 and not resize:
+            alive.discard(s1)
+        events.append((s1, d, resize))
+    flush(led.num_events)
+    if alive - set(partner.values()):
+        raise NotMade("the step leaves alive a storage it made that is no gradient (a cache "
+                      "its first call fills?)")
+    if set(partner.values()) - alive:
+        raise NotMade("a gradient the step makes does not outlive it")
+    first.events, first.op_events = events, op_events
