@@ -130,13 +130,19 @@ def warm_up_optimizer(model: nn.Module, optimizer, skip=frozenset()) -> None:
     for name, p in model.named_parameters():     # a fake copied again keeps its gradient
         if name in skip:
             p.grad = None
+    grads = []
     for p in params:
         p.grad = torch.zeros_like(p)
-    first_step_state_of(optimizer)()      # the state without the update's ops where it can
+        grads.append((p.grad, p.grad.untyped_storage().nbytes()))
+    make = first_step_state_of(optimizer)
+    make()                    # the state without the update's ops where it can
     if getattr(optimizer, "steps_in_backward", False):
         return                 # its step freed them, as its hooks do in every backward
     if getattr(optimizer, "offload_gradients", False):
         return                 # its step moved them to the host, where they stay alive
+    if make != optimizer.step and all(p.grad is g and g.untyped_storage().nbytes() == n
+                                      for p, (g, n) in zip(params, grads)):
+        return                 # the state made without a step, the gradients untouched: kept
     for p in params:           # the previous step's gradients, alive at the next step's start
         p.grad = torch.zeros_like(p)
 
