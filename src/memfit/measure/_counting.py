@@ -34,7 +34,8 @@ per op a trace runs (10,290 of 16,220 dispatches in XLM-R large's fp16 step). Pa
 crossed every mode under this one to reach the fake mode's answer. The counter, on top of a
 trace's modes, gives that answer itself (``fake_device``: ``fake_tensor._device_handler``'s, the
 fake device, or meta while the fake mode runs a kernel); it allocates nothing and none of those
-modes acts on it. The top mode of a trace's warm-up (``trace.finite_grads``) does the same.
+modes acts on it. The top mode of a trace's warm-up (``trace.fidelity``, by
+``trace.finite_grads``) does the same.
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ fresh output.
 
 Data-dependent ops (``nonzero``, ``unique``, ``masked_select``, boolean indexing, ``.item()``)
 are resolved from the real batch by ``memfit.trace.data_dependent`` when ``FidelityMode`` is
-given its ``DataValues``.
+given its ``DataValues``; so is a GradScaler's inf check, taken to find the gradients finite
+(``trace.finite_grads``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.measure._compile_aware import CompileAware
+from memfit.trace import finite_grads
 from memfit.trace.data_dependent import DataValues
 
 __all__ = ["FidelityMode"]
@@ -154,6 +156,9 @@ class FidelityMode(CompileAware, TorchDispatchMode):
         self.data = data
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        device = finite_grads.device_of(func, args)
+        if device is not None:
+            return device
         kwargs = kwargs or {}
         replace = _REPLACEMENTS.get(func)
         out = replace(func, args, kwargs) if replace is not None else None
@@ -174,4 +179,5 @@ class FidelityMode(CompileAware, TorchDispatchMode):
                 raise
             return out
         self.data.propagate(func, args, kwargs, out)
+        finite_grads.after(func, args, kwargs, self.data)
         return out

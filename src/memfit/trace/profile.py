@@ -15,8 +15,8 @@ gradient to the host (``offload_gradients``) starts it with them alive on the ho
 Note 2 (mode order). The fake mode is entered first, ``FidelityMode`` (fake outputs made to match
 real kernels) next, and the counting mode on top, so the counter sees each op once, as the real run
 does, with the outputs the real kernel would give, and not the decompositions the fake mode may run
-underneath. ``FiniteGradsMode`` sits between the two: a GradScaler in a user's step reads its inf
-check back, which it answers "finite" (``trace.finite_grads``). transformers reads the batch's masks
+underneath. A GradScaler in a user's step reads its inf check back, which the fidelity mode
+answers "finite" (``trace.finite_grads``). transformers reads the batch's masks
 where the real step does (``trace.known_values``). ``FakeDeepcopyMode`` copies a fake the step
 deep-copies into the trace's own fake mode (``trace.fake``).
 
@@ -89,7 +89,6 @@ from memfit.measure import ModuleRecord, Tracker
 from memfit.step import check_steppable
 from memfit.trace.fake import FakeCopier, FakeDeepcopyMode
 from memfit.trace.fidelity import FidelityMode
-from memfit.trace.finite_grads import FiniteGradsMode
 from memfit.trace.known_values import known_values_readable
 from memfit.trace._method_caches import caches_cleared
 
@@ -196,7 +195,7 @@ def profile_step(run_step: Callable[[Callable[[str], None]], object], *, copier:
     gradient or state (Note 4).
     """
     with (caches_cleared(model), copier.mode, FidelityMode(copier.data),
-          FiniteGradsMode(copier.data), known_values_readable(copier.data),
+          known_values_readable(copier.data),
           FakeDeepcopyMode(copier.mode), _generators_kept()):
         if not two_steps:            # two steps need no warm-up: step 1 is it
             try:
