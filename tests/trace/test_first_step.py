@@ -9,7 +9,6 @@ cannot be made is traced, and the test says which.
 """
 
 import pytest
-import transformers as T
 
 from memfit import zoo
 from memfit.api._blockwise import blockwise_estimate
