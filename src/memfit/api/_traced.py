@@ -130,9 +130,10 @@ def trace_step(model, batch, optimizer, device, loss_fn, k: Knobs, copier: FakeC
     if t.first_made and kwargs.get("blocks") is None:    # a twin's is made once composed
         try:
             make_first_step(t.tracker)
-        except NotMade:
+        except NotMade:            # traced again, two steps, on fakes of its own
             kwargs["first_step"] = False
-            return trace_step(model, batch, optimizer, device, loss_fn, k, copier, **kwargs)
+            return trace_step(model, batch, optimizer, device, loss_fn, k,
+                              FakeCopier(copier.device), **kwargs)
     return t
 
 

@@ -7,7 +7,9 @@ one instead of tracing it; a ``FirstStep`` holds what it needs and what it made:
 - ``made``: the storages alive before the counted step that the first step makes, each with
   the tag of the mark (``Tracker.first_step_mark``) where it makes them (optimizer state at its
   ``_init_group``, a GradScaler's scale and growth tracker at its first ``scale``);
-- ``before``: optimizer state made before any step (bitsandbytes' quantization maps);
+- ``older``: optimizer storages made before any step (master weights), and ``late``, those
+  of them that a traced first step finds only when its optimizer step reads them
+  (bitsandbytes' quantization maps, held by the state): not the first step's to make;
 - ``grads``: each gradient alive before the counted step, with the gradient the counted step
   makes for the same parameter (the first step makes the former where the counted step makes
   the latter);
@@ -29,7 +31,8 @@ __all__ = ["FirstStep"]
 class FirstStep:
     made: dict[int, str] = field(default_factory=dict)     # entry sid -> tag of its mark
     grads: dict[int, int] = field(default_factory=dict)    # entry grad sid -> the step's own
-    before: set[int] = field(default_factory=set)          # optimizer state older than it
+    older: set[int] = field(default_factory=set)           # optimizer storages before step 1
+    late: set[int] = field(default_factory=set)            # of them, found by its optimizer step
     events: list[tuple[int, int, bool]] | None = None      # (sid, +/- bytes, resize)
     op_events: list[int] = field(default_factory=list)     # its events after each of its ops
 

@@ -46,8 +46,8 @@ in-place add keeps them. ``on_merge`` tells the counter, which moves its per-op 
 Note 7 (a first step made, not traced). A GPU replay needs the step before the counted one.
 ``trace.first_step`` may make it from the counted step (``first``: ``measure._first_step_log``);
 its events then come before the log in ``device_events``, and the storages it makes leave the
-entries there. Optimizer state older than the first step (``first.before``: bitsandbytes' maps)
-comes last among the entries: a traced first step finds it only when its optimizer step reads
+entries there. Optimizer state older than the first step that it finds only when its optimizer
+step reads it (``first.late``: bitsandbytes' maps) comes last among the entries: a traced first step finds it only when its optimizer step reads
 it, after everything the forward and backward read. The ledger's own events, ``resolve`` and every figure of the counted step are
 unchanged.
 """
@@ -362,7 +362,7 @@ class Ledger:
                      for sid, n in self._entry.items()}
             log = [value(self._ev_expr[i]) if i in self._ev_expr else d
                    for i, d in enumerate(self._ev_delta)]
-        made, late = (self.first.made.keys() | self.first.grads.keys(), self.first.before) \
+        made, late = (self.first.made.keys() | self.first.grads.keys(), self.first.late) \
             if self.first.events is not None else ((), ())
         out = [(-1, sid, n, False) for sid, n in entry.items()
                if sid not in self._host and sid not in made and sid not in late]

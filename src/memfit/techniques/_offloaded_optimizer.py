@@ -120,6 +120,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._step(self.inner.step)
         return loss
 
+    def steady_inner(self):
+        """The optimizer whose first step differs from its next: this one's own step (the
+        transfers around it) is the same in every step (trace.first_step)."""
+        return self.inner
+
     @torch.no_grad()
     def first_step_state(self) -> None:
         """What a first ``step`` leaves, for a trace's warm-up: the same step, its transfers

@@ -50,6 +50,11 @@ class MasterWeightsOptimizer:
     def register_step_post_hook(self, hook):
         return self.inner.register_step_post_hook(hook)
 
+    def steady_inner(self):
+        """The optimizer whose first step differs from its next: this one's own step is the
+        same in every step (trace.first_step)."""
+        return self.inner
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             if set_to_none:

@@ -334,8 +334,9 @@ def compose(a: StepLog, b: StepLog, n: int) -> Composed:
                 led.first.made[sid] = _renamed(a, la.first.made[a_sid], it[1][0])
             if a_sid in la.first.grads:
                 grads.append((sid, it[1][0], a_sid))
-            if a_sid in la.first.before:
-                led.first.before.add(sid)
+            for older in ("older", "late"):
+                if a_sid in getattr(la.first, older):
+                    getattr(led.first, older).add(sid)
         elif kind == "ev":
             i = it[2]
             a_sid = la._ev_sid[i]

@@ -24,8 +24,9 @@ carries the marks and the pairs through ``block_reuse.compose`` (its Note 4).
 
 Note 2 (when the first step is traced instead). Only torch's Adam or AdamW making its state
 in ``_init_group`` (``trace.profile.makes_state_in_init_group``) and bitsandbytes' 8-bit step on
-its fused kernel (Note 3) are known well enough. And the
-counted step must be a steady one: it frees nothing alive before it but gradients, leaves
+its fused kernel (Note 3) are known well enough, alone or inside a wrapper whose own step is
+the same every step (Note 4). And the counted step must be a steady one: it frees nothing
+alive before it but gradients (parameter offload releases the weights it fetched), leaves
 nothing alive it made but gradients (a cache a model fills on its first call would be one), and
 reaches each mark once. Otherwise ``make`` raises ``NotMade`` and the step is traced twice, as
 it is for any other optimizer, a user's step, a compiled model, a rank of several GPUs and a
@@ -37,6 +38,14 @@ that parameter's ``update_step``, so the mark is per parameter, tagged with the 
 name (a block's parameter is copied per block when composed, as its ops are). Its quantization
 maps (``name2qmap``) are made with the optimizer, before any step, and shared by every
 parameter's state: they are not the first step's.
+
+Note 4 (a wrapper). bf16-pure's ``MasterWeightsOptimizer`` makes fp32 gradients for its master
+weights, steps its inner optimizer and frees them, the same in every step; optimizer offload's
+``OffloadedOptimizer`` moves the gradients to the host and the weights back around its inner
+optimizer's step, the same in every step. The first step differs only where the inner optimizer
+makes the state. A wrapper says so by ``steady_inner()``; the marks and tags are then the inner
+optimizer's, its parameters (master weights, host twins) were made before any step
+(``first.older``), and a host gradient alive before the step is paired as a device one is.
 """
 
 from __future__ import annotations
@@ -73,8 +82,16 @@ def traced_first_steps():
 
 def may_make(optimizer) -> bool:
     """Whether the first step of a step with ``optimizer`` may be made (Note 2)."""
-    return not _TRACED.get() and (makes_state_in_init_group(optimizer) or
-                                  _bnb_fused(optimizer))
+    inner = _stepping(optimizer)
+    return not _TRACED.get() and (makes_state_in_init_group(inner) or _bnb_fused(inner))
+
+
+def _stepping(optimizer):
+    """The optimizer that makes the state: ``optimizer``, or the one a wrapper whose own step is
+    the same every step steps (``steady_inner()``: bf16-pure's master weights, Note 4)."""
+    while callable(getattr(optimizer, "steady_inner", None)):
+        optimizer = optimizer.steady_inner()
+    return optimizer
 
 
 def _bnb_fused(optimizer) -> bool:
@@ -97,8 +114,8 @@ class Recorder:
     (inside the tracker), ``after_step`` once it has run."""
 
     def __init__(self, model, optimizer, scaler):
-        self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.per_group = makes_state_in_init_group(optimizer)   # else per parameter (Note 3)
+        self.model, self.optimizer, self.scaler = model, _stepping(optimizer), scaler
+        self.per_group = makes_state_in_init_group(self.optimizer)  # else per parameter (Note 3)
         self.tracker = None
         self._names: dict[int, str] = {}
         self._grads: list[tuple[object, int]] = []     # (parameter, its gradient's entry sid)
@@ -117,7 +134,13 @@ class Recorder:
         names = {id(p): name for name, p in self.model.named_parameters()}
         maps = {sid for v in getattr(self.optimizer, "name2qmap", {}).values()
                 for sid in sids(v)}                # bitsandbytes' maps: made with it
-        first.before |= maps
+        first.older |= maps
+        first.late |= maps
+        model_params = {id(p) for p in self.model.parameters()}
+        for group in self.optimizer.param_groups:     # master weights, made with it (Note 4)
+            for p in group["params"]:
+                if id(p) not in model_params:
+                    first.older.update(sids(p))
         for g, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 tag = _group_tag(g) if self.per_group else names.get(id(p))
@@ -215,7 +238,8 @@ def make(tracker) -> None:
             raise NotMade(f"the step reached {tag} {reached.count(tag)} times")
     for sid in entries:
         category = led._category[sid]
-        if category == OPTIMIZER and sid not in made and sid not in first.before:
+        if category == OPTIMIZER and sid not in made and sid not in first.older and \
+                sid not in grads:              # (host gradients count as the optimizer's)
             raise NotMade("optimizer state the first step does not make as torch's Adam does")
         if category == GRADS and sid not in grads:
             raise NotMade("a gradient alive before the step that the step makes no other of")
@@ -249,7 +273,8 @@ def make(tracker) -> None:
         if s in grads and d < 0 and not resize:
             continue                        # its zero_grad frees a gradient step 1 has not
         if s in entries:
-            raise NotMade("the step frees or resizes a storage alive before it")
+            raise NotMade("the step frees or resizes a storage alive before it (the weights "
+                          "parameter offload releases)")
         if s in partner:
             s1 = partner[s]
         elif s in fresh:
