@@ -405,7 +405,7 @@ class Ledger:
         for sid, nbytes in self._entry.items():
             if pool[sid]:
                 host_base += nbytes
-            else:
+            elif not host[sid]:                    # unified memory: neither (Note 4)
                 base_by_cat[cats[sid]] += nbytes
         sids = np.asarray(self._ev_sid, dtype=np.int64)
         deltas = np.asarray(self._ev_delta, dtype=np.int64)

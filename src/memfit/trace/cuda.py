@@ -159,7 +159,8 @@ class CudaModel:
         """(allocated peak, reserved peak, ledger event at the allocated peak, workspace bytes)
         of step 2 through the caching allocator; ``value``: the ledger's sizes in another
         shape of a shared trace (``Ledger.device_events``: each size's symbolic expression)."""
-        shift = tracker.ledger.first.length      # a first step made, not traced (ledger Note 7)
+        shift = tracker.ledger.first.length   # a first step made, not traced: its events
+                                              # come before the log's (trace.first_step)
         window = tracker.resolved.window_start + shift
         allocator, handles, sizes = CachingAllocator(self.allocator), {}, {}
         alloc_peak, reserved_peak, peak_event = -1, 0, window - 1

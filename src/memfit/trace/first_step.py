@@ -18,9 +18,10 @@ So the first step is the counted step's events with those changes, placed at mar
 while the counted step ran (``Recorder``: ``("first", tag)`` marks where ``_init_group`` and
 the first ``scale()`` were called), each storage it makes afresh given an id of its own
 (``Ledger.fresh_copy``). ``make`` puts the events on the ledger (``measure._first_step_log``),
-before its own in ``device_events`` (ledger Note 7); every figure of the counted step is the
-traced one, and every replay reads the first step as if it had been traced. A composed step
-carries the marks and the pairs through ``block_reuse.compose`` (its Note 4).
+which gives them before its own in ``device_events``, every index after them shifted; every
+figure of the counted step is the traced one, and every replay reads the first step as if it
+had been traced. A composed step carries the marks and the pairs through
+``block_reuse.compose`` (docs/block-reuse.md).
 
 Note 2 (when the first step is traced instead). Only torch's Adam or AdamW making its state
 in ``_init_group`` (``trace.profile.makes_state_in_init_group``) and bitsandbytes' 8-bit step on
