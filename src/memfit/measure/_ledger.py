@@ -379,19 +379,25 @@ class Ledger:
                 if s not in self._host]
         return out
 
-    def fresh_copy(self, sid: int) -> int:
-        """A new storage id like ``sid`` (size, category, placement) with no event of the
-        log: a storage of a first step made from the counted one (Note 7)."""
-        new = len(self._nbytes)
-        self._nbytes.append(self._nbytes[sid])
-        self._category.append(self._category[sid])
+    def add_unseen(self, nbytes: int, category: int, *, host: bool = False,
+                   unified: bool = False) -> int:
+        """A new storage id no storage object stands for (one a composed or repeated stretch,
+        or a first step made from the counted one, Note 7, makes); no event is logged."""
+        sid = len(self._nbytes)
+        self._nbytes.append(nbytes)
+        self._category.append(category)
         self._ptr.append(0)
         self._refs.append(None)
-        if sid in self._host:
-            self._host.add(new)
-        if sid in self._unified:
-            self._unified.add(new)
-        return new
+        if host:
+            self._host.add(sid)
+        if unified:
+            self._unified.add(sid)
+        return sid
+
+    def fresh_copy(self, sid: int) -> int:
+        """``add_unseen`` like ``sid``: its size, category and placement."""
+        return self.add_unseen(self._nbytes[sid], self._category[sid], host=sid in self._host,
+                               unified=sid in self._unified)
 
     def resolve(self, window_start: int = 0) -> Resolved:
         ncat = len(CATEGORIES)

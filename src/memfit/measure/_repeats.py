@@ -110,15 +110,7 @@ def repeat(tracker, stretch: Stretch, reads: tuple[int, ...] = ()) -> bool:
     led = tracker.ledger
     base = len(led._nbytes)
     for nbytes, category, host, unified in stretch.storages:
-        sid = len(led._nbytes)
-        led._nbytes.append(nbytes)
-        led._category.append(category)
-        led._ptr.append(0)
-        led._refs.append(None)
-        if host:
-            led._host.add(sid)
-        if unified:
-            led._unified.add(sid)
+        led.add_unseen(nbytes, category, host=host, unified=unified)
     if tracker.labels is not None:
         _relabelled(tracker.labels, stretch, base, dict(zip(stretch.reads, reads)))
     done = 0

@@ -311,16 +311,8 @@ def compose(a: StepLog, b: StepLog, n: int) -> Composed:
     def new_sid(key: tuple, a_sid: int, nbytes: int) -> int:
         if key in sids:
             raise NotComposable(f"storage {key} is born twice in the composed step")
-        sid = len(led._nbytes)
-        sids[key] = sid
-        led._nbytes.append(nbytes)
-        led._category.append(la._category[a_sid])
-        led._ptr.append(0)
-        led._refs.append(None)
-        if a_sid in la._host:
-            led._host.add(sid)
-        if a_sid in la._unified:
-            led._unified.add(sid)
+        sid = sids[key] = led.add_unseen(nbytes, la._category[a_sid], host=a_sid in la._host,
+                                         unified=a_sid in la._unified)
         return sid
 
     for it, src in zip(out.items, out.source):
