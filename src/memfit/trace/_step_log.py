@@ -36,8 +36,9 @@ away. Any other reference that far is still refused.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from memfit.measure import Tracker
 from memfit.measure._labels import GLOBAL
@@ -79,14 +80,23 @@ class StepLog:
         return int(head) if head.isdigit() else GLOBAL
 
     def _atoms(self) -> None:
+        """The events, ops and marks in the order they happened, each ordered by (ops done,
+        events done, kind): a mark before an event before an op at one point (an op ends once
+        its events are in). The keys are made and sorted by numpy (a stable sort: marks at one
+        point keep their order)."""
         t = self.tracker
-        led = t.ledger
-        ends = t.op_events
-        keyed = [((bisect.bisect_right(ends, i), i, 1), ("ev", i)) for i in range(led.num_events)]
-        keyed += [((j, ends[j], 2), ("op", j)) for j in range(len(ends))]
-        keyed += [((m[4], m[3], 0), ("mk", m)) for m in t.marks]
-        keyed.sort(key=lambda x: x[0])
-        self.atoms = [a for _, a in keyed]
+        n_ev, n_op = t.ledger.num_events, len(t.op_events)
+        ends = np.asarray(t.op_events, dtype=np.int64)
+        events = np.arange(n_ev, dtype=np.int64)
+        marks = np.asarray([(m[4], m[3]) for m in t.marks], dtype=np.int64).reshape(-1, 2)
+        first = np.concatenate([np.searchsorted(ends, events, side="right"),
+                                np.arange(n_op, dtype=np.int64), marks[:, 0]])
+        second = np.concatenate([events, ends, marks[:, 1]])
+        kind = np.concatenate([np.full(n_ev, 1), np.full(n_op, 2), np.zeros(len(marks))])
+        order = np.lexsort((kind, second, first)).tolist()
+        items = [("ev", i) for i in range(n_ev)] + [("op", j) for j in range(n_op)] + \
+            [("mk", m) for m in t.marks]
+        self.atoms = [items[k] for k in order]
 
     def _contexts(self) -> None:
         """Note 1: each atom's block context."""
