@@ -58,41 +58,17 @@ import weakref
 
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.measure._first_step_log import FirstStep
 from memfit.measure._resolved import (ACTIVATIONS, CATEGORIES, GRADS, INPUTS, OPTIMIZER,
                                       OTHER, PARAMS, TEMPORARIES, Resolved)
 from memfit.measure._sizes import expr as _expr
+from memfit.measure._storages import PLAIN as _PLAIN
+from memfit.measure._storages import storages_of
 from memfit.measure._sizes import hint as _hint
 
 __all__ = ["Ledger", "Resolved", "storages_of", "CATEGORIES", "PARAMS", "GRADS", "OPTIMIZER",
            "OTHER", "INPUTS", "ACTIVATIONS", "TEMPORARIES"]  # the categories: measure._resolved
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter, FakeTensor)   # no inner tensors of their own
-
-
-def storages_of(t: torch.Tensor, device_type: str | None = None):
-    """The non-empty untyped storages behind ``t`` (the inner tensors of a wrapper subclass,
-    e.g. DTensor), only those of tensors on ``device_type`` when it is given.
-
-    The device is the tensor's: a fake tensor reports the device it stands for, while its
-    storage is a ``meta`` one.
-    """
-    flatten = getattr(t, "__tensor_flatten__", None)
-    if flatten is not None and not isinstance(t, torch._subclasses.FakeTensor):
-        names, _ = flatten()
-        for name in names:
-            inner = getattr(t, name)
-            if isinstance(inner, torch.Tensor):   # DTensor also lists its device_mesh
-                yield from storages_of(inner, device_type)
-        return
-    if t.layout is not torch.strided or (device_type is not None and t.device.type != device_type):
-        return
-    st = t.untyped_storage()
-    if st.nbytes() > 0:
-        yield st
 
 
 class Ledger:
@@ -394,10 +370,6 @@ class Ledger:
             self._unified.add(sid)
         return sid
 
-    def fresh_copy(self, sid: int) -> int:
-        """``add_unseen`` like ``sid``: its size, category and placement."""
-        return self.add_unseen(self._nbytes[sid], self._category[sid], host=sid in self._host,
-                               unified=sid in self._unified)
 
     def resolve(self, window_start: int = 0) -> Resolved:
         ncat = len(CATEGORIES)

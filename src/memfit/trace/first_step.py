@@ -17,7 +17,7 @@ from the steady one in three things, and in nothing else (``tests/trace/test_fir
 So the first step is the counted step's events with those changes, placed at marks recorded
 while the counted step ran (``Recorder``: ``("first", tag)`` marks where ``_init_group`` and
 the first ``scale()`` were called), each storage it makes afresh given an id of its own
-(``Ledger.fresh_copy``). ``make`` puts the events on the ledger (``measure._first_step_log``),
+(``Ledger.add_unseen``). ``make`` puts the events on the ledger (``measure._first_step_log``),
 which gives them before its own in ``device_events``, every index after them shifted; every
 figure of the counted step is the traced one, and every replay reads the first step as if it
 had been traced. A composed step carries the marks and the pairs through
@@ -280,8 +280,9 @@ def make(tracker) -> None:
             s1 = partner[s]
         elif s in fresh:
             s1 = fresh[s]
-        elif d > 0 and not resize:
-            s1 = fresh[s] = led.fresh_copy(s)
+        elif d > 0 and not resize:            # its own id, like the counted step's
+            s1 = fresh[s] = led.add_unseen(led._nbytes[s], led._category[s],
+                                           host=s in led._host, unified=s in led._unified)
         else:
             raise NotMade("the step changes a storage it did not make")
         if d > 0 and not resize:
