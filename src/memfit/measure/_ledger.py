@@ -46,10 +46,10 @@ in-place add keeps them. ``on_merge`` tells the counter, which moves its per-op 
 Note 7 (a first step made, not traced). A GPU replay needs the step before the counted one.
 ``trace.first_step`` may make it from the counted step (``first``: ``measure._first_step_log``);
 its events then come before the log in ``device_events``, and the storages it makes leave the
-entries there. Optimizer state older than the first step that it finds only when its optimizer
-step reads it (``first.late``: bitsandbytes' maps) comes last among the entries: a traced first step finds it only when its optimizer step reads
-it, after everything the forward and backward read. The ledger's own events, ``resolve`` and every figure of the counted step are
-unchanged.
+entries there. Optimizer state older than the first step (``first.late``: bitsandbytes' maps)
+comes last among the entries: a traced first step finds it only when its optimizer step reads
+it, after everything the forward and backward read. The ledger's own events, ``resolve`` and
+every figure of the counted step are unchanged.
 """
 
 from __future__ import annotations

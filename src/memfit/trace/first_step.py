@@ -54,9 +54,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+from collections import Counter
 from contextvars import ContextVar
 
+import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+from torch.utils._pytree import tree_flatten
 
 from memfit.measure._ledger import GRADS, OPTIMIZER, TEMPORARIES
 from memfit.trace.profile import makes_state_in_init_group
@@ -132,28 +135,23 @@ class Recorder:
         def sids(t):
             return [s for s in (led.sid(st) for st in led.storages(t)) if s in led._entry]
 
-        names = {id(p): name for name, p in self.model.named_parameters()}
+        self._names = {id(p): name for name, p in self.model.named_parameters()}
+        params = {id(p): p for p in self.model.parameters()}
         maps = {sid for v in getattr(self.optimizer, "name2qmap", {}).values()
                 for sid in sids(v)}                # bitsandbytes' maps: made with it
         first.older |= maps
         first.late |= maps
-        model_params = {id(p) for p in self.model.parameters()}
-        for group in self.optimizer.param_groups:     # master weights, made with it (Note 4)
-            for p in group["params"]:
-                if id(p) not in model_params:
-                    first.older.update(sids(p))
         for g, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
-                tag = _group_tag(g) if self.per_group else names.get(id(p))
-                for v in _tensors(self.optimizer.state.get(p, {})):
-                    for sid in sids(v):
+                if id(p) not in params:           # master weights, made with it (Note 4)
+                    first.older.update(sids(p))
+                    params[id(p)] = p
+                tag = _group_tag(g) if self.per_group else self._names.get(id(p))
+                for v in tree_flatten(self.optimizer.state.get(p, {}))[0]:
+                    for sid in sids(v) if isinstance(v, torch.Tensor) else ():
                         if sid not in maps and tag is not None:
                             first.made.setdefault(sid, tag)
-        self._names = names
-        params = {id(p): p for p in self.model.parameters()}
-        for group in self.optimizer.param_groups:      # fp32 masters too
-            params.update({id(p): p for p in group["params"]})
-        for p in params.values():
+        for p in params.values():                 # the model's and the masters' gradients
             if p.grad is not None:
                 self._grads += [(p, sid) for sid in sids(p.grad)]
         if self.scaler is not None and self.scaler._scale is not None:
@@ -215,12 +213,6 @@ class Recorder:
                 led.first.grads[entry] = made[0]
 
 
-def _tensors(state: dict) -> list:
-    import torch
-    from torch.utils._pytree import tree_flatten
-    return [v for v in tree_flatten(state)[0] if isinstance(v, torch.Tensor)]
-
-
 def make(tracker) -> None:
     """Put the first step, made from the counted one, on ``tracker``'s ledger (Note 1), or
     raise ``NotMade`` (Note 2)."""
@@ -229,14 +221,14 @@ def make(tracker) -> None:
     made, grads, entries = first.made, first.grads, led._entry
     if first.events is not None:
         return
-    reached = [m[1] for m in tracker.marks if m[0] == "first"]
+    reached = Counter(m[1] for m in tracker.marks if m[0] == "first")
     by_tag: dict[str, list[int]] = {}
     for sid in entries:
         if sid in made:
             by_tag.setdefault(made[sid], []).append(sid)
     for tag in by_tag:
-        if reached.count(tag) != 1:
-            raise NotMade(f"the step reached {tag} {reached.count(tag)} times")
+        if reached[tag] != 1:
+            raise NotMade(f"the step reached {tag} {reached[tag]} times")
     for sid in entries:
         category = led._category[sid]
         if category == OPTIMIZER and sid not in made and sid not in first.older and \
