@@ -26,8 +26,8 @@ the GPU), where the trace's fakes, on the CPU, would take the for-loop and miss 
 on the host, for-loop, as the trace's default does.
 
 Note 3 (one step for a replay). A GPU target's replay needs the step before the counted one.
-Where ``trace.first_step`` can make it from the counted step (torch's Adam or AdamW, not a
-user's step, a compiled model, a rank or a shared symbolic trace), one step is traced after
+Where ``trace.first_step`` can make it from the counted step (an optimizer it knows, and not
+a user's step, a compiled model, a rank or a shared symbolic trace), one step is traced after
 the warm-up, with the marks it needs, and the first step is made on its tracker: here for a
 step traced whole, in ``api._blockwise`` for a step composed from twins. Where it cannot
 (``NotMade``), the step is traced again with two steps.

@@ -156,9 +156,10 @@ class FidelityMode(CompileAware, TorchDispatchMode):
         self.data = data
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        device = finite_grads.device_of(func, args)
-        if device is not None:
-            return device
+        if func is finite_grads.DEVICE:
+            device = finite_grads.device_of(args)
+            if device is not None:
+                return device
         kwargs = kwargs or {}
         replace = _REPLACEMENTS.get(func)
         out = replace(func, args, kwargs) if replace is not None else None
@@ -179,5 +180,6 @@ class FidelityMode(CompileAware, TorchDispatchMode):
                 raise
             return out
         self.data.propagate(func, args, kwargs, out)
-        finite_grads.after(func, args, kwargs, self.data)
+        if func is finite_grads.CHECK:
+            finite_grads.after(args, kwargs, self.data)
         return out

@@ -22,26 +22,23 @@ from torch._subclasses.fake_tensor import FakeTensor
 from memfit.measure._counting import fake_device
 from memfit.trace.data_dependent import DataValues, real_values
 
-__all__ = ["device_of", "after"]
+__all__ = ["DEVICE", "CHECK", "device_of", "after"]
 
-_DEVICE = torch.ops.prim.device.default
-_CHECK = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
-
-
-def device_of(func, args):
-    """``prim.device`` of a fake, as the counter answers it in a step, where the fidelity mode
-    is the top one (a warm-up); None for any other op."""
-    if func is _DEVICE and isinstance(args[0], FakeTensor):
-        return fake_device(args[0])
-    return None
+DEVICE = torch.ops.prim.device.default
+CHECK = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default   # the inf check
 
 
-def after(func, args, kwargs, data: DataValues) -> None:
-    """After a GradScaler inf check on fakes, ``found_inf`` is known to be 0 (called once the
-    op has run and its outputs were marked unknown)."""
-    if func is _CHECK:
-        found_inf = args[1] if len(args) > 1 else kwargs["found_inf"]
-        if isinstance(found_inf, FakeTensor):
-            with real_values():
-                zero = torch.zeros(found_inf.shape, dtype=found_inf.dtype)
-            data.link(found_inf, zero)
+def device_of(args):
+    """``prim.device`` (``DEVICE``) of a fake, as the counter answers it in a step, where the
+    fidelity mode is the top one (a warm-up); None for a real tensor."""
+    return fake_device(args[0]) if isinstance(args[0], FakeTensor) else None
+
+
+def after(args, kwargs, data: DataValues) -> None:
+    """After a GradScaler inf check (``CHECK``) on fakes, ``found_inf`` is known to be 0
+    (called once the op has run and its outputs were marked unknown)."""
+    found_inf = args[1] if len(args) > 1 else kwargs["found_inf"]
+    if isinstance(found_inf, FakeTensor):
+        with real_values():
+            zero = torch.zeros(found_inf.shape, dtype=found_inf.dtype)
+        data.link(found_inf, zero)
