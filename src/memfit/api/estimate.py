@@ -15,10 +15,12 @@ from memfit.api._validate import check_order
 from memfit.knobs import Knobs
 from memfit.trace import FakeCopier
 from memfit.trace.allocator import AllocatorConfig
+from memfit.trace.collector import old_objects_frozen
 
 __all__ = ["Estimate", "estimate"]
 
 
+@old_objects_frozen()      # no full collection walks what was there before (trace.collector)
 def estimate(model: nn.Module, batch, optimizer="adamw", device=None,
              loss_fn: Callable | None = None, *, budget=None, count_fn: Callable | None = None,
              allocator: AllocatorConfig | None = None, allocator_replay: bool = True,

@@ -50,6 +50,7 @@ from memfit.api._validate import check_order
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
 from memfit.planner import Plan
+from memfit.trace.collector import old_objects_frozen
 
 __all__ = ["plan", "plan_traced", "Planned"]
 
@@ -82,6 +83,7 @@ def plan(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
     return plan_traced(model, batch, budget, optimizer, device, loss_fn, **kwargs).plan
 
 
+@old_objects_frozen()      # no full collection walks what was there before (trace.collector)
 def plan_traced(model: nn.Module, batch, budget=None, optimizer="adamw", device=None,
                 loss_fn: Callable | None = None, *, count_fn: Callable | None = None,
                 allocator=None, on_progress: Callable[[str], None] | None = None,
