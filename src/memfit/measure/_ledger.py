@@ -63,6 +63,7 @@ from memfit.measure._first_step_log import FirstStep
 from memfit.measure._resolved import (ACTIVATIONS, CATEGORIES, GRADS, INPUTS, OPTIMIZER,
                                       OTHER, PARAMS, TEMPORARIES, Resolved)
 from memfit.measure._sizes import expr as _expr
+from memfit.measure._storages import NO_MODES as _NO_MODES
 from memfit.measure._storages import PLAIN as _PLAIN
 from memfit.measure._storages import storages_of
 from memfit.measure._sizes import hint as _hint
@@ -104,9 +105,10 @@ class Ledger:
     def storages(self, t: torch.Tensor):
         """The storages of ``t`` this ledger counts: on its device, real or fake (Note 3)."""
         if type(t) in _PLAIN:        # one storage at most: ``storages_of`` without its walk
-            if t.layout is not torch.strided or t.device.type != self.device_type:
-                return ()
-            st = t.untyped_storage()
+            with _NO_MODES():        # measure._storages says why
+                if t.layout is not torch.strided or t.device.type != self.device_type:
+                    return ()
+                st = t.untyped_storage()
             return (st,) if st.nbytes() > 0 and (st.device.type == "meta") == self.fake else ()
         return [st for st in storages_of(t, self.device_type)
                 if (st.device.type == "meta") == self.fake]
