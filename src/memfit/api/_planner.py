@@ -41,8 +41,9 @@ by name or factory, the planner may switch the implementation on a GPU target
 default foreach (fused, for-loop) is traced once (its optimizer step alone:
 ``estimate(optimizer_only=True)``, without the allocator's replay: the models read its
 timeline and op costs, the same with or without), and the search weighs it like any other knob,
-before the optimizer state leaves the device. An optimizer instance keeps its own unless
-``optimizer_impl`` is set.
+before the optimizer state leaves the device; torch's for-loop is weighed by a bound until the
+search picks it (``api._plan_deferred``). An instance keeps its own unless ``optimizer_impl``
+is set.
 
 Note 6 (the user's step). With ``step=fn`` every trace above runs the user's step
 (``api._user_step``), the half-batch one on the first half of the batch. The step
@@ -93,6 +94,7 @@ from memfit.api._compare_gpus import fewest_gpus
 from memfit.api._floor import least_memory, longest_sequence
 from memfit.api._plan_allocator import PLAIN_FITS, AllocatorChoice
 from memfit.api._plan_bound import held_back, may_beat
+from memfit.api._plan_deferred import Implementations
 from memfit.api._plan_levers import (Levers, grads_offload_open, in_backward_open,
                                      numerics_allowed, state_knobs)
 from memfit.api._plan_parts import (Context, as_choice, impl_variants, make_plan,
@@ -220,8 +222,12 @@ class Planner:
         self.levers = Levers(job.model, job.batch, self.models, traces, job.common, job.spec,
                              b, k, job.numerics, job.user_step is not None, say)
         self.later = held_back(user, job.others)      # api._plan_bound
+        self.key = (p, k.optimizer_impl)
+        self.impls = Implementations(variants, job.recipe.optimizer_class(job.trainable)
+                                     if variants else None, self.models, self.key, job.trace,
+                                     say)                                 # Note 5
         first = [q for q in job.others if q not in self.later]
-        say.expect(stages_ahead(b, user, p, first, len(variants), self.levers))
+        say.expect(stages_ahead(b, user, p, first, len(self.impls.now), self.levers))
         say(f"tracing the plain step ({user}, batch {b})")
         self.plain = job.trace(user, optimizer_impl=k.optimizer_impl)
         self.base = self.plain
@@ -229,17 +235,11 @@ class Planner:
             say(f"tracing the plain step ({p}, batch {b})")
             self.base = job.trace(p, optimizer_impl=k.optimizer_impl)
         traces[p] = self.base
-        self.key = (p, k.optimizer_impl)
         self.models[self.key] = precision_models(job.model, job.batch, self.base, job.common,
                                                  job.spec, p, b, k.optimizer_impl, say,
                                                  job.state)
-        for impl in variants:                                   # Note 5
-            say(f"tracing the optimizer step with the {impl} implementation")
-            other = job.trace(p, optimizer_impl=impl, optimizer_only=True,
-                              allocator_replay=False)    # the models read no replay
-            memory, time = self.models[self.key]
-            self.models[(p, impl)] = (memory.with_optimizer_step(other),
-                                      time.with_optimizer_step(other))
+        for impl in self.impls.now:
+            self.impls.trace(impl)
         self.user_pair = self.models[self.key] if p == user else \
             user_models(self.plain, job.spec, user, b)
         self.held = {q: job.held(q) for q in {p, user}}
@@ -279,6 +279,7 @@ class Planner:
         ETA's count."""
         if self.traced_floor is None:
             job = self.job
+            self.impls.trace_bounded()
             self.add_precisions()
             self.levers.add_low_bit()
             self.levers.add_chunked_loss()
@@ -334,9 +335,11 @@ class Planner:
                         self.levers.add_param_offload)
 
         def over_every_model(margins: Margins):
-            for q in self.models:
-                margins.start(q, self.held[q[0]])
-            return search(self.models, job.b, job.budget_bytes, job.fixed, margins.bytes)
+            def over(models):          # the planner's, and bounds (api._plan_deferred)
+                for q in models:
+                    margins.start(q, self.held[q[0]])
+                return search(models, job.b, job.budget_bytes, job.fixed, margins.bytes)
+            return self.impls.searched(over)
 
         def propose(margins: Margins):
             choice = over_every_model(margins)

@@ -313,8 +313,13 @@ class MemoryModel:
     def with_optimizer_step(self, est) -> "MemoryModel":
         """This model with the optimizer step of ``est``, a plain trace of the same step with
         another optimizer implementation (Note 7)."""
+        return self.with_optimizer_rise(optimizer_rise_bytes(est))
+
+    def with_optimizer_rise(self, rise: float) -> "MemoryModel":
+        """This model with an optimizer step that rises ``rise`` bytes above the level it
+        starts from (Note 7; a rise of 0 bounds an implementation not traced yet)."""
         out = copy.copy(self)
-        out._opt_rise = optimizer_rise_bytes(est)
+        out._opt_rise = rise
         return out
 
     def with_optimizer_state(self, est) -> "MemoryModel":

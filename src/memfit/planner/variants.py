@@ -88,7 +88,8 @@ from memfit.planner.time_model import TimeModel, flop_rate
 
 __all__ = ["LOW_BIT_STATES", "PARAM_OFFLOAD", "CHUNKED_LOSS", "IN_BACKWARD_PRECISIONS",
            "GRAD_OFFLOAD_PRECISIONS", "add_low_bit", "add_param_offload", "add_chunked_loss",
-           "add_optimizer_in_backward", "add_gradient_offload", "auto_precisions"]
+           "chunked_beside", "add_optimizer_in_backward", "add_gradient_offload",
+           "auto_precisions"]
 
 LOW_BIT_STATES = ("bf16", "8bit", "4bit")
 PARAM_OFFLOAD = "all"
@@ -163,15 +164,25 @@ def add_chunked_loss(models: dict, trace: Callable, spec, b: int, say: Callable[
                                chunked_loss=chunks, optimizer_impl=impl)
     if traced is None:
         return False
-    cmem, ctime = traced
+    models[variant_key(precision, impl, None, None, chunks)] = traced
     for other in [q for q in models if q[0] == precision and len(q) <= 4 and q != key and
                   (len(q) == 2 or q[3] is None)]:       # other optimizers, not param offload
-        vmem, vtime = models[other]
-        state = other[2] if len(other) > 2 else None
-        models[variant_key(precision, other[1], state, None, chunks)] = (
-            cmem.with_optimizer_of(memory, vmem), ctime.with_optimizer_of(vtime))
-    models[variant_key(precision, impl, None, None, chunks)] = (cmem, ctime)
+        chunked_beside(models, key, other, chunks)
     return True
+
+
+def chunked_beside(models: dict, key: tuple, other: tuple, chunks: int = CHUNKED_LOSS) -> None:
+    """Where the loss in pieces is modelled beside the plain model at ``key``: the same with
+    the optimizer of ``other`` (another implementation or a low-bit state of that precision,
+    Note 1), without a trace."""
+    precision, impl = key
+    chunked = models.get(variant_key(precision, impl, None, None, chunks))
+    if chunked is None:
+        return
+    (cmem, ctime), (vmem, vtime) = chunked, models[other]
+    state = other[2] if len(other) > 2 else None
+    models[variant_key(precision, other[1], state, None, chunks)] = (
+        cmem.with_optimizer_of(models[key][0], vmem), ctime.with_optimizer_of(vtime))
 
 
 def add_optimizer_in_backward(models: dict, trace: Callable, spec, b: int,
