@@ -6,7 +6,6 @@ is picked (then traced) and where it is not (then never traced).
 """
 
 import pytest
-import torch
 
 import memfit
 from memfit import zoo

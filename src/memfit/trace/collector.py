@@ -31,21 +31,24 @@ from collections.abc import Iterator
 
 __all__ = ["old_objects_frozen"]
 
-_depth = 0          # memfit's freezes open now (Note 3)
+_ours = False       # a freeze of memfit's is open (Note 3)
 
 
 @contextlib.contextmanager
 def old_objects_frozen() -> Iterator[None]:
     """Inside, the objects alive at entry are out of the collector's reach (Notes 1-3)."""
-    global _depth
-    if _depth == 0 and gc.get_freeze_count() > 0:      # someone else's freeze (Note 3)
+    global _ours
+    if _ours:                          # inside one of ours: what was made since, frozen too
+        gc.freeze()
+        yield
+        return
+    if gc.get_freeze_count() > 0:      # someone else's freeze (Note 3)
         yield
         return
     gc.freeze()
-    _depth += 1
+    _ours = True
     try:
         yield
     finally:
-        _depth -= 1
-        if _depth == 0:
-            gc.unfreeze()
+        _ours = False
+        gc.unfreeze()
