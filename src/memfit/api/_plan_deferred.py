@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from memfit.api._stages import Stages
 from memfit.planner.choice import unkey, variant_key
 from memfit.planner.variants import chunked_beside
 
@@ -43,10 +44,11 @@ _CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RM
 class Implementations:
     """The optimizer's other implementations in one plan (``api._planner``): each traced
     at once, or weighed by its bound until it is picked (Note 1). ``models``: the planner's,
-    the optimizer as given at ``key``; ``trace(precision, **knobs)``: an estimate of the job; ``say``: the plan's ``Stages``."""
+    the optimizer as given at ``key``; ``trace(precision, **knobs)``: an estimate of the job;
+    ``say``: the plan's stages."""
 
     def __init__(self, variants: list[str], cls: type | None, models: dict, key: tuple,
-                 trace: Callable, say: Callable[[str], None]):
+                 trace: Callable, say: Stages):
         self.bounded = [i for i in variants if i in BOUNDED and cls in _CLASSES]
         self.now = [i for i in variants if i not in self.bounded]
         self.models, self.key, self._trace, self._say = models, key, trace, say

@@ -9,11 +9,15 @@ collections took about a tenth of the README plan's CPU time (measured with ``gc
 0.98-1.02 s of 11.8 s; `benchmarks/speed.py --plan`).
 
 Note 2 (what changes, what does not). ``gc.freeze()`` moves every object alive now to a
-generation no collection looks at; ``gc.unfreeze()`` puts them back in the oldest. The young
-collections run as before (their counts are of the trace's own allocations), and every
-object that dies by its reference count dies at the same moment, so the ledger's frees are
-where they were. Only what the trace makes is looked at by a full collection, and garbage
-made before the trace (an earlier stage's cycles) waits until the outermost freeze ends.
+generation no collection looks at, and sets the young generation's count to 0;
+``gc.unfreeze()`` puts the objects back in the oldest. Every object that dies by its reference
+count dies at the same moment, so the ledger's frees of those are where they were. The
+collections inside the trace look only at what the trace makes, and the young ones are counted
+from the trace's start: a storage held only by a cycle (none is in the suite's eager steps,
+whose events are unchanged) would die at a young collection placed by the trace's own
+allocations, where before it was placed by what the process had allocated until then.
+Garbage made before the trace (an earlier stage's cycles) waits until the outermost freeze
+ends.
 
 Note 3 (nesting, and a process that froze objects itself). Each call freezes what exists at
 its start (a plan's estimate after its earlier stages freezes those stages' objects too); the
