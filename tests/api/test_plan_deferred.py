@@ -1,8 +1,9 @@
-"""The for-loop optimizer weighed by a bound until a pick needs it (``api._plan_deferred``).
+"""The for-loop and fused optimizer steps weighed by bounds until a pick needs one
+(``api._plan_deferred``).
 
-The premises of the bound are held on each class it is used for, and the plans are held to the
-plans made with the for-loop traced up front (the oracle: ``BOUNDED`` emptied), where the bound
-is picked (then traced) and where it is not (then never traced).
+The premises of each bound are held on each class it is used for, and the plans are held to the
+plans made with every implementation traced up front (the oracle: ``BOUNDED`` emptied), where a
+bound is picked (then traced) and where it is not (then never traced).
 """
 
 import pytest
@@ -19,13 +20,16 @@ from tests.helpers import tiny
 
 GPU = "gtx-1080-ti"
 NAMES = ("adamw", "adam", "sgd", "momentum", "rmsprop", "adagrad")
+FUSED = ("adamw", "adam", "sgd", "momentum", "adagrad")        # the classes with a fused step
 
 
 def test_every_bounded_class_is_tested_here():
     model, _ = tiny("gpt2")
     params = [p for p in model.parameters() if p.requires_grad]
-    tested = {OptimizerRecipe(name).optimizer_class(params) for name in NAMES}
-    assert set(_plan_deferred._CLASSES) <= tested
+    for impl, names in (("for-loop", NAMES), ("fused", FUSED)):
+        tested = {OptimizerRecipe(name).optimizer_class(params) for name in names}
+        assert set(_plan_deferred._CLASSES[impl]) <= tested
+    assert set(_plan_deferred._CLASSES) == set(_plan_deferred.BOUNDED)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -48,6 +52,31 @@ def test_the_for_loop_keeps_foreach_state_rises_at_least_0_and_is_priced_slower(
     assert (loop_state, loop_level) == (state, level) and rise >= 0
     assert loop.optimizer_s > foreach.optimizer_s
     assert loop.forward_backward_s(1, 3) == foreach.forward_backward_s(1, 3)
+
+
+@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("precision,device", [("fp16", GPU), ("bf16", "a100-80gb"),
+                                              ("bf16-pure", "a100-80gb")])
+def test_the_fused_step_touches_the_gradients_twice_and_the_state_once_at_least(
+        name, precision, device):
+    model, batch = tiny("gpt2")
+    spec = resolve_device(model, device)
+    out = {}
+    for impl in ("foreach", "fused"):
+        est = memfit.estimate(memfit.Job(model, batch, optimizer=name), device=device,
+                              precision=precision, optimizer_only=True,
+                              allocator_replay=False, optimizer_impl=impl, max_grad_norm=1.0)
+        memory = MemoryModel(est, 3)
+        out[impl] = (memory, optimizer_rise_bytes(est), TimeModel(est, spec, precision, 3, memory))
+    (memory, _, foreach), (_, rise, fused) = out["foreach"], out["fused"]
+    least = 2 * memory.grads_bytes + memory.optimizer_state_bytes
+    assert memory.grads_bytes > 0 and rise >= 0
+    assert fused._opt_touched >= least
+    bound = foreach.with_optimizer_touching(least)
+    assert fused.optimizer_s >= bound.optimizer_s
+    for placement in (False, True):
+        assert fused.optimizer_step_s(placement) >= bound.optimizer_step_s(placement)
+    assert fused.forward_backward_s(1, 3) == foreach.forward_backward_s(1, 3)
 
 
 def _bert():
@@ -107,3 +136,38 @@ def test_the_floor_traces_the_for_loop(monkeypatch):
     assert any("for-loop implementation" in s for s in said)
     monkeypatch.setattr(_plan_deferred, "BOUNDED", ())
     assert memfit.plan(job, device=GPU, floor=True).floor_bytes == p.floor_bytes
+
+
+@pytest.mark.parametrize("name", ("adamw", "adagrad"))
+def test_a_picked_fused_bound_traces_the_fused_step_and_plans_as_if_traced_up_front(
+        monkeypatch, name):
+    model, batch = _bert()
+    job = memfit.Job(model, batch, optimizer=name)
+    foreach = memfit.estimate(job, device=GPU)
+    fused = memfit.estimate(job, device=GPU, optimizer_impl="fused")
+    assert fused.device_bytes < foreach.device_bytes          # no parameter-sized temporaries
+    budget = (foreach.device_bytes + fused.device_bytes) // 2
+    bounded, said, traced = _plans(monkeypatch, job, budget=budget)
+    assert bounded.knobs.optimizer_impl == "fused"
+    _same(bounded, traced)
+    tracing = [s for s in said if "implementation" in s]
+    assert tracing == ["tracing the optimizer step with the fused implementation"]
+    assert said.index(tracing[0]) > said.index("searching")
+
+
+def test_a_low_bit_pick_never_traces_the_fused_step_and_the_plan_is_the_same(monkeypatch):
+    model, batch = _bert()
+    job = memfit.Job(model, batch, optimizer="adamw")
+    budget = int(memfit.estimate(job, device=GPU).device_bytes * 0.9)
+    bounded, said, traced = _plans(monkeypatch, job, budget=budget, precision="auto")
+    assert bounded.knobs.optimizer_state == "8bit"
+    assert "searching" in said and not any("implementation" in s for s in said)
+    _same(bounded, traced)
+
+
+def test_a_plain_step_that_fits_traces_no_other_implementation(monkeypatch):
+    model, batch = _bert()
+    job = memfit.Job(model, batch, optimizer="adamw")
+    bounded, said, traced = _plans(monkeypatch, job)
+    assert said == ["tracing the plain step (fp32, batch 1)"]
+    _same(bounded, traced)

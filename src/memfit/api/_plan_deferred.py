@@ -1,5 +1,5 @@
-"""The for-loop optimizer implementation weighed by a bound until a pick may need it (issue 29:
-fewer traces per plan).
+"""The optimizer's other implementations (for-loop, fused) weighed by bounds until a pick may
+need one (issue 29: fewer traces per plan).
 
 Note 1 (why the for-loop is traced only when it may win). On a GPU target the planner weighs
 the other implementations of the optimizer (``api._planner``): fused and for-loop, each
@@ -18,10 +18,24 @@ the real for-loop is strictly slower). The floor weighs real models only: it tra
 for-loop first. Only torch's own classes, whose premises are tested, are bounded; any other
 class that takes ``foreach`` traces its for-loop as before.
 
-Note 2 (what the bound stands for). Every model the for-loop would have: its plain model and,
-where the loss in pieces is weighed, the loss in pieces with the for-loop (the chunked model
-with a rise of 0, the chunked trace's own foreach step timed), keyed as the real ones are, so
-that a pick names the implementation to trace.
+Note 2 (what the bound stands for). Every model the implementation would have: its plain
+model and, where the loss in pieces is weighed, the loss in pieces with it (the chunked model
+with a rise of 0, its step timed as the plain bound's is), keyed as the real ones are, so that
+a pick names the implementation to trace.
+
+Note 3 (the fused step's bound). A fused step is timed faster than foreach (one kernel per
+group, no parameter-sized temporaries), so foreach's time bounds nothing; its model is the
+foreach model with the fused trace's rise and optimizer time (``planner.memory_model`` Note 7,
+``planner.time_model`` Note 6). Whatever its kernels, a step reads every trainable parameter,
+its gradient and the state, so the fused trace's ops touch at least the gradients' bytes twice
+(a parameter has its gradient's size and dtype) and the state's once: the bound is the foreach
+model with a rise of 0 and an optimizer step of one op touching that (``TimeModel.
+with_optimizer_touching``), no slower than the fused model at any placement of the state (on
+the host the step's touched bytes are its pass there). tests/api/test_plan_deferred.py holds
+the premise on each class below at fp16 and bf16. It is tight enough to be passed over where a
+low-bit state wins (the README's plan: 0.3 s of trace saved, and a plan whose plain step fits
+no longer traces the fused step at all); where the fused state fits on the device, the bound
+is picked and the fused step traced, as before.
 """
 
 from __future__ import annotations
@@ -36,9 +50,12 @@ from memfit.planner.variants import chunked_beside
 
 __all__ = ["BOUNDED", "Implementations"]
 
-BOUNDED = ("for-loop",)
-_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop,
-            torch.optim.Adagrad)            # the premises tested (Note 1)
+BOUNDED = ("for-loop", "fused")
+_CLASSES = {                                # the premises tested (Notes 1 and 3)
+    "for-loop": (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop,
+                 torch.optim.Adagrad),
+    "fused": (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad),
+}
 
 
 class Implementations:
@@ -49,7 +66,7 @@ class Implementations:
 
     def __init__(self, variants: list[str], cls: type | None, models: dict, key: tuple,
                  trace: Callable, say: Stages):
-        self.bounded = [i for i in variants if i in BOUNDED and cls in _CLASSES]
+        self.bounded = [i for i in variants if i in BOUNDED and cls in _CLASSES[i]]
         self.now = [i for i in variants if i not in self.bounded]
         self.models, self.key, self._trace, self._say = models, key, trace, say
 
@@ -83,7 +100,7 @@ class Implementations:
                 continue
             for impl in self.bounded:
                 out[variant_key(key[0], impl, None, None, parts[4])] = (
-                    memory.with_optimizer_rise(0.0), time)
+                    memory.with_optimizer_rise(0.0), _time_bound(impl, memory, time))
         return out
 
     def searched(self, search: Callable[[dict], object]):
@@ -96,3 +113,11 @@ class Implementations:
                 return choice
             self._say.expect(3)             # its trace, the search and the verify
             self.trace(impl)
+
+
+def _time_bound(impl: str, memory, time):
+    """The time model of ``impl``'s bound: foreach's for the for-loop (Note 1), the least
+    step touching the gradients twice and the state once for the fused step (Note 3)."""
+    if impl == "for-loop":
+        return time
+    return time.with_optimizer_touching(2 * memory.grads_bytes + memory.optimizer_state_bytes)

@@ -147,6 +147,17 @@ class TimeModel:
         out._opt_touched = float(costs[:, 1].sum())
         return out
 
+    def with_optimizer_touching(self, touched: float) -> "TimeModel":
+        """This model with an optimizer step of one op that reads and writes ``touched``
+        bytes and computes nothing: the least a step touching at least that much is timed
+        (Note 1: an op's time grows with its launches, FLOPs and bytes), the bound of an
+        implementation not traced yet (``api._plan_deferred``)."""
+        out = copy.copy(self)
+        f, bw, launch = self._rates
+        out.optimizer_s = float(launch + touched / bw)
+        out._opt_touched = float(touched)
+        return out
+
     def with_optimizer_of(self, variant: "TimeModel") -> "TimeModel":
         """This model with the optimizer step of ``variant`` (another implementation or state
         of the same optimizer, Notes 6 and 8); the forward and backward are this model's."""
