@@ -25,8 +25,7 @@ a pick names the implementation to trace.
 
 Note 3 (the fused step's bound). A fused step is timed faster than foreach (one kernel per
 group, no parameter-sized temporaries), so foreach's time bounds nothing; its model is the
-foreach model with the fused trace's rise and optimizer time (``planner.memory_model`` Note 7,
-``planner.time_model`` Note 6). Whatever its kernels, a step reads every trainable parameter,
+foreach model with the fused trace's rise and optimizer time (docs/planner.md). Whatever its kernels, a step reads every trainable parameter,
 its gradient and the state, so the fused trace's ops touch at least the gradients' bytes twice
 (a parameter has its gradient's size and dtype) and the state's once: the bound is the foreach
 model with a rise of 0 and an optimizer step of one op touching that (``TimeModel.
