@@ -65,9 +65,13 @@ if TYPE_CHECKING:
 
 __all__ = ["CountingMode", "fake_device", "count_first_reads", "host_allocations",
            "host_allocations_open", "allocates_and_writes", "written_args", "register_host_owner",
-           "registered_host_tensors"]
+           "registered_host_tensors", "op_name"]
 
 _aten = torch.ops.aten
+
+# an op's name as its log and the composed step's checks spell it ("aten.mm.default"), made once
+# per op: ``OpOverload.__str__`` formats it anew each call, for every op of every trace
+op_name = functools.lru_cache(maxsize=None)(str)
 _host = threading.local()
 _host_owners: "weakref.WeakSet" = weakref.WeakSet()     # Note 4
 

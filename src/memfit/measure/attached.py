@@ -28,11 +28,13 @@ from the start.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 __all__ = ["attached", "attached_tensors", "module_tensors", "DEPTH"]
 
@@ -50,8 +52,21 @@ _NOT_STATE = (nn.Module, TorchDispatchMode)
 def attached(p: torch.Tensor, fn: Callable[[torch.Tensor], object]) -> dict[str, object]:
     """``{name: value with every tensor t replaced by fn(t)}`` for the attributes of ``p``
     that hold a tensor (the module note)."""
+    own = _fake_own() if isinstance(p, FakeTensor) else ()
     return {name: _mapped(value, fn, DEPTH) for name, value in vars(p).items()
-            if not isinstance(value, _NOT_STATE)}
+            if name not in own and not isinstance(value, _NOT_STATE)}
+
+
+@functools.cache
+def _fake_own() -> frozenset[str]:
+    """The attributes a fake tensor (a parameter among them) keeps for ``FakeTensorMode``
+    itself (its device, mode, lifted constant, memos of data-dependent answers): never a
+    weight's state, and a score of them on every fake, each walked at every ask (a fake
+    parameter's ask cost 19 us, a plan asks thousands). Made on a fake of its own, seen by
+    no mode of a trace or tracker that may be running."""
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), FakeTensorMode():
+        t = torch.empty(0)
+        return frozenset(vars(t)) | frozenset(vars(nn.Parameter(t)))
 
 
 def attached_tensors(p: torch.Tensor) -> Iterator[torch.Tensor]:

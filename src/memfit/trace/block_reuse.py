@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memfit.measure import Tracker
+from memfit.measure._counting import op_name
 from memfit.measure._labels import GLOBAL
 from memfit.trace._block_twin import MID, TWIN_A, TWIN_B
 from memfit.trace._composed_modules import module_records, op_totals
@@ -226,7 +227,7 @@ def _canonical(out: _Out, log: StepLog) -> list[tuple]:
             res.append((it[0], num, size, resize, led._category[sid], sid in led._host,
                         sid in led._unified))
         elif it[0] == "op":
-            res.append(("op", str(t.op_log[it[1]])))
+            res.append(("op", op_name(t.op_log[it[1]])))
         else:
             res.append(it)
     return res

@@ -86,6 +86,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from memfit.errors import TraceError
 from memfit.measure import ModuleRecord, Tracker
+from memfit.measure._counting import op_name
 from memfit.step import check_steppable
 from memfit.trace.fake import FakeCopier, FakeDeepcopyMode
 from memfit.trace.fidelity import FidelityMode
@@ -248,7 +249,7 @@ def profile_of(tracker: Tracker, phases: dict[str, int], seconds: float) -> Step
         fw_flops=tracker.fw_flops,
         bw_flops=tracker.bw_flops,
         num_ops=tracker.ops,
-        op_log=[str(op) for op in tracker.window_op_log],
+        op_log=[op_name(op) for op in tracker.window_op_log],
         trace_seconds=seconds,
         host_peak_bytes=tracker.host_peak_bytes,
         blocks=[r.name for r in records if r.is_block],
