@@ -20,10 +20,21 @@ class KnownOnStorages(WeakIdKeyDictionary):
     def __init__(self):
         super().__init__()
         self._on_storage: dict[int, list[WeakIdRef]] = {}
+        # the ids of every fake ever known: a tensor not among them is not known, told without
+        # the ``WeakIdRef`` a lookup makes (an op asks of each of its tensors); an id reused
+        # after its fake died is asked of the dictionary as before
+        self._ids: set[int] = set()
 
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
+        self._ids.add(id(key))
         self._on_storage.setdefault(key.untyped_storage()._cdata, []).append(WeakIdRef(key))
+
+    def __contains__(self, key) -> bool:
+        return id(key) in self._ids and super().__contains__(key)
+
+    def get(self, key, default=None):
+        return super().get(key, default) if id(key) in self._ids else default
 
     def on_storages(self, storages: set[int]) -> list[torch.Tensor]:
         """The known fakes on these storages (by ``_cdata``)."""

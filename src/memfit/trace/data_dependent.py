@@ -145,7 +145,7 @@ class DataValues:
         return self._real.get(fake)
 
     def _known(self, t) -> bool:
-        return t in self._real or t in self._weights
+        return t in self._real or (bool(self._weights) and t in self._weights)
 
     def _value(self, t) -> torch.Tensor:
         real = self._real.get(t)
