@@ -9,14 +9,16 @@ else a LoRA job's base held in NF4 (QLoRA).
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfit.api._floor import first_samples
+from memfit.api._plan_deferred import BOUNDED_STATES, LowBitStates
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
 from memfit.measure._compile_aware import has_compiled
 from memfit.planner.variants import (GRAD_OFFLOAD_PRECISIONS, IN_BACKWARD_PRECISIONS,
-                                     LOW_BIT_STATES, add_chunked_loss, add_gradient_offload, add_low_bit,
+                                     LOW_BIT_STATES, add_chunked_loss, add_gradient_offload,
                                      add_optimizer_in_backward, add_param_offload)
 from memfit.techniques.chunked_loss import chunkable
 from memfit.techniques.quantized_base import QuantizedBase
@@ -152,10 +154,10 @@ class Levers:
     optimizer_in_backward the caller fixed is in every trace."""
 
     def __init__(self, model, batch, models, traces, common, spec, b, k: Knobs,
-                 numerics: bool, user_step: bool, say):
+                 numerics: bool, user_step: bool, say, optimizer_class: Callable[[], type]):
         self.models, self.traces, self.spec, self.b, self.say = models, traces, spec, b, say
         self.k, self.numerics, self.user_step = k, numerics, user_step
-        self.low_bit: list[str] = []
+        self._optimizer_class = optimizer_class
         self._done: set[str] = set()
         self._chunkable = common.get("loss_fn") is None and not user_step and \
             not has_compiled(model) and chunkable(model)       # refused for a compiled model
@@ -166,6 +168,8 @@ class Levers:
             return estimate(model, part, precision=precision, allocator_replay=False,
                             **{**fixed, **knobs}, **common)
         self.trace = trace
+        self.states = LowBitStates(models, traces, trace, say,    # api._plan_deferred
+                                   sum(p.numel() for p in model.parameters() if p.requires_grad))
 
     def traces_ahead(self, precisions: list[str]) -> int:
         """The traces ``add_low_bit``, ``add_chunked_loss`` and ``add_optimizer_in_backward``
@@ -173,8 +177,8 @@ class Levers:
         is missing traces nothing)."""
         in_backward = in_backward_open(self.k, self.user_step, self.b) and \
             any(q in IN_BACKWARD_PRECISIONS for q in precisions)
-        return len(LOW_BIT_STATES) * self._low_bit_open() + 2 * self._chunked_open() + \
-            in_backward
+        traced = [s for s in LOW_BIT_STATES if s not in BOUNDED_STATES]    # the others bounded
+        return len(traced) * self._low_bit_open() + 2 * self._chunked_open() + in_backward
 
     def _low_bit_open(self) -> bool:
         k = self.k
@@ -189,7 +193,7 @@ class Levers:
             return
         self._done.add("low_bit")
         if self._low_bit_open():
-            self.low_bit = add_low_bit(self.models, self.traces, self.trace, self.say)
+            self.states.add(self._optimizer_class())
 
     def add_chunked_loss(self) -> None:
         """The loss in pieces beside the plain model the search prefers (the precision auto

@@ -94,7 +94,7 @@ from memfit.api._compare_gpus import fewest_gpus
 from memfit.api._floor import least_memory, longest_sequence
 from memfit.api._plan_allocator import PLAIN_FITS, AllocatorChoice
 from memfit.api._plan_bound import held_back, may_beat
-from memfit.api._plan_deferred import Implementations
+from memfit.api._plan_deferred import Implementations, search_with_bounds
 from memfit.api._plan_levers import (Levers, grads_offload_open, in_backward_open,
                                      numerics_allowed, state_knobs)
 from memfit.api._plan_parts import (Context, as_choice, impl_variants, make_plan,
@@ -220,7 +220,8 @@ class Planner:
                                  job.spec)
         self.models, traces = {}, {}
         self.levers = Levers(job.model, job.batch, self.models, traces, job.common, job.spec,
-                             b, k, job.numerics, job.user_step is not None, say)
+                             b, k, job.numerics, job.user_step is not None, say,
+                             lambda: job.recipe.optimizer_class(job.trainable))
         self.later = held_back(user, job.others)      # api._plan_bound
         self.key = (p, k.optimizer_impl)
         self.impls = Implementations(variants, job.recipe.optimizer_class(job.trainable)
@@ -282,6 +283,7 @@ class Planner:
             self.impls.trace_bounded()
             self.add_precisions()
             self.levers.add_low_bit()
+            self.levers.states.trace_bounded()
             self.levers.add_chunked_loss()
             self.levers.add_optimizer_in_backward()
             self.levers.add_gradient_offload()
@@ -339,7 +341,7 @@ class Planner:
                 for q in models:
                     margins.start(q, self.held[q[0]])
                 return search(models, job.b, job.budget_bytes, job.fixed, margins.bytes)
-            return self.impls.searched(over)
+            return search_with_bounds(over, self.models, [self.impls, self.levers.states])
 
         def propose(margins: Margins):
             choice = over_every_model(margins)

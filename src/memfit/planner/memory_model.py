@@ -326,8 +326,14 @@ class MemoryModel:
         """This model with the optimizer state and step of ``est``, a plain trace of the same
         step with a low-bit optimizer state (Note 9)."""
         start = est.phases.get("optimizer", len(est.timeline))
-        return self._with_state(level_before(est, start, "optimizer")
-                                - self.optimizer_state_bytes, optimizer_rise_bytes(est))
+        return self.with_state_bytes(level_before(est, start, "optimizer"),
+                                     optimizer_rise_bytes(est))
+
+    def with_state_bytes(self, state: float, rise: float) -> "MemoryModel":
+        """This model with ``state`` bytes of optimizer state (made before the step, alive
+        throughout) instead of its own, and an optimizer step that rises ``rise`` above where
+        it starts (Note 9)."""
+        return self._with_state(state - self.optimizer_state_bytes, rise)
 
     def with_optimizer_of(self, plain: "MemoryModel", variant: "MemoryModel") -> "MemoryModel":
         """This model with the optimizer of ``variant``, a model of ``plain``'s step with another
