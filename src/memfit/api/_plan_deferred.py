@@ -25,16 +25,17 @@ a pick names the implementation to trace.
 
 Note 3 (the fused step's bound). A fused step is timed faster than foreach (one kernel per
 group, no parameter-sized temporaries), so foreach's time bounds nothing; its model is the
-foreach model with the fused trace's rise and optimizer time (docs/planner.md). Whatever its kernels, a step reads every trainable parameter,
-its gradient and the state, so the fused trace's ops touch at least the gradients' bytes twice
-(a parameter has its gradient's size and dtype) and the state's once: the bound is the foreach
-model with a rise of 0 and an optimizer step of one op touching that (``TimeModel.
-with_optimizer_touching``), no slower than the fused model at any placement of the state (on
-the host the step's touched bytes are its pass there). tests/api/test_plan_deferred.py holds
-the premise on each class below at fp16 and bf16. It is tight enough to be passed over where a
-low-bit state wins (the README's plan: 0.3 s of trace saved, and a plan whose plain step fits
-no longer traces the fused step at all); where the fused state fits on the device, the bound
-is picked and the fused step traced, as before.
+foreach model with the fused trace's rise and optimizer time (docs/planner.md). Whatever its
+kernels, a step reads every trainable parameter, its gradient and the state, so the fused
+trace's ops touch at least the gradients' bytes twice (a parameter has its gradient's size and
+dtype) and the state's once: the bound is the foreach model with a rise of 0 and an optimizer
+step of one op touching that (``TimeModel.with_optimizer_touching``), no slower than the fused
+model at any placement of the state (on the host the step's touched bytes are its pass
+there). tests/api/test_plan_deferred.py holds the premise on each class below at fp16, bf16 and
+bf16-pure. It is tight enough to be passed over where a low-bit state wins (the README's plan:
+0.3 s of trace saved, and a plan whose plain step fits no longer traces the fused step at
+all); where the fused state fits on the device, the bound is picked and the fused step
+traced, as before.
 
 Note 4 (the bf16 and 4-bit states' bounds). Where the numerics may change, each low-bit state
 is a model beside each plain one (planner.variants): its state's bytes and its step, from a

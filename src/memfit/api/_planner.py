@@ -41,9 +41,9 @@ by name or factory, the planner may switch the implementation on a GPU target
 default foreach (fused, for-loop) is traced once (its optimizer step alone:
 ``estimate(optimizer_only=True)``, without the allocator's replay: the models read its
 timeline and op costs, the same with or without), and the search weighs it like any other knob,
-before the optimizer state leaves the device; torch's for-loop is weighed by a bound until the
-search picks it (``api._plan_deferred``). An instance keeps its own unless ``optimizer_impl``
-is set.
+before the optimizer state leaves the device; torch's for-loop and fused steps are weighed by
+bounds until the search picks one (``api._plan_deferred``). An instance keeps its own unless
+``optimizer_impl`` is set.
 
 Note 6 (the user's step). With ``step=fn`` every trace above runs the user's step
 (``api._user_step``), the half-batch one on the first half of the batch. The step
@@ -57,7 +57,8 @@ and its reasons say so.
 Note 7 (every lever, issue 15). Once the plain step does not fit, "auto" also traces the other
 precisions it weighs (planner.variants: fp32 where 16-bit gains nothing, bf16-pure where
 bf16 is supported); where numerics may change (``allow_numerics_change=True``, implied by
-precision "auto") each low-bit optimizer state gets a model; when nothing fits, the gradients
+precision "auto") each low-bit optimizer state gets a model (bf16 and 4-bit weighed by bounds
+until the search picks one, ``api._plan_deferred``); when nothing fits, the gradients
 moved to the host in backward (``offload_gradients``) get one and the search runs again, then,
 if still nothing fits, the block weights on the host (parameter offload) (variants). "Nothing
 fits" is also every pick of the models missing when re-traced (the verify loop's attempts
