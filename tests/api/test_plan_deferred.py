@@ -34,21 +34,27 @@ def test_every_bounded_class_is_tested_here():
     assert set(_plan_deferred._STATE_CLASSES) <= tested
 
 
+def _phase(model, batch, name: str, device: str, precision: str, **knobs):
+    """(trace, memory model, time model) of the optimizer phase alone of ``name``."""
+    est = memfit.estimate(memfit.Job(model, batch, optimizer=name), device=device,
+                          precision=precision, optimizer_only=True, allocator_replay=False,
+                          **knobs)
+    memory = MemoryModel(est, 3)
+    return est, memory, TimeModel(est, resolve_device(model, device), precision, 3, memory)
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("precision,device", [("fp16", GPU), ("bf16", "a100-80gb")])
 def test_the_for_loop_keeps_foreach_state_rises_at_least_0_and_is_priced_slower(
         name, precision, device):
     model, batch = tiny("gpt2")
-    spec = resolve_device(model, device)
     out = {}
     for impl in ("foreach", "for-loop"):
-        est = memfit.estimate(memfit.Job(model, batch, optimizer=name), device=device,
-                              precision=precision, optimizer_only=True,
-                              allocator_replay=False, optimizer_impl=impl, max_grad_norm=1.0)
+        est, _, time = _phase(model, batch, name, device, precision, optimizer_impl=impl,
+                              max_grad_norm=1.0)
         start = est.phases["optimizer"]
-        memory = MemoryModel(est, 3)
         out[impl] = (level_before(est, start, "optimizer"), level_before(est, start),
-                     optimizer_rise_bytes(est), TimeModel(est, spec, precision, 3, memory))
+                     optimizer_rise_bytes(est), time)
     (state, level, _, foreach), (loop_state, loop_level, rise, loop) = \
         out["foreach"], out["for-loop"]
     assert (loop_state, loop_level) == (state, level) and rise >= 0
@@ -62,17 +68,12 @@ def test_the_for_loop_keeps_foreach_state_rises_at_least_0_and_is_priced_slower(
 def test_the_fused_step_touches_the_gradients_twice_and_the_state_once_at_least(
         name, precision, device):
     model, batch = tiny("gpt2")
-    spec = resolve_device(model, device)
-    out = {}
-    for impl in ("foreach", "fused"):
-        est = memfit.estimate(memfit.Job(model, batch, optimizer=name), device=device,
-                              precision=precision, optimizer_only=True,
-                              allocator_replay=False, optimizer_impl=impl, max_grad_norm=1.0)
-        memory = MemoryModel(est, 3)
-        out[impl] = (memory, optimizer_rise_bytes(est), TimeModel(est, spec, precision, 3, memory))
-    (memory, _, foreach), (_, rise, fused) = out["foreach"], out["fused"]
+    _, memory, foreach = _phase(model, batch, name, device, precision,
+                                optimizer_impl="foreach", max_grad_norm=1.0)
+    est, _, fused = _phase(model, batch, name, device, precision, optimizer_impl="fused",
+                           max_grad_norm=1.0)
     least = 2 * memory.grads_bytes + memory.optimizer_state_bytes
-    assert memory.grads_bytes > 0 and rise >= 0
+    assert memory.grads_bytes > 0 and optimizer_rise_bytes(est) >= 0
     assert fused._opt_touched >= least
     bound = foreach.with_optimizer_touching(least)
     assert fused.optimizer_s >= bound.optimizer_s
@@ -95,21 +96,14 @@ def test_a_low_bit_state_holds_its_codes_rises_at_least_0_and_touches_its_bound(
         state, name, precision, device, job):
     """gpt2's tiny widths keep every moment in fp32 (too small for torchao's blocks), bert's
     its matrices in ``state`` and its vectors in fp32."""
-    model, batch = tiny("gpt2") if job == "gpt2" else _bert_layers(1, 8, 1)
-    spec = resolve_device(model, device)
+    model, batch = tiny("gpt2") if job == "gpt2" else _bert()
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    traced = {}
-    for s in (None, state):
-        est = memfit.estimate(memfit.Job(model, batch, optimizer=name), device=device,
-                              precision=precision, optimizer_only=True, allocator_replay=False,
-                              optimizer_state=s)
-        traced[s] = est
-    memory = MemoryModel(traced[None], 3)
-    time = TimeModel(traced[None], spec, precision, 3, memory)
-    real = (memory.with_optimizer_state(traced[state]), time.with_optimizer_step(traced[state]))
+    _, memory, time = _phase(model, batch, name, device, precision)
+    est = _phase(model, batch, name, device, precision, optimizer_state=state)[0]
+    real = (memory.with_optimizer_state(est), time.with_optimizer_step(est))
     bound = _plan_deferred.state_bound(memory, time, state, numel)
     assert real[0].optimizer_state_bytes >= bound[0].optimizer_state_bytes > 0
-    assert optimizer_rise_bytes(traced[state]) >= 0 == bound[0]._opt_rise
+    assert optimizer_rise_bytes(est) >= 0 == bound[0]._opt_rise
     assert real[1]._opt_touched >= bound[1]._opt_touched
     for placement in (False, True):
         assert real[1].optimizer_step_s(placement) >= bound[1].optimizer_step_s(placement)
@@ -117,9 +111,7 @@ def test_a_low_bit_state_holds_its_codes_rises_at_least_0_and_touches_its_bound(
 
 def _bert():
     """bert-base's widths, one layer, one short sample: the optimizer step peaks."""
-    spec = zoo.get("bert-base")
-    model = spec.build(device="meta", num_hidden_layers=1)
-    return model, spec.make_batch(model, 1, seq_len=8)
+    return _bert_layers(1, 8, 1)
 
 
 def _plans(monkeypatch, job, **kwargs):
