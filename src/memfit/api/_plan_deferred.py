@@ -53,7 +53,7 @@ element of XLM-R large against the bounds' 36 and 30, and 8-bit's own step touch
 loses to a traced 8-bit state wherever the bound's memory does not buy a faster plan, and
 the README's plan traces neither (1.7 s). 8-bit, stepped by bitsandbytes' fused kernel, is
 traced at once. tests/api/test_plan_deferred.py holds the premises on Adam and AdamW at fp16
-and bf16 on three models, and the plans to the plans with every state traced up front.
+and bf16 on two models, and the plans to the plans with every state traced up front.
 """
 
 from __future__ import annotations
