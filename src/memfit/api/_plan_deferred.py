@@ -65,10 +65,10 @@ import torch
 
 from memfit.api._stages import Stages
 from memfit.planner.choice import unkey, variant_key
-from memfit.planner.variants import LOW_BIT_STATES, add_low_bit, chunked_beside
+from memfit.planner.variants import LOW_BIT_STATES, add_low_bit, chunked_beside, low_bit_keys
 
-__all__ = ["BOUNDED", "BOUNDED_STATES", "Implementations", "LowBitStates", "search_with_bounds",
-           "state_bound"]
+__all__ = ["BOUNDED", "BOUNDED_STATES", "traced_states", "Implementations", "LowBitStates",
+           "search_with_bounds", "state_bound"]
 
 BOUNDED = ("for-loop", "fused")
 _CLASSES = {                                # the premises tested (Notes 1 and 3)
@@ -151,11 +151,11 @@ class LowBitStates:
     def add(self, cls: type | None) -> None:
         """Trace each state no bound stands for (planner.variants), and weigh the others by
         their bounds where the premises hold: torch's Adam or AdamW (``cls``), torchao
-        installed."""
-        self.keys = [k for k in self.models if len(k) == 2 and k[1] is None and
-                     k[0] != "bf16-pure"]          # add_low_bit's: bf16-pure steps fp32 masters
-        add_low_bit(self.models, self._traces, self._trace, self._say,
-                    states=[s for s in LOW_BIT_STATES if s not in BOUNDED_STATES])
+        installed. The plain models they stand beside are those of now: a state traced later
+        is modelled beside the same ones, as if traced now."""
+        self.keys = low_bit_keys(self.models)
+        add_low_bit(self.models, self._traces, self._trace, self._say, states=traced_states(),
+                    keys=self.keys)
         if self.keys and cls in _STATE_CLASSES and importlib.util.find_spec("torchao"):
             self.bounded = [s for s in LOW_BIT_STATES if s in BOUNDED_STATES]
 
@@ -163,7 +163,8 @@ class LowBitStates:
         """The models of ``state`` (planner.variants), and of the loss in pieces with it where
         that is modelled."""
         self.bounded.remove(state)
-        if add_low_bit(self.models, self._traces, self._trace, self._say, states=(state,)):
+        if add_low_bit(self.models, self._traces, self._trace, self._say, states=(state,),
+                       keys=self.keys):
             for key in self.keys:
                 chunked_beside(self.models, key, variant_key(key[0], None, state))
 
@@ -192,6 +193,11 @@ class LowBitStates:
         self._say.expect(3)             # its trace, the search and the verify
         self.trace(state)
         return True
+
+
+def traced_states() -> tuple[str, ...]:
+    """The low-bit states traced at once (8-bit), no bound standing for them (Note 4)."""
+    return tuple(s for s in LOW_BIT_STATES if s not in BOUNDED_STATES)
 
 
 def search_with_bounds(search: Callable[[dict], object], models: dict, deferred: list):

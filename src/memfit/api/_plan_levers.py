@@ -13,12 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfit.api._floor import first_samples
-from memfit.api._plan_deferred import BOUNDED_STATES, LowBitStates
+from memfit.api._plan_deferred import LowBitStates, traced_states
 from memfit.api.estimate import estimate
 from memfit.knobs import Knobs
 from memfit.measure._compile_aware import has_compiled
 from memfit.planner.variants import (GRAD_OFFLOAD_PRECISIONS, IN_BACKWARD_PRECISIONS,
-                                     LOW_BIT_STATES, add_chunked_loss, add_gradient_offload,
+                                     add_chunked_loss, add_gradient_offload,
                                      add_optimizer_in_backward, add_param_offload)
 from memfit.techniques.chunked_loss import chunkable
 from memfit.techniques.quantized_base import QuantizedBase
@@ -177,8 +177,8 @@ class Levers:
         is missing traces nothing)."""
         in_backward = in_backward_open(self.k, self.user_step, self.b) and \
             any(q in IN_BACKWARD_PRECISIONS for q in precisions)
-        traced = [s for s in LOW_BIT_STATES if s not in BOUNDED_STATES]    # the others bounded
-        return len(traced) * self._low_bit_open() + 2 * self._chunked_open() + in_backward
+        return len(traced_states()) * self._low_bit_open() + 2 * self._chunked_open() + \
+            in_backward                                  # the other states bounded first
 
     def _low_bit_open(self) -> bool:
         k = self.k

@@ -87,7 +87,8 @@ from memfit.planner.choice import variant_key
 from memfit.planner.time_model import TimeModel, flop_rate
 
 __all__ = ["LOW_BIT_STATES", "PARAM_OFFLOAD", "CHUNKED_LOSS", "IN_BACKWARD_PRECISIONS",
-           "GRAD_OFFLOAD_PRECISIONS", "add_low_bit", "add_param_offload", "add_chunked_loss",
+           "GRAD_OFFLOAD_PRECISIONS", "low_bit_keys", "add_low_bit", "add_param_offload",
+           "add_chunked_loss",
            "chunked_beside", "add_optimizer_in_backward", "add_gradient_offload",
            "auto_precisions"]
 
@@ -98,13 +99,19 @@ IN_BACKWARD_PRECISIONS = ("fp32", "bf16")     # those the optimizer in backward 
 GRAD_OFFLOAD_PRECISIONS = ("fp32", "bf16")     # those offload_gradients runs with (Note 1)
 
 
+def low_bit_keys(models: dict) -> list[tuple]:
+    """The plain models a low-bit state is modelled beside: every ``(precision, None)`` whose
+    precision keeps its optimizer over the parameters (bf16-pure's steps fp32 masters)."""
+    return [k for k in models if len(k) == 2 and k[1] is None and k[0] != "bf16-pure"]
+
+
 def add_low_bit(models: dict, traces: dict, trace: Callable, say: Callable[[str], None],
-                states=LOW_BIT_STATES) -> list[str]:
-    """Add a model per low-bit state to every ``(precision, None)`` model whose precision keeps
-    its optimizer over the parameters (Note 1); ``traces``: precision -> its plain trace.
-    Returns the states added (those the libraries and the optimizer accept)."""
+                states=LOW_BIT_STATES, keys: list[tuple] | None = None) -> list[str]:
+    """Add a model per low-bit state beside each of ``keys`` (default ``low_bit_keys``, Note
+    1); ``traces``: precision -> its plain trace. Returns the states added (those the
+    libraries and the optimizer accept)."""
     added = []
-    keys = [k for k in models if len(k) == 2 and k[1] is None and k[0] != "bf16-pure"]
+    keys = low_bit_keys(models) if keys is None else keys
     for state in states:
         est = None
         for key in keys:                       # bf16-pure's optimizer steps fp32 masters
