@@ -6,6 +6,7 @@ search may switch to, and the refusal from the parameters alone before any trace
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfit.api._choice import knob_values
@@ -86,17 +87,17 @@ def modelled_impl(recipe: OptimizerRecipe, params, spec) -> str | None:
     return impl_of(opt, cuda=spec.kind == "cuda")
 
 
-def impl_variants(recipe: OptimizerRecipe, k: Knobs, params, default: str | None,
-                  fixed, spec) -> list[str]:
+def impl_variants(recipe: OptimizerRecipe, k: Knobs, optimizer_class: Callable[[], type],
+                  default: str | None, fixed, spec) -> list[str]:
     """Implementations the planner may switch to (``api._planner``): none when the caller fixed
     one or passed an instance (it keeps its own), the optimizer state is on the host, or the
     target is a CPU (its default, the for-loop, already holds one parameter's temporaries at
-    most)."""
+    most). ``optimizer_class()``: the class the recipe builds."""
     if k.optimizer_impl is not None or recipe.instance is not None or default is None or \
             fixed.offload_optimizer or spec.kind != "cuda" or \
             k.optimizer_state not in (None, "fp32"):
         return []
-    cls = recipe.optimizer_class(params)
+    cls = optimizer_class()
     return [i for i in ("fused", "for-loop") if i != default and supports_impl(cls, i)]
 
 

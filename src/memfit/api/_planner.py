@@ -85,6 +85,7 @@ weights.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -216,18 +217,19 @@ class Planner:
     def __init__(self, job: PlanCall, batches, on_floor, suggest_shorter: bool):
         self.job, self.on_floor, self.suggest_shorter = job, on_floor, suggest_shorter
         k, p, user, b, say = job.k, job.p, job.user, job.b, job.say
+        # asked where needed, once (a factory builds the optimizer to answer)
+        optimizer_class = functools.cache(lambda: job.recipe.optimizer_class(job.trainable))
         default_impl = modelled_impl(job.recipe, job.trainable, job.spec)
-        variants = impl_variants(job.recipe, k, job.trainable, default_impl, job.fixed,
+        variants = impl_variants(job.recipe, k, optimizer_class, default_impl, job.fixed,
                                  job.spec)
         self.models, traces = {}, {}
         self.levers = Levers(job.model, job.batch, self.models, traces, job.common, job.spec,
                              b, k, job.numerics, job.user_step is not None, say,
-                             lambda: job.recipe.optimizer_class(job.trainable))
+                             optimizer_class)
         self.later = held_back(user, job.others)      # api._plan_bound
         self.key = (p, k.optimizer_impl)
-        self.impls = Implementations(variants, job.recipe.optimizer_class(job.trainable)
-                                     if variants else None, self.models, self.key, job.trace,
-                                     say)                                 # Note 5
+        self.impls = Implementations(variants, optimizer_class() if variants else None,
+                                     self.models, self.key, job.trace, say)       # Note 5
         first = [q for q in job.others if q not in self.later]
         say.expect(stages_ahead(b, user, p, first, len(self.impls.now), self.levers))
         say(f"tracing the plain step ({user}, batch {b})")
