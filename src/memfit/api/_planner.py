@@ -1,5 +1,5 @@
-"""The phases of one ``plan_traced`` call (``api.plan``): ``PlanCall`` checks the job once,
-before any trace, and ``Planner`` traces, models, searches and verifies it.
+"""The phases of one ``plan_traced`` call (``api.plan``): ``api._plan_call.PlanCall`` checks
+the job once, before any trace, and ``Planner`` traces, models, searches and verifies it.
 
 Note 1 (verification). The re-trace is the answer: its peak and reserved bytes are the plan's
 predictions. If it does not fit, the search runs again with the cap lowered by what was
@@ -86,129 +86,28 @@ weights.
 from __future__ import annotations
 
 import functools
-import warnings
-from dataclasses import dataclass
-
-from torch import nn
 
 from memfit.api._choice import describe, knob_values
 from memfit.api._compare_gpus import fewest_gpus
 from memfit.api._floor import least_memory, longest_sequence
 from memfit.api._plan_allocator import PLAIN_FITS, AllocatorChoice
 from memfit.api._plan_bound import held_back, may_beat
+from memfit.api._plan_call import PlanCall
 from memfit.api._plan_deferred import Implementations, search_with_bounds
-from memfit.api._plan_levers import (Levers, grads_offload_open, in_backward_open,
-                                     numerics_allowed, state_knobs)
+from memfit.api._plan_levers import Levers
 from memfit.api._plan_parts import (Context, as_choice, impl_variants, make_plan,
-                                    modelled_impl, plain_s, precision_models,
-                                    refuse_below_bound, stages_ahead, user_models)
-from memfit.api._plan_remat import Planned, RematWeigh, check_remat, held_bytes, weigh
+                                    modelled_impl, plain_s, precision_models, stages_ahead,
+                                    user_models)
+from memfit.api._plan_remat import Planned, RematWeigh, weigh
 from memfit.api._plan_words import counted_levers, excluded_levers, too_small
-from memfit.api._setup import resolve_device, resolve_precision
 from memfit.api._sharded_models import SHARDED_PRECISIONS
-from memfit.api._stages import Stages
-from memfit.api._user_step import as_user_step, check_step_knobs
-from memfit.api._validate import check_batch, check_micro_batch
 from memfit.api.estimate import estimate
-from memfit.knobs import Knobs
-from memfit.optimizers import OptimizerRecipe
-from memfit.planner.choice import Choice, Constraints
+from memfit.planner.choice import Choice
 from memfit.planner.search import search
 from memfit.planner.verify import Margins, verify_loop
-from memfit.planner.variants import IN_BACKWARD_PRECISIONS, auto_precisions
-from memfit.step import prepare_batch
-from memfit.techniques.accumulation import batch_size_of
-from memfit.techniques.quantized_base import QuantizedBase
-from memfit.units import bare_count, format_bytes, parse_bytes
+from memfit.units import format_bytes
 
-__all__ = ["PlanCall", "Planner"]
-
-
-@dataclass
-class PlanCall:
-    """One ``plan_traced`` call's job, checked once, before any trace."""
-
-    model: nn.Module
-    batch: object                  # as the step uses it (Note 3); a user step's as given
-    original: object               # as the caller gave it
-    b: int
-    k: Knobs
-    spec: object
-    budget_bytes: int
-    user_step: object | None
-    recipe: OptimizerRecipe
-    trainable: list
-    p: str                         # the precision searched (Note 2)
-    user: str                      # the user's own
-    others: list[str]              # the other precisions "auto" weighs (Note 7)
-    numerics: bool                 # low-bit optimizer states weighed (Note 7)
-    fixed: Constraints
-    common: dict                   # estimate's keywords every trace shares
-    state: dict                    # a fixed optimizer_state / offload_params, in every trace
-    say: Stages                    # on_progress, each stage numbered (an ETA's count)
-    bare_budget: bool = False      # given as an int of bytes (the refusal's unit hint)
-
-    @classmethod
-    def checked(cls, model, batch, budget, optimizer, device, loss_fn, count_fn, allocator,
-                on_progress, step, scheduler, floor, allow_numerics_change,
-                knobs) -> "PlanCall":
-        k = Knobs.from_kwargs(**knobs)
-        numerics = numerics_allowed(allow_numerics_change, k)
-        k.check_available()
-        check_remat(k, step)
-        spec = resolve_device(model, device)
-        budget_bytes = parse_bytes(budget) if budget is not None else spec.usable_bytes
-        if budget_bytes > spec.usable_bytes and spec.kind == "cuda":
-            warnings.warn(f"budget {format_bytes(budget_bytes)} is more than the "
-                          f"{spec.display_name}'s usable {format_bytes(spec.usable_bytes)}: the "
-                          "plan is for a card that large", stacklevel=4)
-        user_step = as_user_step(step)
-        original = batch
-        if user_step is None:        # a user step takes the batch as given (Note 6)
-            batch = prepare_batch(batch)
-            check_batch(model, batch, loss_fn)
-        b = batch_size_of(batch)
-        check_micro_batch(k.micro_batch_size, b)
-        if user_step is not None:
-            k = check_step_knobs(k, b, loss_fn).replace(micro_batch_size=b)
-        trainable = [t for t in model.parameters() if t.requires_grad]
-        recipe = OptimizerRecipe(optimizer, impl=k.optimizer_impl)
-        recipe.check_params(trainable)
-        recipe.check_impl(trainable)
-        p = resolve_precision(k.precision, spec)
-        user = "fp32" if k.precision in (None, "auto") else p
-        others = [q for q in auto_precisions(spec) if q != p] \
-            if k.precision == "auto" and user_step is None else []
-        if k.optimizer_in_backward and k.precision == "auto":   # no fp16 scaler, no masters
-            p = p if p in IN_BACKWARD_PRECISIONS else "fp32"
-            others = [q for q in others if q in IN_BACKWARD_PRECISIONS and q != p]
-        if not floor and not k.remat:     # Note 4: no trace (asked for the floor: traced)
-            bounded = model if k.quantize_base in (None, "none") else QuantizedBase(
-                QuantizedBase.Config(kind=k.quantize_base)).twin(model)[0]      # Note 9
-            refuse_below_bound(bounded, spec, k, recipe, trainable, budget_bytes, numerics,
-                               user_step is not None, {p, user, *others},
-                               bool(k.optimizer_in_backward) or
-                               in_backward_open(k, user_step is not None, b),
-                               bool(k.offload_gradients) or
-                               grads_offload_open(k, user_step is not None),
-                               bare=bare_count(budget))
-        common = dict(optimizer=optimizer, device=spec, loss_fn=loss_fn, count_fn=count_fn,
-                      allocator=allocator, max_grad_norm=k.max_grad_norm,
-                      zero_grad=k.zero_grad, step=user_step, scheduler=scheduler)
-        if k.quantize_base is not None:         # in every trace (Note 9)
-            common["quantize_base"] = k.quantize_base
-        return cls(model, batch, original, b, k, spec, budget_bytes, user_step, recipe,
-                   trainable, p, user, others, numerics, Constraints.of(model, k, b), common,
-                   state_knobs(k), Stages(on_progress), bare_count(budget))
-
-    def trace(self, precision: str, **knobs):
-        """The step at ``precision`` with ``knobs`` (the fixed state's unless given)."""
-        return estimate(self.model, self.batch, precision=precision,
-                        **{**self.state, **knobs}, **self.common)
-
-    def held(self, precision: str) -> int:
-        """Bytes of the caller's batch held beside the step (Note 3)."""
-        return 0 if self.user_step else held_bytes(self.original, precision)
+__all__ = ["Planner"]
 
 
 class Planner:

@@ -45,7 +45,8 @@ from torch import nn
 from memfit.api._plan_levers import last_levers
 from memfit.api._plan_remat import Planned
 from memfit.api._plan_sharded import is_sharded, plan_sharded
-from memfit.api._planner import PlanCall, Planner
+from memfit.api._plan_call import PlanCall
+from memfit.api._planner import Planner
 from memfit.api._validate import check_order
 from memfit.errors import BudgetTooSmall
 from memfit.knobs import Knobs
